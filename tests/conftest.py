@@ -1,0 +1,40 @@
+"""Shared test fixtures: paths to optional data, the GPU marker, quiet Flower and Ray."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never phone home, whatever the developer's shell says.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_OMNIGLOT = REPO_ROOT.parent / "shared" / "data" / "omniglot"
+
+
+@pytest.fixture(scope="session")
+def shared_omniglot() -> Path:
+    """The full Omniglot npz set beside the checkout; tests that need it skip when it is absent."""
+    if not (SHARED_OMNIGLOT / "images_background.npz").is_file():
+        pytest.skip(f"Omniglot npz not found at {SHARED_OMNIGLOT}")
+    return SHARED_OMNIGLOT
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests when no CUDA device is present, rather than failing them."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
