@@ -1,0 +1,350 @@
+"""``fedmeta privacy epsilon|calibrate|max-rounds|compare`` and ``fedmeta ledger show``.
+
+Human-readable tables by default, ``--json`` for machines. Bad input is reported as one line naming the
+flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports only
+``accounting`` (no torch, no Flower), so the planner starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from accounting.composition import (
+    calibrate_noise_multiplier,
+    epsilon,
+    max_rounds,
+    tombs2022_published_epsilon,
+)
+from accounting.ledger import BudgetLedger, LedgerError
+from accounting.schemes import (
+    FixedSizeScheme,
+    FlatPoissonScheme,
+    GaussianRound,
+    Scheme,
+    TwoStageFixedScheme,
+    TwoStagePoissonScheme,
+)
+
+PUBLISHED_LABEL = "as published, not a valid guarantee"
+
+# Dataclass field / argument name -> the flag a user should fix.
+_FLAGS = {
+    "participants": "--participants",
+    "participants_per_round": "--participants-per-round",
+    "task_rate": "--task-rate",
+    "tasks_per_round": "--tasks-per-round",
+    "min_tasks": "--min-tasks",
+    "rate": "--flat-poisson-rate",
+    "sample_size": "--sample-size",
+    "population": "--population",
+    "noise_multiplier": "--noise-multiplier",
+    "max_tasks_per_participant": "--max-tasks-per-participant",
+    "delta": "--delta",
+    "rounds": "--rounds",
+    "round count": "--rounds",
+    "target_epsilon": "--target-epsilon",
+    "epsilon_budget": "--epsilon",
+    "unit": "--unit",
+}
+
+
+class UsageError(Exception):
+    """A user error with the flag to fix; printed as one line, exit status 2."""
+
+
+def _flag_for(message: str) -> str | None:
+    match = re.match(r"([a-z_ ]+?) must", message)
+    return _FLAGS.get(match.group(1)) if match else None
+
+
+def _run(command: str, body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except (UsageError, ValueError, LedgerError, FileNotFoundError) as error:
+            message = str(error)
+            flag = _flag_for(message)
+            prefix = f"{flag}: " if flag else ""
+            print(f"fedmeta {command}: error: {prefix}{message}", file=sys.stderr)
+            return 2
+
+    return handler
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+
+def _add_scheme_args(parser: argparse.ArgumentParser, *, noise: bool = True,
+                     rounds: bool = True) -> None:
+    group = parser.add_argument_group("sampling scheme (two-stage unless a single-stage flag is given)")
+    group.add_argument("--participants", type=int, help="P, registered participants")
+    group.add_argument("--participants-per-round", type=int, help="n1, sampled per round (w/o repl.)")
+    group.add_argument("--task-rate", type=float, help="q2, Poisson rate per task in stage 2")
+    group.add_argument("--tasks-per-round", type=int,
+                       help="n2, tasks per sampled participant without replacement (needs --min-tasks)")
+    group.add_argument("--min-tasks", type=int, help="smallest participant's task count")
+    group.add_argument("--flat-poisson-rate", type=float,
+                       help="single stage: Poisson rate q over all tasks")
+    group.add_argument("--sample-size", type=int, help="single stage: m tasks without replacement")
+    group.add_argument("--population", type=int, help="single stage: n tasks in all (with --sample-size)")
+    group.add_argument("--max-tasks-per-participant", type=int,
+                       help="cap on one participant's tasks per round (participant-level unit)")
+    if noise:
+        parser.add_argument("--noise-multiplier", type=float, required=True, help="z (std / clip)")
+    if rounds:
+        parser.add_argument("--rounds", type=int, required=True, help="T, number of rounds")
+    parser.add_argument("--delta", type=float, default=1e-6, help="target delta (default 1e-6)")
+    parser.add_argument("--unit", choices=("task", "participant"), default="task",
+                        help="privacy unit (default task)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _scheme_from_args(args: argparse.Namespace) -> Scheme:
+    if args.flat_poisson_rate is not None:
+        return FlatPoissonScheme(args.flat_poisson_rate)
+    if args.sample_size is not None or args.population is not None:
+        if args.sample_size is None or args.population is None:
+            raise UsageError("--sample-size and --population must be given together")
+        return FixedSizeScheme(args.sample_size, args.population)
+    if args.participants is None or args.participants_per_round is None:
+        raise UsageError(
+            "--participants and --participants-per-round must be given for a two-stage scheme "
+            "(or use --flat-poisson-rate, or --sample-size with --population)"
+        )
+    if args.tasks_per_round is not None:
+        if args.task_rate is not None:
+            raise UsageError("--task-rate and --tasks-per-round must not both be given; pick one")
+        if args.min_tasks is None:
+            raise UsageError("--min-tasks must be given with --tasks-per-round (smallest task count)")
+        return TwoStageFixedScheme(
+            args.participants, args.participants_per_round, args.tasks_per_round, args.min_tasks
+        )
+    if args.task_rate is None:
+        raise UsageError("--task-rate or --tasks-per-round must be given for a two-stage scheme")
+    return TwoStagePoissonScheme(args.participants, args.participants_per_round, args.task_rate)
+
+
+def _describe(scheme: Scheme) -> str:
+    if isinstance(scheme, TwoStagePoissonScheme):
+        return (f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
+                f"Poisson q2={scheme.task_rate:g}")
+    if isinstance(scheme, TwoStageFixedScheme):
+        return (f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
+                f"{scheme.tasks_per_round} of >= {scheme.min_tasks} tasks w/o replacement")
+    if isinstance(scheme, FlatPoissonScheme):
+        return f"flat Poisson q={scheme.rate:g}"
+    return f"fixed-size {scheme.sample_size} of {scheme.population} w/o replacement"
+
+
+def _emit(args: argparse.Namespace, payload: dict[str, Any], rows: list[tuple[str, str]]) -> None:
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+
+
+def _check_rounds(value: int) -> None:
+    if value < 1:
+        raise UsageError(f"--rounds must be an integer >= 1; got {value}")
+
+
+# ------------------------------------------------------------------------------------ commands
+
+
+def _cmd_epsilon(args: argparse.Namespace) -> int:
+    scheme = _scheme_from_args(args)
+    _check_rounds(args.rounds)
+    event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
+    groups = [(event, args.rounds)]
+    payload: dict[str, Any] = {
+        "scheme": _describe(scheme), "unit": args.unit, "rounds": args.rounds,
+        "noise_multiplier": args.noise_multiplier, "delta": args.delta,
+        "epsilon": epsilon(groups, args.delta, args.unit, "pld"),
+        "epsilon_rdp": epsilon(groups, args.delta, args.unit, "rdp"),
+    }
+    rows = [("scheme", payload["scheme"]), ("unit", args.unit), ("rounds", str(args.rounds)),
+            ("noise multiplier", f"{args.noise_multiplier:g}"), ("delta", f"{args.delta:g}"),
+            ("epsilon (PLD, enforced)", f"{payload['epsilon']:.4f}"),
+            ("epsilon (RDP cross-check)", f"{payload['epsilon_rdp']:.4f}")]
+    if isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
+        published = tombs2022_published_epsilon(event, args.rounds, args.delta)
+        payload["epsilon_tombs2022_published"] = published
+        payload["epsilon_tombs2022_published_note"] = PUBLISHED_LABEL
+        rows.append((f"Tombs et al. 2022 Thm 3 ({PUBLISHED_LABEL})", f"{published:.4f}"))
+    _emit(args, payload, rows)
+    return 0
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    scheme = _scheme_from_args(args)
+    _check_rounds(args.rounds)
+    z = calibrate_noise_multiplier(
+        scheme, args.rounds, args.target_epsilon, args.delta, args.unit,
+        max_tasks_per_participant=args.max_tasks_per_participant,
+    )
+    event = GaussianRound(scheme, z, args.max_tasks_per_participant)
+    eps = epsilon([(event, args.rounds)], args.delta, args.unit)
+    payload = {"scheme": _describe(scheme), "unit": args.unit, "rounds": args.rounds,
+               "delta": args.delta, "target_epsilon": args.target_epsilon,
+               "noise_multiplier": z, "epsilon": eps}
+    _emit(args, payload, [("scheme", payload["scheme"]), ("unit", args.unit),
+                          ("rounds", str(args.rounds)), ("delta", f"{args.delta:g}"),
+                          ("target epsilon", f"{args.target_epsilon:g}"),
+                          ("noise multiplier", f"{z:.4f}"), ("epsilon (PLD) at it", f"{eps:.4f}")])
+    return 0
+
+
+def _cmd_max_rounds(args: argparse.Namespace) -> int:
+    scheme = _scheme_from_args(args)
+    event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
+    rounds = max_rounds(event, args.epsilon, args.delta, args.unit)
+    eps = epsilon([(event, rounds)], args.delta, args.unit) if rounds else 0.0
+    payload = {"scheme": _describe(scheme), "unit": args.unit, "delta": args.delta,
+               "epsilon_budget": args.epsilon, "noise_multiplier": args.noise_multiplier,
+               "rounds": rounds, "epsilon": eps}
+    _emit(args, payload, [("scheme", payload["scheme"]), ("unit", args.unit),
+                          ("noise multiplier", f"{args.noise_multiplier:g}"),
+                          ("delta", f"{args.delta:g}"), ("epsilon budget", f"{args.epsilon:g}"),
+                          ("max rounds (PLD, exact)", str(rounds)),
+                          ("epsilon (PLD) after them", f"{eps:.4f}")])
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.participants is None or args.participants_per_round is None or args.min_tasks is None:
+        raise UsageError(
+            "--participants, --participants-per-round and --min-tasks must be given to compare designs"
+        )
+    _check_rounds(args.rounds)
+    if args.tasks_per_round is None and args.task_rate is None:
+        raise UsageError("--task-rate or --tasks-per-round must be given to compare designs")
+    n2 = args.tasks_per_round
+    q2 = args.task_rate if args.task_rate is not None else n2 / args.min_tasks
+    if n2 is None:
+        n2 = round(q2 * args.min_tasks)
+        if abs(n2 - q2 * args.min_tasks) > 1e-9 or n2 < 1:
+            raise UsageError(
+                f"--task-rate must make --min-tasks * rate a whole number of tasks for the "
+                f"without-replacement row; got {q2} * {args.min_tasks}"
+            )
+    z, t, d = args.noise_multiplier, args.rounds, args.delta
+    fixed = TwoStageFixedScheme(args.participants, args.participants_per_round, n2, args.min_tasks)
+    poisson = TwoStagePoissonScheme(args.participants, args.participants_per_round, q2)
+    eta = fixed.largest_inclusion_probability
+    cap = args.max_tasks_per_participant or n2
+    designs: list[tuple[str, GaussianRound, str]] = [
+        (f"flat Poisson over all tasks, q={eta:g}", GaussianRound(FlatPoissonScheme(eta), z), "task"),
+        (f"two-stage, Poisson q2={q2:g}", GaussianRound(poisson, z), "task"),
+        (f"two-stage, {n2} of {args.min_tasks} w/o replacement", GaussianRound(fixed, z), "task"),
+        (f"participant-level (two-stage, cap {cap} tasks)", GaussianRound(fixed, z, cap),
+         "participant"),
+    ]
+    rows_json = []
+    for label, event, unit in designs:
+        groups = [(event, t)]
+        rows_json.append({"design": label, "unit": unit, "valid": True,
+                          "epsilon": epsilon(groups, d, unit, "pld"),
+                          "epsilon_rdp": epsilon(groups, d, unit, "rdp")})
+    published = tombs2022_published_epsilon(GaussianRound(fixed, z), t, d)
+    rows_json.append({"design": f"Tombs et al. 2022 Thm 3, eta={eta:g} ({PUBLISHED_LABEL})",
+                      "unit": "task", "valid": False, "epsilon": published, "epsilon_rdp": None})
+    payload = {"noise_multiplier": z, "rounds": t, "delta": d,
+               "expected_tasks_per_round": args.participants_per_round * n2, "designs": rows_json}
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return 0
+    print(f"z={z:g}, T={t}, delta={d:g}, expected tasks per round "
+          f"{payload['expected_tasks_per_round']} (flat rate = eta = {eta:g})")
+    width = max(len(r["design"]) for r in rows_json)
+    print(f"{'design'.ljust(width)}  {'unit':11}  {'eps (PLD)':>10}  {'eps (RDP)':>10}")
+    for r in rows_json:
+        rdp = "-" if r["epsilon_rdp"] is None else f"{r['epsilon_rdp']:.3f}"
+        print(f"{r['design'].ljust(width)}  {r['unit']:11}  {r['epsilon']:10.3f}  {rdp:>10}")
+    return 0
+
+
+def _cmd_ledger_show(args: argparse.Namespace) -> int:
+    ids = [args.federation] if args.federation else BudgetLedger.federations(args.db)
+    out = []
+    for fid in ids:
+        with BudgetLedger.open(args.db, fid, create=False) as ledger:
+            groups = ledger.rounds()
+            runs: dict[str, dict[str, int]] = {}
+            for rec in ledger.records():
+                run = runs.setdefault(rec.run_id, {"spends": 0, "first_round": rec.round_index,
+                                                   "last_round": rec.round_index})
+                run["spends"] += 1
+                run["first_round"] = min(run["first_round"], rec.round_index)
+                run["last_round"] = max(run["last_round"], rec.round_index)
+            entry: dict[str, Any] = {
+                "federation_id": fid, "epsilon_budget": ledger.epsilon_budget,
+                "delta": ledger.delta, "unit": ledger.unit, "records": ledger.position(),
+                "epsilon": ledger.epsilon(), "epsilon_rdp": ledger.epsilon(method="rdp"),
+                "runs": runs,
+                "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
+            }
+            try:
+                entry["epsilon_participant"] = ledger.epsilon(unit="participant")
+            except ValueError:
+                entry["epsilon_participant"] = None
+            out.append(entry)
+    if args.json:
+        print(json.dumps({"db": str(args.db), "federations": out}, indent=2, sort_keys=True))
+        return 0
+    if not out:
+        print(f"{args.db}: no federations")
+    for e in out:
+        part = "-" if e["epsilon_participant"] is None else f"{e['epsilon_participant']:.4f}"
+        print(f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
+              f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
+              f"{e['epsilon_budget']:g} at delta {e['delta']:g}; participant level {part}")
+        for run_id, run in sorted(e["runs"].items()):
+            print(f"  run {run_id}: {run['spends']} spends, rounds "
+                  f"{run['first_round']}..{run['last_round']}")
+        for g in e["rounds"]:
+            print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ register
+
+
+def register(subparsers: Any) -> None:
+    """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser."""
+    privacy = subparsers.add_parser("privacy", help="privacy accounting and planning")
+    psub = privacy.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND")
+    psub.required = True
+
+    p = psub.add_parser("epsilon", help="epsilon after T rounds (PLD enforced, RDP cross-check)")
+    _add_scheme_args(p)
+    p.set_defaults(func=_run("privacy epsilon", _cmd_epsilon))
+
+    p = psub.add_parser("calibrate", help="smallest noise multiplier meeting a target epsilon")
+    _add_scheme_args(p, noise=False)
+    p.add_argument("--target-epsilon", type=float, required=True)
+    p.set_defaults(func=_run("privacy calibrate", _cmd_calibrate))
+
+    p = psub.add_parser("max-rounds", help="largest T within an epsilon budget (exact under PLD)")
+    _add_scheme_args(p, rounds=False)
+    p.add_argument("--epsilon", type=float, required=True, help="epsilon budget")
+    p.set_defaults(func=_run("privacy max-rounds", _cmd_max_rounds))
+
+    p = psub.add_parser("compare", help="compare sampling designs at the same expected lot size")
+    _add_scheme_args(p)
+    p.set_defaults(func=_run("privacy compare", _cmd_compare))
+
+    ledger = subparsers.add_parser("ledger", help="inspect a privacy budget ledger")
+    lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
+    lsub.required = True
+    p = lsub.add_parser("show", help="list runs and spends with the current guarantee")
+    p.add_argument("--db", required=True, help="path of the ledger (SQLite)")
+    p.add_argument("--federation", help="only this federation id")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger show", _cmd_ledger_show))

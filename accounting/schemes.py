@@ -1,0 +1,249 @@
+"""Sampling schemes and the per-round Gaussian event, as small frozen validated dataclasses.
+
+The style follows dp-accounting's ``dp_event.py`` (one class per object, a docstring stating the
+mathematics), with one difference: every field is validated on construction, so an event can never hold
+a negative noise multiplier or a rate of 1.5. Errors read ``"<field> must be ...; got <value>"``.
+
+The same scheme object drives the sampler that runs (``accounting.sampler.TwoStageSampler``) and the
+event the accountant composes (``GaussianRound``): one source of truth for sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+Unit: TypeAlias = Literal["task", "participant"]
+UNITS: tuple[str, ...] = ("task", "participant")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    # bool is an int subclass; True participants is a bug, not 1 participant.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+def _check_rate(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
+
+
+@dataclass(frozen=True)
+class TwoStagePoissonScheme:
+    """``participants_per_round`` of ``participants`` without replacement, then Poisson(``task_rate``).
+
+    Stage 1 draws ``n1`` of ``P`` participants uniformly without replacement; stage 2 includes each task
+    of a sampled participant independently with probability ``q2 = task_rate``.
+
+    Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
+    ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate q2, noise z)`` with
+    ``q1 = n1 / P``. Tight: the worst case (a participant whose other tasks reveal whether it was
+    sampled) attains it.
+    """
+
+    participants: int
+    participants_per_round: int
+    task_rate: float
+
+    def __post_init__(self) -> None:
+        _check_int("participants", self.participants, minimum=1)
+        _check_int("participants_per_round", self.participants_per_round, minimum=1)
+        if self.participants_per_round > self.participants:
+            raise ValueError(
+                "participants_per_round must be <= participants "
+                f"({self.participants}); got {self.participants_per_round}"
+            )
+        _check_rate("task_rate", self.task_rate)
+
+    @property
+    def participant_rate(self) -> float:
+        """Stage-1 inclusion probability ``q1 = n1 / P``."""
+        return self.participants_per_round / self.participants
+
+    @property
+    def largest_inclusion_probability(self) -> float:
+        """Tombs et al. (2022)'s ``eta``: the largest probability that a given task is used."""
+        return self.participant_rate * self.task_rate
+
+
+@dataclass(frozen=True)
+class TwoStageFixedScheme:
+    """``participants_per_round`` of ``participants``, then ``tasks_per_round`` of each one's tasks.
+
+    Both stages sample without replacement. ``min_tasks`` is the smallest task count of any registered
+    participant (counting the protected task): the smallest participant has the largest stage-2 rate.
+
+    Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
+    ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate n2/min_tasks, noise z/2)``.
+    The ``z/2`` is because adding a task to a fixed-size sample is a substitution inside the sample and a
+    sum of vectors clipped to ``C`` moves by up to ``2C`` (dp-accounting issue #378). Tight.
+    """
+
+    participants: int
+    participants_per_round: int
+    tasks_per_round: int
+    min_tasks: int
+
+    def __post_init__(self) -> None:
+        _check_int("participants", self.participants, minimum=1)
+        _check_int("participants_per_round", self.participants_per_round, minimum=1)
+        if self.participants_per_round > self.participants:
+            raise ValueError(
+                "participants_per_round must be <= participants "
+                f"({self.participants}); got {self.participants_per_round}"
+            )
+        _check_int("tasks_per_round", self.tasks_per_round, minimum=1)
+        _check_int("min_tasks", self.min_tasks, minimum=1)
+        if self.tasks_per_round > self.min_tasks:
+            raise ValueError(
+                "tasks_per_round must be <= min_tasks, the smallest participant's task count "
+                f"({self.min_tasks}); got {self.tasks_per_round}"
+            )
+
+    @property
+    def participant_rate(self) -> float:
+        """Stage-1 inclusion probability ``q1 = n1 / P``."""
+        return self.participants_per_round / self.participants
+
+    @property
+    def task_rate(self) -> float:
+        """Worst-case stage-2 rate ``n2 / min_i |T_i|``."""
+        return self.tasks_per_round / self.min_tasks
+
+    @property
+    def largest_inclusion_probability(self) -> float:
+        """Tombs et al. (2022)'s ``eta = q1 * n2 / min_i |T_i|``."""
+        return self.participant_rate * self.task_rate
+
+
+@dataclass(frozen=True)
+class FlatPoissonScheme:
+    """Single stage: every task is included independently with probability ``rate``.
+
+    Privacy loss per round: the Poisson-subsampled Gaussian (Abadi et al. 2016; tight PLD by
+    Koskela et al. 2020 / dp-accounting). There are no participants, so no participant-level unit.
+    """
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        _check_rate("rate", self.rate)
+
+
+@dataclass(frozen=True)
+class FixedSizeScheme:
+    """Single stage: ``sample_size`` of ``population`` tasks uniformly without replacement.
+
+    Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population`` and noise
+    multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``; privacy-accounting
+    note, section 2). This is the dominating pair the note calls tight.
+    """
+
+    sample_size: int
+    population: int
+
+    def __post_init__(self) -> None:
+        _check_int("sample_size", self.sample_size, minimum=1)
+        _check_int("population", self.population, minimum=1)
+        if self.sample_size > self.population:
+            raise ValueError(
+                f"sample_size must be <= population ({self.population}); got {self.sample_size}"
+            )
+
+    @property
+    def rate(self) -> float:
+        """Inclusion probability ``m / n``."""
+        return self.sample_size / self.population
+
+
+Scheme: TypeAlias = TwoStagePoissonScheme | TwoStageFixedScheme | FlatPoissonScheme | FixedSizeScheme
+TwoStageScheme: TypeAlias = TwoStagePoissonScheme | TwoStageFixedScheme
+_SCHEME_TYPES: dict[str, type[Any]] = {
+    "two_stage_poisson": TwoStagePoissonScheme,
+    "two_stage_fixed": TwoStageFixedScheme,
+    "flat_poisson": FlatPoissonScheme,
+    "fixed_size": FixedSizeScheme,
+}
+_SCHEME_NAMES: dict[type[Any], str] = {v: k for k, v in _SCHEME_TYPES.items()}
+
+
+@dataclass(frozen=True)
+class GaussianRound:
+    """One round of ``sum(clip_C(g_i) for sampled tasks i) + N(0, (z*C)^2 I)`` under ``scheme``.
+
+    ``noise_multiplier`` is ``z`` relative to the clip norm ``C`` (``C`` itself cancels from the privacy
+    analysis). ``max_tasks_per_participant`` is the most tasks one participant can contribute in a round
+    (the participant-level sensitivity is that times ``C``); it defaults to ``tasks_per_round`` for the
+    fixed-size stage 2 and must be given for participant-level accounting with a Poisson stage 2 (the
+    server caps and passes the largest participant's task count).
+
+    This is the event the server's noise step returns and the ledger records; once recorded it is never
+    reinterpreted.
+    """
+
+    scheme: Scheme
+    noise_multiplier: float
+    max_tasks_per_participant: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheme, tuple(_SCHEME_TYPES.values())):
+            raise ValueError(
+                "scheme must be one of TwoStagePoissonScheme, TwoStageFixedScheme, "
+                f"FlatPoissonScheme, FixedSizeScheme; got {self.scheme!r}"
+            )
+        _check_positive("noise_multiplier", self.noise_multiplier)
+        if self.max_tasks_per_participant is not None:
+            _check_int("max_tasks_per_participant", self.max_tasks_per_participant, minimum=1)
+            if (
+                isinstance(self.scheme, TwoStageFixedScheme)
+                and self.max_tasks_per_participant < self.scheme.tasks_per_round
+            ):
+                raise ValueError(
+                    "max_tasks_per_participant must be >= tasks_per_round "
+                    f"({self.scheme.tasks_per_round}); got {self.max_tasks_per_participant}"
+                )
+
+    @property
+    def participant_cap(self) -> int | None:
+        """The most tasks one participant contributes per round, when known."""
+        if self.max_tasks_per_participant is not None:
+            return self.max_tasks_per_participant
+        if isinstance(self.scheme, TwoStageFixedScheme):
+            return self.scheme.tasks_per_round
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description; ``GaussianRound.from_dict`` inverts it exactly."""
+        scheme_fields = dict(vars(self.scheme))
+        return {
+            "scheme": _SCHEME_NAMES[type(self.scheme)],
+            "scheme_params": scheme_fields,
+            "noise_multiplier": float(self.noise_multiplier),
+            "max_tasks_per_participant": self.max_tasks_per_participant,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GaussianRound:
+        """Rebuild (and re-validate) a round from ``to_dict`` output."""
+        try:
+            scheme_type = _SCHEME_TYPES[data["scheme"]]
+        except KeyError as error:
+            raise ValueError(f"scheme must be one of {sorted(_SCHEME_TYPES)}; got {data!r}") from error
+        scheme = scheme_type(**data["scheme_params"])
+        return cls(
+            scheme=scheme,
+            noise_multiplier=data["noise_multiplier"],
+            max_tasks_per_participant=data.get("max_tasks_per_participant"),
+        )

@@ -1,0 +1,123 @@
+"""Adapter from the fedmeta configuration to the workload package (``metalearning``).
+
+Shared by the ClientApp (participant task lists, per-task clipped gradients) and the server
+(model, initial parameters, held-out validation / test / probe tasks). Everything here is a pure
+function of the public configuration (dataset, seed, participants): a participant rebuilds exactly
+its own numbered tasks in any process, so task ids are stable across rounds and restarts.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fedmeta.config import Config
+
+_VAL_SEED_SALT = 0x5EED_0001
+_TEST_SEED_SALT = 0x5EED_0002
+_PROBE_SEED_SALT = 0x5EED_0003
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and the data of one configuration."""
+
+    model: nn.Module
+    metric: str  # "mse" (lower is better) or "accuracy"
+    task_set: Any  # metalearning.FederatedTaskSet
+    splits: Any  # DataSplits or None (sinusoid)
+
+    @property
+    def higher_is_better(self) -> bool:
+        """Accuracy: higher is better; MSE: lower."""
+        return self.metric == "accuracy"
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The meta-model for the configured dataset."""
+    from metalearning import ConvNet4, SinusoidMLP
+
+    ds = cfg.dataset
+    if ds.name == "sinusoid":
+        return SinusoidMLP()
+    channels = 1 if ds.name == "omniglot" else 3
+    return ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size)
+
+
+def initial_params(cfg: Config, model: nn.Module) -> Tensor:
+    """Flat float32 initial meta-parameters (a function of the public seed)."""
+    from metalearning import flatten_params, init_params
+
+    return flatten_params(init_params(model, cfg.seed)).to(torch.float32).contiguous()
+
+
+@functools.lru_cache(maxsize=4)
+def _splits(name: str, path: str, image_size: int, seed: int) -> Any:
+    from metalearning import load_image_folder, load_omniglot
+
+    if name == "omniglot":
+        return load_omniglot(path, image_size=image_size, seed=seed)
+    return load_image_folder(path, image_size=image_size, seed=seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _workload(cfg_json: str) -> Workload:
+    from metalearning import FederatedTaskSet
+
+    cfg = Config.model_validate_json(cfg_json)
+    ds = cfg.dataset
+    model = build_model(cfg)
+    if ds.name == "sinusoid":
+        tasks = FederatedTaskSet.sinusoid(
+            cfg.federation.participants,
+            tasks_per_participant=ds.tasks_per_participant,
+            k_support=ds.shots,
+            k_query=ds.query,
+            seed=cfg.seed,
+        )
+        return Workload(model, "mse", tasks, None)
+    assert ds.path is not None
+    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed)
+    tasks = FederatedTaskSet.from_classes(
+        splits.train,
+        cfg.federation.participants,
+        n_way=ds.ways,
+        k_shot=ds.shots,
+        q_query=ds.query,
+        tasks_per_participant=ds.tasks_per_participant,
+        partition="group" if ds.name == "omniglot" else "even",
+        seed=cfg.seed,
+    )
+    return Workload(model, "accuracy", tasks, splits)
+
+
+def workload(cfg: Config) -> Workload:
+    """The (process-cached) workload of ``cfg``."""
+    return _workload(cfg.model_dump_json())
+
+
+def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
+    """Server-side held-out tasks (batched ``Task``): ``which`` = ``validation``, ``test`` or ``probe``.
+
+    Sinusoid: fresh tasks from the whole distribution with their own seeds. Image data: tasks over the
+    validation (``validation``/``probe``) or test classes, which no participant owns. If the
+    validation split is empty (Omniglot's background/evaluation split), validation uses test classes.
+    """
+    from metalearning import SinusoidTasks, sample_tasks
+
+    salt = {"validation": _VAL_SEED_SALT, "test": _TEST_SEED_SALT, "probe": _PROBE_SEED_SALT}[which]
+    seed = (cfg.seed * 1_000_003 + salt) % (2**63)
+    ds = cfg.dataset
+    if ds.name == "sinusoid":
+        return SinusoidTasks(ds.shots, ds.query).sample(n_tasks, seed)
+    wl = workload(cfg)
+    split = wl.splits.test if which == "test" else wl.splits.val
+    if split.n_classes < ds.ways:
+        split = wl.splits.test
+    return sample_tasks(
+        split, n_way=ds.ways, k_shot=ds.shots, q_query=ds.query, n_tasks=n_tasks, seed=seed
+    )

@@ -1,0 +1,278 @@
+"""The one typed configuration tree of fedmeta: a TOML file plus ``--set key=value`` overrides.
+
+The tree is validated once, at the edge (``load_config``), and then passed explicitly; models are
+frozen, so nothing mutates it. Every validation error names the dotted field and the allowed range,
+e.g. ``privacy.delta must be in (0, 1); got 2.0``.
+
+Keys that scripts rely on (part of the interface): ``rounds``, ``seed``, ``privacy.epsilon_budget``,
+``privacy.delta``, ``privacy.noise_multiplier``, ``privacy.enabled``, ``dataset.name``,
+``dataset.path``, ``federation.participants``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and the allowed values."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class PrivacyConfig(_Section):
+    """Task-level (epsilon, delta)-DP: budget, noise, clipping and the durable ledger."""
+
+    enabled: bool = Field(True, description="false = non-private baseline: no clip, no noise, no ledger")
+    epsilon_budget: float = Field(8.0, gt=0, le=1000, description="task-level epsilon budget, (0, 1000]")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta, (0, 1)")
+    noise_multiplier: float | None = Field(
+        None, gt=0, le=1000, description="z; None = calibrate z so that `rounds` rounds spend the budget"
+    )
+    target_epsilon: float | None = Field(
+        None, gt=0, le=1000, description="calibrate z for this epsilon instead of the budget"
+    )
+    clip: float = Field(1.0, gt=0, le=1e6, description="per-task L2 clip bound C, (0, 1e6]")
+    clip_tolerance: float = Field(
+        1e-4, ge=0, le=0.1, description="relative slack before a reply's norm counts as a violation"
+    )
+    report_every: int = Field(
+        10, ge=1, le=1_000_000, description="recompute epsilon (PLD, ~0.5 s) every k rounds and at the end"
+    )
+    ledger_path: str | None = Field(
+        None, description="SQLite ledger; default <out>/ledger.sqlite (share it to compose runs)"
+    )
+    federation_id: str | None = Field(
+        None, description="ledger key; default derived from dataset, participants and seed"
+    )
+    insecure_test_seed: int | None = Field(
+        None, ge=0, description="TESTS ONLY: seeds noise and sampling reproducibly (not private)"
+    )
+
+
+class SamplingConfig(_Section):
+    """Two-stage sampling: n1 participants without replacement, then tasks within each."""
+
+    participants_per_round: int = Field(4, ge=1, le=100_000, description="n1, [1, participants]")
+    stage2: Literal["poisson", "fixed"] = "poisson"
+    task_rate: float = Field(0.1, gt=0, le=1, description="q2 for Poisson stage 2, (0, 1]")
+    tasks_per_round: int | None = Field(
+        None, ge=1, le=1_000_000, description="n2 for the fixed stage 2 (tasks per participant)"
+    )
+
+    @model_validator(mode="after")
+    def _fixed_needs_n2(self) -> SamplingConfig:
+        if self.stage2 == "fixed" and self.tasks_per_round is None:
+            raise ValueError("sampling.tasks_per_round must be set (>= 1) when sampling.stage2 = 'fixed'")
+        return self
+
+
+class FederationConfig(_Section):
+    """Participants and the transport."""
+
+    participants: int = Field(20, ge=1, le=100_000, description="number of participants P, [1, 100000]")
+    backend: Literal["ray", "inprocess"] = Field(
+        "ray", description="ray = Flower simulation engine; inprocess = same ClientApp, no Ray (tests)"
+    )
+    round_timeout_s: float = Field(120.0, gt=0, le=86_400, description="per-round reply timeout (s)")
+    register_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    reply_format: Literal["per_task", "sum_and_norms"] = "per_task"
+    client_num_cpus: float = Field(1.0, gt=0, le=1024, description="Ray resources per ClientApp actor")
+    client_num_gpus: float = Field(0.0, ge=0, le=64)
+    client_device: str = Field("auto", description="auto (CUDA when present), cpu or cuda")
+
+
+class DatasetConfig(_Section):
+    """Task data (see metalearning/)."""
+
+    name: Literal["sinusoid", "omniglot", "image_folder"] = "sinusoid"
+    path: str | None = Field(None, description="data directory (omniglot, image_folder)")
+    tasks_per_participant: int = Field(200, ge=1, le=10_000_000)
+    ways: int = Field(5, ge=2, le=1000)
+    shots: int = Field(10, ge=1, le=1000, description="support examples per class (K for sinusoid)")
+    query: int = Field(10, ge=1, le=10_000, description="query examples per class (per task for sinusoid)")
+    image_size: int = Field(28, ge=4, le=512)
+    validation_tasks: int = Field(100, ge=1, le=100_000)
+    test_tasks: int = Field(600, ge=1, le=100_000)
+    probe_tasks: int = Field(32, ge=0, le=100_000, description="held-out tasks scored every round (loss)")
+
+
+class TrainingConfig(_Section):
+    """MAML inner loop and the meta-optimizer (Adam, as in DP-MAML)."""
+
+    inner_steps: int = Field(1, ge=0, le=1000)
+    inner_lr: float = Field(0.01, gt=0, le=10)
+    first_order: bool = False
+    meta_lr: float = Field(1e-3, gt=0, le=10)
+    eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
+    eval_inner_steps: int = Field(10, ge=0, le=1000)
+    checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
+    chunk_size: int | None = Field(None, ge=1, le=100_000)
+
+
+class MetricsConfig(_Section):
+    """Prometheus metrics of a live run (server/metrics.py)."""
+
+    port: int | None = Field(None, ge=0, le=65535, description="None = metrics off")
+    bind: str = "127.0.0.1"
+    private_diagnostics: bool = Field(
+        False, description="export clip fraction and norm quantiles (not covered by the DP guarantee)"
+    )
+
+
+class OutputConfig(_Section):
+    """Where and how results are written."""
+
+    dir: str = "runs/fedmeta"
+    progress: bool = True
+    plots: bool = True
+
+
+class Config(_Section):
+    """The whole configuration of a federation run."""
+
+    rounds: int = Field(300, ge=1, le=10_000_000, description="planned rounds, [1, 1e7]")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="public seed: model init, data, partitions")
+    privacy: PrivacyConfig = PrivacyConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    federation: FederationConfig = FederationConfig()
+    dataset: DatasetConfig = DatasetConfig()
+    training: TrainingConfig = TrainingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    output: OutputConfig = OutputConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Config:
+        if self.sampling.participants_per_round > self.federation.participants:
+            raise ValueError(
+                "sampling.participants_per_round must be in [1, federation.participants="
+                f"{self.federation.participants}]; got {self.sampling.participants_per_round}"
+            )
+        if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
+            raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")
+        n2 = self.sampling.tasks_per_round
+        if self.sampling.stage2 == "fixed" and n2 is not None and n2 > self.dataset.tasks_per_participant:
+            raise ValueError(
+                "sampling.tasks_per_round must be in [1, dataset.tasks_per_participant="
+                f"{self.dataset.tasks_per_participant}]; got {n2}"
+            )
+        return self
+
+    @property
+    def private(self) -> bool:
+        """Whether this run is differentially private."""
+        return self.privacy.enabled
+
+    def expected_tasks_per_round(self, min_tasks: int | None = None) -> float:
+        """The public normaliser: expected number of tasks per round (never the realised count)."""
+        n1 = self.sampling.participants_per_round
+        if self.sampling.stage2 == "fixed":
+            return float(n1 * (self.sampling.tasks_per_round or 1))
+        return n1 * self.sampling.task_rate * float(self.dataset.tasks_per_participant)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict (for checkpoints and summaries)."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+
+
+def _parse_value(text: str) -> Any:
+    """Parse a ``--set`` value as TOML (numbers, booleans, quoted strings, arrays), else a bare string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of ``data`` with ``key.sub=value`` overrides applied."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value; got {item!r}")
+        key, _, raw = item.partition("=")
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ConfigError(f"--set expects key=value; got {item!r}")
+        node = out
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(parts)}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(raw.strip())
+    return out
+
+
+def _format_error(error: ValidationError) -> str:
+    lines = []
+    for e in error.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"]
+        ctx = e.get("ctx") or {}
+        bounds = []
+        for k, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if k in ctx:
+                bounds.append(f"{sym} {ctx[k]}")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (see docs/federation.md for the allowed keys)"
+        elif e["type"] == "literal_error" and "expected" in ctx:
+            msg = f"must be one of {ctx['expected']}"
+        elif bounds:
+            msg = "must be " + " and ".join(bounds)
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f"; got {got!r}"
+        prefix = f"{loc} " if loc else ""
+        lines.append(f"{prefix}{msg}{got_s}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Validate a plain dict into a :class:`Config` (raises :class:`ConfigError`)."""
+    try:
+        return Config.model_validate(dict(data))
+    except ValidationError as error:
+        raise ConfigError(_format_error(error)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML file (optional), apply ``--set`` overrides, validate once."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"{p}: not valid TOML: {error}") from None
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def default_federation_id(cfg: Config) -> str:
+    """The ledger key when none is configured: runs over the same participants compose."""
+    if cfg.privacy.federation_id:
+        return cfg.privacy.federation_id
+    ds = cfg.dataset
+    return f"{ds.name}-P{cfg.federation.participants}-T{ds.tasks_per_participant}-seed{cfg.seed}"
+
+
+def is_finite(x: float) -> bool:
+    """Small helper used by callers formatting optional floats."""
+    return x is not None and math.isfinite(x)

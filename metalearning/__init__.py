@@ -1,0 +1,76 @@
+"""The meta-learning workload: task data, federated partitions, models, per-task clipped MAML grads.
+
+Plain PyTorch + numpy; imports neither flwr nor prometheus_client. See ``docs/workload.md``.
+"""
+
+from metalearning.data import (
+    ChecksumError,
+    ClassDataset,
+    DataError,
+    DataSplits,
+    FederatedTaskSet,
+    ParticipantTasks,
+    SinusoidParticipant,
+    SinusoidTasks,
+    Task,
+    download_omniglot,
+    load_image_folder,
+    load_omniglot,
+    partition_classes,
+    sample_tasks,
+    stack_tasks,
+    verify_checksum,
+)
+from metalearning.maml import (
+    EvalResult,
+    clip_by_global_norm,
+    evaluate,
+    meta_train,
+    per_task_clipped_grads,
+    per_task_grads,
+    resolve_device,
+    resolve_method,
+)
+from metalearning.models import (
+    ConvNet4,
+    ParamSpec,
+    SinusoidMLP,
+    flatten_params,
+    init_params,
+    param_spec,
+    unflatten_params,
+)
+
+__all__ = [
+    "ChecksumError",
+    "ClassDataset",
+    "ConvNet4",
+    "DataError",
+    "DataSplits",
+    "EvalResult",
+    "FederatedTaskSet",
+    "ParamSpec",
+    "ParticipantTasks",
+    "SinusoidMLP",
+    "SinusoidParticipant",
+    "SinusoidTasks",
+    "Task",
+    "clip_by_global_norm",
+    "download_omniglot",
+    "evaluate",
+    "flatten_params",
+    "init_params",
+    "load_image_folder",
+    "load_omniglot",
+    "meta_train",
+    "param_spec",
+    "partition_classes",
+    "per_task_clipped_grads",
+    "per_task_grads",
+    "resolve_device",
+    "resolve_method",
+    "sample_tasks",
+    "stack_tasks",
+    "unflatten_params",
+    "verify_checksum",
+]

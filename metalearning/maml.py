@@ -1,0 +1,512 @@
+"""Per-task MAML query gradients with per-task L2 clipping (DP-MAML Algorithm 1, inner loop and clip).
+
+For each task i (support set S_i, query set Q_i) and meta-parameters phi:
+
+    theta_i <- phi;  repeat k times: theta_i <- theta_i - alpha * grad_theta L(theta_i; S_i)
+    g_i     <- grad_phi L(theta_i(phi); Q_i)
+    g_i_hat <- g_i * min(1, C / ||g_i||_2)                                  (Algorithm 1, "Clipping")
+
+Second order differentiates through the inner steps; first order (FOMAML, Finn et al. 2017 Sec. 5.2)
+treats the inner gradients as constants, so g_i is the query gradient at theta_i.
+
+Per-task gradients are computed with ``torch.autograd.grad`` / ``torch.func.grad`` and returned as rows
+of a tensor; they never touch any ``.grad`` attribute, so nothing sums them before clipping.
+
+Batching: ``method="vmap"`` vectorises tasks with :func:`torch.func.vmap` in chunks of ``chunk_size``;
+``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured fastest: vmap on
+CUDA, and on the CPU vmap only for models that declare ``prefers_vmap_on_cpu`` (the sinusoid MLP; the conv
+net is 1.2-2.3x slower and 25-45x more memory-hungry under vmap on 2 CPU cores, see
+``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from metalearning.data import Task, stack_tasks
+
+__all__ = [
+    "EvalResult",
+    "clip_by_global_norm",
+    "evaluate",
+    "meta_train",
+    "per_task_clipped_grads",
+    "per_task_grads",
+    "resolve_device",
+    "resolve_method",
+]
+
+Params = dict[str, Tensor]
+
+
+# --------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"``/``None`` -> ``cuda`` when available, else ``cpu``; anything else as given."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_method(model: nn.Module, device: torch.device, method: str = "auto") -> str:
+    """Choose ``"vmap"`` or ``"loop"`` for ``model`` on ``device`` (see the module docstring)."""
+    if method not in ("auto", "vmap", "loop"):
+        raise ValueError(f"method must be 'auto', 'vmap' or 'loop'; got {method!r}")
+    if method != "auto":
+        return method
+    if device.type == "cuda":
+        return "vmap"
+    return "vmap" if getattr(model, "prefers_vmap_on_cpu", False) else "loop"
+
+
+def _default_chunk(method: str, device: torch.device) -> int:
+    if method == "loop":
+        return 64
+    return 256 if device.type == "cuda" else 32
+
+
+def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
+    kind = getattr(model, "loss_kind", "ce")
+    if kind == "mse":
+        return F.mse_loss
+    if kind == "ce":
+        return F.cross_entropy
+    raise ValueError(f"model.loss_kind must be 'mse' or 'ce'; got {kind!r}")
+
+
+def _as_params(
+    model: nn.Module, params: Mapping[str, Tensor] | Tensor | None, device: torch.device
+) -> Params:
+    """Meta-parameters as a dict on ``device``: a dict, a flat vector (model's spec) or the module's."""
+    from metalearning.models import param_spec, unflatten_params
+
+    if params is None:
+        params = {n: p.detach() for n, p in model.named_parameters()}
+    elif isinstance(params, Tensor):
+        params = unflatten_params(params, param_spec(model))
+    names = [n for n, _ in model.named_parameters()]
+    if list(params) != names:
+        raise ValueError(f"params must have the model's parameter names {names}; got {list(params)}")
+    return {n: p.detach().to(device) for n, p in params.items()}
+
+
+def _chunks(tasks: Task | Sequence[Task], size: int) -> Iterator[tuple[int, Task]]:
+    """Yield ``(start, batched_task)`` chunks of at most ``size`` tasks."""
+    if isinstance(tasks, Task):
+        n = tasks.support_x.shape[0]
+        for s in range(0, n, size):
+            yield s, Task(*(t[s : s + size] for t in tasks))
+    else:
+        for s in range(0, len(tasks), size):
+            yield s, stack_tasks(tasks[s : s + size])
+
+
+def _num_tasks(tasks: Task | Sequence[Task]) -> int:
+    return tasks.support_x.shape[0] if isinstance(tasks, Task) else len(tasks)
+
+
+@contextlib.contextmanager
+def _deterministic(device: torch.device, on: bool = True) -> Iterator[None]:
+    if device.type == "cuda" and on:
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            yield
+    else:
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# clipping
+
+
+def clip_by_global_norm(
+    grads: Tensor, clip: float, *, nonfinite: str = "raise"
+) -> tuple[Tensor, Tensor]:
+    """Clip each row of ``grads`` ([n, dim]) to L2 norm at most ``clip``; return (clipped, norms).
+
+    Row i is multiplied by ``min(1, clip / ||g_i||)`` (DP-MAML Algorithm 1; Abadi et al. 2016). Rows with
+    norm <= clip are returned unchanged, an all-zero row stays zero (no division by zero), and
+    ``clip = inf`` disables clipping. Non-finite rows raise ``ValueError`` (``nonfinite="raise"``) or are
+    replaced by zeros (``"zero"``), which keeps the sensitivity bound; their reported norm is ``inf``.
+    """
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0; got {clip}")
+    if grads.ndim != 2:
+        raise ValueError(f"grads must be [n_tasks, dim]; got shape {tuple(grads.shape)}")
+    norms = torch.linalg.vector_norm(grads, dim=1)
+    finite = torch.isfinite(grads).all(dim=1)
+    if not bool(finite.all()):
+        if nonfinite == "raise":
+            bad = torch.nonzero(~finite).flatten().tolist()
+            raise ValueError(f"non-finite per-task gradient in rows {bad}")
+        if nonfinite != "zero":
+            raise ValueError(f"nonfinite must be 'raise' or 'zero'; got {nonfinite!r}")
+        grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
+        norms = torch.where(finite, norms, torch.full_like(norms, math.inf))
+    if math.isinf(clip):
+        return grads, norms
+    safe = torch.clamp(torch.where(finite, norms, torch.zeros_like(norms)), min=1e-30)
+    inside = norms <= clip
+    scale = torch.where(inside, torch.ones_like(safe), clip / safe)
+    # Rows within the bound are returned bit for bit; zero rows are inside, so no 0/0 arises.
+    clipped = torch.where(inside[:, None], grads, grads * scale[:, None].to(grads.dtype))
+    # Guard the float rounding of norm * (clip / norm): never exceed clip.
+    renorm = torch.linalg.vector_norm(clipped, dim=1)
+    over = renorm > clip
+    if bool(over.any()):
+        clipped = torch.where(over[:, None], clipped * (clip / renorm)[:, None] * (1 - 1e-6), clipped)
+    return clipped, norms
+
+
+# --------------------------------------------------------------------------------------------------
+# per-task gradient, loop and vmap forms
+
+
+def _task_grad_autograd(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    params: Params,
+    task: Task,
+    inner_steps: int,
+    inner_lr: float,
+    first_order: bool,
+) -> Tensor:
+    """One task's flat query gradient with plain autograd (the loop path)."""
+    meta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+    fast = meta
+    for _ in range(inner_steps):
+        loss = loss_fn(functional_call(model, fast, (task.support_x,)), task.support_y)
+        g = torch.autograd.grad(loss, list(fast.values()), create_graph=not first_order)
+        fast = {n: p - inner_lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
+    qloss = loss_fn(functional_call(model, fast, (task.query_x,)), task.query_y)
+    grads = torch.autograd.grad(qloss, list(meta.values()))
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _make_func_grad(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    inner_steps: int,
+    inner_lr: float,
+    first_order: bool,
+) -> Callable[..., Tensor]:
+    """A pure function (params, sx, sy, qx, qy) -> flat query gradient, for ``torch.func.vmap``."""
+
+    def support_loss(p: Params, x: Tensor, y: Tensor) -> Tensor:
+        return loss_fn(functional_call(model, p, (x,)), y)
+
+    inner_grad = torch.func.grad(support_loss)
+
+    def query_loss(p: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
+        fast = p
+        for _ in range(inner_steps):
+            g = inner_grad(fast, sx, sy)
+            if first_order:
+                g = {n: v.detach() for n, v in g.items()}
+            fast = {n: fast[n] - inner_lr * g[n] for n in fast}
+        return loss_fn(functional_call(model, fast, (qx,)), qy)
+
+    outer = torch.func.grad(query_loss)
+
+    def flat(p: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
+        g = outer(p, sx, sy, qx, qy)
+        return torch.cat([v.reshape(-1) for v in g.values()])
+
+    return flat
+
+
+def per_task_grads(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: Task | Sequence[Task],
+    *,
+    inner_steps: int = 1,
+    inner_lr: float = 0.4,
+    first_order: bool = False,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: str = "auto",
+    out: Tensor | None = None,
+    on_chunk: Callable[[int, Tensor], Tensor] | None = None,
+    deterministic: bool = True,
+) -> Tensor:
+    """Unclipped per-task MAML query gradients, ``[n_tasks, dim]`` on ``device``.
+
+    ``tasks`` is a batched :class:`Task` (leading task dimension) or a sequence of unbatched tasks (all
+    of one shape). ``on_chunk(start, grads)`` may transform each chunk before it is stored (used for
+    clipping chunk by chunk). See :func:`per_task_clipped_grads` for the arguments.
+    """
+    if inner_steps < 0:
+        raise ValueError(f"inner_steps must be >= 0; got {inner_steps}")
+    dev = resolve_device(device)
+    meth = resolve_method(model, dev, method)
+    chunk = chunk_size or _default_chunk(meth, dev)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk}")
+    model = model.to(dev)
+    p = _as_params(model, params, dev)
+    dim = sum(v.numel() for v in p.values())
+    n = _num_tasks(tasks)
+    dtype = next(iter(p.values())).dtype
+    if out is None:
+        out = torch.empty((n, dim), dtype=dtype, device=dev)
+    loss_fn = _loss_fn(model)
+    with _deterministic(dev, deterministic):
+        if meth == "vmap":
+            fn = torch.func.vmap(
+                _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
+                in_dims=(None, 0, 0, 0, 0),
+            )
+            for start, batch in _chunks(tasks, chunk):
+                b = batch.to(dev)
+                g = fn(p, b.support_x, b.support_y, b.query_x, b.query_y)
+                if on_chunk is not None:
+                    g = on_chunk(start, g)
+                out[start : start + g.shape[0]] = g
+        else:
+            for start, batch in _chunks(tasks, chunk):
+                b = batch.to(dev)
+                rows = [
+                    _task_grad_autograd(
+                        model, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
+                    )
+                    for i in range(b.support_x.shape[0])
+                ]
+                g = torch.stack(rows)
+                if on_chunk is not None:
+                    g = on_chunk(start, g)
+                out[start : start + g.shape[0]] = g
+    return out
+
+
+def per_task_clipped_grads(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: Task | Sequence[Task],
+    *,
+    inner_steps: int = 1,
+    inner_lr: float = 0.4,
+    first_order: bool = False,
+    clip: float = 1.0,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: str = "auto",
+    nonfinite: str = "raise",
+    deterministic: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Clipped per-task MAML query gradients and their pre-clip L2 norms.
+
+    Args:
+        model: a :class:`~metalearning.models.SinusoidMLP` / :class:`~metalearning.models.ConvNet4` (or
+            any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used unless
+            ``params`` is None, and are never modified.
+        params: meta-parameters phi: a ``{name: tensor}`` dict in the model's order, a flat vector
+            (:func:`~metalearning.models.flatten_params` layout) or None for the module's own.
+        tasks: a batched :class:`Task` (``support_x`` ``[n_tasks, ...]``) or a sequence of tasks.
+        inner_steps: k inner SGD steps on the support set (0 gives the plain query-loss gradient).
+        inner_lr: inner learning rate alpha.
+        first_order: FOMAML (no differentiation through the inner steps).
+        clip: L2 bound C on each task's whole flattened gradient (``math.inf``: no clipping).
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ...
+        chunk_size: tasks computed at once; bounds memory. Default: 32 (CPU vmap), 256 (CUDA vmap).
+        method: ``"auto"``, ``"vmap"`` or ``"loop"`` (see module docstring).
+        nonfinite: ``"raise"`` or ``"zero"`` for a task whose gradient is NaN/inf.
+        deterministic: on CUDA, run cuDNN in deterministic mode (bitwise-repeatable results).
+
+    Returns:
+        ``(clipped [n_tasks, dim], pre_clip_norms [n_tasks])``, on ``device``, in the params' dtype.
+        Row i belongs to task i. Deterministic for given inputs (cuDNN deterministic mode on CUDA).
+    """
+    n = _num_tasks(tasks)
+    norms_holder: list[Tensor] = []
+
+    def clip_chunk(start: int, g: Tensor) -> Tensor:
+        c, nrm = clip_by_global_norm(g, clip, nonfinite=nonfinite)
+        norms_holder.append(nrm)
+        return c
+
+    clipped = per_task_grads(
+        model,
+        params,
+        tasks,
+        inner_steps=inner_steps,
+        inner_lr=inner_lr,
+        first_order=first_order,
+        device=device,
+        chunk_size=chunk_size,
+        method=method,
+        on_chunk=clip_chunk,
+        deterministic=deterministic,
+    )
+    norms = torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
+    assert norms.shape[0] == n
+    return clipped, norms
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean metric over test tasks and its 95% normal-approximation confidence half-width."""
+
+    mean: float
+    ci95: float
+    n_tasks: int
+    metric: str  # "accuracy" or "mse"
+    pre_adaptation_mean: float | None = None
+
+    def __iter__(self) -> Iterator[float]:
+        """Unpack as ``mean, ci95 = evaluate(...)``."""
+        return iter((self.mean, self.ci95))
+
+
+def _adapt_and_score(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    params: Params,
+    task: Task,
+    steps: int,
+    lr: float,
+    metric: str,
+) -> Tensor:
+    fast = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+    for _ in range(steps):
+        loss = loss_fn(functional_call(model, fast, (task.support_x,)), task.support_y)
+        g = torch.autograd.grad(loss, list(fast.values()))
+        fast = {
+            n: (p - lr * gi).detach().requires_grad_(True)
+            for (n, p), gi in zip(fast.items(), g, strict=True)
+        }
+    with torch.no_grad():
+        out = functional_call(model, fast, (task.query_x,))
+        if metric == "accuracy":
+            return (out.argmax(-1) == task.query_y).float().mean()
+        return F.mse_loss(out, task.query_y)
+
+
+def evaluate(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: Task | Sequence[Task],
+    *,
+    inner_steps: int = 10,
+    inner_lr: float = 0.4,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: str = "auto",
+    with_pre_adaptation: bool = False,
+) -> EvalResult:
+    """Adapt on each task's support set for ``inner_steps`` SGD steps, then score its query set.
+
+    Returns the mean query accuracy (classification) or MSE (regression) over the tasks with a 95%
+    confidence half-width ``1.96 * std / sqrt(n)`` (MAML's reporting convention). Build the tasks from
+    held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``.
+    ``mean, ci95 = evaluate(...)`` unpacks.
+    """
+    dev = resolve_device(device)
+    meth = resolve_method(model, dev, method)
+    chunk = chunk_size or _default_chunk(meth, dev)
+    model = model.to(dev)
+    p = _as_params(model, params, dev)
+    loss_fn = _loss_fn(model)
+    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
+
+    def score_all(steps: int) -> Tensor:
+        scores: list[Tensor] = []
+        if meth == "vmap":
+
+            def one(pp: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
+                fast = pp
+                g_fn = torch.func.grad(lambda q, x, y: loss_fn(functional_call(model, q, (x,)), y))
+                for _ in range(steps):
+                    g = g_fn(fast, sx, sy)
+                    fast = {n: fast[n] - inner_lr * g[n].detach() for n in fast}
+                out = functional_call(model, fast, (qx,))
+                if metric == "accuracy":
+                    return (out.argmax(-1) == qy).float().mean()
+                return F.mse_loss(out, qy)
+
+            fn = torch.func.vmap(one, in_dims=(None, 0, 0, 0, 0))
+            for _, batch in _chunks(tasks, chunk):
+                b = batch.to(dev)
+                scores.append(fn(p, b.support_x, b.support_y, b.query_x, b.query_y).detach())
+        else:
+            for _, batch in _chunks(tasks, chunk):
+                b = batch.to(dev)
+                for i in range(b.support_x.shape[0]):
+                    scores.append(
+                        _adapt_and_score(
+                            model, loss_fn, p, b.task(i), steps, inner_lr, metric
+                        ).reshape(1)
+                    )
+        return torch.cat(scores).double().cpu()
+
+    with _deterministic(dev):
+        s = score_all(inner_steps)
+        pre = float(score_all(0).mean()) if with_pre_adaptation else None
+    n = s.numel()
+    if n == 0:
+        raise ValueError("evaluate needs at least one task")
+    ci = 1.96 * float(s.std(unbiased=True)) / math.sqrt(n) if n > 1 else math.nan
+    return EvalResult(float(s.mean()), ci, n, metric, pre)
+
+
+# --------------------------------------------------------------------------------------------------
+# a small non-private trainer (tests, docs, baselines)
+
+
+def meta_train(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    next_batch: Callable[[int], Task],
+    *,
+    steps: int,
+    meta_lr: float = 1e-3,
+    inner_steps: int = 1,
+    inner_lr: float = 0.4,
+    first_order: bool = False,
+    clip: float = math.inf,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: str = "auto",
+) -> Params:
+    """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
+
+    ``next_batch(step)`` returns a batched :class:`Task`. Returns the trained parameters (a new dict).
+    This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
+    """
+    from metalearning.models import param_spec, unflatten_params
+
+    dev = resolve_device(device)
+    p = _as_params(model, params, dev)
+    spec = param_spec(model)
+    vec = torch.cat([v.reshape(-1) for v in p.values()]).clone().requires_grad_(True)
+    opt = torch.optim.Adam([vec], lr=meta_lr)
+    for step in range(steps):
+        g, _ = per_task_clipped_grads(
+            model,
+            vec.detach(),
+            next_batch(step),
+            inner_steps=inner_steps,
+            inner_lr=inner_lr,
+            first_order=first_order,
+            clip=clip,
+            device=dev,
+            chunk_size=chunk_size,
+            method=method,
+        )
+        opt.zero_grad(set_to_none=True)
+        vec.grad = g.mean(0)
+        opt.step()
+    return {k: v.clone() for k, v in unflatten_params(vec.detach(), spec).items()}

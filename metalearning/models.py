@@ -1,0 +1,183 @@
+"""Networks of the meta-learning workload and the flat-vector parameter format.
+
+* :class:`SinusoidMLP` - the 1-40-40-1 ReLU regressor of Finn et al. (2017), Section 5.1.
+* :class:`ConvNet4` - the 4 x (conv3x3-64, norm, ReLU, max-pool 2) network of Vinyals et al. (2016) as used
+  by MAML and DP-MAML for Omniglot, then a linear head. Its normalisation is defined *per task*: either
+  transductive batch statistics (``norm="batch"``, no running statistics, as in MAML's reference code) or
+  GroupNorm (``norm="group"``, per example). Running statistics shared across tasks are never used: they
+  would leak information between tasks and break ``torch.func`` transforms.
+
+Models are used functionally: the meta-parameters live outside the module as a ``dict[str, Tensor]`` and
+:func:`torch.func.functional_call` evaluates the module with them. On the wire they travel as one flat
+float32 vector (:func:`flatten_params` / :func:`unflatten_params`) plus the model's :class:`ParamSpec`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "ConvNet4",
+    "ParamSpec",
+    "SinusoidMLP",
+    "flatten_params",
+    "init_params",
+    "param_spec",
+    "unflatten_params",
+]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Names and shapes of a model's parameters, in the order of the flat vector."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        """Length of the flat parameter vector."""
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def param_spec(model: nn.Module) -> ParamSpec:
+    """The :class:`ParamSpec` of ``model`` (``named_parameters`` order)."""
+    names, shapes = zip(*((n, tuple(p.shape)) for n, p in model.named_parameters()), strict=True)
+    return ParamSpec(tuple(names), tuple(shapes))
+
+
+def flatten_params(params: Mapping[str, Tensor] | nn.Module) -> Tensor:
+    """Concatenate parameters (a dict or a module's) into one detached 1-D tensor."""
+    if isinstance(params, nn.Module):
+        params = dict(params.named_parameters())
+    return torch.cat([p.detach().reshape(-1) for p in params.values()])
+
+
+def unflatten_params(
+    vector: Tensor, spec: ParamSpec, *, requires_grad: bool = False
+) -> dict[str, Tensor]:
+    """Split a flat vector into a ``{name: tensor}`` dict shaped by ``spec`` (views, no copy)."""
+    if vector.ndim != 1 or vector.numel() != spec.numel:
+        raise ValueError(
+            f"vector must be 1-D with {spec.numel} elements; got shape {tuple(vector.shape)}"
+        )
+    out: dict[str, Tensor] = {}
+    offset = 0
+    for name, shape in zip(spec.names, spec.shapes, strict=True):
+        n = math.prod(shape)
+        t = vector[offset : offset + n].view(shape)
+        out[name] = t.detach().requires_grad_(True) if requires_grad else t
+        offset += n
+    return out
+
+
+def init_params(model: nn.Module, seed: int) -> dict[str, Tensor]:
+    """Fresh parameters for ``model`` drawn from a ``torch.Generator`` seeded with ``seed``.
+
+    The module's own initialisation uses the global RNG; this does not. Weights use Kaiming-uniform
+    fan-in bounds (PyTorch's default layer initialisation), normalisation scales are 1, biases 0.
+    """
+    gen = torch.Generator().manual_seed(int(seed))
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm_weight") or ".norm" in name and name.endswith("weight"):
+            t = torch.ones_like(p)
+        elif name.endswith("bias"):
+            t = torch.zeros_like(p)
+        else:
+            fan_in = p[0].numel() if p.ndim > 1 else p.numel()
+            bound = 1.0 / math.sqrt(fan_in)
+            t = (torch.rand(p.shape, generator=gen, dtype=p.dtype) * 2 - 1) * bound
+            if p.ndim > 1:
+                t = t * math.sqrt(3.0)  # Kaiming-uniform with gain 1: bound sqrt(3 / fan_in)
+        out[name] = t.to(p.device)
+    return out
+
+
+class SinusoidMLP(nn.Module):
+    """1 -> 40 -> 40 -> 1 ReLU MLP for sinusoid regression (MSE loss)."""
+
+    loss_kind = "mse"
+    prefers_vmap_on_cpu = True  # measured: vmap 0.1-0.5 ms/task vs loop 0.7-3.6 ms/task (32 tasks)
+
+    def __init__(self, hidden: int = 40) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(1, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Map ``[n, 1]`` inputs to ``[n, 1]`` predictions."""
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, norm: str, groups: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm_weight = nn.Parameter(torch.ones(cout))
+        self.norm_bias = nn.Parameter(torch.zeros(cout))
+        self._norm = norm
+        self._groups = groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.conv(x)
+        if self._norm == "batch":
+            # Transductive batch statistics of this call's batch (one task's support or query set);
+            # no running statistics exist, so nothing is shared between tasks.
+            x = F.batch_norm(x, None, None, self.norm_weight, self.norm_bias, training=True)
+        elif self._norm == "group":
+            x = F.group_norm(x, self._groups, self.norm_weight, self.norm_bias)
+        x = F.relu(x)
+        return F.max_pool2d(x, 2) if x.shape[-1] >= 2 else x
+
+
+class ConvNet4(nn.Module):
+    """Four conv3x3 blocks (``hidden`` filters), per-task normalisation, max-pooling, linear head.
+
+    Args:
+        n_way: number of output classes.
+        in_channels: 1 for Omniglot, 3 for colour image folders.
+        hidden: filters per block (64 for Omniglot as in MAML / DP-MAML).
+        norm: ``"batch"`` (per-task batch statistics, no running stats), ``"group"`` (GroupNorm) or
+            ``"none"``.
+        groups: GroupNorm groups when ``norm="group"``.
+        image_size: input side length; the head's input size follows from it (28 -> 1x1x64).
+    """
+
+    loss_kind = "ce"
+    prefers_vmap_on_cpu = False  # measured: vmap 1.2-2.3x slower than a loop on 2 CPU cores
+
+    def __init__(
+        self,
+        n_way: int,
+        *,
+        in_channels: int = 1,
+        hidden: int = 64,
+        norm: str = "batch",
+        groups: int = 32,
+        image_size: int = 28,
+    ) -> None:
+        super().__init__()
+        if norm not in ("batch", "group", "none"):
+            raise ValueError(f"norm must be 'batch', 'group' or 'none'; got {norm!r}")
+        if norm == "group" and hidden % groups:
+            raise ValueError(f"groups must divide hidden={hidden}; got {groups}")
+        self.n_way = n_way
+        self.blocks = nn.Sequential(
+            *[_ConvBlock(in_channels if i == 0 else hidden, hidden, norm, groups) for i in range(4)]
+        )
+        side = image_size
+        for _ in range(4):
+            side = side // 2 if side >= 2 else side
+        self.head = nn.Linear(hidden * side * side, n_way)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Map ``[n, C, H, W]`` images to ``[n, n_way]`` logits."""
+        return self.head(self.blocks(x).flatten(1))

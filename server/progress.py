@@ -1,0 +1,73 @@
+"""A dependency-free progress bar, as a ``RunObserver``: round, eps spent / budget, loss, validation.
+
+On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from server.report import RoundReport, RunFinished, RunStarted
+
+
+def _f(x: float | None, fmt: str = ".4f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+class ProgressBar:
+    """Prints progress of a run; never raises."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 24, every: int | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self.planned = 1
+        self.budget: float | None = None
+        self.private = True
+        self.metric = ""
+        self.t0 = time.monotonic()
+        self.last_eps: float | None = None
+
+    def run_started(self, event: RunStarted) -> None:  # noqa: D102
+        self.planned = max(event.planned_rounds, 1)
+        self.budget = event.epsilon_budget
+        self.private = event.private
+        self.metric = event.metric_name
+        self.t0 = time.monotonic()
+        if self.every is None:
+            self.every = max(1, self.planned // 20)
+
+    def round_finished(self, report: RoundReport) -> None:  # noqa: D102
+        try:
+            r = report.round_index
+            if report.epsilon_spent_task is not None:
+                self.last_eps = report.epsilon_spent_task
+            frac = min(r / self.planned, 1.0)
+            filled = int(round(frac * self.width))
+            bar = "#" * filled + "." * (self.width - filled)
+            if self.private:
+                eps = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"
+            else:
+                eps = "NON-PRIVATE"
+            rate = r / max(time.monotonic() - self.t0, 1e-9)
+            line = (
+                f"[{bar}] round {r}/{self.planned} | {eps} | loss {_f(report.train_loss)} | "
+                f"val {self.metric} {_f(report.validation_metric)} | "
+                f"{report.participants_replied}/{report.participants_sampled} replied | {rate:.2f} r/s"
+            )
+            if self.tty:
+                self.stream.write("\r" + line)
+                self.stream.flush()
+            elif self.every and (r % self.every == 0 or r == self.planned):
+                self.stream.write(line + "\n")
+                self.stream.flush()
+        except Exception:  # noqa: BLE001 - observers never raise
+            pass
+
+    def run_finished(self, event: RunFinished) -> None:  # noqa: D102
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
