@@ -173,7 +173,7 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
             ("noise multiplier", f"{args.noise_multiplier:g}"), ("delta", f"{args.delta:g}"),
             ("epsilon (PLD, enforced)", f"{payload['epsilon']:.4f}"),
             ("epsilon (RDP cross-check)", f"{payload['epsilon_rdp']:.4f}")]
-    if isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
+    if args.unit == "task" and isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
         published = tombs2022_published_epsilon(event, args.rounds, args.delta)
         payload["epsilon_tombs2022_published"] = published
         payload["epsilon_tombs2022_published_note"] = PUBLISHED_LABEL

@@ -146,20 +146,38 @@ def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, f
 # --------------------------------------------------------------------------------------------------
 
 
+#: Below this noise (in sensitivity units) the PLD grid is coarsened (see ``_grid``).
+_SMALL_SIGMA = 0.5
+
+
+def _grid(sigma: float, discretization: float) -> float:
+    """Grid for a stage with noise ``sigma``.
+
+    The privacy-loss range grows like ``1 / sigma^2``, so at a fixed grid a tiny ``sigma`` (e.g.
+    participant level, ``z / (2 k)``) needs millions of bins and minutes per composition. Below
+    ``sigma = 0.5`` the grid is scaled by ``(0.5 / sigma)^2``: dp-accounting's pessimistic rounding keeps
+    every grid an upper bound, so this errs only on the safe (larger epsilon) side. The reference
+    numbers (sigma >= 0.5) use the base grid unchanged.
+    """
+    if sigma >= _SMALL_SIGMA:
+        return discretization
+    return discretization * (_SMALL_SIGMA / sigma) ** 2
+
+
 @functools.lru_cache(maxsize=256)
 def _pld_one_round(weight: float, rate: float, sigma: float, discretization: float) -> _PLD:
     stage = pld_lib.from_gaussian_mechanism(
         standard_deviation=sigma,
         sensitivity=1.0,
         pessimistic_estimate=True,
-        value_discretization_interval=discretization,
+        value_discretization_interval=_grid(sigma, discretization),
         sampling_prob=rate,
     )
     if weight >= 1.0:
         return stage
     # (1 - w) * delta_0 + w * PLD_stage: dp-accounting's mixture of PMFs, in both directions. The point
     # mass at loss 0 lies exactly on the grid, so the mixture adds no discretisation error.
-    identity = pld_lib.identity(value_discretization_interval=discretization)
+    identity = pld_lib.identity(value_discretization_interval=_grid(sigma, discretization))
     return stage.compute_mixture(identity, weight)
 
 

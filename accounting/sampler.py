@@ -67,10 +67,13 @@ class TwoStageSampler:
             count = task_counts[pid]
             if isinstance(count, bool) or not isinstance(count, int | np.integer) or count < 0:
                 raise ValueError(f"task_counts[{pid!r}] must be an integer >= 0; got {count!r}")
-            if isinstance(scheme, TwoStageFixedScheme) and count < scheme.min_tasks:
+            # The accountant's min_tasks is checked by the caller against the real dataset
+            # (``check_task_counts``); here only what sampling itself needs, so the same code path
+            # also runs on a hypothetical neighbour (one task removed) in audits.
+            if isinstance(scheme, TwoStageFixedScheme) and count < scheme.tasks_per_round:
                 raise ValueError(
-                    f"task_counts[{pid!r}] must be >= min_tasks ({scheme.min_tasks}) of the "
-                    f"accounted scheme; got {count}"
+                    f"task_counts[{pid!r}] must be >= tasks_per_round ({scheme.tasks_per_round}); "
+                    f"got {count}"
                 )
         chosen = self._rng.choice(len(ids), size=n1, replace=False)
         out: dict[str, list[int]] = {}
@@ -84,6 +87,21 @@ class TwoStageSampler:
                 tasks = np.sort(self._rng.choice(count, size=scheme.tasks_per_round, replace=False))
             out[pid] = [int(t) for t in tasks]
         return out
+
+    def check_task_counts(self, task_counts: Mapping[str, int]) -> None:
+        """Raise unless every participant has at least the accounted ``min_tasks`` tasks.
+
+        With a fixed-size stage 2 the accounted rate is ``tasks_per_round / min_tasks``; a smaller
+        participant would have a larger rate than the one accounted for. The server calls this on the
+        registered task counts before the first round and whenever they change.
+        """
+        if isinstance(self.scheme, TwoStageFixedScheme):
+            for pid, count in task_counts.items():
+                if count < self.scheme.min_tasks:
+                    raise ValueError(
+                        f"task_counts[{pid!r}] must be >= min_tasks ({self.scheme.min_tasks}) of "
+                        f"the accounted scheme; got {count}"
+                    )
 
     def state(self) -> dict[str, Any]:
         """The generator's state, for checkpoints (keep it as secret as the noise)."""

@@ -159,7 +159,9 @@ def measure(method: str, n_way: int, q_query: int, steps: int, order: str, batch
     tasks = synthetic_tasks(batch, n_way, 1, q_query, seed=batch, device=device)
     first = order == "first"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn(model, params, tasks, steps, first, device, chunk)  # warm-up (and vmap/cuDNN set-up)
+    # warm-up (vmap tracing, cuDNN algorithm choice: the full shape on CUDA; two tasks on the CPU)
+    warm = tasks if device.type == "cuda" else Task(*(t[:2] for t in tasks))
+    fn(model, params, warm, steps, first, device, chunk)
     sync()
     gc.collect()
     if device.type == "cuda":

@@ -112,7 +112,7 @@ class TrainingConfig(_Section):
     inner_steps: int = Field(1, ge=0, le=1000)
     inner_lr: float = Field(0.01, gt=0, le=10)
     first_order: bool = False
-    meta_lr: float = Field(1e-3, gt=0, le=10)
+    meta_lr: float = Field(0.01, gt=0, le=10)
     eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
     eval_inner_steps: int = Field(10, ge=0, le=1000)
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
@@ -218,6 +218,25 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return out
 
 
+def _field_bounds(loc: Sequence[Any]) -> list[str]:
+    """The declared numeric bounds of the field at ``loc`` (e.g. ``['> 0', '< 1']``)."""
+    model: Any = Config
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        info = fields[part]
+        model = info.annotation
+    out = []
+    for meta in getattr(info, "metadata", []) or []:
+        for k, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            v = getattr(meta, k, None)
+            if v is not None:
+                out.append(f"{sym} {v}")
+    return out
+
+
 def _format_error(error: ValidationError) -> str:
     lines = []
     for e in error.errors():
@@ -233,7 +252,7 @@ def _format_error(error: ValidationError) -> str:
         elif e["type"] == "literal_error" and "expected" in ctx:
             msg = f"must be one of {ctx['expected']}"
         elif bounds:
-            msg = "must be " + " and ".join(bounds)
+            msg = "must be " + " and ".join(_field_bounds(e["loc"]) or bounds)
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, ") :]
         got = e.get("input")

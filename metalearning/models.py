@@ -170,6 +170,7 @@ class ConvNet4(nn.Module):
         if norm == "group" and hidden % groups:
             raise ValueError(f"groups must divide hidden={hidden}; got {groups}")
         self.n_way = n_way
+        self.hidden = hidden
         self.blocks = nn.Sequential(
             *[_ConvBlock(in_channels if i == 0 else hidden, hidden, norm, groups) for i in range(4)]
         )

@@ -334,18 +334,10 @@ class RoundLoop:
                 ledger.spend(event, self.run_id, r)
                 spends_this_run.append(r)
                 spends_recorded = ledger.position()
-            total = torch.zeros(dim, dtype=torch.float64)
-            received = 0
-            for acc in checked.accepted:
-                total += acc.grad_sum
-                received += acc.n_tasks
-            noise_std = None
-            if self.private:
-                released = noised_sum(total, clip=cfg.privacy.clip, event=event, source=noise)
-                update = released.value / exp_tasks
-                noise_std = released.noise_std
-            else:
-                update = total / max(received, 1)
+            update, received, noise_std = aggregate(
+                checked.accepted, dim=dim, private=self.private, clip=cfg.privacy.clip, event=event,
+                source=noise, expected_tasks=exp_tasks,
+            )  # fmt: skip
             opt.zero_grad(set_to_none=True)
             params.grad = update.to(params.dtype)
             opt.step()
@@ -597,6 +589,30 @@ class RoundLoop:
         from client.workload import initial_params
 
         return float(self._evaluate(model, initial_params(self.cfg, model), tasks).mean)
+
+
+def aggregate(
+    accepted: Sequence[Any],
+    *,
+    dim: int,
+    private: bool,
+    clip: float,
+    event: Any,
+    source: NoiseSource,
+    expected_tasks: float,
+) -> tuple[torch.Tensor, int, float | None]:
+    """Sum the validated clipped gradients; private: add N(0,(zC)^2 I) and divide by the *expected*
+    task count (public). Non-private: the plain mean over received tasks. Returns (update, received,
+    noise std). The caller has already recorded the spend."""
+    total = torch.zeros(dim, dtype=torch.float64)
+    received = 0
+    for acc in accepted:
+        total += acc.grad_sum
+        received += acc.n_tasks
+    if private:
+        released = noised_sum(total, clip=clip, event=event, source=source)
+        return released.value / expected_tasks, received, released.noise_std
+    return total / max(received, 1), received, None
 
 
 def run_federation(

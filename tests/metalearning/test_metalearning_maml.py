@@ -166,7 +166,8 @@ def test_resolve_method_is_by_measurement() -> None:
     cpu = torch.device("cpu")
     assert ml.resolve_method(ml.ConvNet4(5), cpu) == "loop"
     assert ml.resolve_method(ml.SinusoidMLP(), cpu) == "vmap"
-    assert ml.resolve_method(ml.ConvNet4(5), torch.device("cuda")) == "vmap"
+    assert ml.resolve_method(ml.ConvNet4(5), torch.device("cuda"), n_tasks=8) == "vmap"
+    assert ml.resolve_method(ml.ConvNet4(5), torch.device("cuda"), n_tasks=1) == "loop"
     assert ml.resolve_device("cpu") == cpu
 
 
@@ -191,3 +192,17 @@ def test_gpu_vmap_matches_cpu_loop() -> None:
     gc, _ = ml.per_task_clipped_grads(model, params, tasks, device="cpu", method="loop", **kw)
     gg, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", **kw)
     torch.testing.assert_close(gg.cpu(), gc, rtol=2e-3, atol=2e-4)
+    g1, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", chunk_size=4, **kw)
+    torch.testing.assert_close(g1, gg, rtol=1e-4, atol=1e-5)
+    gg2, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", **kw)
+    assert torch.equal(gg, gg2)  # deterministic on CUDA
+
+
+@pytest.mark.gpu
+def test_gpu_evaluate_matches_cpu() -> None:
+    model = ml.ConvNet4(5)
+    params = ml.init_params(model, 0)
+    tasks = _tiny_conv_tasks(10, 4, n_way=5)
+    a = ml.evaluate(model, params, tasks, inner_steps=2, inner_lr=0.4, device="cpu")
+    b = ml.evaluate(model, params, tasks, inner_steps=2, inner_lr=0.4, device="cuda")
+    assert abs(a.mean - b.mean) <= 0.05
