@@ -16,7 +16,13 @@ from accounting.composition import (
     round_pld,
     tombs2022_published_epsilon,
 )
-from accounting.ledger import BudgetExhausted, BudgetLedger, LedgerCorrupted, LedgerError, SpendRecord
+from accounting.ledger import (
+    BudgetExhausted,
+    BudgetLedger,
+    LedgerCorrupted,
+    LedgerError,
+    SpendRecord,
+)
 from accounting.sampler import TwoStageSampler
 from accounting.schemes import (
     FixedSizeScheme,

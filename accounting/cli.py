@@ -1,7 +1,9 @@
 """``fedmeta privacy epsilon|calibrate|max-rounds|compare`` and ``fedmeta ledger show``.
 
-Human-readable tables by default, ``--json`` for machines. Bad input is reported as one line naming the
-flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports only
+Human-readable tables by default, ``--json`` for machines. Bad input is reported as one line naming
+the
+flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports
+only
 ``accounting`` (no torch, no Flower), so the planner starts fast.
 """
 
@@ -62,7 +64,9 @@ def _flag_for(message: str) -> str | None:
     return _FLAGS.get(match.group(1)) if match else None
 
 
-def _run(command: str, body: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def _run(
+    command: str, body: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         try:
             return body(args)
@@ -79,28 +83,46 @@ def _run(command: str, body: Callable[[argparse.Namespace], int]) -> Callable[[a
 # ------------------------------------------------------------------------------------ arguments
 
 
-def _add_scheme_args(parser: argparse.ArgumentParser, *, noise: bool = True,
-                     rounds: bool = True) -> None:
-    group = parser.add_argument_group("sampling scheme (two-stage unless a single-stage flag is given)")
+def _add_scheme_args(
+    parser: argparse.ArgumentParser, *, noise: bool = True, rounds: bool = True
+) -> None:
+    group = parser.add_argument_group(
+        "sampling scheme (two-stage unless a single-stage flag is given)"
+    )
     group.add_argument("--participants", type=int, help="P, registered participants")
-    group.add_argument("--participants-per-round", type=int, help="n1, sampled per round (w/o repl.)")
+    group.add_argument(
+        "--participants-per-round", type=int, help="n1, sampled per round (w/o repl.)"
+    )
     group.add_argument("--task-rate", type=float, help="q2, Poisson rate per task in stage 2")
-    group.add_argument("--tasks-per-round", type=int,
-                       help="n2, tasks per sampled participant without replacement (needs --min-tasks)")
+    group.add_argument(
+        "--tasks-per-round",
+        type=int,
+        help="n2, tasks per sampled participant without replacement (needs --min-tasks)",
+    )
     group.add_argument("--min-tasks", type=int, help="smallest participant's task count")
-    group.add_argument("--flat-poisson-rate", type=float,
-                       help="single stage: Poisson rate q over all tasks")
+    group.add_argument(
+        "--flat-poisson-rate", type=float, help="single stage: Poisson rate q over all tasks"
+    )
     group.add_argument("--sample-size", type=int, help="single stage: m tasks without replacement")
-    group.add_argument("--population", type=int, help="single stage: n tasks in all (with --sample-size)")
-    group.add_argument("--max-tasks-per-participant", type=int,
-                       help="cap on one participant's tasks per round (participant-level unit)")
+    group.add_argument(
+        "--population", type=int, help="single stage: n tasks in all (with --sample-size)"
+    )
+    group.add_argument(
+        "--max-tasks-per-participant",
+        type=int,
+        help="cap on one participant's tasks per round (participant-level unit)",
+    )
     if noise:
         parser.add_argument("--noise-multiplier", type=float, required=True, help="z (std / clip)")
     if rounds:
         parser.add_argument("--rounds", type=int, required=True, help="T, number of rounds")
     parser.add_argument("--delta", type=float, default=1e-6, help="target delta (default 1e-6)")
-    parser.add_argument("--unit", choices=("task", "participant"), default="task",
-                        help="privacy unit (default task)")
+    parser.add_argument(
+        "--unit",
+        choices=("task", "participant"),
+        default="task",
+        help="privacy unit (default task)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -120,7 +142,9 @@ def _scheme_from_args(args: argparse.Namespace) -> Scheme:
         if args.task_rate is not None:
             raise UsageError("--task-rate and --tasks-per-round must not both be given; pick one")
         if args.min_tasks is None:
-            raise UsageError("--min-tasks must be given with --tasks-per-round (smallest task count)")
+            raise UsageError(
+                "--min-tasks must be given with --tasks-per-round (smallest task count)"
+            )
         return TwoStageFixedScheme(
             args.participants, args.participants_per_round, args.tasks_per_round, args.min_tasks
         )
@@ -131,11 +155,15 @@ def _scheme_from_args(args: argparse.Namespace) -> Scheme:
 
 def _describe(scheme: Scheme) -> str:
     if isinstance(scheme, TwoStagePoissonScheme):
-        return (f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
-                f"Poisson q2={scheme.task_rate:g}")
+        return (
+            f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
+            f"Poisson q2={scheme.task_rate:g}"
+        )
     if isinstance(scheme, TwoStageFixedScheme):
-        return (f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
-                f"{scheme.tasks_per_round} of >= {scheme.min_tasks} tasks w/o replacement")
+        return (
+            f"two-stage: {scheme.participants_per_round} of {scheme.participants} participants, "
+            f"{scheme.tasks_per_round} of >= {scheme.min_tasks} tasks w/o replacement"
+        )
     if isinstance(scheme, FlatPoissonScheme):
         return f"flat Poisson q={scheme.rate:g}"
     return f"fixed-size {scheme.sample_size} of {scheme.population} w/o replacement"
@@ -164,15 +192,23 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
     event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
     groups = [(event, args.rounds)]
     payload: dict[str, Any] = {
-        "scheme": _describe(scheme), "unit": args.unit, "rounds": args.rounds,
-        "noise_multiplier": args.noise_multiplier, "delta": args.delta,
+        "scheme": _describe(scheme),
+        "unit": args.unit,
+        "rounds": args.rounds,
+        "noise_multiplier": args.noise_multiplier,
+        "delta": args.delta,
         "epsilon": epsilon(groups, args.delta, args.unit, "pld"),
         "epsilon_rdp": epsilon(groups, args.delta, args.unit, "rdp"),
     }
-    rows = [("scheme", payload["scheme"]), ("unit", args.unit), ("rounds", str(args.rounds)),
-            ("noise multiplier", f"{args.noise_multiplier:g}"), ("delta", f"{args.delta:g}"),
-            ("epsilon (PLD, enforced)", f"{payload['epsilon']:.4f}"),
-            ("epsilon (RDP cross-check)", f"{payload['epsilon_rdp']:.4f}")]
+    rows = [
+        ("scheme", payload["scheme"]),
+        ("unit", args.unit),
+        ("rounds", str(args.rounds)),
+        ("noise multiplier", f"{args.noise_multiplier:g}"),
+        ("delta", f"{args.delta:g}"),
+        ("epsilon (PLD, enforced)", f"{payload['epsilon']:.4f}"),
+        ("epsilon (RDP cross-check)", f"{payload['epsilon_rdp']:.4f}"),
+    ]
     if args.unit == "task" and isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
         published = tombs2022_published_epsilon(event, args.rounds, args.delta)
         payload["epsilon_tombs2022_published"] = published
@@ -186,18 +222,37 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     scheme = _scheme_from_args(args)
     _check_rounds(args.rounds)
     z = calibrate_noise_multiplier(
-        scheme, args.rounds, args.target_epsilon, args.delta, args.unit,
+        scheme,
+        args.rounds,
+        args.target_epsilon,
+        args.delta,
+        args.unit,
         max_tasks_per_participant=args.max_tasks_per_participant,
     )
     event = GaussianRound(scheme, z, args.max_tasks_per_participant)
     eps = epsilon([(event, args.rounds)], args.delta, args.unit)
-    payload = {"scheme": _describe(scheme), "unit": args.unit, "rounds": args.rounds,
-               "delta": args.delta, "target_epsilon": args.target_epsilon,
-               "noise_multiplier": z, "epsilon": eps}
-    _emit(args, payload, [("scheme", payload["scheme"]), ("unit", args.unit),
-                          ("rounds", str(args.rounds)), ("delta", f"{args.delta:g}"),
-                          ("target epsilon", f"{args.target_epsilon:g}"),
-                          ("noise multiplier", f"{z:.4f}"), ("epsilon (PLD) at it", f"{eps:.4f}")])
+    payload = {
+        "scheme": _describe(scheme),
+        "unit": args.unit,
+        "rounds": args.rounds,
+        "delta": args.delta,
+        "target_epsilon": args.target_epsilon,
+        "noise_multiplier": z,
+        "epsilon": eps,
+    }
+    _emit(
+        args,
+        payload,
+        [
+            ("scheme", payload["scheme"]),
+            ("unit", args.unit),
+            ("rounds", str(args.rounds)),
+            ("delta", f"{args.delta:g}"),
+            ("target epsilon", f"{args.target_epsilon:g}"),
+            ("noise multiplier", f"{z:.4f}"),
+            ("epsilon (PLD) at it", f"{eps:.4f}"),
+        ],
+    )
     return 0
 
 
@@ -206,21 +261,36 @@ def _cmd_max_rounds(args: argparse.Namespace) -> int:
     event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
     rounds = max_rounds(event, args.epsilon, args.delta, args.unit)
     eps = epsilon([(event, rounds)], args.delta, args.unit) if rounds else 0.0
-    payload = {"scheme": _describe(scheme), "unit": args.unit, "delta": args.delta,
-               "epsilon_budget": args.epsilon, "noise_multiplier": args.noise_multiplier,
-               "rounds": rounds, "epsilon": eps}
-    _emit(args, payload, [("scheme", payload["scheme"]), ("unit", args.unit),
-                          ("noise multiplier", f"{args.noise_multiplier:g}"),
-                          ("delta", f"{args.delta:g}"), ("epsilon budget", f"{args.epsilon:g}"),
-                          ("max rounds (PLD, exact)", str(rounds)),
-                          ("epsilon (PLD) after them", f"{eps:.4f}")])
+    payload = {
+        "scheme": _describe(scheme),
+        "unit": args.unit,
+        "delta": args.delta,
+        "epsilon_budget": args.epsilon,
+        "noise_multiplier": args.noise_multiplier,
+        "rounds": rounds,
+        "epsilon": eps,
+    }
+    _emit(
+        args,
+        payload,
+        [
+            ("scheme", payload["scheme"]),
+            ("unit", args.unit),
+            ("noise multiplier", f"{args.noise_multiplier:g}"),
+            ("delta", f"{args.delta:g}"),
+            ("epsilon budget", f"{args.epsilon:g}"),
+            ("max rounds (PLD, exact)", str(rounds)),
+            ("epsilon (PLD) after them", f"{eps:.4f}"),
+        ],
+    )
     return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
     if args.participants is None or args.participants_per_round is None or args.min_tasks is None:
         raise UsageError(
-            "--participants, --participants-per-round and --min-tasks must be given to compare designs"
+            "--participants, --participants-per-round and --min-tasks must be given to compare "
+            "designs"
         )
     _check_rounds(args.rounds)
     if args.tasks_per_round is None and args.task_rate is None:
@@ -240,33 +310,60 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     eta = fixed.largest_inclusion_probability
     cap = args.max_tasks_per_participant or n2
     designs: list[tuple[str, GaussianRound, str]] = [
-        (f"flat Poisson over all tasks, q={eta:g}", GaussianRound(FlatPoissonScheme(eta), z), "task"),
+        (
+            f"flat Poisson over all tasks, q={eta:g}",
+            GaussianRound(FlatPoissonScheme(eta), z),
+            "task",
+        ),
         (f"two-stage, Poisson q2={q2:g}", GaussianRound(poisson, z), "task"),
         (f"two-stage, {n2} of {args.min_tasks} w/o replacement", GaussianRound(fixed, z), "task"),
-        (f"participant-level (two-stage, cap {cap} tasks)", GaussianRound(fixed, z, cap),
-         "participant"),
+        (
+            f"participant-level (two-stage, cap {cap} tasks)",
+            GaussianRound(fixed, z, cap),
+            "participant",
+        ),
     ]
-    rows_json = []
+    rows_json: list[dict[str, Any]] = []
     for label, event, unit in designs:
         groups = [(event, t)]
-        rows_json.append({"design": label, "unit": unit, "valid": True,
-                          "epsilon": epsilon(groups, d, unit, "pld"),
-                          "epsilon_rdp": epsilon(groups, d, unit, "rdp")})
+        rows_json.append(
+            {
+                "design": label,
+                "unit": unit,
+                "valid": True,
+                "epsilon": epsilon(groups, d, unit, "pld"),
+                "epsilon_rdp": epsilon(groups, d, unit, "rdp"),
+            }
+        )
     published = tombs2022_published_epsilon(GaussianRound(fixed, z), t, d)
-    rows_json.append({"design": f"Tombs et al. 2022 Thm 3, eta={eta:g} ({PUBLISHED_LABEL})",
-                      "unit": "task", "valid": False, "epsilon": published, "epsilon_rdp": None})
-    payload = {"noise_multiplier": z, "rounds": t, "delta": d,
-               "expected_tasks_per_round": args.participants_per_round * n2, "designs": rows_json}
+    rows_json.append(
+        {
+            "design": f"Tombs et al. 2022 Thm 3, eta={eta:g} ({PUBLISHED_LABEL})",
+            "unit": "task",
+            "valid": False,
+            "epsilon": published,
+            "epsilon_rdp": None,
+        }
+    )
+    payload = {
+        "noise_multiplier": z,
+        "rounds": t,
+        "delta": d,
+        "expected_tasks_per_round": args.participants_per_round * n2,
+        "designs": rows_json,
+    }
     if args.json:
         print(json.dumps(payload, indent=2, sort_keys=True))
         return 0
-    print(f"z={z:g}, T={t}, delta={d:g}, expected tasks per round "
-          f"{payload['expected_tasks_per_round']} (flat rate = eta = {eta:g})")
-    width = max(len(r["design"]) for r in rows_json)
+    print(
+        f"z={z:g}, T={t}, delta={d:g}, expected tasks per round "
+        f"{payload['expected_tasks_per_round']} (flat rate = eta = {eta:g})"
+    )
+    width = max(len(str(r["design"])) for r in rows_json)
     print(f"{'design'.ljust(width)}  {'unit':11}  {'eps (PLD)':>10}  {'eps (RDP)':>10}")
     for r in rows_json:
         rdp = "-" if r["epsilon_rdp"] is None else f"{r['epsilon_rdp']:.3f}"
-        print(f"{r['design'].ljust(width)}  {r['unit']:11}  {r['epsilon']:10.3f}  {rdp:>10}")
+        print(f"{str(r['design']).ljust(width)}  {r['unit']:11}  {r['epsilon']:10.3f}  {rdp:>10}")
     return 0
 
 
@@ -278,15 +375,21 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
             groups = ledger.rounds()
             runs: dict[str, dict[str, int]] = {}
             for rec in ledger.records():
-                run = runs.setdefault(rec.run_id, {"spends": 0, "first_round": rec.round_index,
-                                                   "last_round": rec.round_index})
+                run = runs.setdefault(
+                    rec.run_id,
+                    {"spends": 0, "first_round": rec.round_index, "last_round": rec.round_index},
+                )
                 run["spends"] += 1
                 run["first_round"] = min(run["first_round"], rec.round_index)
                 run["last_round"] = max(run["last_round"], rec.round_index)
             entry: dict[str, Any] = {
-                "federation_id": fid, "epsilon_budget": ledger.epsilon_budget,
-                "delta": ledger.delta, "unit": ledger.unit, "records": ledger.position(),
-                "epsilon": ledger.epsilon(), "epsilon_rdp": ledger.epsilon(method="rdp"),
+                "federation_id": fid,
+                "epsilon_budget": ledger.epsilon_budget,
+                "delta": ledger.delta,
+                "unit": ledger.unit,
+                "records": ledger.position(),
+                "epsilon": ledger.epsilon(),
+                "epsilon_rdp": ledger.epsilon(method="rdp"),
                 "runs": runs,
                 "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
             }
@@ -302,12 +405,16 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         print(f"{args.db}: no federations")
     for e in out:
         part = "-" if e["epsilon_participant"] is None else f"{e['epsilon_participant']:.4f}"
-        print(f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
-              f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
-              f"{e['epsilon_budget']:g} at delta {e['delta']:g}; participant level {part}")
+        print(
+            f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
+            f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
+            f"{e['epsilon_budget']:g} at delta {e['delta']:g}; participant level {part}"
+        )
         for run_id, run in sorted(e["runs"].items()):
-            print(f"  run {run_id}: {run['spends']} spends, rounds "
-                  f"{run['first_round']}..{run['last_round']}")
+            print(
+                f"  run {run_id}: {run['spends']} spends, rounds "
+                f"{run['first_round']}..{run['last_round']}"
+            )
         for g in e["rounds"]:
             print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
     return 0

@@ -2,12 +2,16 @@
 
 Two accountants, both from dp-accounting:
 
-* **PLD** (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022 "connect the dots"):
-  tight up to discretisation. dp-accounting's ``pessimistic_estimate=True`` rounds every privacy loss
-  *up* to the grid, so the reported epsilon errs on the safe (too large) side. This is the value that
+* **PLD** (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022 "connect the
+dots"):
+  tight up to discretisation. dp-accounting's ``pessimistic_estimate=True`` rounds every privacy
+  loss
+  *up* to the grid, so the reported epsilon errs on the safe (too large) side. This is the value
+  that
   is enforced.
 * **RDP** (Mironov 2017; Mironov, Talwar, Zhang 2019 for the Poisson-subsampled Gaussian): an
-  independent, looser upper bound, reported as a cross-check. Converting RDP to (eps, delta) is always
+  independent, looser upper bound, reported as a cross-check. Converting RDP to (eps, delta) is
+  always
   pessimistic.
 
 Per-round dominating pairs (privacy-accounting note, section 2):
@@ -15,18 +19,23 @@ Per-round dominating pairs (privacy-accounting note, section 2):
 * two-stage schemes, task level: by joint convexity of the hockey-stick divergence over the common
   "participant not sampled" part, one round's PLD is the mixture
   ``(1 - q1) * (point mass at loss 0) + q1 * PLD_stage2``, where ``PLD_stage2`` is the
-  Poisson-subsampled Gaussian at the stage-2 rate (``z/2`` if stage 2 has a fixed size). This holds in
-  both the remove and the add direction: the unsampled branch has the same law under both datasets and
+  Poisson-subsampled Gaussian at the stage-2 rate (``z/2`` if stage 2 has a fixed size). This holds
+  in
+  both the remove and the add direction: the unsampled branch has the same law under both datasets
+  and
   is distinguishable (by the siblings) from the sampled branch, so its privacy loss is exactly 0.
   Only the innermost stage amplifies epsilon; the outer rate only scales delta within a round.
 * two-stage schemes, participant level: Poisson-subsampled Gaussian at rate ``q1`` with the
   substitution form for a fixed-size stage 1, i.e. noise multiplier ``z / (2 k)`` for a cap of ``k``
   tasks per participant per round (sensitivity ``k C``, doubled by substitution).
-* flat Poisson: the Poisson-subsampled Gaussian (rate ``q``, ``z``); fixed-size single stage: the same at
+* flat Poisson: the Poisson-subsampled Gaussian (rate ``q``, ``z``); fixed-size single stage: the
+same at
   rate ``m/n`` and ``z/2``.
 
-Rounds are composed *by count*: each distinct round's PLD is built once and self-composed (an FFT power,
-cost ~ independent of the count), groups of different rounds are composed together. Composing one round
+Rounds are composed *by count*: each distinct round's PLD is built once and self-composed (an FFT
+power,
+cost ~ independent of the count), groups of different rounds are composed together. Composing one
+round
 at a time is quadratic and is never done.
 """
 
@@ -108,9 +117,10 @@ def _check_groups(rounds: RoundGroups) -> list[tuple[GaussianRound, int]]:
 
 
 def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, float, float]:
-    """Return ``(w, q, sigma)``: one round is ``(1 - w) * [no loss] + w * PoissonGaussian(q, sigma)``.
+    """Return ``(w, q, sigma)``: one round is ``(1-w) * [no loss] + w * PoissonGaussian(q, sigma)``.
 
-    ``sigma`` is the noise standard deviation in units of the (add/remove) sensitivity. See the module
+    ``sigma`` is the noise standard deviation in units of the (add/remove) sensitivity. See the
+    module
     docstring and the privacy-accounting note, section 2, for the derivation of each case.
     """
     _check_unit(unit)
@@ -155,7 +165,8 @@ def _grid(sigma: float, discretization: float) -> float:
 
     The privacy-loss range grows like ``1 / sigma^2``, so at a fixed grid a tiny ``sigma`` (e.g.
     participant level, ``z / (2 k)``) needs millions of bins and minutes per composition. Below
-    ``sigma = 0.5`` the grid is scaled by ``(0.5 / sigma)^2``: dp-accounting's pessimistic rounding keeps
+    ``sigma = 0.5`` the grid is scaled by ``(0.5 / sigma)^2``: dp-accounting's pessimistic rounding
+    keeps
     every grid an upper bound, so this errs only on the safe (larger epsilon) side. The reference
     numbers (sigma >= 0.5) use the base grid unchanged.
     """
@@ -175,7 +186,8 @@ def _pld_one_round(weight: float, rate: float, sigma: float, discretization: flo
     )
     if weight >= 1.0:
         return stage
-    # (1 - w) * delta_0 + w * PLD_stage: dp-accounting's mixture of PMFs, in both directions. The point
+    # (1 - w) * delta_0 + w * PLD_stage: dp-accounting's mixture of PMFs, in both directions. The
+    # point
     # mass at loss 0 lies exactly on the grid, so the mixture adds no discretisation error.
     identity = pld_lib.identity(value_discretization_interval=_grid(sigma, discretization))
     return stage.compute_mixture(identity, weight)
@@ -184,7 +196,7 @@ def _pld_one_round(weight: float, rate: float, sigma: float, discretization: flo
 def round_pld(
     event: GaussianRound, unit: str = "task", *, discretization: float = DEFAULT_DISCRETIZATION
 ) -> _PLD:
-    """The (pessimistic) PLD of one round, cached per distinct round."""
+    """Return the (pessimistic) PLD of one round, cached per distinct round."""
     w, q, sigma = round_components(event, unit)
     return _pld_one_round(w, q, sigma, discretization)
 
@@ -245,10 +257,12 @@ def pld_delta(
 def _rdp_one_round(weight: float, rate: float, sigma: float) -> tuple[float, ...]:
     """RDP curve of one round over ``RDP_ORDERS``.
 
-    Stage: dp-accounting's Poisson-subsampled Gaussian RDP (Mironov, Talwar, Zhang 2019), valid in both
+    Stage: dp-accounting's Poisson-subsampled Gaussian RDP (Mironov, Talwar, Zhang 2019), valid in
+    both
     directions. Mixture with a point mass (disjoint, equal under both datasets): for any pair,
     ``E_Q[(P/Q)^a] = (1 - w) + w E_Q2[(P2/Q2)^a]``, hence
-    ``RDP(a) = log(1 - w + w exp((a - 1) RDP2(a))) / (a - 1)`` -- exact, and monotone in ``RDP2``, so
+    ``RDP(a) = log(1 - w + w exp((a - 1) RDP2(a))) / (a - 1)`` -- exact, and monotone in ``RDP2``,
+    so
     an upper bound on ``RDP2`` gives an upper bound.
     """
     accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS))
@@ -301,9 +315,10 @@ def epsilon(
     *,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
-    """Epsilon after the given rounds, at ``delta``; ``rounds`` is ``[(GaussianRound, count), ...]``.
+    """Return epsilon at ``delta`` after ``rounds``, a list of ``(GaussianRound, count)``.
 
-    ``method="pld"`` is the tight value fedmeta enforces (pessimistic discretisation: never below the
+    ``method="pld"`` is the tight value fedmeta enforces (pessimistic discretisation: never below
+    the
     exact value of the dominating pair); ``method="rdp"`` is the looser independent cross-check.
     """
     _check_delta(delta)
@@ -324,8 +339,10 @@ def tombs2022_published_epsilon(
     """AS PUBLISHED, NOT A VALID GUARANTEE: Tombs et al. (2022), Theorem 3, for a two-stage scheme.
 
     Theorem 3 claims two-stage sampling amplifies like Poisson sampling at ``eta``, the largest
-    inclusion probability of a task (``eta = q1 * n2 / min_i |T_i|`` or ``q1 * q2``), with the Gaussian's
-    sensitivity ``C`` (``z`` unhalved). The privacy-accounting note (section 1) gives a one-round dataset
+    inclusion probability of a task (``eta = q1 * n2 / min_i |T_i|`` or ``q1 * q2``), with the
+    Gaussian's
+    sensitivity ``C`` (``z`` unhalved). The privacy-accounting note (section 1) gives a one-round
+    dataset
     where the true delta is ~1e4 times larger. This number is reported beside the valid one for
     comparison and is never used to enforce a budget.
     """
@@ -341,7 +358,10 @@ def tombs2022_published_epsilon(
     if rounds == 0:
         return 0.0
     pld = _composed_group(
-        1.0, scheme.largest_inclusion_probability, float(event.noise_multiplier), rounds,
+        1.0,
+        scheme.largest_inclusion_probability,
+        float(event.noise_multiplier),
+        rounds,
         discretization,
     )
     return max(0.0, float(pld.get_epsilon_for_delta(delta)))
@@ -366,14 +386,18 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Smallest noise multiplier ``z`` (to ``relative_tolerance``, rounded up) with eps <= target.
 
-    Bisection that always returns the upper, *feasible* end of the bracket: the result meets the target
+    Bisection that always returns the upper, *feasible* end of the bracket: the result meets the
+    target
     under the chosen accountant, and ``z * (1 - relative_tolerance)`` may not.
     """
     _check_delta(delta)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer >= 1; got {rounds!r}")
-    if not (isinstance(target_epsilon, int | float) and math.isfinite(target_epsilon)
-            and target_epsilon > 0):
+    if not (
+        isinstance(target_epsilon, int | float)
+        and math.isfinite(target_epsilon)
+        and target_epsilon > 0
+    ):
         raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
     if not 0 < relative_tolerance < 1:
         raise ValueError(f"relative_tolerance must be in (0, 1); got {relative_tolerance!r}")
@@ -383,7 +407,8 @@ def calibrate_noise_multiplier(
         return epsilon([(event, rounds)], delta, unit, how, discretization=discretization)
 
     # Bracket with the cheap RDP accountant first (PLD <= RDP, so an RDP-feasible z is a good upper
-    # end), then refine with the requested accountant. Every bracket end is *checked*, never assumed.
+    # end), then refine with the requested accountant. Every bracket end is *checked*, never
+    # assumed.
     lo, hi = 1e-3, 1.0
     while eps_at(hi, "rdp") > target_epsilon:
         lo, hi = hi, hi * 2.0
@@ -421,9 +446,11 @@ def max_rounds(
 ) -> int:
     """Largest ``T`` such that ``prior`` plus ``T`` copies of ``event`` stays within the budget.
 
-    Exact to the round under the chosen accountant: a galloping search then a bisection that keeps the
+    Exact to the round under the chosen accountant: a galloping search then a bisection that keeps
+    the
     last *feasible* value (the DP-MAML line's off-by-one kept the last probe). Assumes epsilon is
-    non-decreasing in ``T``, which holds for these accountants. Returns 0 if not even one round fits,
+    non-decreasing in ``T``, which holds for these accountants. Returns 0 if not even one round
+    fits,
     and ``limit`` if ``limit`` rounds fit.
     """
     _check_delta(delta)
@@ -432,10 +459,6 @@ def max_rounds(
     prior_groups = _check_groups(prior)
     other = [(e, c) for e, c in prior_groups if e != event]
     already = sum(c for e, c in prior_groups if e == event)
-
-    def feasible(extra: int) -> bool:
-        groups = [*other, (event, already + extra)] if already + extra else other
-        return epsilon(groups, delta, unit, method, discretization=discretization) <= epsilon_budget
 
     cache: dict[int, float] = {}
 
@@ -455,10 +478,17 @@ def max_rounds(
     lo = 0
     if method == "pld":
         guess = max_rounds(
-            event, epsilon_budget, delta, unit, prior=prior, method="rdp", limit=limit,
+            event,
+            epsilon_budget,
+            delta,
+            unit,
+            prior=prior,
+            method="rdp",
+            limit=limit,
         )
         if guess >= 1 and feasible(guess):
             lo = guess
+
     # 2. An infeasible upper end. Epsilon grows at least like sqrt(T) once it is non-trivial, so
     #    scaling by (budget / eps)^2 usually overshoots in one step; otherwise keep galloping.
     def extrapolate(t: int) -> int:
@@ -472,8 +502,10 @@ def max_rounds(
         if hi >= limit:
             return limit
         hi = extrapolate(hi)
-    # 3. Invariant: lo feasible, hi infeasible. Interpolate (regula falsi) and probe the neighbour of
-    #    each interpolated point, which ends the search in a few evaluations when the curve is smooth;
+    # 3. Invariant: lo feasible, hi infeasible. Interpolate (regula falsi) and probe the neighbour
+    # of
+    #    each interpolated point, which ends the search in a few evaluations when the curve is
+    #   smooth;
     #    after two interpolations that failed to halve the bracket, bisect, so the worst case stays
     #    logarithmic.
     slow_steps = 0

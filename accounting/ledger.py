@@ -2,12 +2,15 @@
 
 Design (privacy-accounting note, section 4; conventions, items 3-4):
 
-* **Durable.** SQLite in WAL mode with ``synchronous=FULL``: a spend that ``spend`` returned is on disk
-  before the noisy update is released; a writer killed mid-spend leaves either the whole record or none.
+* **Durable.** SQLite in WAL mode with ``synchronous=FULL``: a spend that ``spend`` returned is on
+disk
+  before the noisy update is released; a writer killed mid-spend leaves either the whole record or
+  none.
 * **Append-only.** Triggers refuse UPDATE and DELETE on records. Each record carries a SHA-256 hash
   chained to the previous one (the first to the federation's own row) and a head row names the last
   record, so a hand-edited, reordered, deleted or truncated ledger is reported on open as
-  ``LedgerCorrupted`` naming the first bad record, never silently reset. (The chain detects accidents
+  ``LedgerCorrupted`` naming the first bad record, never silently reset. (The chain detects
+  accidents
   and naive edits; someone with write access who recomputes every hash is outside its threat model.)
 * **Recomputed, not trusted.** Epsilon is never stored: opening the ledger re-reads the rounds and
   recomposes them (PLD, by count).
@@ -111,21 +114,41 @@ def _sha256(text: str) -> str:
 
 
 def _genesis_hash(federation_id: str, budget: float, delta: float, unit: str, created: str) -> str:
-    return _sha256(_canonical({
-        "federation_id": federation_id, "epsilon_budget": budget, "delta": delta, "unit": unit,
-        "created_at": created,
-    }))
+    return _sha256(
+        _canonical(
+            {
+                "federation_id": federation_id,
+                "epsilon_budget": budget,
+                "delta": delta,
+                "unit": unit,
+                "created_at": created,
+            }
+        )
+    )
 
 
 def _record_hash(
-    federation_id: str, position: int, run_id: str, round_index: int, event_json: str,
-    created_at: str, prev_hash: str,
+    federation_id: str,
+    position: int,
+    run_id: str,
+    round_index: int,
+    event_json: str,
+    created_at: str,
+    prev_hash: str,
 ) -> str:
-    return _sha256(_canonical({
-        "federation_id": federation_id, "position": position, "run_id": run_id,
-        "round_index": round_index, "event": event_json, "created_at": created_at,
-        "prev_hash": prev_hash,
-    }))
+    return _sha256(
+        _canonical(
+            {
+                "federation_id": federation_id,
+                "position": position,
+                "run_id": run_id,
+                "round_index": round_index,
+                "event": event_json,
+                "created_at": created_at,
+                "prev_hash": prev_hash,
+            }
+        )
+    )
 
 
 def _connect(path: Path) -> sqlite3.Connection:
@@ -145,14 +168,21 @@ def _connect(path: Path) -> sqlite3.Connection:
 class BudgetLedger:
     """A federation's privacy budget, enforced against its durable record of spends.
 
-    Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)``. Several runs over the
+    Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)``. Several runs over
+    the
     same participants share one ``federation_id`` and so compose. The enforced guarantee is the PLD
     epsilon at ``delta`` for ``unit`` (task level by default).
     """
 
     def __init__(
-        self, conn: sqlite3.Connection, path: Path, federation_id: str, epsilon_budget: float,
-        delta: float, unit: str, genesis: str,
+        self,
+        conn: sqlite3.Connection,
+        path: Path,
+        federation_id: str,
+        epsilon_budget: float,
+        delta: float,
+        unit: str,
+        genesis: str,
     ) -> None:
         """Use ``BudgetLedger.open``."""
         self._conn = conn
@@ -164,7 +194,9 @@ class BudgetLedger:
         self._genesis = genesis
         self._records: list[SpendRecord] = []
         self._counts: dict[GaussianRound, int] = {}
-        self._affordable: dict[tuple[tuple[tuple[GaussianRound, int], ...], GaussianRound], int] = {}
+        self._affordable: dict[
+            tuple[tuple[tuple[GaussianRound, int], ...], GaussianRound], int
+        ] = {}
 
     # ---------------------------------------------------------------------------------- opening
 
@@ -189,7 +221,8 @@ class BudgetLedger:
         if not isinstance(federation_id, str) or not federation_id:
             raise ValueError(f"federation_id must be a non-empty string; got {federation_id!r}")
         if epsilon_budget is not None and not (
-            isinstance(epsilon_budget, int | float) and math.isfinite(epsilon_budget)
+            isinstance(epsilon_budget, int | float)
+            and math.isfinite(epsilon_budget)
             and epsilon_budget > 0
         ):
             raise ValueError(f"epsilon_budget must be a finite number > 0; got {epsilon_budget!r}")
@@ -205,12 +238,15 @@ class BudgetLedger:
                 raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
             conn.executescript(_SCHEMA)
         except sqlite3.DatabaseError as error:
-            raise LedgerCorrupted(f"ledger {path} is not a readable SQLite database: {error}") from error
+            raise LedgerCorrupted(
+                f"ledger {path} is not a readable SQLite database: {error}"
+            ) from error
         try:
             with _immediate(conn):
                 row = conn.execute(
                     "SELECT epsilon_budget, delta, unit, created_at FROM federations "
-                    "WHERE federation_id = ?", (federation_id,),
+                    "WHERE federation_id = ?",
+                    (federation_id,),
                 ).fetchone()
                 if row is None:
                     if not create or epsilon_budget is None or delta is None:
@@ -226,7 +262,8 @@ class BudgetLedger:
                     row = (float(epsilon_budget), float(delta), unit, created)
             stored_budget, stored_delta, stored_unit, created = row
             for name, given, stored in (
-                ("epsilon_budget", epsilon_budget, stored_budget), ("delta", delta, stored_delta),
+                ("epsilon_budget", epsilon_budget, stored_budget),
+                ("delta", delta, stored_delta),
             ):
                 if given is not None and float(given) != float(stored):
                     raise LedgerError(
@@ -239,10 +276,19 @@ class BudgetLedger:
                     f"({stored_unit!r}); got {unit!r}"
                 )
             ledger = cls(
-                conn, path, federation_id, float(stored_budget), float(stored_delta),
+                conn,
+                path,
+                federation_id,
+                float(stored_budget),
+                float(stored_delta),
                 str(stored_unit),
-                _genesis_hash(federation_id, float(stored_budget), float(stored_delta),
-                              str(stored_unit), str(created)),
+                _genesis_hash(
+                    federation_id,
+                    float(stored_budget),
+                    float(stored_delta),
+                    str(stored_unit),
+                    str(created),
+                ),
             )
             ledger._catch_up(verify_head=True)
         except BaseException:
@@ -252,7 +298,7 @@ class BudgetLedger:
 
     @staticmethod
     def federations(path: str | Path) -> list[str]:
-        """The federation ids recorded in the ledger at ``path`` (read-only)."""
+        """Return the federation ids recorded in the ledger at ``path`` (read-only)."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no ledger at {path}")
@@ -264,7 +310,9 @@ class BudgetLedger:
             finally:
                 conn.close()
         except sqlite3.DatabaseError as error:
-            raise LedgerCorrupted(f"ledger {path} is not a readable fedmeta ledger: {error}") from error
+            raise LedgerCorrupted(
+                f"ledger {path} is not a readable fedmeta ledger: {error}"
+            ) from error
 
     def close(self) -> None:
         """Close the database connection."""
@@ -274,7 +322,9 @@ class BudgetLedger:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()
@@ -291,14 +341,21 @@ class BudgetLedger:
                 "FROM spends WHERE federation_id = ? AND position >= ? ORDER BY position",
                 (self.federation_id, start),
             ).fetchall()
-            head = self._conn.execute(
-                "SELECT position, hash FROM heads WHERE federation_id = ?", (self.federation_id,)
-            ).fetchone() if verify_head else None
+            head = (
+                self._conn.execute(
+                    "SELECT position, hash FROM heads WHERE federation_id = ?",
+                    (self.federation_id,),
+                ).fetchone()
+                if verify_head
+                else None
+            )
         except sqlite3.DatabaseError as error:
             raise LedgerCorrupted(f"ledger {self.path} could not be read: {error}") from error
         for seq, position, run_id, round_index, event_json, created, prev_hash, digest in rows:
-            where = (f"ledger {self.path}, federation {self.federation_id!r}, record #{position} "
-                     f"(row seq {seq}, run {run_id!r}, round {round_index})")
+            where = (
+                f"ledger {self.path}, federation {self.federation_id!r}, record #{position} "
+                f"(row seq {seq}, run {run_id!r}, round {round_index})"
+            )
             expected_position = len(self._records)
             if position != expected_position:
                 raise LedgerCorrupted(
@@ -306,15 +363,26 @@ class BudgetLedger:
                 )
             if prev_hash != prev:
                 raise LedgerCorrupted(f"{where}: its link to the previous record is broken")
-            if _record_hash(self.federation_id, position, run_id, round_index, event_json,
-                            created, prev_hash) != digest:
+            if (
+                _record_hash(
+                    self.federation_id,
+                    position,
+                    run_id,
+                    round_index,
+                    event_json,
+                    created,
+                    prev_hash,
+                )
+                != digest
+            ):
                 raise LedgerCorrupted(f"{where}: its contents do not match its hash (edited)")
             try:
                 event = GaussianRound.from_dict(json.loads(event_json))
             except (ValueError, TypeError, KeyError) as error:
                 raise LedgerCorrupted(f"{where}: unreadable event: {error}") from error
-            record = SpendRecord(self.federation_id, position, run_id, round_index, event,
-                                 created, digest)
+            record = SpendRecord(
+                self.federation_id, position, run_id, round_index, event, created, digest
+            )
             self._records.append(record)
             self._counts[event] = self._counts.get(event, 0) + 1
             prev = digest
@@ -338,12 +406,12 @@ class BudgetLedger:
         return list(self._records)
 
     def position(self) -> int:
-        """Number of records (for checkpoints: a resumed run checks the ledger is not behind)."""
+        """Return the number of records (checkpoints store it; a resumed run checks it)."""
         self._catch_up()
         return len(self._records)
 
     def rounds(self) -> list[tuple[GaussianRound, int]]:
-        """The spent rounds as ``[(GaussianRound, count)]`` groups."""
+        """Return the spent rounds as ``[(GaussianRound, count)]`` groups."""
         self._catch_up()
         return list(self._counts.items())
 
@@ -360,7 +428,11 @@ class BudgetLedger:
         key = (base, event)
         if key not in self._affordable:
             self._affordable[key] = max_rounds(
-                event, self.epsilon_budget, self.delta, self.unit, prior=base,
+                event,
+                self.epsilon_budget,
+                self.delta,
+                self.unit,
+                prior=base,
                 limit=MAX_ROUNDS_LIMIT,
             )
         return self._affordable[key]
@@ -373,7 +445,7 @@ class BudgetLedger:
         return max(0, self._max_total(event) - self._counts.get(event, 0))
 
     def would_exceed(self, event: GaussianRound) -> bool:
-        """Dry run: would spending ``event`` now take epsilon above the budget?"""
+        """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
         return self.rounds_affordable(event) < 1
 
     def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
@@ -394,20 +466,32 @@ class BudgetLedger:
             if self._counts.get(event, 0) + 1 > self._max_total(event):
                 after = epsilon([*self._counts.items(), (event, 1)], self.delta, self.unit)
                 raise BudgetExhausted(
-                    f"budget exhausted for federation {self.federation_id!r}: this round would take "
+                    f"budget exhausted for federation {self.federation_id!r}: this round would "
+                    "take "
                     f"epsilon to {after:.4g} > budget {self.epsilon_budget:g} "
                     f"(delta {self.delta:g}, {self.unit} level); nothing was recorded",
-                    epsilon_after=after, epsilon_budget=self.epsilon_budget,
+                    epsilon_after=after,
+                    epsilon_budget=self.epsilon_budget,
                 )
             position = len(self._records)
             prev = self._records[-1].hash if self._records else self._genesis
             created = datetime.now(UTC).isoformat()
-            digest = _record_hash(self.federation_id, position, run_id, round_index, event_json,
-                                  created, prev)
+            digest = _record_hash(
+                self.federation_id, position, run_id, round_index, event_json, created, prev
+            )
             self._conn.execute(
                 "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
                 "created_at, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.federation_id, position, run_id, round_index, event_json, created, prev, digest),
+                (
+                    self.federation_id,
+                    position,
+                    run_id,
+                    round_index,
+                    event_json,
+                    created,
+                    prev,
+                    digest,
+                ),
             )
             self._conn.execute(
                 "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
@@ -416,7 +500,9 @@ class BudgetLedger:
                 (self.federation_id, position, digest),
             )
         # Committed: only now does in-memory state move.
-        record = SpendRecord(self.federation_id, position, run_id, round_index, event, created, digest)
+        record = SpendRecord(
+            self.federation_id, position, run_id, round_index, event, created, digest
+        )
         self._records.append(record)
         self._counts[event] = self._counts.get(event, 0) + 1
         return record
@@ -424,7 +510,7 @@ class BudgetLedger:
 
 @contextmanager
 def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
-    """A write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error."""
+    """Run a write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield

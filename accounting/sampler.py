@@ -1,7 +1,8 @@
 """``TwoStageSampler``: executes exactly the sampling scheme that the accountant models.
 
 The scheme object that builds the ``GaussianRound`` event is the one this sampler runs, so the two
-cannot drift apart (conventions, item 5). Sampling must be random and secret for amplification to hold:
+cannot drift apart (conventions, item 5). Sampling must be random and secret for amplification to
+hold:
 the generator is seeded from ``secrets`` unless a test passes a seed explicitly.
 """
 
@@ -22,11 +23,15 @@ class TwoStageSampler:
     ``sample(task_counts)`` takes the *available* participants this round (id -> number of tasks,
     public metadata) and returns ``{participant id: sorted task ids}`` for the sampled ones. Stage 1
     draws ``participants_per_round`` of the available participants uniformly without replacement;
-    fewer available than that is an error (the accounted rate would be wrong). Stage 2 is Poisson with
-    ``task_rate`` or ``tasks_per_round`` without replacement (a participant with fewer tasks than that,
-    or fewer than the scheme's ``min_tasks``, is an error: the accountant's worst case assumed more).
+    fewer available than that is an error (the accounted rate would be wrong). Stage 2 is Poisson
+    with
+    ``task_rate`` or ``tasks_per_round`` without replacement (a participant with fewer tasks than
+    that,
+    or fewer than the scheme's ``min_tasks``, is an error: the accountant's worst case assumed
+    more).
 
-    A sampled participant may receive an empty task list under Poisson stage 2: it is still part of the
+    A sampled participant may receive an empty task list under Poisson stage 2: it is still part of
+    the
     round (skipping it would change the mechanism).
     """
 
@@ -39,9 +44,7 @@ class TwoStageSampler:
     ) -> None:
         """Create a sampler; ``seed`` is for tests only (a known seed makes sampling public)."""
         if not isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
-            raise ValueError(
-                f"scheme must be a two-stage scheme; got {type(scheme).__name__}"
-            )
+            raise ValueError(f"scheme must be a two-stage scheme; got {type(scheme).__name__}")
         if rng is not None and seed is not None:
             raise ValueError("seed must be None when rng is given; got both")
         self.scheme = scheme
@@ -92,7 +95,8 @@ class TwoStageSampler:
         """Raise unless every participant has at least the accounted ``min_tasks`` tasks.
 
         With a fixed-size stage 2 the accounted rate is ``tasks_per_round / min_tasks``; a smaller
-        participant would have a larger rate than the one accounted for. The server calls this on the
+        participant would have a larger rate than the one accounted for. The server calls this on
+        the
         registered task counts before the first round and whenever they change.
         """
         if isinstance(self.scheme, TwoStageFixedScheme):
@@ -104,7 +108,7 @@ class TwoStageSampler:
                     )
 
     def state(self) -> dict[str, Any]:
-        """The generator's state, for checkpoints (keep it as secret as the noise)."""
+        """Return the generator's state, for checkpoints (keep it as secret as the noise)."""
         return {"bit_generator": self._rng.bit_generator.state}
 
     @classmethod
@@ -116,7 +120,9 @@ class TwoStageSampler:
         name = bit_state.get("bit_generator")
         bit_type = getattr(np.random, str(name), None)
         if bit_type is None:
-            raise ValueError(f"state['bit_generator'] must name a numpy bit generator; got {name!r}")
+            raise ValueError(
+                f"state['bit_generator'] must name a numpy bit generator; got {name!r}"
+            )
         bit_generator = bit_type()
         bit_generator.state = bit_state
         return cls(scheme, np.random.Generator(bit_generator))

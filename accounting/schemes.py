@@ -1,7 +1,8 @@
 """Sampling schemes and the per-round Gaussian event, as small frozen validated dataclasses.
 
 The style follows dp-accounting's ``dp_event.py`` (one class per object, a docstring stating the
-mathematics), with one difference: every field is validated on construction, so an event can never hold
+mathematics), with one difference: every field is validated on construction, so an event can never
+hold
 a negative noise multiplier or a rate of 1.5. Errors read ``"<field> must be ...; got <value>"``.
 
 The same scheme object drives the sampler that runs (``accounting.sampler.TwoStageSampler``) and the
@@ -42,9 +43,10 @@ def _check_positive(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class TwoStagePoissonScheme:
-    """``participants_per_round`` of ``participants`` without replacement, then Poisson(``task_rate``).
+    """Stage 1: ``participants_per_round`` of ``participants``; stage 2: Poisson(``task_rate``).
 
-    Stage 1 draws ``n1`` of ``P`` participants uniformly without replacement; stage 2 includes each task
+    Stage 1 draws ``n1`` of ``P`` participants uniformly without replacement; stage 2 includes each
+    task
     of a sampled participant independently with probability ``q2 = task_rate``.
 
     Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
@@ -82,12 +84,15 @@ class TwoStagePoissonScheme:
 class TwoStageFixedScheme:
     """``participants_per_round`` of ``participants``, then ``tasks_per_round`` of each one's tasks.
 
-    Both stages sample without replacement. ``min_tasks`` is the smallest task count of any registered
-    participant (counting the protected task): the smallest participant has the largest stage-2 rate.
+    Both stages sample without replacement. ``min_tasks`` is the smallest task count of any
+    registered
+    participant (counting the protected task): the smallest participant has the largest stage-2
+    rate.
 
     Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
     ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate n2/min_tasks, noise z/2)``.
-    The ``z/2`` is because adding a task to a fixed-size sample is a substitution inside the sample and a
+    The ``z/2`` is because adding a task to a fixed-size sample is a substitution inside the sample
+    and a
     sum of vectors clipped to ``C`` moves by up to ``2C`` (dp-accounting issue #378). Tight.
     """
 
@@ -146,8 +151,10 @@ class FlatPoissonScheme:
 class FixedSizeScheme:
     """Single stage: ``sample_size`` of ``population`` tasks uniformly without replacement.
 
-    Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population`` and noise
-    multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``; privacy-accounting
+    Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population``
+    and noise
+    multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``;
+    privacy-accounting
     note, section 2). This is the dominating pair the note calls tight.
     """
 
@@ -168,7 +175,9 @@ class FixedSizeScheme:
         return self.sample_size / self.population
 
 
-Scheme: TypeAlias = TwoStagePoissonScheme | TwoStageFixedScheme | FlatPoissonScheme | FixedSizeScheme
+Scheme: TypeAlias = (
+    TwoStagePoissonScheme | TwoStageFixedScheme | FlatPoissonScheme | FixedSizeScheme
+)
 TwoStageScheme: TypeAlias = TwoStagePoissonScheme | TwoStageFixedScheme
 _SCHEME_TYPES: dict[str, type[Any]] = {
     "two_stage_poisson": TwoStagePoissonScheme,
@@ -183,13 +192,18 @@ _SCHEME_NAMES: dict[type[Any], str] = {v: k for k, v in _SCHEME_TYPES.items()}
 class GaussianRound:
     """One round of ``sum(clip_C(g_i) for sampled tasks i) + N(0, (z*C)^2 I)`` under ``scheme``.
 
-    ``noise_multiplier`` is ``z`` relative to the clip norm ``C`` (``C`` itself cancels from the privacy
-    analysis). ``max_tasks_per_participant`` is the most tasks one participant can contribute in a round
-    (the participant-level sensitivity is that times ``C``); it defaults to ``tasks_per_round`` for the
-    fixed-size stage 2 and must be given for participant-level accounting with a Poisson stage 2 (the
+    ``noise_multiplier`` is ``z`` relative to the clip norm ``C`` (``C`` itself cancels from the
+    privacy
+    analysis). ``max_tasks_per_participant`` is the most tasks one participant can contribute in a
+    round
+    (the participant-level sensitivity is that times ``C``); it defaults to ``tasks_per_round`` for
+    the
+    fixed-size stage 2 and must be given for participant-level accounting with a Poisson stage 2
+    (the
     server caps and passes the largest participant's task count).
 
-    This is the event the server's noise step returns and the ledger records; once recorded it is never
+    This is the event the server's noise step returns and the ledger records; once recorded it is
+    never
     reinterpreted.
     """
 
@@ -225,7 +239,7 @@ class GaussianRound:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description; ``GaussianRound.from_dict`` inverts it exactly."""
+        """Return a JSON-ready description; ``GaussianRound.from_dict`` inverts it exactly."""
         scheme_fields = dict(vars(self.scheme))
         return {
             "scheme": _SCHEME_NAMES[type(self.scheme)],
@@ -240,7 +254,9 @@ class GaussianRound:
         try:
             scheme_type = _SCHEME_TYPES[data["scheme"]]
         except KeyError as error:
-            raise ValueError(f"scheme must be one of {sorted(_SCHEME_TYPES)}; got {data!r}") from error
+            raise ValueError(
+                f"scheme must be one of {sorted(_SCHEME_TYPES)}; got {data!r}"
+            ) from error
         scheme = scheme_type(**data["scheme_params"])
         return cls(
             scheme=scheme,

@@ -3,19 +3,20 @@
 Tasks per second and peak extra memory of "one clipped query gradient per task" for Omniglot-shaped
 tasks (28x28, ConvNet4 with 64 filters), for:
 
-* ``fedmeta``  - :func:`metalearning.per_task_clipped_grads` (auto method: loop on CPU, vmap on CUDA);
+* ``fedmeta``  - :func:`metalearning.per_task_clipped_grads` (auto method: loop on CPU, vmap on
+CUDA);
 * ``fedmeta-vmap`` / ``fedmeta-loop`` - the two forced paths (``--methods`` to add them);
 * ``loop``     - a plain per-task autograd loop written here as the reference;
 * ``higher``   - facebookresearch/higher's ``innerloop_ctx`` (if installed), per task.
 
 Every method clips each task's flattened gradient to C and keeps it separate (no ``.grad`` sum).
-Data are synthetic Omniglot-shaped tasks (compute does not depend on pixel values), so this runs on a
-machine without the dataset. CPU memory is the peak RSS increase during the measurement (sampled every
-2 ms); CUDA memory is ``torch.cuda.max_memory_allocated``. Each line also records ``os.getloadavg()``:
-the CPU machine is shared, so read CPU figures with the load beside them.
+Data are synthetic Omniglot-shaped tasks (compute does not depend on pixel values), so this runs on
+a machine without the dataset. CPU memory is the peak RSS increase during the measurement (sampled
+every 2 ms); CUDA memory is ``torch.cuda.max_memory_allocated``. Each line also records
+``os.getloadavg()``: the CPU machine is shared, so read CPU figures with the load beside them.
 
-    python bench/compute.py --quick --json         # ~1 min: 5-way 1-shot, 1 step, 1st/2nd order, batch 8
-    python bench/compute.py --json                 # the full grid (slow on CPU)
+    python bench/compute.py --quick --json         # ~1 min: 5-way 1-shot, 1 step, 1st/2nd order,
+    batch 8 python bench/compute.py --json                 # the full grid (slow on CPU)
     python bench/compute.py --gpu-config --json    # 5-way 1-shot, 2nd order, 5 steps, 1 query/class
 """
 
@@ -25,7 +26,6 @@ import argparse
 import gc
 import itertools
 import json
-import math
 import os
 import sys
 import threading
@@ -46,7 +46,9 @@ CLIP = 1.0
 INNER_LR = 0.4
 
 
-def synthetic_tasks(n: int, n_way: int, k_shot: int, q_query: int, seed: int, device: torch.device) -> Task:
+def synthetic_tasks(
+    n: int, n_way: int, k_shot: int, q_query: int, seed: int, device: torch.device
+) -> Task:
     g = torch.Generator().manual_seed(seed)
     sx = (torch.rand(n, n_way * k_shot, 1, 28, 28, generator=g) > 0.8).float()
     qx = (torch.rand(n, n_way * q_query, 1, 28, 28, generator=g) > 0.8).float()
@@ -55,14 +57,24 @@ def synthetic_tasks(n: int, n_way: int, k_shot: int, q_query: int, seed: int, de
     return Task(sx, sy, qx, qy).to(device)
 
 
-# ------------------------------------------------------------------------------------------- methods
+# -------------------------------------------------------------------------------------------
+# methods
 
 
 def run_fedmeta(method: str, deterministic: bool = True):
     def fn(model, params, tasks, steps, first_order, device, chunk):
         return ml.per_task_clipped_grads(
-            model, params, tasks, inner_steps=steps, inner_lr=INNER_LR, first_order=first_order,
-            clip=CLIP, device=device, method=method, chunk_size=chunk, deterministic=deterministic,
+            model,
+            params,
+            tasks,
+            inner_steps=steps,
+            inner_lr=INNER_LR,
+            first_order=first_order,
+            clip=CLIP,
+            device=device,
+            method=method,
+            chunk_size=chunk,
+            deterministic=deterministic,
         )[0]
 
     return fn
@@ -76,12 +88,16 @@ def run_loop(model, params, tasks, steps, first_order, device, chunk):
         names = list(params)
         fast = meta
         for _ in range(steps):
-            loss = F.cross_entropy(functional_call(model, dict(zip(names, fast)), (tasks.support_x[i],)),
-                                   tasks.support_y[i])
+            loss = F.cross_entropy(
+                functional_call(model, dict(zip(names, fast, strict=False)), (tasks.support_x[i],)),
+                tasks.support_y[i],
+            )
             g = torch.autograd.grad(loss, fast, create_graph=not first_order)
-            fast = [p - INNER_LR * gi for p, gi in zip(fast, g)]
-        q = F.cross_entropy(functional_call(model, dict(zip(names, fast)), (tasks.query_x[i],)),
-                            tasks.query_y[i])
+            fast = [p - INNER_LR * gi for p, gi in zip(fast, g, strict=False)]
+        q = F.cross_entropy(
+            functional_call(model, dict(zip(names, fast, strict=False)), (tasks.query_x[i],)),
+            tasks.query_y[i],
+        )
         flat = torch.cat([g.reshape(-1) for g in torch.autograd.grad(q, meta)])
         out.append(flat * min(1.0, CLIP / max(float(flat.norm()), 1e-30)))
     return torch.stack(out)
@@ -120,7 +136,8 @@ METHODS = {
 }
 
 
-# ----------------------------------------------------------------------------------------- measuring
+# -----------------------------------------------------------------------------------------
+# measuring
 
 
 class RssPeak:
@@ -151,8 +168,17 @@ class RssPeak:
         self.peak = max(self.peak, self.now())
 
 
-def measure(method: str, n_way: int, q_query: int, steps: int, order: str, batch: int,
-            device: torch.device, min_time: float, chunk: int | None) -> dict[str, Any]:
+def measure(
+    method: str,
+    n_way: int,
+    q_query: int,
+    steps: int,
+    order: str,
+    batch: int,
+    device: torch.device,
+    min_time: float,
+    chunk: int | None,
+) -> dict[str, Any]:
     fn = METHODS[method]
     model = ml.ConvNet4(n_way).to(device)
     params = {k: v.to(device) for k, v in ml.init_params(model, 0).items()}
@@ -177,26 +203,54 @@ def measure(method: str, n_way: int, q_query: int, steps: int, order: str, batch
             reps += 1
             elapsed = time.perf_counter() - t0
     assert out.shape[0] == batch and bool((out.norm(dim=1) <= CLIP * (1 + 1e-4)).all())
-    peak = (torch.cuda.max_memory_allocated() - base_cuda) / 2**20 if device.type == "cuda" \
+    peak = (
+        (torch.cuda.max_memory_allocated() - base_cuda) / 2**20
+        if device.type == "cuda"
         else rss.peak - rss.base
-    impl = ml.resolve_method(model, device, method.split("-")[1] if method in ("fedmeta-vmap", "fedmeta-loop") else "auto") \
-        if method.startswith("fedmeta") else method
+    )
+    impl = (
+        ml.resolve_method(
+            model,
+            device,
+            method.split("-")[1] if method in ("fedmeta-vmap", "fedmeta-loop") else "auto",
+            batch,
+        )
+        if method.startswith("fedmeta")
+        else method
+    )
     return {
-        "method": method, "impl": impl, "order": order, "inner_steps": steps, "batch": batch,
-        "n_way": n_way, "k_shot": 1, "q_query": q_query, "device": str(device),
+        "method": method,
+        "impl": impl,
+        "order": order,
+        "inner_steps": steps,
+        "batch": batch,
+        "n_way": n_way,
+        "k_shot": 1,
+        "q_query": q_query,
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch_threads": torch.get_num_threads(), "tasks_per_s": round(reps * batch / elapsed, 2),
+        "torch_threads": torch.get_num_threads(),
+        "tasks_per_s": round(reps * batch / elapsed, 2),
         "ms_per_task": round(1000 * elapsed / (reps * batch), 3),
-        "peak_mem_mib": round(peak, 1), "reps": reps,
-        "loadavg": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__,
+        "peak_mem_mib": round(peak, 1),
+        "reps": reps,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="5-way 1-shot, 1 step, 1st/2nd order, batch 8")
-    ap.add_argument("--gpu-config", action="store_true",
-                    help="5-way 1-shot, 2nd order, 5 steps, 1 query per class, batches --batches")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="5-way 1-shot, 1 step, 1st/2nd order, batch 8"
+    )
+    ap.add_argument(
+        "--gpu-config",
+        action="store_true",
+        help="5-way 1-shot, 2nd order, 5 steps, 1 query per class, batches --batches",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--methods", default=None, help="comma list (default fedmeta,loop,higher)")
@@ -218,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         if "higher" in methods:
             print("# higher not installed (pip install higher); skipped", file=sys.stderr)
             methods.remove("higher")
-    ways, steps, orders = [int(x) for x in a.ways.split(",")], [int(x) for x in a.steps.split(",")], \
-        a.orders.split(",")
+    ways, steps, orders = (
+        [int(x) for x in a.ways.split(",")],
+        [int(x) for x in a.steps.split(",")],
+        a.orders.split(","),
+    )
     batches = [1, 8, 32]
     queries = a.queries
     if a.quick:
@@ -235,9 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{method:13s} {r['impl']:5s} {n_way:2d}-way q={queries:<2d} k={k} {order:6s} "
-                  f"batch={batch:<3d} {r['tasks_per_s']:9.2f} tasks/s {r['ms_per_task']:8.2f} ms/task "
-                  f"peak {r['peak_mem_mib']:8.1f} MiB  load {r['loadavg'][0]}", flush=True)
+            print(
+                f"{method:13s} {r['impl']:5s} {n_way:2d}-way q={queries:<2d} k={k} {order:6s} "
+                f"batch={batch:<3d} {r['tasks_per_s']:9.2f} tasks/s "
+                f"{r['ms_per_task']:8.2f} ms/task "
+                f"peak {r['peak_mem_mib']:8.1f} MiB  load {r['loadavg'][0]}",
+                flush=True,
+            )
     return 0
 
 

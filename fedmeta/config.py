@@ -32,11 +32,18 @@ class _Section(BaseModel):
 class PrivacyConfig(_Section):
     """Task-level (epsilon, delta)-DP: budget, noise, clipping and the durable ledger."""
 
-    enabled: bool = Field(True, description="false = non-private baseline: no clip, no noise, no ledger")
-    epsilon_budget: float = Field(8.0, gt=0, le=1000, description="task-level epsilon budget, (0, 1000]")
+    enabled: bool = Field(
+        True, description="false = non-private baseline: no clip, no noise, no ledger"
+    )
+    epsilon_budget: float = Field(
+        8.0, gt=0, le=1000, description="task-level epsilon budget, (0, 1000]"
+    )
     delta: float = Field(1e-5, gt=0, lt=1, description="delta, (0, 1)")
     noise_multiplier: float | None = Field(
-        None, gt=0, le=1000, description="z; None = calibrate z so that `rounds` rounds spend the budget"
+        None,
+        gt=0,
+        le=1000,
+        description="z; None = calibrate z so that `rounds` rounds spend the budget",
     )
     target_epsilon: float | None = Field(
         None, gt=0, le=1000, description="calibrate z for this epsilon instead of the budget"
@@ -46,7 +53,10 @@ class PrivacyConfig(_Section):
         1e-4, ge=0, le=0.1, description="relative slack before a reply's norm counts as a violation"
     )
     report_every: int = Field(
-        10, ge=1, le=1_000_000, description="recompute epsilon (PLD, ~0.5 s) every k rounds and at the end"
+        10,
+        ge=1,
+        le=1_000_000,
+        description="recompute epsilon (PLD, ~0.5 s) every k rounds and at the end",
     )
     ledger_path: str | None = Field(
         None, description="SQLite ledger; default <out>/ledger.sqlite (share it to compose runs)"
@@ -72,21 +82,30 @@ class SamplingConfig(_Section):
     @model_validator(mode="after")
     def _fixed_needs_n2(self) -> SamplingConfig:
         if self.stage2 == "fixed" and self.tasks_per_round is None:
-            raise ValueError("sampling.tasks_per_round must be set (>= 1) when sampling.stage2 = 'fixed'")
+            raise ValueError(
+                "sampling.tasks_per_round must be set (>= 1) when sampling.stage2 = 'fixed'"
+            )
         return self
 
 
 class FederationConfig(_Section):
     """Participants and the transport."""
 
-    participants: int = Field(20, ge=1, le=100_000, description="number of participants P, [1, 100000]")
-    backend: Literal["ray", "inprocess"] = Field(
-        "ray", description="ray = Flower simulation engine; inprocess = same ClientApp, no Ray (tests)"
+    participants: int = Field(
+        20, ge=1, le=100_000, description="number of participants P, [1, 100000]"
     )
-    round_timeout_s: float = Field(120.0, gt=0, le=86_400, description="per-round reply timeout (s)")
+    backend: Literal["ray", "inprocess"] = Field(
+        "ray",
+        description="ray = Flower simulation engine; inprocess = same ClientApp, no Ray (tests)",
+    )
+    round_timeout_s: float = Field(
+        120.0, gt=0, le=86_400, description="per-round reply timeout (s)"
+    )
     register_timeout_s: float = Field(120.0, gt=0, le=86_400)
     reply_format: Literal["per_task", "sum_and_norms"] = "per_task"
-    client_num_cpus: float = Field(1.0, gt=0, le=1024, description="Ray resources per ClientApp actor")
+    client_num_cpus: float = Field(
+        1.0, gt=0, le=1024, description="Ray resources per ClientApp actor"
+    )
     client_num_gpus: float = Field(0.0, ge=0, le=64)
     client_device: str = Field("auto", description="auto (CUDA when present), cpu or cuda")
 
@@ -99,11 +118,15 @@ class DatasetConfig(_Section):
     tasks_per_participant: int = Field(200, ge=1, le=10_000_000)
     ways: int = Field(5, ge=2, le=1000)
     shots: int = Field(10, ge=1, le=1000, description="support examples per class (K for sinusoid)")
-    query: int = Field(10, ge=1, le=10_000, description="query examples per class (per task for sinusoid)")
+    query: int = Field(
+        10, ge=1, le=10_000, description="query examples per class (per task for sinusoid)"
+    )
     image_size: int = Field(28, ge=4, le=512)
     validation_tasks: int = Field(100, ge=1, le=100_000)
     test_tasks: int = Field(600, ge=1, le=100_000)
-    probe_tasks: int = Field(32, ge=0, le=100_000, description="held-out tasks scored every round (loss)")
+    probe_tasks: int = Field(
+        32, ge=0, le=100_000, description="held-out tasks scored every round (loss)"
+    )
 
 
 class TrainingConfig(_Section):
@@ -125,7 +148,8 @@ class MetricsConfig(_Section):
     port: int | None = Field(None, ge=0, le=65535, description="None = metrics off")
     bind: str = "127.0.0.1"
     private_diagnostics: bool = Field(
-        False, description="export clip fraction and norm quantiles (not covered by the DP guarantee)"
+        False,
+        description="export clip fraction and norm quantiles (not covered by the DP guarantee)",
     )
 
 
@@ -141,7 +165,9 @@ class Config(_Section):
     """The whole configuration of a federation run."""
 
     rounds: int = Field(300, ge=1, le=10_000_000, description="planned rounds, [1, 1e7]")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="public seed: model init, data, partitions")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="public seed: model init, data, partitions"
+    )
     privacy: PrivacyConfig = PrivacyConfig()
     sampling: SamplingConfig = SamplingConfig()
     federation: FederationConfig = FederationConfig()
@@ -160,7 +186,11 @@ class Config(_Section):
         if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
             raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")
         n2 = self.sampling.tasks_per_round
-        if self.sampling.stage2 == "fixed" and n2 is not None and n2 > self.dataset.tasks_per_participant:
+        if (
+            self.sampling.stage2 == "fixed"
+            and n2 is not None
+            and n2 > self.dataset.tasks_per_participant
+        ):
             raise ValueError(
                 "sampling.tasks_per_round must be in [1, dataset.tasks_per_participant="
                 f"{self.dataset.tasks_per_participant}]; got {n2}"

@@ -1,17 +1,23 @@
-"""Task data for the meta-learning workload: sinusoids, Omniglot, image folders, federated task sets.
+"""Task data for the meta-learning workload: sinusoids, Omniglot, image folders, federated sets.
 
-Everything random takes an explicit seed or ``numpy.random.Generator``; nothing touches a global RNG.
+Everything random takes an explicit seed or ``numpy.random.Generator``; nothing touches a global
+RNG.
 
-* :class:`Task` - one N-way K-shot task ``(support_x, support_y, query_x, query_y)``; batched when the
+* :class:`Task` - one N-way K-shot task ``(support_x, support_y, query_x, query_y)``; batched when
+the
   tensors carry a leading task dimension (:func:`stack_tasks`).
-* :class:`SinusoidTasks` - the MAML regression benchmark (amplitude [0.1, 5], phase [0, pi], x [-5, 5]).
-* :class:`ClassDataset` - images grouped by class (uint8 ``[N, C, H, W]`` plus class offsets), with the
+* :class:`SinusoidTasks` - the MAML regression benchmark (amplitude [0.1, 5], phase [0, pi], x [-5,
+5]).
+* :class:`ClassDataset` - images grouped by class (uint8 ``[N, C, H, W]`` plus class offsets), with
+the
   class's group (Omniglot alphabet) for non-IID partitioning.
 * :func:`load_omniglot` - npz / zip / unpacked-folder Omniglot, resized to 28x28, split into
-  :class:`DataSplits` (DP-MAML 1150/50/423 characters, or background/evaluation), cached by checksum.
+  :class:`DataSplits` (DP-MAML 1150/50/423 characters, or background/evaluation), cached by
+  checksum.
 * :func:`load_image_folder` - any one-folder-per-class dataset (CIFAR-FS / Mini-ImageNet layout).
 * :func:`download_omniglot` / :func:`verify_checksum` - opt-in download with a digest check.
-* :class:`FederatedTaskSet` - participants owning disjoint classes (or task-distribution slices), each
+* :class:`FederatedTaskSet` - participants owning disjoint classes (or task-distribution slices),
+each
   with a fixed, numbered task list; task ``t`` of participant ``p`` is a pure function of
   ``(seed, p, t)``, stable across rounds and restarts.
 """
@@ -99,7 +105,7 @@ def stack_tasks(tasks: Sequence[Task]) -> Task:
 
 
 def _rng(seed: int, *path: int) -> np.random.Generator:
-    """A Generator that is a pure function of ``(seed, *path)`` (numpy SeedSequence entropy)."""
+    """Return a Generator that is a pure function of ``(seed, *path)``."""
     return np.random.default_rng([int(seed) & 0xFFFFFFFFFFFFFFFF, *(int(p) for p in path)])
 
 
@@ -111,8 +117,8 @@ def _rng(seed: int, *path: int) -> np.random.Generator:
 class SinusoidTasks:
     """Sinusoid regression tasks y = A sin(x - phase) (Finn et al. 2017, Section 5.1).
 
-    ``k_support`` and ``k_query`` points per task, x uniform in ``x_range``; amplitude and phase uniform
-    in their ranges.
+    ``k_support`` and ``k_query`` points per task, x uniform in ``x_range``; amplitude and phase
+    uniform in their ranges.
     """
 
     k_support: int = 10
@@ -184,7 +190,7 @@ class ClassDataset:
         return np.diff(self.offsets)
 
     def subset(self, classes: Iterable[int]) -> ClassDataset:
-        """A dataset of the given classes (in that order), sharing no storage assumptions."""
+        """Return a dataset of the given classes (in that order)."""
         cls = [int(c) for c in classes]
         if not cls:
             shape = (0, *self.images.shape[1:])
@@ -204,8 +210,8 @@ class ClassDataset:
     def with_rotations(self, angles: Sequence[int] = (0, 90, 180, 270)) -> ClassDataset:
         """Each rotation of each class becomes a new class (MAML's Omniglot augmentation).
 
-        Class ``c`` rotated by ``angles[j]`` is class ``j * n_classes + c`` and keeps ``c``'s group, so
-        a group-wise partition keeps all rotations of a character with one participant.
+        Class ``c`` rotated by ``angles[j]`` is class ``j * n_classes + c`` and keeps ``c``'s
+        group, so a group-wise partition keeps all rotations of a character with one participant.
         """
         parts, names, groups, offsets = [], [], [], [0]
         for a in angles:
@@ -270,8 +276,8 @@ def sample_tasks(
 ) -> Task:
     """``n_tasks`` N-way K-shot tasks (``q_query`` queries per class) from all classes of ``ds``.
 
-    For validation / meta-test evaluation (default 600 tasks in :func:`~metalearning.maml.evaluate`'s
-    usage). Task i depends only on ``(seed, i)``.
+    For validation / meta-test evaluation (default 600 tasks in
+    :func:`~metalearning.maml.evaluate`'s usage). Task i depends only on ``(seed, i)``.
     """
     per = k_shot + q_query
     classes = np.flatnonzero(ds.counts >= per)
@@ -289,10 +295,12 @@ def sample_tasks(
 
 OMNIGLOT_BASE_URL = "https://raw.githubusercontent.com/brendenlake/omniglot/master/python/"
 
-#: Known digests of the official release zips. The MD5s are the ones torchvision pins for these files
-#: (torchvision/datasets/omniglot.py). SHA-256 values were not obtainable offline when this was written;
-#: :func:`download_omniglot` therefore checks MD5 and records the SHA-256 it saw beside the file, and
-#: callers may pin a SHA-256 with ``sha256=``.
+#: Known digests of the official release zips. The MD5s are the ones torchvision pins for these
+# files
+#: (torchvision/datasets/omniglot.py). SHA-256 values were not obtainable offline when this was
+# written;
+#: :func:`download_omniglot` therefore checks MD5 and records the SHA-256 it saw beside the file,
+# and  callers may pin a SHA-256 with ``sha256=``.
 OMNIGLOT_FILES: dict[str, dict[str, str | None]] = {
     "images_background.zip": {"md5": "68d2efa1b9178cc56df9314c21c6e718", "sha256": None},
     "images_evaluation.zip": {"md5": "6b91aef0f799c5bb55b94e3f2daec811", "sha256": None},
@@ -307,7 +315,8 @@ _ALPHABETS: list[tuple[int, str]] = [
     (418, "Gujarati"), (466, "Hebrew"), (488, "Japanese_(hiragana)"),
     (540, "Inuktitut_(Canadian_Aboriginal_Syllabics)"), (556, "Malay_(Jawi_-_Arabic)"),
     (596, "Japanese_(katakana)"), (643, "Korean"), (683, "Latin"), (709, "Alphabet_of_the_Magi"),
-    (729, "Mkhedruli_(Georgian)"), (770, "Burmese_(Myanmar)"), (804, "N_Ko"), (837, "Ojibwe_(Canadian_Aboriginal_Syllabics)"),
+    (729, "Mkhedruli_(Georgian)"), (770, "Burmese_(Myanmar)"), (804, "N_Ko"), (837,
+    "Ojibwe_(Canadian_Aboriginal_Syllabics)"),
     (851, "Sanskrit"), (893, "Tagalog"), (910, "Tifinagh"),
     (965, "Angelic"), (985, "Atemayar_Qelisayer"), (1011, "Atlantean"), (1037, "Aurek-Besh"),
     (1063, "Avesta"), (1089, "Ge_ez"), (1115, "Glagolitic"), (1160, "Gurmukhi"), (1205, "Kannada"),
@@ -337,7 +346,7 @@ def _file_digest(path: Path, algo: str = "sha256") -> str:
 
 
 def verify_checksum(path: str | Path, *, sha256: str | None = None, md5: str | None = None) -> str:
-    """Check ``path`` against the given digests; return its SHA-256. Raises :class:`ChecksumError`."""
+    """Check ``path`` against the given digests; return its SHA-256 (or raise ChecksumError)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"expected a file at {path}; none found")
@@ -379,7 +388,10 @@ def download_omniglot(
         if not target.is_file():
             tmp = target.with_suffix(".part")
             try:
-                with urllib.request.urlopen(base_url + name, timeout=timeout) as r, open(tmp, "wb") as f:
+                with (
+                    urllib.request.urlopen(base_url + name, timeout=timeout) as r,
+                    open(tmp, "wb") as f,
+                ):
                     while block := r.read(1 << 20):
                         f.write(block)
                 verify_checksum(tmp, sha256=digests.get("sha256"), md5=digests.get("md5"))
@@ -406,7 +418,9 @@ def _decode_png(data: bytes, where: str) -> np.ndarray:
     return arr
 
 
-def _assemble(entries: list[tuple[int, int, str, np.ndarray]], where: str) -> tuple[np.ndarray, list[str], list[int]]:
+def _assemble(
+    entries: list[tuple[int, int, str, np.ndarray]], where: str
+) -> tuple[np.ndarray, list[str], list[int]]:
     """(char prefix, drawing, alphabet, bool image) -> white-True array [chars, draws, H, W]."""
     if not entries:
         raise DataError(
@@ -445,7 +459,9 @@ def _read_zip(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
                     img = _decode_png(z.read(info), f"{path}:{info.filename}")
                     entries.append((int(m["char"]), int(m["draw"]), m["alpha"], img))
     except zipfile.BadZipFile as e:
-        raise DataError(f"{path}: not a valid zip file ({e}); expected the Omniglot release zip") from e
+        raise DataError(
+            f"{path}: not a valid zip file ({e}); expected the Omniglot release zip"
+        ) from e
     return _assemble(entries, str(path))
 
 
@@ -454,7 +470,9 @@ def _read_folder(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     for f in sorted(path.rglob("*.png")):
         m = _PNG_RE.search(f.relative_to(path.parent).as_posix())
         if m:
-            entries.append((int(m["char"]), int(m["draw"]), m["alpha"], _decode_png(f.read_bytes(), str(f))))
+            entries.append(
+                (int(m["char"]), int(m["draw"]), m["alpha"], _decode_png(f.read_bytes(), str(f)))
+            )
     return _assemble(entries, str(path))
 
 
@@ -462,7 +480,10 @@ def _read_npz(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     try:
         with np.load(path) as z:
             if "images" not in z:
-                raise DataError(f"{path}: expected an array 'images' (bool [chars, 20, 105, 105]); found {list(z)}")
+                raise DataError(
+                    f"{path}: expected an array 'images' (bool [chars, 20, 105, 105]); "
+                    f"found {list(z)}"
+                )
             images = z["images"]
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         if isinstance(e, DataError):
@@ -470,7 +491,8 @@ def _read_npz(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
         raise DataError(f"{path}: not a readable npz file ({e})") from e
     if images.ndim != 4 or images.dtype != np.bool_:
         raise DataError(
-            f"{path}: 'images' must be bool [chars, drawings, H, W]; got {images.dtype} {images.shape}"
+            f"{path}: 'images' must be bool [chars, drawings, H, W]; "
+            f"got {images.dtype} {images.shape}"
         )
     first = 1 if "background" in path.name else OMNIGLOT_N_BACKGROUND + 1
     prefixes = list(range(first, first + images.shape[0]))
@@ -487,7 +509,9 @@ def _resize_strokes(white: np.ndarray, size: int, chunk: int = 4096) -> Tensor:
     for s in range(0, n, chunk):
         x = torch.from_numpy(~white[s : s + chunk]).float().unsqueeze(1)
         if x.shape[-1] != size or x.shape[-2] != size:
-            x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            x = F.interpolate(
+                x, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+            )
         out[s : s + chunk] = (x.clamp(0, 1) * 255).round().to(torch.uint8)
     return out
 
@@ -519,7 +543,7 @@ def _find_omniglot_sources(path: Path) -> tuple[str, list[Path]]:
 def _load_omniglot_all(
     path: Path, image_size: int, cache: bool | str | Path
 ) -> tuple[Tensor, list[str], list[int]]:
-    """All 1623 characters (background then evaluation): uint8 [chars, 20, 1, s, s], alphabets, prefixes."""
+    """All characters (background, evaluation): uint8 [chars, 20, 1, s, s], alphabets, prefixes."""
     kind, files = _find_omniglot_sources(path)
     cache_file = None
     if cache and kind != "folder":
@@ -543,18 +567,26 @@ def _load_omniglot_all(
     for f in files:
         white, a, p = reader(f)
         c, d, h, w = white.shape
-        imgs.append(_resize_strokes(white.reshape(c * d, h, w), image_size).reshape(c, d, 1, image_size, image_size))
+        imgs.append(
+            _resize_strokes(white.reshape(c * d, h, w), image_size).reshape(
+                c, d, 1, image_size, image_size
+            )
+        )
         alphas += a
         prefixes += p
     draws = {t.shape[1] for t in imgs}
     if len(draws) != 1:
-        raise DataError(f"{path}: background and evaluation sets have different drawings per character {draws}")
+        raise DataError(
+            f"{path}: background and evaluation sets have different drawings per character {draws}"
+        )
     images = torch.cat(imgs)
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".{os.getpid()}.tmp.npz")
-            np.savez(tmp, images=images.numpy(), alphabets=np.array(alphas), prefixes=np.array(prefixes))
+            np.savez(
+                tmp, images=images.numpy(), alphabets=np.array(alphas), prefixes=np.array(prefixes)
+            )
             tmp.replace(cache_file)
         except OSError:
             pass  # caching is an optimisation only
@@ -571,19 +603,26 @@ def load_omniglot(
     cache: bool | str | Path = True,
     download: bool = False,
 ) -> DataSplits:
-    """Load Omniglot from ``path`` and split its characters into meta-train / validation / meta-test.
+    """Load Omniglot from ``path``; split its characters into meta-train / validation / meta-test.
 
     ``path`` holds ``images_background`` + ``images_evaluation`` as npz (``images`` bool
-    [chars, 20, 105, 105], True = white), as the official zips, or as their unpacked folders. Drawings are
+    [chars, 20, 105, 105], True = white), as the official zips, or as their unpacked folders.
+    Drawings are
     resized to ``image_size`` (28) as uint8 stroke intensity; the resized array is cached in
-    :func:`default_cache_dir` keyed by the sources' SHA-256 (``cache=False`` disables, a path relocates).
+    :func:`default_cache_dir` keyed by the sources' SHA-256 (``cache=False`` disables, a path
+    relocates).
 
     Args:
-        split: ``"dpmaml"`` - the 1623 characters shuffled with ``seed``, first 1150 meta-train, next
+        path: directory holding one of the three layouts above.
+        split: ``"dpmaml"`` - the 1623 characters shuffled with ``seed``, first 1150 meta-train,
+        next
             50 validation, last 423 meta-test (DP-MAML Section 6); ``"background"`` - the standard
             split of Lake et al.: the 964 background characters meta-train, the 659 evaluation
             characters meta-test, empty validation; ``"all"`` - everything in ``train``.
         rotations: add rotations by 90/180/270 degrees as new classes (MAML), to every split.
+        image_size: side of the resized images (28 as in MAML / DP-MAML).
+        seed: seed of the ``"dpmaml"`` character shuffle.
+        cache: True (default cache dir), False, or a cache directory.
         download: fetch the official zips into ``path`` first when no source is found there.
     """
     path = Path(path)
@@ -635,8 +674,8 @@ def _read_class_folders(root: Path, image_size: int, channels: int) -> ClassData
             raise DataError(f"{d}: class folder has no images ({', '.join(sorted(_IMG_EXT))})")
         for f in files:
             try:
-                with Image.open(f) as im:
-                    im = im.convert(mode)
+                with Image.open(f) as raw:
+                    im = raw.convert(mode)
                     if im.size != (image_size, image_size):
                         im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
                     a = np.asarray(im, dtype=np.uint8)
@@ -664,15 +703,18 @@ def load_image_folder(
 ) -> DataSplits:
     """Load a one-folder-per-class image dataset (CIFAR-FS / Mini-ImageNet layout).
 
-    If ``path`` has ``train/``, ``val/`` and ``test/`` sub-folders, each is a split of class folders;
-    otherwise its class folders are shuffled with ``seed`` and split by ``fractions`` (64/16/20 as for
-    Mini-ImageNet and CIFAR-FS). Images are resized to ``image_size`` and stored as uint8.
+    If ``path`` has ``train/``, ``val/`` and ``test/`` sub-folders, each is a split of class
+    folders;
+    otherwise its class folders are shuffled with ``seed`` and split by ``fractions`` (64/16/20 as
+    for Mini-ImageNet and CIFAR-FS). Images are resized to ``image_size`` and stored as uint8.
     """
     root = Path(path)
     if not root.is_dir():
         raise DataError(f"{root}: expected a directory of class folders (one folder per class)")
     if all((root / s).is_dir() for s in ("train", "val", "test")):
-        return DataSplits(*(_read_class_folders(root / s, image_size, channels) for s in ("train", "val", "test")))
+        return DataSplits(
+            *(_read_class_folders(root / s, image_size, channels) for s in ("train", "val", "test"))
+        )
     ds = _read_class_folders(root, image_size, channels)
     if abs(sum(fractions) - 1) > 1e-9 or min(fractions) < 0:
         raise ValueError(f"fractions must be non-negative and sum to 1; got {fractions}")
@@ -693,8 +735,8 @@ def partition_classes(
     """Split ``ds``'s classes into ``n_participants`` disjoint, sorted index arrays.
 
     ``mode="group"``: whole groups (Omniglot alphabets: the natural non-IID split) are shuffled with
-    ``seed`` and dealt greedily to the participant with the fewest classes so far. ``mode="even"``: the
-    classes are shuffled and dealt into near-equal parts (IID over classes).
+    ``seed`` and dealt greedily to the participant with the fewest classes so far. ``mode="even"``:
+    the classes are shuffled and dealt into near-equal parts (IID over classes).
     """
     if n_participants < 1:
         raise ValueError(f"n_participants must be >= 1; got {n_participants}")
@@ -702,7 +744,8 @@ def partition_classes(
     if mode == "even":
         if ds.n_classes < n_participants:
             raise ValueError(
-                f"n_participants must be <= the number of classes ({ds.n_classes}); got {n_participants}"
+                f"n_participants must be <= the number of classes ({ds.n_classes}); "
+                f"got {n_participants}"
             )
         perm = rng.permutation(ds.n_classes)
         return [np.sort(p) for p in np.array_split(perm, n_participants)]
@@ -717,12 +760,16 @@ def partition_classes(
             f"mode='group'; got {n_participants} (use mode='even')"
         )
     names = sorted(groups)
-    order = rng.permutation(len(names))
+    shuffled = rng.permutation(len(names))
     # Largest groups first (shuffled among ties) for a balanced greedy deal.
-    order = sorted(order, key=lambda i: -len(groups[names[i]]))
+    order = sorted(shuffled.tolist(), key=lambda i: -len(groups[names[i]]))
     owned: list[list[int]] = [[] for _ in range(n_participants)]
     for j, i in enumerate(order):
-        target = j if j < n_participants else min(range(n_participants), key=lambda p: (len(owned[p]), p))
+        target = (
+            j
+            if j < n_participants
+            else min(range(n_participants), key=lambda p: (len(owned[p]), p))
+        )
         owned[target] += groups[names[i]]
     return [np.array(sorted(o), dtype=np.int64) for o in owned]
 
@@ -731,7 +778,8 @@ def partition_classes(
 class ParticipantTasks:
     """One participant's fixed, numbered list of N-way K-shot tasks over its own classes.
 
-    ``plan[t]`` holds the global example indices of task ``t`` (``[n_way, k_shot + q_query]``; row j is
+    ``plan[t]`` holds the global example indices of task ``t`` (``[n_way, k_shot + q_query]``; row
+    j is
     label j, the first ``k_shot`` columns the support set). Task ids are ``0 .. num_tasks - 1``.
     """
 
@@ -753,16 +801,16 @@ class ParticipantTasks:
         return _task_from_plan(self.dataset, self.plan[task_id], self.k_shot)
 
     def tasks(self, task_ids: Sequence[int]) -> Task:
-        """The given tasks as one batch (order kept)."""
+        """Return the given tasks as one batch (order kept)."""
         return stack_tasks([self.task(int(t)) for t in task_ids])
 
     def example_use_counts(self) -> np.ndarray:
-        """How many of this participant's tasks each of its examples appears in (global index order)."""
+        """Per example (global index order): how many of this participant's tasks use it."""
         return np.bincount(self.plan.reshape(-1), minlength=self.dataset.images.shape[0])
 
     @property
     def max_tasks_per_example(self) -> int:
-        """The largest number of tasks any single example appears in (the example-level group size)."""
+        """Most tasks any single example appears in (the example-level group size)."""
         return int(self.example_use_counts().max(initial=0))
 
     def summary(self) -> dict[str, Any]:
@@ -781,9 +829,10 @@ class ParticipantTasks:
 class SinusoidParticipant:
     """A participant's slice of the sinusoid task distribution and its numbered task list.
 
-    Task ``t`` is drawn from ``(seed, index, t)``: amplitude in this participant's ``amplitude_range``,
-    phase and x as in :class:`SinusoidTasks`. Every task has its own x points, so no example is shared
-    between tasks (``max_tasks_per_example == 1``).
+    Task ``t`` is drawn from ``(seed, index, t)``: amplitude in this participant's
+    ``amplitude_range``,
+    phase and x as in :class:`SinusoidTasks`. Every task has its own x points, so no example is
+    shared between tasks (``max_tasks_per_example == 1``).
     """
 
     id: str
@@ -799,7 +848,7 @@ class SinusoidParticipant:
         return self.family.task_from_rng(_rng(self.seed, 0x5111, self.index, task_id))[0]
 
     def tasks(self, task_ids: Sequence[int]) -> Task:
-        """The given tasks as one batch (order kept)."""
+        """Return the given tasks as one batch (order kept)."""
         return stack_tasks([self.task(int(t)) for t in task_ids])
 
     @property
@@ -867,9 +916,11 @@ class FederatedTaskSet:
         seed: int = 0,
         family: SinusoidTasks | None = None,
     ) -> FederatedTaskSet:
-        """Sinusoid participants: ``partition="amplitude"`` gives participant i the i-th of
-        ``n_participants`` equal amplitude intervals (non-IID); ``"iid"`` gives everyone the whole
-        distribution with its own seed-derived tasks."""
+        """Build sinusoid participants with fixed, seed-derived task lists.
+
+        ``partition="amplitude"`` gives participant i the i-th of ``n_participants`` equal amplitude
+        intervals (non-IID); ``"iid"`` gives everyone the whole distribution.
+        """
         fam = family or SinusoidTasks(k_support, k_query)
         if n_participants < 1 or tasks_per_participant < 1:
             raise ValueError(
@@ -882,7 +933,11 @@ class FederatedTaskSet:
             if partition == "amplitude":
                 w = (hi - lo) / n_participants
                 f_i = SinusoidTasks(
-                    fam.k_support, fam.k_query, (lo + i * w, lo + (i + 1) * w), fam.phase_range, fam.x_range
+                    fam.k_support,
+                    fam.k_query,
+                    (lo + i * w, lo + (i + 1) * w),
+                    fam.phase_range,
+                    fam.x_range,
                 )
             elif partition == "iid":
                 f_i = fam
@@ -931,19 +986,27 @@ class FederatedTaskSet:
             if not disjoint_examples:
                 assert tasks_per_participant is not None
                 plan = np.stack(
-                    [_draw_plan(ds, eligible, n_way, per, _rng(seed, 0x7A5C, i, t)) for t in range(tasks_per_participant)]
+                    [
+                        _draw_plan(ds, eligible, n_way, per, _rng(seed, 0x7A5C, i, t))
+                        for t in range(tasks_per_participant)
+                    ]
                 )
             else:
                 rng = _rng(seed, 0xD15, i)
-                pools = {int(c): list(int(ds.offsets[c]) + rng.permutation(int(ds.counts[c]))) for c in eligible}
-                rows = []
+                pools = {
+                    int(c): list(int(ds.offsets[c]) + rng.permutation(int(ds.counts[c])))
+                    for c in eligible
+                }
+                rows: list[np.ndarray] = []
                 limit = math.inf if tasks_per_participant is None else tasks_per_participant
                 while len(rows) < limit:
                     avail = np.array([c for c in eligible if len(pools[int(c)]) >= per])
                     if len(avail) < n_way:
                         break
                     chosen = rng.choice(avail, size=n_way, replace=False)
-                    rows.append(np.stack([[pools[int(c)].pop() for _ in range(per)] for c in chosen]))
+                    rows.append(
+                        np.stack([[pools[int(c)].pop() for _ in range(per)] for c in chosen])
+                    )
                 if not rows:
                     raise ValueError(f"{where}: not enough examples for one disjoint task")
                 plan = np.stack(rows)

@@ -1,21 +1,23 @@
-"""Per-task MAML query gradients with per-task L2 clipping (DP-MAML Algorithm 1, inner loop and clip).
+"""Per-task MAML query gradients with per-task L2 clipping (DP-MAML Algorithm 1, inner loop, clip).
 
 For each task i (support set S_i, query set Q_i) and meta-parameters phi:
 
     theta_i <- phi;  repeat k times: theta_i <- theta_i - alpha * grad_theta L(theta_i; S_i)
     g_i     <- grad_phi L(theta_i(phi); Q_i)
-    g_i_hat <- g_i * min(1, C / ||g_i||_2)                                  (Algorithm 1, "Clipping")
+    g_i_hat <- g_i * min(1, C / ||g_i||_2)                                  (Algorithm 1,
+    "Clipping")
 
 Second order differentiates through the inner steps; first order (FOMAML, Finn et al. 2017 Sec. 5.2)
 treats the inner gradients as constants, so g_i is the query gradient at theta_i.
 
-Per-task gradients are computed with ``torch.autograd.grad`` / ``torch.func.grad`` and returned as rows
-of a tensor; they never touch any ``.grad`` attribute, so nothing sums them before clipping.
+Per-task gradients are computed with ``torch.autograd.grad`` / ``torch.func.grad`` and returned as
+rows of a tensor; they never touch any ``.grad`` attribute, so nothing sums them before clipping.
 
-Batching: ``method="vmap"`` vectorises tasks with :func:`torch.func.vmap` in chunks of ``chunk_size``;
-``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured fastest: vmap on
-CUDA, and on the CPU vmap only for models that declare ``prefers_vmap_on_cpu`` (the sinusoid MLP; the conv
-net is 1.2-2.3x slower and 25-45x more memory-hungry under vmap on 2 CPU cores, see
+Batching: ``method="vmap"`` vectorises tasks with :func:`torch.func.vmap` in chunks of
+``chunk_size``;
+``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured fastest: vmap
+on CUDA, and on the CPU vmap only for models that declare ``prefers_vmap_on_cpu`` (the sinusoid MLP;
+the conv net is 1.2-2.3x slower and 25-45x more memory-hungry under vmap on 2 CPU cores, see
 ``docs/benchmarks.md``).
 """
 
@@ -64,8 +66,8 @@ def resolve_method(
     """Choose ``"vmap"`` or ``"loop"`` for ``model`` on ``device`` (see the module docstring).
 
     Measured (docs/benchmarks.md): on CUDA vmap is 2.5-12x faster than a loop from 8 tasks on, but
-    about 2x slower for a single task; on 2 CPU cores the loop wins for the conv net and vmap for the
-    sinusoid MLP.
+    about 2x slower for a single task; on 2 CPU cores the loop wins for the conv net and vmap for
+    the sinusoid MLP.
     """
     if method not in ("auto", "vmap", "loop"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'loop'; got {method!r}")
@@ -85,9 +87,11 @@ def _default_chunk(
 ) -> int:
     """Tasks per vmap chunk: 32 on the CPU; on CUDA as many as fit in half the free memory.
 
-    The CUDA estimate is conservative against measurements on an H100 (ConvNet4, 28x28, 64 filters:
-    about 50 MiB + 1.9 MiB per image per task, up to +40% at five second-order steps): activations
-    are taken as 40 bytes x pixels x filters per image, doubled at five inner steps, plus 64 MiB.
+    The CUDA estimate is conservative against peaks measured on an H100 (ConvNet4, 28x28, 64
+    filters,
+    per task in a vmap chunk: 141 MiB for 5-way 1-shot 1 query second order 5 steps, 225 MiB with 15
+    queries, 880 MiB for 20-way 15 queries): 150 MiB plus 50 bytes x pixels x filters per image,
+    doubled at five inner steps.
     """
     if method == "loop":
         return 64
@@ -97,7 +101,7 @@ def _default_chunk(
     images = first.support_x.shape[0] + first.query_x.shape[0]
     pixels = first.support_x[0].numel()
     hidden = getattr(model, "hidden", 64)
-    per_task = 64 * 2**20 + images * pixels * hidden * 40 * (1 + 0.2 * inner_steps)
+    per_task = 150 * 2**20 + images * pixels * hidden * 50 * (1 + 0.2 * inner_steps)
     free, _ = torch.cuda.mem_get_info(device)
     return int(max(1, min(512, 0.5 * free // per_task)))
 
@@ -114,7 +118,7 @@ def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
 def _as_params(
     model: nn.Module, params: Mapping[str, Tensor] | Tensor | None, device: torch.device
 ) -> Params:
-    """Meta-parameters as a dict on ``device``: a dict, a flat vector (model's spec) or the module's."""
+    """Meta-parameters as a dict on ``device`` from a dict, a flat vector or the module's own."""
     from metalearning.models import param_spec, unflatten_params
 
     if params is None:
@@ -123,7 +127,9 @@ def _as_params(
         params = unflatten_params(params, param_spec(model))
     names = [n for n, _ in model.named_parameters()]
     if list(params) != names:
-        raise ValueError(f"params must have the model's parameter names {names}; got {list(params)}")
+        raise ValueError(
+            f"params must have the model's parameter names {names}; got {list(params)}"
+        )
     return {n: p.detach().to(device) for n, p in params.items()}
 
 
@@ -160,10 +166,12 @@ def clip_by_global_norm(
 ) -> tuple[Tensor, Tensor]:
     """Clip each row of ``grads`` ([n, dim]) to L2 norm at most ``clip``; return (clipped, norms).
 
-    Row i is multiplied by ``min(1, clip / ||g_i||)`` (DP-MAML Algorithm 1; Abadi et al. 2016). Rows with
+    Row i is multiplied by ``min(1, clip / ||g_i||)`` (DP-MAML Algorithm 1; Abadi et al. 2016).
+    Rows with
     norm <= clip are returned unchanged, an all-zero row stays zero (no division by zero), and
-    ``clip = inf`` disables clipping. Non-finite rows raise ``ValueError`` (``nonfinite="raise"``) or are
-    replaced by zeros (``"zero"``), which keeps the sensitivity bound; their reported norm is ``inf``.
+    ``clip = inf`` disables clipping. Non-finite rows raise ``ValueError`` (``nonfinite="raise"``)
+    or are replaced by zeros (``"zero"``), which keeps the sensitivity bound; their reported norm is
+    ``inf``.
     """
     if not clip > 0:
         raise ValueError(f"clip must be > 0; got {clip}")
@@ -190,7 +198,9 @@ def clip_by_global_norm(
     renorm = torch.linalg.vector_norm(clipped, dim=1)
     over = renorm > clip
     if bool(over.any()):
-        clipped = torch.where(over[:, None], clipped * (clip / renorm)[:, None] * (1 - 1e-6), clipped)
+        clipped = torch.where(
+            over[:, None], clipped * (clip / renorm)[:, None] * (1 - 1e-6), clipped
+        )
     return clipped, norms
 
 
@@ -226,7 +236,7 @@ def _make_func_grad(
     inner_lr: float,
     first_order: bool,
 ) -> Callable[..., Tensor]:
-    """A pure function (params, sx, sy, qx, qy) -> flat query gradient, for ``torch.func.vmap``."""
+    """Build a pure function (params, sx, sy, qx, qy) -> flat query gradient."""
 
     def support_loss(p: Params, x: Tensor, y: Tensor) -> Tensor:
         return loss_fn(functional_call(model, p, (x,)), y)
@@ -268,7 +278,8 @@ def per_task_grads(
 ) -> Tensor:
     """Unclipped per-task MAML query gradients, ``[n_tasks, dim]`` on ``device``.
 
-    ``tasks`` is a batched :class:`Task` (leading task dimension) or a sequence of unbatched tasks (all
+    ``tasks`` is a batched :class:`Task` (leading task dimension) or a sequence of unbatched tasks
+    (all
     of one shape). ``on_chunk(start, grads)`` may transform each chunk before it is stored (used for
     clipping chunk by chunk). See :func:`per_task_clipped_grads` for the arguments.
     """
@@ -333,9 +344,10 @@ def per_task_clipped_grads(
     """Clipped per-task MAML query gradients and their pre-clip L2 norms.
 
     Args:
-        model: a :class:`~metalearning.models.SinusoidMLP` / :class:`~metalearning.models.ConvNet4` (or
-            any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used unless
-            ``params`` is None, and are never modified.
+        model: a :class:`~metalearning.models.SinusoidMLP` / :class:`~metalearning.models.ConvNet4`
+        (or
+            any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used
+            unless ``params`` is None, and are never modified.
         params: meta-parameters phi: a ``{name: tensor}`` dict in the model's order, a flat vector
             (:func:`~metalearning.models.flatten_params` layout) or None for the module's own.
         tasks: a batched :class:`Task` (``support_x`` ``[n_tasks, ...]``) or a sequence of tasks.
@@ -416,7 +428,7 @@ def _adapt_and_score(
             for (n, p), gi in zip(fast.items(), g, strict=True)
         }
     with torch.no_grad():
-        out = functional_call(model, fast, (task.query_x,))
+        out: Tensor = functional_call(model, fast, (task.query_x,))
         if metric == "accuracy":
             return (out.argmax(-1) == task.query_y).float().mean()
         return F.mse_loss(out, task.query_y)
@@ -437,8 +449,8 @@ def evaluate(
     """Adapt on each task's support set for ``inner_steps`` SGD steps, then score its query set.
 
     Returns the mean query accuracy (classification) or MSE (regression) over the tasks with a 95%
-    confidence half-width ``1.96 * std / sqrt(n)`` (MAML's reporting convention). Build the tasks from
-    held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``.
+    confidence half-width ``1.96 * std / sqrt(n)`` (MAML's reporting convention). Build the tasks
+    from held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``.
     ``mean, ci95 = evaluate(...)`` unpacks.
     """
     dev = resolve_device(device)
@@ -459,7 +471,7 @@ def evaluate(
                 for _ in range(steps):
                     g = g_fn(fast, sx, sy)
                     fast = {n: fast[n] - inner_lr * g[n].detach() for n in fast}
-                out = functional_call(model, fast, (qx,))
+                out: Tensor = functional_call(model, fast, (qx,))
                 if metric == "accuracy":
                     return (out.argmax(-1) == qy).float().mean()
                 return F.mse_loss(out, qy)
@@ -510,7 +522,8 @@ def meta_train(
 ) -> Params:
     """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
 
-    ``next_batch(step)`` returns a batched :class:`Task`. Returns the trained parameters (a new dict).
+    ``next_batch(step)`` returns a batched :class:`Task`. Returns the trained parameters (a new
+    dict).
     This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
     """
     from metalearning.models import param_spec, unflatten_params

@@ -1,15 +1,20 @@
 """Networks of the meta-learning workload and the flat-vector parameter format.
 
 * :class:`SinusoidMLP` - the 1-40-40-1 ReLU regressor of Finn et al. (2017), Section 5.1.
-* :class:`ConvNet4` - the 4 x (conv3x3-64, norm, ReLU, max-pool 2) network of Vinyals et al. (2016) as used
-  by MAML and DP-MAML for Omniglot, then a linear head. Its normalisation is defined *per task*: either
-  transductive batch statistics (``norm="batch"``, no running statistics, as in MAML's reference code) or
-  GroupNorm (``norm="group"``, per example). Running statistics shared across tasks are never used: they
-  would leak information between tasks and break ``torch.func`` transforms.
+* :class:`ConvNet4` - the 4 x (conv3x3-64, norm, ReLU, max-pool 2) network of Vinyals et al. (2016)
+as used
+  by MAML and DP-MAML for Omniglot, then a linear head. Its normalisation is defined *per task*:
+  either
+  transductive batch statistics (``norm="batch"``, no running statistics, as in MAML's reference
+  code) or
+  GroupNorm (``norm="group"``, per example). Running statistics shared across tasks are never used:
+  they would leak information between tasks and break ``torch.func`` transforms.
 
-Models are used functionally: the meta-parameters live outside the module as a ``dict[str, Tensor]`` and
-:func:`torch.func.functional_call` evaluates the module with them. On the wire they travel as one flat
-float32 vector (:func:`flatten_params` / :func:`unflatten_params`) plus the model's :class:`ParamSpec`.
+Models are used functionally: the meta-parameters live outside the module as a ``dict[str,
+Tensor]`` and
+:func:`torch.func.functional_call` evaluates the module with them. On the wire they travel as one
+flat float32 vector (:func:`flatten_params` / :func:`unflatten_params`) plus the model's
+:class:`ParamSpec`.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class ParamSpec:
 
 
 def param_spec(model: nn.Module) -> ParamSpec:
-    """The :class:`ParamSpec` of ``model`` (``named_parameters`` order)."""
+    """Return the :class:`ParamSpec` of ``model`` (``named_parameters`` order)."""
     names, shapes = zip(*((n, tuple(p.shape)) for n, p in model.named_parameters()), strict=True)
     return ParamSpec(tuple(names), tuple(shapes))
 
@@ -114,7 +119,8 @@ class SinusoidMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Map ``[n, 1]`` inputs to ``[n, 1]`` predictions."""
-        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        y: Tensor = self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+        return y
 
 
 class _ConvBlock(nn.Module):
@@ -181,4 +187,5 @@ class ConvNet4(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Map ``[n, C, H, W]`` images to ``[n, n_way]`` logits."""
-        return self.head(self.blocks(x).flatten(1))
+        logits: Tensor = self.head(self.blocks(x).flatten(1))
+        return logits

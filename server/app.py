@@ -20,7 +20,11 @@ from flwr.serverapp import Grid, ServerApp
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
 
-for _k, _v in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"), ("RAY_USAGE_STATS_ENABLED", "0")):
+for _k, _v in (
+    ("FLWR_TELEMETRY_ENABLED", "0"),
+    ("FLWR_DISABLE_UPDATE_CHECK", "1"),
+    ("RAY_USAGE_STATS_ENABLED", "0"),
+):
     os.environ.setdefault(_k, _v)
 
 log = logging.getLogger("fedmeta.server")

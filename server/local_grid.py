@@ -24,7 +24,9 @@ Handler = Callable[[Message, Context], Any]
 class InProcessGrid(Grid):
     """Routes each message to ``handler(message, context)`` of its destination node, synchronously."""
 
-    def __init__(self, num_nodes: int, handler: Handler | None = None, *, first_node_id: int = 1000) -> None:
+    def __init__(
+        self, num_nodes: int, handler: Handler | None = None, *, first_node_id: int = 1000
+    ) -> None:
         if handler is None:
             from client.app import app as client_app
 
@@ -53,7 +55,12 @@ class InProcessGrid(Grid):
         return self._run
 
     def create_message(  # noqa: D102
-        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
     ) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
@@ -74,7 +81,9 @@ class InProcessGrid(Grid):
             try:
                 out = self.handler(msg, ctx)
             except Exception as error:  # noqa: BLE001 - a crashing ClientApp becomes an error reply
-                out = Message(Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=msg)
+                out = Message(
+                    Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=msg
+                )
             self.client_seconds += time.perf_counter() - t0
             if out is None:
                 continue

@@ -52,7 +52,9 @@ def gaussian_noise(dim: int, std: float, source: NoiseSource) -> Tensor:
     """``N(0, std^2 I_dim)`` in float64 on the CPU (summed in float64, cast by the caller)."""
     if not std >= 0:
         raise ValueError(f"std must be >= 0; got {std}")
-    return torch.normal(0.0, float(std), size=(int(dim),), generator=source.generator, dtype=torch.float64)
+    return torch.normal(
+        0.0, float(std), size=(int(dim),), generator=source.generator, dtype=torch.float64
+    )
 
 
 def noised_sum(total: Tensor, *, clip: float, event: Any, source: NoiseSource) -> NoisedSum:
@@ -68,5 +70,7 @@ def noised_sum(total: Tensor, *, clip: float, event: Any, source: NoiseSource) -
     if not clip > 0:
         raise ValueError(f"clip must be > 0; got {clip}")
     std = z * float(clip)
-    value = total.to(torch.float64) + gaussian_noise(total.numel(), std, source).reshape(total.shape)
+    value = total.to(torch.float64) + gaussian_noise(total.numel(), std, source).reshape(
+        total.shape
+    )
     return NoisedSum(value, event, std)

@@ -36,13 +36,19 @@ def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]
         f"planned rounds {cfg_summary['rounds']}"
     )
     if not private:
-        lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; NO privacy guarantee")
+        lines.append(
+            "mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; NO privacy guarantee"
+        )
         return "\n".join(lines)
     lines += [
         "mode: private (task-level DP, PLD accounting, enforced by the ledger)",
         f"budget: epsilon {_e(plan['epsilon_budget'], 'g')}, delta {_e(plan['delta'], 'g')} | clip C = {_e(plan['clip'], 'g')}",
         f"noise multiplier z = {_e(plan['noise_multiplier'], '.4f')}"
-        + (" (calibrated so the planned rounds spend the budget)" if plan.get("noise_calibrated") else ""),
+        + (
+            " (calibrated so the planned rounds spend the budget)"
+            if plan.get("noise_calibrated")
+            else ""
+        ),
         f"expected tasks per round (public normaliser): {_e(plan['expected_tasks_per_round'], '.2f')}",
         f"ledger before this run: {plan['ledger_records_before']} spends, epsilon {_e(plan['epsilon_spent_before'])}",
         f"rounds affordable: {plan['rounds_affordable']} | rounds this run will run: {plan['rounds_to_run']}",
@@ -51,7 +57,9 @@ def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]
     ]
     pub = plan.get("epsilon_tombs2022_published_at_end_NOT_VALID")
     if pub is not None:
-        lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(pub)} - NOT a valid guarantee, not enforced)")
+        lines.append(
+            f"(Tombs et al. 2022 Thm 3 as published: {_e(pub)} - NOT a valid guarantee, not enforced)"
+        )
     return "\n".join(lines)
 
 
@@ -67,7 +75,9 @@ def format_summary(s: dict[str, Any]) -> str:
             f"at delta {_e(s['delta'], 'g')} | participant level {_e(s['epsilon_participant_level'])}"
         )
         if s.get("noise_secure") is False:
-            lines.append("WARNING: insecure_test_seed was set - noise is reproducible, NOT private (tests only)")
+            lines.append(
+                "WARNING: insecure_test_seed was set - noise is reproducible, NOT private (tests only)"
+            )
     else:
         lines.append("NON-PRIVATE: no clipping, no noise, no privacy guarantee")
     ci = s["final_metric_ci95"]
@@ -77,7 +87,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"untrained meta-model: {_e(s['untrained_metric'], '.4f')}"
     )
     if s.get("rounds_lost_on_resume"):
-        lines.append(f"rounds spent but lost before a checkpoint (counted as spent): {s['rounds_lost_on_resume']}")
+        lines.append(
+            f"rounds spent but lost before a checkpoint (counted as spent): {s['rounds_lost_on_resume']}"
+        )
     return "\n".join(lines)
 
 
@@ -94,7 +106,12 @@ def write_rounds_csv(out_dir: Path, rows: list[dict[str, Any]], private: bool) -
     w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
     w.writeheader()
     for row in rows:
-        w.writerow({**{k: "" if v is None else v for k, v in row.items()}, "mode": "private" if private else "NON-PRIVATE"})
+        w.writerow(
+            {
+                **{k: "" if v is None else v for k, v in row.items()},
+                "mode": "private" if private else "NON-PRIVATE",
+            }
+        )
     path = Path(out_dir) / "rounds.csv"
     atomic_write_bytes(path, buf.getvalue().encode())
     return path
@@ -123,7 +140,14 @@ def write_plots(out_dir: Path, rows: list[dict[str, Any]], summary: dict[str, An
         ax.set_ylabel("epsilon spent")
         ax.legend()
     else:
-        ax.text(0.5, 0.5, "NON-PRIVATE run: no epsilon", ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "NON-PRIVATE run: no epsilon",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.set_xlabel("round")
     ax.set_title("privacy spent vs round" + tag)
     p = Path(out_dir) / "epsilon_vs_round.png"
@@ -151,7 +175,9 @@ def write_plots(out_dir: Path, rows: list[dict[str, Any]], summary: dict[str, An
     return out
 
 
-def write_all(out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True) -> None:
+def write_all(
+    out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True
+) -> None:
     """All files of a finished run."""
     write_summary(out_dir, summary)
     write_rounds_csv(out_dir, rows, bool(summary["private"]))

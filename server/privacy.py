@@ -104,13 +104,19 @@ def make_event(cfg: Config, scheme: Any, z: float, task_counts: Mapping[str, int
 def calibrate_z(cfg: Config, scheme: Any, rounds: int, target_epsilon: float) -> float:
     """Smallest z meeting ``target_epsilon`` after ``rounds`` rounds (task level)."""
     return float(
-        _acc("calibrate_noise_multiplier")(scheme, int(rounds), float(target_epsilon), cfg.privacy.delta)
+        _acc("calibrate_noise_multiplier")(
+            scheme, int(rounds), float(target_epsilon), cfg.privacy.delta
+        )
     )
 
 
 def open_ledger(cfg: Config, out_dir: Path, federation_id: str) -> Any:
     """Open (or create) the durable budget ledger for this federation."""
-    path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else Path(out_dir) / "ledger.sqlite"
+    path = (
+        Path(cfg.privacy.ledger_path)
+        if cfg.privacy.ledger_path
+        else Path(out_dir) / "ledger.sqlite"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     return _acc("BudgetLedger").open(
         path, federation_id, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta

@@ -19,7 +19,9 @@ def _f(x: float | None, fmt: str = ".4f") -> str:
 class ProgressBar:
     """Prints progress of a run; never raises."""
 
-    def __init__(self, stream: TextIO | None = None, width: int = 24, every: int | None = None) -> None:
+    def __init__(
+        self, stream: TextIO | None = None, width: int = 24, every: int | None = None
+    ) -> None:
         self.stream = stream or sys.stderr
         self.width = width
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())

@@ -133,10 +133,17 @@ class RoundLoop:
             time.sleep(0.2)
             nodes = list(self.grid.get_node_ids())
         if not nodes:
-            raise FederationError("no participant node connected before federation.register_timeout_s")
+            raise FederationError(
+                "no participant node connected before federation.register_timeout_s"
+            )
         content = ConfigRecord({P.RUN_ID: self.run_id, "config_json": cfg.model_dump_json()})
         msgs = [
-            Message(RecordDict({P.REGISTER_REQUEST: content}), int(n), P.MSG_REGISTER, group_id="register")
+            Message(
+                RecordDict({P.REGISTER_REQUEST: content}),
+                int(n),
+                P.MSG_REGISTER,
+                group_id="register",
+            )
             for n in nodes
         ]
         replies = list(self.grid.send_and_receive(msgs, timeout=cfg.federation.register_timeout_s))
@@ -144,7 +151,11 @@ class RoundLoop:
         node_of: dict[str, int] = {}
         for msg in replies:
             if msg.has_error():
-                log.warning("registration error from node %s: %s", msg.metadata.src_node_id, msg.error.reason)
+                log.warning(
+                    "registration error from node %s: %s",
+                    msg.metadata.src_node_id,
+                    msg.error.reason,
+                )
                 continue
             rec = msg.content.config_records.get(P.REGISTER_REPLY)
             if rec is None or P.PARTICIPANT_ID not in rec or P.TASK_COUNT not in rec:
@@ -231,16 +242,22 @@ class RoundLoop:
             opt.load_state_dict(state.optimizer_state)
         sampler_seed = None
         if self.test_seed is not None:
-            sampler_seed = int(np.random.SeedSequence([self.test_seed, state.next_round]).generate_state(1)[0])
+            sampler_seed = int(
+                np.random.SeedSequence([self.test_seed, state.next_round]).generate_state(1)[0]
+            )
         sampler = priv.make_sampler(scheme, sampler_seed, state.sampler_state)
         noise_seed = None if self.test_seed is None else self.test_seed * 7919 + state.next_round
         noise = NoiseSource.create(noise_seed)
         if self.private and not noise.secure:
-            log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
+            log.warning(
+                "INSECURE: noise and sampling use insecure_test_seed (tests only, not private)"
+            )
 
         val_tasks = held_out_tasks(cfg, "validation", cfg.dataset.validation_tasks)
         probe_tasks = (
-            held_out_tasks(cfg, "probe", cfg.dataset.probe_tasks) if cfg.dataset.probe_tasks else None
+            held_out_tasks(cfg, "probe", cfg.dataset.probe_tasks)
+            if cfg.dataset.probe_tasks
+            else None
         )
 
         spends_this_run = priv.run_spends(ledger, self.run_id) if ledger is not None else []
@@ -263,7 +280,9 @@ class RoundLoop:
             metric_name=metric,
         )
         _safe(self.observers, "run_started", started)
-        self._save(state, params, opt, sampler, ledger, z)  # run id recoverable from the first moment
+        self._save(
+            state, params, opt, sampler, ledger, z
+        )  # run id recoverable from the first moment
 
         stopped = STOP_PLANNED
         last_val: float | None = state.rows[-1].get("validation_metric") if state.rows else None
@@ -309,7 +328,12 @@ class RoundLoop:
                     }
                 )
                 msgs.append(
-                    Message(RecordDict({P.WEIGHTS: weights, P.REQUEST: req}), node, P.MSG_TRAIN, group_id=str(r))
+                    Message(
+                        RecordDict({P.WEIGHTS: weights, P.REQUEST: req}),
+                        node,
+                        P.MSG_TRAIN,
+                        group_id=str(r),
+                    )
                 )
                 expectations[node] = Expectation(
                     run_id=self.run_id,
@@ -322,12 +346,22 @@ class RoundLoop:
                     tolerance=cfg.privacy.clip_tolerance,
                 )
             t_sent = time.perf_counter()
-            replies = list(self.grid.send_and_receive(msgs, timeout=cfg.federation.round_timeout_s)) if msgs else []
+            replies = (
+                list(self.grid.send_and_receive(msgs, timeout=cfg.federation.round_timeout_s))
+                if msgs
+                else []
+            )
             t_recv = time.perf_counter()
             # 4. validation
             checked: RoundReplies = validate_round(replies, expectations)
             for rej in checked.rejected:
-                log.warning("round %d: dropped reply of participant %s: %s (%s)", r, rej.participant_id, rej.reason, rej.detail)
+                log.warning(
+                    "round %d: dropped reply of participant %s: %s (%s)",
+                    r,
+                    rej.participant_id,
+                    rej.reason,
+                    rej.detail,
+                )
             # 5. spend FIRST, then aggregate and release
             spends_recorded = None
             if self.private:
@@ -365,7 +399,9 @@ class RoundLoop:
                 allnorms = np.array([x for a in checked.accepted for x in a.post_clip_norms])
                 quantiles = {q: float(np.quantile(allnorms, q)) for q in (0.5, 0.9, 0.99)}
             compute_times = tuple(
-                a.compute_seconds / max(a.n_tasks, 1) for a in checked.accepted if a.compute_seconds is not None
+                a.compute_seconds / max(a.n_tasks, 1)
+                for a in checked.accepted
+                if a.compute_seconds is not None
             )
             row = {
                 "round": r + 1,
@@ -374,7 +410,9 @@ class RoundLoop:
                 "participants_failed": len(checked.rejected),
                 "tasks_requested": tasks_requested,
                 "tasks_received": received,
-                "norm_violations": sum(a.norm_violations + a.nonfinite_rows for a in checked.accepted),
+                "norm_violations": sum(
+                    a.norm_violations + a.nonfinite_rows for a in checked.accepted
+                ),
                 "epsilon": eps_task if is_report else None,
                 "epsilon_participant": eps_part if is_report else None,
                 "loss": loss,
@@ -481,7 +519,9 @@ class RoundLoop:
     # ----------------------------------------------------------------------------------------------
     # helpers
 
-    def _plan(self, ledger: Any, event: Any, z: float, calibrated: bool, exp_tasks: float) -> dict[str, Any]:
+    def _plan(
+        self, ledger: Any, event: Any, z: float, calibrated: bool, exp_tasks: float
+    ) -> dict[str, Any]:
         cfg = self.cfg
         before = ledger.position()
         eps_before = priv.ledger_epsilon(ledger)
@@ -506,14 +546,18 @@ class RoundLoop:
             "epsilon_spent_before": eps_before,
             "epsilon_task_at_end": eps_end,
             "epsilon_participant_at_end": eps_end_part,
-            "epsilon_tombs2022_published_at_end_NOT_VALID": priv.published_epsilon(event, will_run, cfg.privacy.delta),
+            "epsilon_tombs2022_published_at_end_NOT_VALID": priv.published_epsilon(
+                event, will_run, cfg.privacy.delta
+            ),
             "expected_tasks_per_round": exp_tasks,
             "participants": len(self.task_counts),
             "participants_per_round": cfg.sampling.participants_per_round,
             "stage2": cfg.sampling.stage2,
         }
 
-    def _initial_state(self, ckpt: dict[str, Any] | None, cfg: Config, model: Any, ledger: Any) -> RunState:
+    def _initial_state(
+        self, ckpt: dict[str, Any] | None, cfg: Config, model: Any, ledger: Any
+    ) -> RunState:
         from client.workload import initial_params
 
         if ckpt is None:
@@ -537,7 +581,8 @@ class RoundLoop:
             if lost:
                 log.warning(
                     "resume: rounds %s were spent in the ledger but their update was not checkpointed; "
-                    "they count as spent and are not re-run", lost
+                    "they count as spent and are not re-run",
+                    lost,
                 )
                 state.lost_rounds = lost
                 state.next_round = max(lost) + 1
@@ -546,7 +591,15 @@ class RoundLoop:
                     state.rows.append({"round": i + 1, "lost_on_resume": True})
         return state
 
-    def _save(self, state: RunState, params: torch.Tensor, opt: Any, sampler: Any, ledger: Any, z: float | None) -> None:
+    def _save(
+        self,
+        state: RunState,
+        params: torch.Tensor,
+        opt: Any,
+        sampler: Any,
+        ledger: Any,
+        z: float | None,
+    ) -> None:
         sampler_state = None
         try:
             sampler_state = sampler.state()
@@ -570,7 +623,9 @@ class RoundLoop:
             },
         )
 
-    def _evaluate(self, model: Any, params: torch.Tensor, tasks: Any, with_pre: bool = False) -> Any:
+    def _evaluate(
+        self, model: Any, params: torch.Tensor, tasks: Any, with_pre: bool = False
+    ) -> Any:
         from metalearning import evaluate
 
         cfg = self.cfg
@@ -603,7 +658,8 @@ def aggregate(
 ) -> tuple[torch.Tensor, int, float | None]:
     """Sum the validated clipped gradients; private: add N(0,(zC)^2 I) and divide by the *expected*
     task count (public). Non-private: the plain mean over received tasks. Returns (update, received,
-    noise std). The caller has already recorded the spend."""
+    noise std). The caller has already recorded the spend.
+    """
     total = torch.zeros(dim, dtype=torch.float64)
     received = 0
     for acc in accepted:

@@ -63,7 +63,8 @@ def _handle(args: argparse.Namespace) -> int:
 
 def _resume_config(args: argparse.Namespace) -> Any:
     """On --resume the checkpoint's configuration is used; only ``rounds`` (and output/metrics keys)
-    may be overridden, so a resumed run cannot silently change its privacy parameters."""
+    may be overridden, so a resumed run cannot silently change its privacy parameters.
+    """
     from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
     from server.checkpoint import load_checkpoint
 

@@ -139,10 +139,14 @@ def validate_reply(message: Message, exp: Expectation) -> Accepted | Rejected:
     if str(meta[P.RUN_ID]) != exp.run_id:
         return _reject(pid, REASON_WRONG_RUN, f"run {meta[P.RUN_ID]!r}, expected {exp.run_id!r}")
     if not isinstance(meta[P.ROUND_ID], int) or meta[P.ROUND_ID] != exp.round_id:
-        return _reject(pid, REASON_WRONG_ROUND, f"round {meta[P.ROUND_ID]!r}, expected {exp.round_id}")
+        return _reject(
+            pid, REASON_WRONG_ROUND, f"round {meta[P.ROUND_ID]!r}, expected {exp.round_id}"
+        )
     if str(meta[P.PARTICIPANT_ID]) != pid:
         return _reject(
-            pid, REASON_WRONG_PARTICIPANT, f"participant {meta[P.PARTICIPANT_ID]!r}, expected {pid!r}"
+            pid,
+            REASON_WRONG_PARTICIPANT,
+            f"participant {meta[P.PARTICIPANT_ID]!r}, expected {pid!r}",
         )
     raw_ids = meta[P.TASK_IDS]
     if not isinstance(raw_ids, list) or not all(isinstance(t, int) for t in raw_ids):
@@ -165,19 +169,25 @@ def validate_reply(message: Message, exp: Expectation) -> Accepted | Rejected:
     return _validate_per_task(pid, ids, arrays, exp, compute)
 
 
-def _check_array(pid: str, arrays: object, key: str, shape: tuple[int, ...]) -> np.ndarray | Rejected:
+def _check_array(
+    pid: str, arrays: object, key: str, shape: tuple[int, ...]
+) -> np.ndarray | Rejected:
     if key not in arrays:  # type: ignore[operator]
         return _reject(pid, REASON_MISSING_RECORD, f"reply lacks array {key!r}")
     arr = arrays[key]  # type: ignore[index]
     if str(getattr(arr, "dtype", None)) != "float32":
-        return _reject(pid, REASON_BAD_DTYPE, f"{key}: dtype {getattr(arr, 'dtype', None)}, expected float32")
+        return _reject(
+            pid, REASON_BAD_DTYPE, f"{key}: dtype {getattr(arr, 'dtype', None)}, expected float32"
+        )
     if tuple(getattr(arr, "shape", ())) != shape:
         return _reject(pid, REASON_BAD_SHAPE, f"{key}: shape {tuple(arr.shape)}, expected {shape}")
     a = _as_float_array(arr, key)
     if isinstance(a, str):
         return _reject(pid, REASON_BAD_DTYPE, a)
     if a.dtype != np.float32 or a.shape != shape:
-        return _reject(pid, REASON_BAD_SHAPE, f"{key}: decoded {a.dtype} {a.shape}, expected {shape}")
+        return _reject(
+            pid, REASON_BAD_SHAPE, f"{key}: decoded {a.dtype} {a.shape}, expected {shape}"
+        )
     return a
 
 
@@ -265,7 +275,9 @@ def validate_round(
         node = int(msg.metadata.src_node_id)
         exp = expectations.get(node)
         if exp is None:
-            out.rejected.append(_reject(None, REASON_UNEXPECTED_SENDER, f"node {node} was not asked"))
+            out.rejected.append(
+                _reject(None, REASON_UNEXPECTED_SENDER, f"node {node} was not asked")
+            )
             continue
         if node in seen:
             out.rejected.append(_reject(exp.participant_id, REASON_DUPLICATE_REPLY, "second reply"))
@@ -278,5 +290,7 @@ def validate_round(
             out.accepted.append(result)
     for node, exp in expectations.items():
         if node not in seen:
-            out.rejected.append(_reject(exp.participant_id, REASON_TIMEOUT, "no reply before the timeout"))
+            out.rejected.append(
+                _reject(exp.participant_id, REASON_TIMEOUT, "no reply before the timeout")
+            )
     return out

@@ -31,8 +31,14 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: TwoStagePoissonScheme(10, 11, 0.1), "participants_per_round must be <= participants"),
-        (lambda: TwoStagePoissonScheme(10, 2, 1.5), "task_rate must be a number in \\(0, 1\\]; got 1.5"),
+        (
+            lambda: TwoStagePoissonScheme(10, 11, 0.1),
+            "participants_per_round must be <= participants",
+        ),
+        (
+            lambda: TwoStagePoissonScheme(10, 2, 1.5),
+            "task_rate must be a number in \\(0, 1\\]; got 1.5",
+        ),
         (lambda: TwoStagePoissonScheme(0, 0, 0.1), "participants must be an integer >= 1; got 0"),
         (lambda: TwoStageFixedScheme(10, 2, 6, 5), "tasks_per_round must be <= min_tasks"),
         (lambda: FlatPoissonScheme(0.0), "rate must be a number in \\(0, 1\\]; got 0.0"),
@@ -68,8 +74,9 @@ def test_contract_no_rounds_is_zero_and_units() -> None:
 
 @pytest.mark.unit
 def test_sampler_runs_the_scheme() -> None:
-    scheme = TwoStageFixedScheme(participants=5, participants_per_round=2, tasks_per_round=3,
-                                 min_tasks=4)
+    scheme = TwoStageFixedScheme(
+        participants=5, participants_per_round=2, tasks_per_round=3, min_tasks=4
+    )
     counts = {f"p{i}": 4 + i for i in range(5)}
     sampler = TwoStageSampler(scheme, seed=1)  # test seed
     seen: Counter[str] = Counter()
@@ -92,16 +99,20 @@ def test_sampler_runs_the_scheme() -> None:
 def test_sampler_poisson_rate_and_checkpoint() -> None:
     scheme = TwoStagePoissonScheme(participants=3, participants_per_round=3, task_rate=0.3)
     sampler = TwoStageSampler(scheme, seed=7)
-    total = sum(len(t) for _ in range(500) for t in sampler.sample({"a": 10, "b": 10, "c": 10}).values())
+    total = sum(
+        len(t) for _ in range(500) for t in sampler.sample({"a": 10, "b": 10, "c": 10}).values()
+    )
     assert total / (500 * 30) == pytest.approx(0.3, abs=0.02)
     state = sampler.state()
     resumed = TwoStageSampler.from_state(scheme, json.loads(json.dumps(state)))
     assert [sampler.sample({"a": 10, "b": 10, "c": 10}) for _ in range(5)] == [
-        resumed.sample({"a": 10, "b": 10, "c": 10}) for _ in range(5)]
+        resumed.sample({"a": 10, "b": 10, "c": 10}) for _ in range(5)
+    ]
     # Without a seed the generator is seeded from `secrets`: two samplers differ.
     s1, s2 = TwoStageSampler(scheme), TwoStageSampler(scheme)
     assert [s1.sample({"a": 50}) if False else s1._rng.random() for _ in range(3)] != [  # noqa: SLF001
-        s2._rng.random() for _ in range(3)]  # noqa: SLF001
+        s2._rng.random() for _ in range(3)
+    ]  # noqa: SLF001
     assert isinstance(s1._rng, np.random.Generator)  # noqa: SLF001
 
 
@@ -123,8 +134,18 @@ def _cli(argv: list[str]) -> int:
     return int(args.func(args))
 
 
-TWO_STAGE = ["--participants", "100", "--participants-per-round", "10", "--noise-multiplier", "1.0",
-             "--rounds", "2000", "--delta", "1e-6"]
+TWO_STAGE = [
+    "--participants",
+    "100",
+    "--participants-per-round",
+    "10",
+    "--noise-multiplier",
+    "1.0",
+    "--rounds",
+    "2000",
+    "--delta",
+    "1e-6",
+]
 
 
 @pytest.mark.unit
@@ -135,17 +156,51 @@ def test_cli_epsilon_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["epsilon_rdp"] >= out["epsilon"]
     assert out["delta"] == 1e-6
     assert out["epsilon_tombs2022_published"] == pytest.approx(2.96, rel=0.01)
-    assert _cli(["privacy", "epsilon", *TWO_STAGE, "--tasks-per-round", "5", "--min-tasks", "50"]) == 0
+    assert (
+        _cli(["privacy", "epsilon", *TWO_STAGE, "--tasks-per-round", "5", "--min-tasks", "50"]) == 0
+    )
     assert "51.0" in capsys.readouterr().out
 
 
 @pytest.mark.unit
 def test_cli_calibrate_and_max_rounds(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _cli(["privacy", "calibrate", "--flat-poisson-rate", "0.01", "--rounds", "2000",
-                 "--delta", "1e-6", "--target-epsilon", "1.5", "--json"]) == 0
+    assert (
+        _cli(
+            [
+                "privacy",
+                "calibrate",
+                "--flat-poisson-rate",
+                "0.01",
+                "--rounds",
+                "2000",
+                "--delta",
+                "1e-6",
+                "--target-epsilon",
+                "1.5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["noise_multiplier"] == pytest.approx(1.51, rel=0.01)
-    assert _cli(["privacy", "max-rounds", "--flat-poisson-rate", "0.01", "--noise-multiplier", "1",
-                 "--delta", "1e-6", "--epsilon", "1.0", "--json"]) == 0
+    assert (
+        _cli(
+            [
+                "privacy",
+                "max-rounds",
+                "--flat-poisson-rate",
+                "0.01",
+                "--noise-multiplier",
+                "1",
+                "--delta",
+                "1e-6",
+                "--epsilon",
+                "1.0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rounds = json.loads(capsys.readouterr().out)["rounds"]
     event = GaussianRound(FlatPoissonScheme(0.01), 1.0)
     assert epsilon([(event, rounds)], 1e-6) <= 1.0 < epsilon([(event, rounds + 1)], 1e-6)
@@ -153,9 +208,23 @@ def test_cli_calibrate_and_max_rounds(capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.unit
 def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["privacy", "compare", "--participants", "100", "--participants-per-round", "10",
-            "--tasks-per-round", "5", "--min-tasks", "50", "--noise-multiplier", "1",
-            "--rounds", "200", "--json"]
+    argv = [
+        "privacy",
+        "compare",
+        "--participants",
+        "100",
+        "--participants-per-round",
+        "10",
+        "--tasks-per-round",
+        "5",
+        "--min-tasks",
+        "50",
+        "--noise-multiplier",
+        "1",
+        "--rounds",
+        "200",
+        "--json",
+    ]
     assert _cli(argv) == 0
     designs = json.loads(capsys.readouterr().out)["designs"]
     assert len(designs) == 5
@@ -170,15 +239,40 @@ def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
         (["privacy", "epsilon", *TWO_STAGE, "--task-rate", "1.5"], "--task-rate"),
         (["privacy", "epsilon", *TWO_STAGE], "--task-rate"),
         (["privacy", "epsilon", *TWO_STAGE, "--tasks-per-round", "5"], "--min-tasks"),
-        (["privacy", "epsilon", "--flat-poisson-rate", "0.1", "--noise-multiplier", "-1",
-          "--rounds", "3"], "--noise-multiplier"),
-        (["privacy", "epsilon", "--flat-poisson-rate", "0.1", "--noise-multiplier", "1",
-          "--rounds", "3", "--delta", "2"], "--delta"),
+        (
+            [
+                "privacy",
+                "epsilon",
+                "--flat-poisson-rate",
+                "0.1",
+                "--noise-multiplier",
+                "-1",
+                "--rounds",
+                "3",
+            ],
+            "--noise-multiplier",
+        ),
+        (
+            [
+                "privacy",
+                "epsilon",
+                "--flat-poisson-rate",
+                "0.1",
+                "--noise-multiplier",
+                "1",
+                "--rounds",
+                "3",
+                "--delta",
+                "2",
+            ],
+            "--delta",
+        ),
         (["ledger", "show", "--db", "/nonexistent/ledger.db"], "no ledger"),
     ],
 )
-def test_cli_bad_input_exit_2_names_the_flag(argv: list[str], flag: str,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_bad_input_exit_2_names_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _cli(argv) == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
@@ -193,14 +287,31 @@ def test_cli_ledger_show_and_console_script(tmp_path: Path) -> None:
             ledger.spend(event, "run-1", i)
     result = subprocess.run(
         [sys.executable, "-m", "fedmeta.cli", "ledger", "show", "--db", str(db), "--json"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     out = json.loads(result.stdout)["federations"][0]
     assert out["records"] == 3 and out["runs"]["run-1"]["spends"] == 3
     assert out["epsilon"] == pytest.approx(epsilon([(event, 3)], 1e-6))
     bad = subprocess.run(
-        [sys.executable, "-m", "fedmeta.cli", "privacy", "epsilon", "--flat-poisson-rate", "7",
-         "--noise-multiplier", "1", "--rounds", "3"], cwd=REPO, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "fedmeta.cli",
+            "privacy",
+            "epsilon",
+            "--flat-poisson-rate",
+            "7",
+            "--noise-multiplier",
+            "1",
+            "--rounds",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2 and "--flat-poisson-rate" in bad.stderr
     assert "Traceback" not in bad.stderr

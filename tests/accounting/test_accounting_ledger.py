@@ -1,4 +1,5 @@
-"""Ledger: check-then-commit, recomputation on open, tamper detection, SIGKILL, concurrent writers."""
+"""Ledger: check-then-commit, recomputation on open, tamper detection, SIGKILL, concurrent
+writers."""
 
 from __future__ import annotations
 
@@ -105,8 +106,10 @@ def _tamper(db: Path, sql: str) -> None:
 @pytest.mark.parametrize(
     ("sql", "message"),
     [
-        ("UPDATE spends SET event = replace(event, '1.0', '9.0') WHERE position = 1",
-         "record #1 .*do not match its hash"),
+        (
+            "UPDATE spends SET event = replace(event, '1.0', '9.0') WHERE position = 1",
+            "record #1 .*do not match its hash",
+        ),
         ("DELETE FROM spends WHERE position = 1", "record #2 .*expected record #1"),
         ("DELETE FROM spends WHERE position = 2", "head names record #2"),
         ("UPDATE spends SET round_index = 7 WHERE position = 0", "record #0 .*edited"),
@@ -155,8 +158,11 @@ _WRITER = textwrap.dedent(
 
 def _writer(db: Path, run_id: str, count: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(db), run_id, str(count)], cwd=REPO,
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-c", _WRITER, str(db), run_id, str(count)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
 
 
@@ -193,4 +199,6 @@ def test_two_concurrent_writer_processes_lose_no_record(tmp_path: Path) -> None:
         records = ledger.records()
         assert len(records) == 50
         for k in range(2):
-            assert sorted(r.round_index for r in records if r.run_id == f"run-{k}") == list(range(25))
+            assert sorted(r.round_index for r in records if r.run_id == f"run-{k}") == list(
+                range(25)
+            )

@@ -36,8 +36,9 @@ def eps(q1: float, q2: float, z: float, t: int, method: str = "pld") -> float:
 @pytest.mark.unit
 @FAST
 @given(q1=rates, q2=rates, z=zs, t=st.integers(1, 40), extra=st.integers(1, 40))
-def test_monotone_in_rounds_and_pld_below_rdp(q1: float, q2: float, z: float, t: int,
-                                              extra: int) -> None:
+def test_monotone_in_rounds_and_pld_below_rdp(
+    q1: float, q2: float, z: float, t: int, extra: int
+) -> None:
     base = eps(q1, q2, z, t)
     assert base <= eps(q1, q2, z, t + extra) + 1e-9
     assert base <= eps(q1, q2, z, t, "rdp") + 1e-9
@@ -58,8 +59,9 @@ def test_monotone_in_rates_and_noise(q1: float, q2: float, z: float, t: int) -> 
 @given(q2=rates, t=st.integers(5, 50), target=st.sampled_from([1.0, 2.0, 4.0]))
 def test_calibrate_and_max_rounds_are_inverse_to_epsilon(q2: float, t: int, target: float) -> None:
     scheme = TwoStagePoissonScheme(100, 10, q2)
-    z = calibrate_noise_multiplier(scheme, t, target, 1e-5, discretization=GRID,
-                                   relative_tolerance=1e-2)
+    z = calibrate_noise_multiplier(
+        scheme, t, target, 1e-5, discretization=GRID, relative_tolerance=1e-2
+    )
     assert epsilon([(GaussianRound(scheme, z), t)], 1e-5, discretization=GRID) <= target
     assert epsilon([(GaussianRound(scheme, z * 0.98), t)], 1e-5, discretization=GRID) > target
     event = GaussianRound(scheme, z)
@@ -72,7 +74,8 @@ def test_calibrate_and_max_rounds_are_inverse_to_epsilon(q2: float, t: int, targ
 # ------------------------------------------------------------------------------------ audit
 #
 # The real per-round path (TwoStageSampler -> clip -> sum -> Gaussian noise) runs many times on
-# worst-case neighbouring datasets D (with the target task) and D' (without). A test fixed in advance
+# worst-case neighbouring datasets D (with the target task) and D' (without). A test fixed in
+# advance
 # (output in a window above THRESHOLD) gives a Clopper-Pearson lower bound on epsilon:
 #     eps >= log((TPR_lower - delta) / FPR_upper).
 # It must stay below the accountant, and exceed both negative controls (Theorem 3; fixed-size
@@ -87,8 +90,9 @@ def clip(g: np.ndarray) -> np.ndarray:
     return g * np.minimum(1.0, C / np.maximum(norms, 1e-12))
 
 
-def run_rounds(scheme: TwoStageFixedScheme, grads: dict[str, np.ndarray], trials: int,
-               seed: int) -> np.ndarray:
+def run_rounds(
+    scheme: TwoStageFixedScheme, grads: dict[str, np.ndarray], trials: int, seed: int
+) -> np.ndarray:
     sampler = TwoStageSampler(scheme, seed=seed)  # fixed test seed
     clipped = {pid: clip(g) for pid, g in grads.items()}
     counts = {pid: len(g) for pid, g in grads.items()}
@@ -100,8 +104,9 @@ def run_rounds(scheme: TwoStageFixedScheme, grads: dict[str, np.ndarray], trials
     return sums + noise
 
 
-def audit_lower_bound(with_target: np.ndarray, without: np.ndarray, low: float,
-                      high: float) -> float:
+def audit_lower_bound(
+    with_target: np.ndarray, without: np.ndarray, low: float, high: float
+) -> float:
     n = len(with_target)
     tp = int(np.count_nonzero((with_target > low) & (with_target < high)))
     fp = int(np.count_nonzero((without > low) & (without < high)))
@@ -116,8 +121,9 @@ def two_stage_audit(trials: int, seed: int) -> tuple[float, GaussianRound]:
     # 4 participants, 2 per round; 8 of 16 tasks. The target participant's 15 siblings have
     # gradient -3 (clipped to -1) and the target +3 (clipped to +1); the others' tasks are +1.
     # Sum: participant unsampled -> 16; sampled -> 0 without the target, 2 with it.
-    scheme = TwoStageFixedScheme(participants=4, participants_per_round=2, tasks_per_round=8,
-                                 min_tasks=16)
+    scheme = TwoStageFixedScheme(
+        participants=4, participants_per_round=2, tasks_per_round=8, min_tasks=16
+    )
     others = {f"p{i}": np.full(16, 1.0) for i in range(1, 4)}
     d = {"t": np.array([3.0] + [-3.0] * 15), **others}
     d_prime = {"t": np.full(15, -3.0), **others}
@@ -130,10 +136,13 @@ def two_stage_audit(trials: int, seed: int) -> tuple[float, GaussianRound]:
 
 def fixed_size_audit(trials: int, seed: int) -> tuple[float, GaussianRound]:
     # Single stage, 1 of 2 tasks (the two-stage sampler with one participant): target +1, other -1.
-    scheme = TwoStageFixedScheme(participants=1, participants_per_round=1, tasks_per_round=1,
-                                 min_tasks=2)
+    scheme = TwoStageFixedScheme(
+        participants=1, participants_per_round=1, tasks_per_round=1, min_tasks=2
+    )
     out_d = run_rounds(scheme, {"t": np.array([2.0, -2.0])}, trials, seed)
-    out_dp = run_rounds(TwoStageFixedScheme(1, 1, 1, 1), {"t": np.array([-2.0])}, trials, seed + 100)
+    out_dp = run_rounds(
+        TwoStageFixedScheme(1, 1, 1, 1), {"t": np.array([-2.0])}, trials, seed + 100
+    )
     return audit_lower_bound(out_d, out_dp, 2.5, np.inf), GaussianRound(FixedSizeScheme(1, 2), Z)
 
 

@@ -22,8 +22,9 @@ from accounting import (
 )
 
 # The note's two-stage example: P = 100, n1 = 10, smallest participant 50 tasks, n2 = 5 / q2 = 0.1.
-FIXED = TwoStageFixedScheme(participants=100, participants_per_round=10, tasks_per_round=5,
-                            min_tasks=50)
+FIXED = TwoStageFixedScheme(
+    participants=100, participants_per_round=10, tasks_per_round=5, min_tasks=50
+)
 POISSON = TwoStagePoissonScheme(participants=100, participants_per_round=10, task_rate=0.1)
 
 
@@ -36,11 +37,15 @@ def close_and_not_below(value: float, reference: float, decimals: int) -> None:
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("z", "q", "rounds", "eps_pld", "eps_rdp"),
-    [(1.0, 0.004, 250, 0.498, 1.147), (1.0, 0.01, 100, 0.954, 1.507),
-     (1.1, 0.01, 10_000, 5.807, 6.230)],
+    [
+        (1.0, 0.004, 250, 0.498, 1.147),
+        (1.0, 0.01, 100, 0.954, 1.507),
+        (1.1, 0.01, 10_000, 5.807, 6.230),
+    ],
 )
-def test_poisson_subsampled_gaussian_table(z: float, q: float, rounds: int, eps_pld: float,
-                                            eps_rdp: float) -> None:
+def test_poisson_subsampled_gaussian_table(
+    z: float, q: float, rounds: int, eps_pld: float, eps_rdp: float
+) -> None:
     event = GaussianRound(FlatPoissonScheme(q), z)
     close_and_not_below(epsilon([(event, rounds)], 1e-6), eps_pld, 3)
     close_and_not_below(epsilon([(event, rounds)], 1e-6, method="rdp"), eps_rdp, 3)
@@ -62,9 +67,11 @@ def test_conventions_anchor_is_the_rdp_value_and_pld_is_below_it() -> None:
 def test_dp_maml_default_poisson_versus_fixed_lots() -> None:
     # Note, section 3: z = 1, lot 1600 of 400,000, 250 updates: 0.50 (Poisson), 6.11 (fixed-size).
     assert epsilon([(GaussianRound(FlatPoissonScheme(1600 / 400_000), 1.0), 250)], 1e-6) == (
-        pytest.approx(0.498, rel=0.01))
+        pytest.approx(0.498, rel=0.01)
+    )
     close_and_not_below(
-        epsilon([(GaussianRound(FixedSizeScheme(1600, 400_000), 1.0), 250)], 1e-6), 6.11, 2)
+        epsilon([(GaussianRound(FixedSizeScheme(1600, 400_000), 1.0), 250)], 1e-6), 6.11, 2
+    )
 
 
 @pytest.mark.unit
@@ -78,7 +85,8 @@ def test_two_stage_example_table() -> None:
     published = tombs2022_published_epsilon(GaussianRound(FIXED, 1.0), t, d)
     assert published == pytest.approx(2.96, rel=0.01)
     assert tombs2022_published_epsilon(GaussianRound(POISSON, 1.0), t, d) == pytest.approx(
-        published, rel=1e-9)
+        published, rel=1e-9
+    )
 
 
 @pytest.mark.unit
@@ -130,8 +138,12 @@ def theorem3_delta(eps_prime: float, eta: float = 0.01) -> float:
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("eps", "true_delta", "thm3"),
-    [(0.10, 5.60e-3, 7.29e-5), (0.50, 3.29e-3, 2.22e-7), (1.00, 1.96e-3, 2.73e-9),
-     (2.00, 7.18e-4, 1.73e-12)],
+    [
+        (0.10, 5.60e-3, 7.29e-5),
+        (0.50, 3.29e-3, 2.22e-7),
+        (1.00, 1.96e-3, 2.73e-9),
+        (2.00, 7.18e-4, 1.73e-12),
+    ],
 )
 def test_counterexample(eps: float, true_delta: float, thm3: float) -> None:
     exact = exact_remove_delta(eps)
@@ -150,7 +162,8 @@ def test_counterexample(eps: float, true_delta: float, thm3: float) -> None:
 def test_counterexample_published_epsilon_at_one_round() -> None:
     # Note: for one round at delta = 1e-5 Theorem 3 claims eps = 0.20.
     assert tombs2022_published_epsilon(GaussianRound(FIXED, 1.0), 1, 1e-5) == pytest.approx(
-        0.20, rel=0.01)
+        0.20, rel=0.01
+    )
     assert epsilon([(GaussianRound(FIXED, 1.0), 1)], 1e-5) > 1.52  # the audit's lower bound
 
 

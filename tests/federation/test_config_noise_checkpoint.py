@@ -26,7 +26,12 @@ def test_defaults_and_interface_keys() -> None:
         "privacy.noise_multiplier=1.2", "privacy.enabled=false", "dataset.name=sinusoid",
         "federation.participants=9", "metrics.port=9100",
     ])  # fmt: skip
-    assert (cfg.rounds, cfg.seed, cfg.privacy.epsilon_budget, cfg.privacy.delta) == (7, 3, 2.5, 1e-6)
+    assert (cfg.rounds, cfg.seed, cfg.privacy.epsilon_budget, cfg.privacy.delta) == (
+        7,
+        3,
+        2.5,
+        1e-6,
+    )
     assert cfg.privacy.noise_multiplier == 1.2 and cfg.privacy.enabled is False
     assert cfg.federation.participants == 9 and cfg.metrics.port == 9100
     assert cfg.metrics.bind == "127.0.0.1" and cfg.metrics.private_diagnostics is False
@@ -48,7 +53,10 @@ def test_shipped_configs_validate(path: Path, tmp_path: Path) -> None:
         ("sampling.task_rate=1.5", "sampling.task_rate must be > 0 and <= 1"),
         ("dataset.name=mnist", "dataset.name must be one of"),
         ("federation.participantz=3", "federation.participantz unknown key"),
-        ("sampling.participants_per_round=50", "sampling.participants_per_round must be in [1, federation.participants=20]"),
+        (
+            "sampling.participants_per_round=50",
+            "sampling.participants_per_round must be in [1, federation.participants=20]",
+        ),
         ("dataset.name=omniglot", "dataset.path must be set"),
         ("sampling.stage2=fixed", "sampling.tasks_per_round must be set"),
         ("metrics.port=70000", "metrics.port must be >= 0 and <= 65535"),
@@ -99,7 +107,11 @@ def test_checkpoint_roundtrip_and_atomicity(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path) is None
     save_checkpoint(tmp_path, {"params": torch.arange(3.0), "next_round": 4})
     state = load_checkpoint(tmp_path)
-    assert state is not None and state["next_round"] == 4 and torch.equal(state["params"], torch.arange(3.0))
+    assert (
+        state is not None
+        and state["next_round"] == 4
+        and torch.equal(state["params"], torch.arange(3.0))
+    )
     atomic_write_bytes(tmp_path / "x.bin", b"abc")
     assert (tmp_path / "x.bin").read_bytes() == b"abc"
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]

@@ -72,7 +72,9 @@ def run(cfg: Config, out: Path, ledger: FakeLedger, mp: pytest.MonkeyPatch, hand
     return execute(cfg, grid, out_dir=out, resume=resume, observers=observers or [], echo=False)
 
 
-def test_private_run_spends_once_per_round_before_noise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_private_run_spends_once_per_round_before_noise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
     seen: list[int] = []
     real = round_mod.noised_sum
@@ -85,7 +87,9 @@ def test_private_run_spends_once_per_round_before_noise(tmp_path: Path, monkeypa
     rec = Recorder()
     result = run(small(), tmp_path, ledger, monkeypatch, observers=[rec])
     assert seen == [1, 2, 3, 4, 5, 6]
-    assert [(r.run_id, r.round_index) for r in ledger.records()] == [(result.summary["run_id"], i) for i in range(6)]
+    assert [(r.run_id, r.round_index) for r in ledger.records()] == [
+        (result.summary["run_id"], i) for i in range(6)
+    ]
     s = json.loads((tmp_path / "summary.json").read_text())
     for key in ("rounds_completed", "stopped_reason", "epsilon_spent", "epsilon_participant_level",
                 "delta", "epsilon_budget", "final_metric", "final_metric_ci95"):  # fmt: skip
@@ -100,7 +104,9 @@ def test_private_run_spends_once_per_round_before_noise(tmp_path: Path, monkeypa
     assert (tmp_path / "checkpoint.pt").is_file()
 
 
-def test_budget_exhaustion_stops_before_the_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_budget_exhaustion_stops_before_the_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = FakeLedger(budget=0.45, eps_per_round=0.1)
     result = run(small("rounds=50"), tmp_path, ledger, monkeypatch)
     s = result.summary
@@ -110,7 +116,9 @@ def test_budget_exhaustion_stops_before_the_round(tmp_path: Path, monkeypatch: p
     assert s["epsilon_spent"] <= 0.45
 
 
-def test_non_private_mode_is_labelled_and_leaves_the_ledger_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_non_private_mode_is_labelled_and_leaves_the_ledger_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
     rec = Recorder()
     result = run(small("privacy.enabled=false"), tmp_path, ledger, monkeypatch, observers=[rec])
@@ -124,7 +132,9 @@ def test_non_private_mode_is_labelled_and_leaves_the_ledger_alone(tmp_path: Path
     assert result.summary["rounds_completed"] == 6
 
 
-def test_misbehaving_participants_do_not_stop_the_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_misbehaving_participants_do_not_stop_the_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def handler(msg: Message, ctx: Context) -> Any:
         pid = int(ctx.node_config[P.NODE_PARTITION_ID])
         reply = client_app(msg, ctx)
@@ -189,7 +199,9 @@ class CrashAt:
     def run_finished(self, e: RunFinished) -> None: ...
 
 
-def test_resume_never_respends_and_never_loses_a_spend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_never_respends_and_never_loses_a_spend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
     cfg = small("rounds=8", "training.checkpoint_every=4")
     with pytest.raises(Crash):
@@ -204,17 +216,23 @@ def test_resume_never_respends_and_never_loses_a_spend(tmp_path: Path, monkeypat
     assert s["rounds_lost_on_resume"] == [4, 5]
 
 
-def test_resume_in_sync_continues_where_it_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_in_sync_continues_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
     cfg = small("rounds=8", "training.checkpoint_every=1")
     with pytest.raises(Crash):
         run(cfg, tmp_path, ledger, monkeypatch, observers=[CrashAt(3)])
     result = run(cfg, tmp_path, ledger, monkeypatch, resume=True)
     assert [r.round_index for r in ledger.records()] == list(range(8))
-    assert result.summary["rounds_lost_on_resume"] == [] or result.summary["rounds_lost_on_resume"] == [2]
+    assert result.summary["rounds_lost_on_resume"] == [] or result.summary[
+        "rounds_lost_on_resume"
+    ] == [2]
 
 
-def test_reproducible_with_the_insecure_test_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reproducible_with_the_insecure_test_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = small("privacy.insecure_test_seed=5", "rounds=3")
     a = run(cfg, tmp_path / "a", FakeLedger(100.0, 0.1), monkeypatch)
     b = run(cfg, tmp_path / "b", FakeLedger(100.0, 0.1), monkeypatch)
@@ -223,3 +241,21 @@ def test_reproducible_with_the_insecure_test_seed(tmp_path: Path, monkeypatch: p
     c = run(small("rounds=3"), tmp_path / "c", FakeLedger(100.0, 0.1), monkeypatch)
     assert c.summary["noise_secure"] is True
     assert np.isfinite(c.summary["final_metric"])
+
+
+def test_sum_and_norms_reply_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
+    rec = Recorder()
+    cfg = small("federation.reply_format=sum_and_norms", "rounds=3")
+    result = run(cfg, tmp_path, ledger, monkeypatch, observers=[rec])
+    assert result.summary["rounds_completed"] == 3
+    assert sum(r.tasks_received for r in rec.rounds) == sum(r.tasks_requested for r in rec.rounds)
+    assert all(not r.rejected_by_reason for r in rec.rounds)
+
+
+def test_private_diagnostics_are_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder()
+    cfg = small("metrics.private_diagnostics=true", "rounds=2")
+    run(cfg, tmp_path, FakeLedger(100.0, 0.1), monkeypatch, observers=[rec])
+    assert rec.rounds[0].clipped_fraction is not None
+    assert rec.rounds[0].pre_clip_norm_quantiles is not None

@@ -1,9 +1,9 @@
-"""Task data, Omniglot/image-folder loaders, checksums and federated partitions (metalearning.data)."""
+"""Task data, Omniglot/image-folder loaders, checksums and federated partitions
+(metalearning.data)."""
 
 from __future__ import annotations
 
 import io
-import math
 import time
 import zipfile
 from pathlib import Path
@@ -28,7 +28,7 @@ def test_sinusoid_tasks_ranges_and_determinism() -> None:
     assert b.support_x.shape == (50, 5, 1) and b.query_y.shape == (50, 7, 1)
     assert float(b.support_x.min()) >= -5 and float(b.support_x.max()) <= 5
     assert float(b.query_y.abs().max()) <= 5
-    assert all(torch.equal(x, y) for x, y in zip(b, fam.sample(50, seed=3)))
+    assert all(torch.equal(x, y) for x, y in zip(b, fam.sample(50, seed=3), strict=False))
     assert not torch.equal(b.support_x, fam.sample(50, seed=4).support_x)
 
 
@@ -37,13 +37,13 @@ def test_sinusoid_federation_slices_and_stable_ids() -> None:
     assert fts.task_counts() == {"0": 30, "1": 30, "2": 30, "3": 30}
     ranges = [s["amplitude_range"] for s in fts.summary()]
     assert ranges[0][0] == pytest.approx(0.1) and ranges[-1][1] == pytest.approx(5.0)
-    assert all(a[1] == pytest.approx(b[0]) for a, b in zip(ranges, ranges[1:]))
-    for pid, (lo, hi) in zip(fts.ids, ranges):
+    assert all(a[1] == pytest.approx(b[0]) for a, b in zip(ranges, ranges[1:], strict=False))
+    for pid, (_lo, hi) in zip(fts.ids, ranges, strict=False):
         amp = fts.participant(pid).tasks(range(30)).query_y.abs().amax(dim=(1, 2))
         assert float(amp.max()) <= hi + 1e-5
     again = ml.FederatedTaskSet.sinusoid(4, tasks_per_participant=30, k_support=5, seed=7)
     t1, t2 = fts.participant(2).task(17), again.participant("2").task(17)
-    assert all(torch.equal(x, y) for x, y in zip(t1, t2))
+    assert all(torch.equal(x, y) for x, y in zip(t1, t2, strict=False))
     # fetching in another order gives the same task (ids, not call order)
     assert torch.equal(fts.participant(2).tasks([17, 3]).support_x[0], t1.support_x)
     assert fts.max_tasks_per_example == 1
@@ -69,14 +69,19 @@ def _png(white: np.ndarray) -> bytes:
 
 def _write_sources(root: Path, as_zip: bool, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    arrays = {"images_background": _tiny_omniglot_arrays(rng, 4), "images_evaluation": _tiny_omniglot_arrays(rng, 3)}
+    arrays = {
+        "images_background": _tiny_omniglot_arrays(rng, 4),
+        "images_evaluation": _tiny_omniglot_arrays(rng, 3),
+    }
     first = {"images_background": 1, "images_evaluation": 965}
     for part, white in arrays.items():
         files = {}
         for c in range(white.shape[0]):
             alpha = f"Alpha{part[-4:]}{c // 2}"
             for d in range(white.shape[1]):
-                name = f"{part}/{alpha}/character{c % 2 + 1:02d}/{first[part] + c:04d}_{d + 1:02d}.png"
+                name = (
+                    f"{part}/{alpha}/character{c % 2 + 1:02d}/{first[part] + c:04d}_{d + 1:02d}.png"
+                )
                 files[name] = _png(white[c, d])
         if as_zip:
             with zipfile.ZipFile(root / f"{part}.zip", "w") as z:
@@ -93,10 +98,16 @@ def _write_sources(root: Path, as_zip: bool, seed: int = 0) -> dict[str, np.ndar
 def test_omniglot_loader_on_tiny_sources(tmp_path: Path, fmt: str) -> None:
     if fmt == "npz":
         rng = np.random.default_rng(0)
-        arrays = {"images_background": _tiny_omniglot_arrays(rng, 4), "images_evaluation": _tiny_omniglot_arrays(rng, 3)}
+        arrays = {
+            "images_background": _tiny_omniglot_arrays(rng, 4),
+            "images_evaluation": _tiny_omniglot_arrays(rng, 3),
+        }
         for part, white in arrays.items():
-            np.savez_compressed(tmp_path / f"{part}.npz", images=white,
-                                labels=np.repeat(np.arange(white.shape[0])[:, None], 20, 1))
+            np.savez_compressed(
+                tmp_path / f"{part}.npz",
+                images=white,
+                labels=np.repeat(np.arange(white.shape[0])[:, None], 20, 1),
+            )
     else:
         arrays = _write_sources(tmp_path, fmt == "zip")
     splits = ml.load_omniglot(tmp_path, split="background", cache=tmp_path / "cache")
@@ -149,10 +160,16 @@ def test_checksum_rejects_corruption_and_download_verifies(tmp_path: Path) -> No
     _write_sources(src, True)
     import hashlib
 
-    sums = {n: {"sha256": hashlib.sha256((src / n).read_bytes()).hexdigest(), "md5": None}
-            for n in ("images_background.zip", "images_evaluation.zip")}
+    sums = {
+        n: {"sha256": hashlib.sha256((src / n).read_bytes()).hexdigest(), "md5": None}
+        for n in ("images_background.zip", "images_evaluation.zip")
+    }
     dest = ml.download_omniglot(tmp_path / "dl", base_url=src.as_uri() + "/", checksums=sums)
-    assert (dest / "images_background.zip.sha256").read_text().startswith(sums["images_background.zip"]["sha256"])
+    assert (
+        (dest / "images_background.zip.sha256")
+        .read_text()
+        .startswith(sums["images_background.zip"]["sha256"])
+    )
     assert ml.load_omniglot(dest, split="background", cache=False).train.n_classes == 4
     # corrupt the local copy: verification rejects it with a clear error
     data = bytearray((dest / "images_evaluation.zip").read_bytes())
@@ -209,8 +226,12 @@ def _fake_classes(n_groups: int = 6, per_group: int = 5, per_class: int = 20) ->
     n = n_groups * per_group
     images = torch.arange(n * per_class, dtype=torch.int64).remainder(256).to(torch.uint8)
     images = images.reshape(-1, 1, 1, 1).expand(-1, 1, 4, 4).contiguous()
-    return ml.ClassDataset(images, np.arange(n + 1) * per_class, [str(i) for i in range(n)],
-                           [f"g{i // per_group}" for i in range(n)])
+    return ml.ClassDataset(
+        images,
+        np.arange(n + 1) * per_class,
+        [str(i) for i in range(n)],
+        [f"g{i // per_group}" for i in range(n)],
+    )
 
 
 @pytest.mark.parametrize("mode", ["group", "even"])
@@ -221,7 +242,7 @@ def test_partition_disjoint_deterministic(mode: str) -> None:
     assert sorted(allc.tolist()) == list(range(ds.n_classes))
     assert all(len(p) for p in parts)
     again = ml.partition_classes(ds, 4, mode=mode, seed=3)
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=False))
     if mode == "group":  # whole groups per participant
         owner = {}
         for i, p in enumerate(parts):
@@ -233,7 +254,9 @@ def test_partition_disjoint_deterministic(mode: str) -> None:
 
 def test_federated_task_lists_stable_and_reuse_reported() -> None:
     ds = _fake_classes()
-    fts = ml.FederatedTaskSet.from_classes(ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=50, seed=5)
+    fts = ml.FederatedTaskSet.from_classes(
+        ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=50, seed=5
+    )
     assert fts.task_counts() == {"0": 50, "1": 50, "2": 50}
     p = fts.participant(1)
     t = p.task(7)
@@ -242,28 +265,43 @@ def test_federated_task_lists_stable_and_reuse_reported() -> None:
     assert own <= set(p.classes.tolist())
     other = set(fts.participant(0).plan.reshape(-1) // 20)
     assert not own & other
-    again = ml.FederatedTaskSet.from_classes(ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=80, seed=5)
+    again = ml.FederatedTaskSet.from_classes(
+        ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=80, seed=5
+    )
     # task ids are stable: asking for more tasks (or a restart) does not change existing ones
     assert np.array_equal(again.participant(1).plan[:50], p.plan)
-    assert all(torch.equal(a, b) for a, b in zip(again.participant(1).task(7), t))
+    assert all(torch.equal(a, b) for a, b in zip(again.participant(1).task(7), t, strict=False))
     counts = p.example_use_counts()
     assert p.max_tasks_per_example == counts.max() > 1
     s = fts.summary()
-    assert s[1]["tasks"] == 50 and s[1]["classes"] == len(p.classes) and s[1]["max_tasks_per_example"] >= 2
+    assert (
+        s[1]["tasks"] == 50
+        and s[1]["classes"] == len(p.classes)
+        and s[1]["max_tasks_per_example"] >= 2
+    )
 
 
 def test_disjoint_example_mode() -> None:
     ds = _fake_classes()
-    fts = ml.FederatedTaskSet.from_classes(ds, 2, n_way=3, k_shot=1, q_query=3, tasks_per_participant=None,
-                                           disjoint_examples=True, seed=1)
+    fts = ml.FederatedTaskSet.from_classes(
+        ds,
+        2,
+        n_way=3,
+        k_shot=1,
+        q_query=3,
+        tasks_per_participant=None,
+        disjoint_examples=True,
+        seed=1,
+    )
     assert fts.max_tasks_per_example == 1
     for pid in fts.ids:
         p = fts.participant(pid)
         assert len(np.unique(p.plan)) == p.plan.size
         # capacity: 15 classes x 20 examples / (3 ways x 4 per class) = 25 tasks at most
         assert 20 <= p.num_tasks <= 25
-    capped = ml.FederatedTaskSet.from_classes(ds, 2, n_way=3, k_shot=1, q_query=3, tasks_per_participant=5,
-                                              disjoint_examples=True, seed=1)
+    capped = ml.FederatedTaskSet.from_classes(
+        ds, 2, n_way=3, k_shot=1, q_query=3, tasks_per_participant=5, disjoint_examples=True, seed=1
+    )
     assert capped.task_counts() == {"0": 5, "1": 5}
 
 
@@ -285,7 +323,9 @@ def test_shared_omniglot_splits_and_speed(shared_omniglot: Path, tmp_path: Path)
     b = ml.load_omniglot(shared_omniglot, split="background", cache=tmp_path)
     assert [d.n_classes for d in b] == [964, 0, 659]
     assert len(set(b.train.groups)) == 30 and len(set(b.test.groups)) == 20
-    fts = ml.FederatedTaskSet.from_classes(b.train, 10, n_way=5, k_shot=1, q_query=15, tasks_per_participant=20)
+    fts = ml.FederatedTaskSet.from_classes(
+        b.train, 10, n_way=5, k_shot=1, q_query=15, tasks_per_participant=20
+    )
     summ = fts.summary()
     assert sum(x["groups"] for x in summ) == 30
     assert sum(x["classes"] for x in summ) == 964

@@ -62,11 +62,20 @@ def _query_loss_after_adaptation(model, flat, spec, task, k, lr):
     p = ml.unflatten_params(flat, spec)
     fast = {n: v.detach().requires_grad_(True) for n, v in p.items()}
     for _ in range(k):
-        loss = torch.nn.functional.mse_loss(functional_call(model, fast, (task.support_x,)), task.support_y)
+        loss = torch.nn.functional.mse_loss(
+            functional_call(model, fast, (task.support_x,)), task.support_y
+        )
         g = torch.autograd.grad(loss, list(fast.values()))
-        fast = {n: (v - lr * gi).detach().requires_grad_(True) for (n, v), gi in zip(fast.items(), g)}
+        fast = {
+            n: (v - lr * gi).detach().requires_grad_(True)
+            for (n, v), gi in zip(fast.items(), g, strict=False)
+        }
     with torch.no_grad():
-        return float(torch.nn.functional.mse_loss(functional_call(model, fast, (task.query_x,)), task.query_y))
+        return float(
+            torch.nn.functional.mse_loss(
+                functional_call(model, fast, (task.query_x,)), task.query_y
+            )
+        )
 
 
 @pytest.mark.parametrize("method", ["loop", "vmap"])
@@ -78,18 +87,30 @@ def test_second_order_matches_finite_differences(method: str) -> None:
     task = ml.SinusoidTasks(6, 6).sample(1, seed=11)
     task = Task(*(t.double() for t in task))
     k, lr = 2, 0.05
-    g2, _ = ml.per_task_clipped_grads(model, flat, task, inner_steps=k, inner_lr=lr, clip=math.inf,
-                                      device="cpu", method=method)
-    g1, _ = ml.per_task_clipped_grads(model, flat, task, inner_steps=k, inner_lr=lr, first_order=True,
-                                      clip=math.inf, device="cpu", method=method)
+    g2, _ = ml.per_task_clipped_grads(
+        model, flat, task, inner_steps=k, inner_lr=lr, clip=math.inf, device="cpu", method=method
+    )
+    g1, _ = ml.per_task_clipped_grads(
+        model,
+        flat,
+        task,
+        inner_steps=k,
+        inner_lr=lr,
+        first_order=True,
+        clip=math.inf,
+        device="cpu",
+        method=method,
+    )
     rng = np.random.default_rng(0)
     eps = 1e-6
     one = task.task(0)
     fd_errs, fo_errs = [], []
     for _ in range(6):
         d = torch.from_numpy(rng.standard_normal(spec.numel))
-        fd = (_query_loss_after_adaptation(model, flat + eps * d, spec, one, k, lr)
-              - _query_loss_after_adaptation(model, flat - eps * d, spec, one, k, lr)) / (2 * eps)
+        fd = (
+            _query_loss_after_adaptation(model, flat + eps * d, spec, one, k, lr)
+            - _query_loss_after_adaptation(model, flat - eps * d, spec, one, k, lr)
+        ) / (2 * eps)
         fd_errs.append(abs(float(g2[0] @ d) - fd) / max(1.0, abs(fd)))
         fo_errs.append(abs(float(g1[0] @ d) - fd) / max(1.0, abs(fd)))
     assert max(fd_errs) < 1e-6, fd_errs
@@ -99,8 +120,11 @@ def test_second_order_matches_finite_differences(method: str) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    arrays(np.float64, st.tuples(st.integers(1, 6), st.integers(1, 20)),
-           elements=st.floats(-1e3, 1e3, allow_nan=False, width=64)),
+    arrays(
+        np.float64,
+        st.tuples(st.integers(1, 6), st.integers(1, 20)),
+        elements=st.floats(-1e3, 1e3, allow_nan=False, width=64),
+    ),
     st.floats(1e-3, 1e3),
 )
 def test_clip_properties(g: np.ndarray, clip: float) -> None:
@@ -138,17 +162,20 @@ def test_per_task_grads_clip_and_leave_model_untouched() -> None:
     model = ml.SinusoidMLP()
     before = ml.flatten_params(model).clone()
     tasks = ml.SinusoidTasks(5, 5).sample(8, seed=1)
-    g, n = ml.per_task_clipped_grads(model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1,
-                                     device="cpu")
+    g, n = ml.per_task_clipped_grads(
+        model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1, device="cpu"
+    )
     assert bool((torch.linalg.vector_norm(g, dim=1) <= 0.1).all())
     assert bool((n > 0.1).all())
     assert all(p.grad is None for p in model.parameters())  # nothing meets in .grad
     assert torch.equal(ml.flatten_params(model), before)
-    g2, n2 = ml.per_task_clipped_grads(model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1,
-                                       device="cpu")
+    g2, n2 = ml.per_task_clipped_grads(
+        model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1, device="cpu"
+    )
     assert torch.equal(g, g2) and torch.equal(n, n2)  # deterministic
-    g3, n3 = ml.per_task_clipped_grads(model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1,
-                                       device="cpu", chunk_size=3)
+    g3, n3 = ml.per_task_clipped_grads(
+        model, None, tasks, inner_steps=1, inner_lr=0.01, clip=0.1, device="cpu", chunk_size=3
+    )
     torch.testing.assert_close(g3, g, rtol=1e-5, atol=1e-7)  # chunking changes rounding only
 
 
@@ -174,28 +201,51 @@ def test_resolve_method_is_by_measurement() -> None:
 def test_evaluate_reports_mean_and_ci() -> None:
     model = ml.SinusoidMLP()
     tasks = ml.SinusoidTasks(10, 10).sample(40, seed=2)
-    r = ml.evaluate(model, ml.init_params(model, 0), tasks, inner_steps=2, inner_lr=0.01, device="cpu",
-                    with_pre_adaptation=True)
+    r = ml.evaluate(
+        model,
+        ml.init_params(model, 0),
+        tasks,
+        inner_steps=2,
+        inner_lr=0.01,
+        device="cpu",
+        with_pre_adaptation=True,
+    )
     mean, ci = r
     assert r.metric == "mse" and r.n_tasks == 40 and ci > 0 and mean > 0
-    r_loop = ml.evaluate(model, ml.init_params(model, 0), tasks, inner_steps=2, inner_lr=0.01,
-                         device="cpu", method="loop")
+    r_loop = ml.evaluate(
+        model,
+        ml.init_params(model, 0),
+        tasks,
+        inner_steps=2,
+        inner_lr=0.01,
+        device="cpu",
+        method="loop",
+    )
     assert r_loop.mean == pytest.approx(mean, rel=1e-5)
 
 
 @pytest.mark.gpu
 def test_gpu_vmap_matches_cpu_loop() -> None:
-    model = ml.ConvNet4(5)
-    params = ml.init_params(model, 0)
-    tasks = _tiny_conv_tasks(6, 3, n_way=5)
+    # float64: CUDA vmap, CUDA loop and the CPU loop agree to ~1e-14 (measured on an H100). In
+    # float32 the
+    # per-task batch statistics of the last block (1x1 spatial, 5 images) amplify rounding, and CPU
+    # vs GPU differ by ~20% on random-noise tasks; so the exact comparison is in float64.
+    model = ml.ConvNet4(5).double()
+    params = _cast(ml.init_params(model, 0), torch.float64)
+    tasks = _tiny_conv_tasks(6, 3, torch.float64, n_way=5)
     kw = dict(inner_steps=2, inner_lr=0.4, first_order=False, clip=math.inf)
     gc, _ = ml.per_task_clipped_grads(model, params, tasks, device="cpu", method="loop", **kw)
     gg, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", **kw)
-    torch.testing.assert_close(gg.cpu(), gc, rtol=2e-3, atol=2e-4)
+    torch.testing.assert_close(gg.cpu(), gc, rtol=1e-9, atol=1e-11)
     g1, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", chunk_size=4, **kw)
-    torch.testing.assert_close(g1, gg, rtol=1e-4, atol=1e-5)
-    gg2, _ = ml.per_task_clipped_grads(model, params, tasks, device="cuda", **kw)
-    assert torch.equal(gg, gg2)  # deterministic on CUDA
+    torch.testing.assert_close(g1, gg, rtol=1e-9, atol=1e-11)
+    model32 = ml.ConvNet4(5)
+    p32 = ml.init_params(model32, 0)
+    t32 = _tiny_conv_tasks(6, 3, n_way=5)
+    a, na = ml.per_task_clipped_grads(model32, p32, t32, device="cuda", clip=1.0, inner_steps=2)
+    b, nb = ml.per_task_clipped_grads(model32, p32, t32, device="cuda", clip=1.0, inner_steps=2)
+    assert torch.equal(a, b) and torch.equal(na, nb)  # deterministic on CUDA
+    assert bool((torch.linalg.vector_norm(a, dim=1) <= 1.0).all())
 
 
 @pytest.mark.gpu
