@@ -4,7 +4,7 @@ Tasks per second and peak extra memory of "one clipped query gradient per task" 
 tasks (28x28, ConvNet4 with 64 filters), for:
 
 * ``fedmeta``  - :func:`metalearning.per_task_clipped_grads` (auto method: loop on CPU, vmap on
-CUDA);
+  CUDA);
 * ``fedmeta-vmap`` / ``fedmeta-loop`` - the two forced paths (``--methods`` to add them);
 * ``loop``     - a plain per-task autograd loop written here as the reference;
 * ``higher``   - facebookresearch/higher's ``innerloop_ctx`` (if installed), per task.

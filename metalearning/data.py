@@ -4,21 +4,18 @@ Everything random takes an explicit seed or ``numpy.random.Generator``; nothing 
 RNG.
 
 * :class:`Task` - one N-way K-shot task ``(support_x, support_y, query_x, query_y)``; batched when
-the
-  tensors carry a leading task dimension (:func:`stack_tasks`).
+  the tensors carry a leading task dimension (:func:`stack_tasks`).
 * :class:`SinusoidTasks` - the MAML regression benchmark (amplitude [0.1, 5], phase [0, pi], x [-5,
-5]).
+  5]).
 * :class:`ClassDataset` - images grouped by class (uint8 ``[N, C, H, W]`` plus class offsets), with
-the
-  class's group (Omniglot alphabet) for non-IID partitioning.
+  the class's group (Omniglot alphabet) for non-IID partitioning.
 * :func:`load_omniglot` - npz / zip / unpacked-folder Omniglot, resized to 28x28, split into
   :class:`DataSplits` (DP-MAML 1150/50/423 characters, or background/evaluation), cached by
   checksum.
 * :func:`load_image_folder` - any one-folder-per-class dataset (CIFAR-FS / Mini-ImageNet layout).
 * :func:`download_omniglot` / :func:`verify_checksum` - opt-in download with a digest check.
 * :class:`FederatedTaskSet` - participants owning disjoint classes (or task-distribution slices),
-each
-  with a fixed, numbered task list; task ``t`` of participant ``p`` is a pure function of
+  each with a fixed, numbered task list; task ``t`` of participant ``p`` is a pure function of
   ``(seed, p, t)``, stable across rounds and restarts.
 """
 
@@ -210,8 +207,8 @@ class ClassDataset:
     def with_rotations(self, angles: Sequence[int] = (0, 90, 180, 270)) -> ClassDataset:
         """Each rotation of each class becomes a new class (MAML's Omniglot augmentation).
 
-        Class ``c`` rotated by ``angles[j]`` is class ``j * n_classes + c`` and keeps ``c``'s
-        group, so a group-wise partition keeps all rotations of a character with one participant.
+        Class ``c`` rotated by ``angles[j]`` is class ``j * n_classes + c`` and keeps ``c``'s group,
+        so a group-wise partition keeps all rotations of a character with one participant.
         """
         parts, names, groups, offsets = [], [], [], [0]
         for a in angles:
@@ -605,9 +602,8 @@ def load_omniglot(
 ) -> DataSplits:
     """Load Omniglot from ``path``; split its characters into meta-train / validation / meta-test.
 
-    ``path`` holds ``images_background`` + ``images_evaluation`` as npz (``images`` bool
-    [chars, 20, 105, 105], True = white), as the official zips, or as their unpacked folders.
-    Drawings are
+    ``path`` holds ``images_background`` + ``images_evaluation`` as npz (``images`` bool [chars, 20,
+    105, 105], True = white), as the official zips, or as their unpacked folders. Drawings are
     resized to ``image_size`` (28) as uint8 stroke intensity; the resized array is cached in
     :func:`default_cache_dir` keyed by the sources' SHA-256 (``cache=False`` disables, a path
     relocates).
@@ -615,10 +611,9 @@ def load_omniglot(
     Args:
         path: directory holding one of the three layouts above.
         split: ``"dpmaml"`` - the 1623 characters shuffled with ``seed``, first 1150 meta-train,
-        next
-            50 validation, last 423 meta-test (DP-MAML Section 6); ``"background"`` - the standard
-            split of Lake et al.: the 964 background characters meta-train, the 659 evaluation
-            characters meta-test, empty validation; ``"all"`` - everything in ``train``.
+            next 50 validation, last 423 meta-test (DP-MAML Section 6); ``"background"`` - the
+            standard split of Lake et al.: the 964 background characters meta-train, the 659
+            evaluation characters meta-test, empty validation; ``"all"`` - everything in ``train``.
         rotations: add rotations by 90/180/270 degrees as new classes (MAML), to every split.
         image_size: side of the resized images (28 as in MAML / DP-MAML).
         seed: seed of the ``"dpmaml"`` character shuffle.
@@ -704,9 +699,9 @@ def load_image_folder(
     """Load a one-folder-per-class image dataset (CIFAR-FS / Mini-ImageNet layout).
 
     If ``path`` has ``train/``, ``val/`` and ``test/`` sub-folders, each is a split of class
-    folders;
-    otherwise its class folders are shuffled with ``seed`` and split by ``fractions`` (64/16/20 as
-    for Mini-ImageNet and CIFAR-FS). Images are resized to ``image_size`` and stored as uint8.
+    folders; otherwise its class folders are shuffled with ``seed`` and split by ``fractions``
+    (64/16/20 as for Mini-ImageNet and CIFAR-FS). Images are resized to ``image_size`` and stored as
+    uint8.
     """
     root = Path(path)
     if not root.is_dir():
@@ -778,9 +773,8 @@ def partition_classes(
 class ParticipantTasks:
     """One participant's fixed, numbered list of N-way K-shot tasks over its own classes.
 
-    ``plan[t]`` holds the global example indices of task ``t`` (``[n_way, k_shot + q_query]``; row
-    j is
-    label j, the first ``k_shot`` columns the support set). Task ids are ``0 .. num_tasks - 1``.
+    ``plan[t]`` holds the global example indices of task ``t`` (``[n_way, k_shot + q_query]``; row j
+    is label j, the first ``k_shot`` columns the support set). Task ids are ``0 .. num_tasks - 1``.
     """
 
     id: str
@@ -830,9 +824,8 @@ class SinusoidParticipant:
     """A participant's slice of the sinusoid task distribution and its numbered task list.
 
     Task ``t`` is drawn from ``(seed, index, t)``: amplitude in this participant's
-    ``amplitude_range``,
-    phase and x as in :class:`SinusoidTasks`. Every task has its own x points, so no example is
-    shared between tasks (``max_tasks_per_example == 1``).
+    ``amplitude_range``, phase and x as in :class:`SinusoidTasks`. Every task has its own x points,
+    so no example is shared between tasks (``max_tasks_per_example == 1``).
     """
 
     id: str
@@ -962,11 +955,11 @@ class FederatedTaskSet:
     ) -> FederatedTaskSet:
         """Partition ``ds``'s classes (:func:`partition_classes`) and fix each participant's tasks.
 
-        With ``disjoint_examples=False`` task ``t`` of participant ``i`` is drawn from
-        ``(seed, i, t)`` alone (classes without replacement, then ``k_shot + q_query`` examples per
-        class without replacement); examples may recur across tasks. With ``disjoint_examples=True``
-        each example is used by at most one task: tasks are dealt from per-class shuffled pools
-        (seeded by ``(seed, i)``) until fewer than ``n_way`` classes have enough unused examples, or
+        With ``disjoint_examples=False`` task ``t`` of participant ``i`` is drawn from ``(seed, i,
+        t)`` alone (classes without replacement, then ``k_shot + q_query`` examples per class
+        without replacement); examples may recur across tasks. With ``disjoint_examples=True`` each
+        example is used by at most one task: tasks are dealt from per-class shuffled pools (seeded
+        by ``(seed, i)``) until fewer than ``n_way`` classes have enough unused examples, or
         ``tasks_per_participant`` is reached (None: as many as fit).
         """
         per = k_shot + q_query

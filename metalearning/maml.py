@@ -4,21 +4,19 @@ For each task i (support set S_i, query set Q_i) and meta-parameters phi:
 
     theta_i <- phi;  repeat k times: theta_i <- theta_i - alpha * grad_theta L(theta_i; S_i)
     g_i     <- grad_phi L(theta_i(phi); Q_i)
-    g_i_hat <- g_i * min(1, C / ||g_i||_2)                                  (Algorithm 1,
-    "Clipping")
+    g_i_hat <- g_i * min(1, C / ||g_i||_2)                    (Algorithm 1, "Gradients Clipping")
 
-Second order differentiates through the inner steps; first order (FOMAML, Finn et al. 2017 Sec. 5.2)
-treats the inner gradients as constants, so g_i is the query gradient at theta_i.
+Second order differentiates through the inner steps; first order (FOMAML, Finn et al. 2017, Sec.
+5.2) treats the inner gradients as constants, so g_i is the query gradient at theta_i.
 
 Per-task gradients are computed with ``torch.autograd.grad`` / ``torch.func.grad`` and returned as
 rows of a tensor; they never touch any ``.grad`` attribute, so nothing sums them before clipping.
 
 Batching: ``method="vmap"`` vectorises tasks with :func:`torch.func.vmap` in chunks of
-``chunk_size``;
-``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured fastest: vmap
-on CUDA, and on the CPU vmap only for models that declare ``prefers_vmap_on_cpu`` (the sinusoid MLP;
-the conv net is 1.2-2.3x slower and 25-45x more memory-hungry under vmap on 2 CPU cores, see
-``docs/benchmarks.md``).
+``chunk_size``; ``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured
+fastest: vmap on CUDA (the loop for a single task), and on the CPU vmap only for models that declare
+``prefers_vmap_on_cpu`` (the sinusoid MLP; the conv net is 1.2-2.3x slower and 25-45x more
+memory-hungry under vmap on 2 CPU cores). See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -88,10 +86,9 @@ def _default_chunk(
     """Tasks per vmap chunk: 32 on the CPU; on CUDA as many as fit in half the free memory.
 
     The CUDA estimate is conservative against peaks measured on an H100 (ConvNet4, 28x28, 64
-    filters,
-    per task in a vmap chunk: 141 MiB for 5-way 1-shot 1 query second order 5 steps, 225 MiB with 15
-    queries, 880 MiB for 20-way 15 queries): 150 MiB plus 50 bytes x pixels x filters per image,
-    doubled at five inner steps.
+    filters, per task in a vmap chunk: 141 MiB for 5-way 1-shot 1 query second order 5 steps, 225
+    MiB with 15 queries, 880 MiB for 20-way 15 queries): 150 MiB plus 50 bytes x pixels x filters
+    per image, doubled at five inner steps.
     """
     if method == "loop":
         return 64
@@ -166,9 +163,8 @@ def clip_by_global_norm(
 ) -> tuple[Tensor, Tensor]:
     """Clip each row of ``grads`` ([n, dim]) to L2 norm at most ``clip``; return (clipped, norms).
 
-    Row i is multiplied by ``min(1, clip / ||g_i||)`` (DP-MAML Algorithm 1; Abadi et al. 2016).
-    Rows with
-    norm <= clip are returned unchanged, an all-zero row stays zero (no division by zero), and
+    Row i is multiplied by ``min(1, clip / ||g_i||)`` (DP-MAML Algorithm 1; Abadi et al. 2016). Rows
+    with norm <= clip are returned unchanged, an all-zero row stays zero (no division by zero), and
     ``clip = inf`` disables clipping. Non-finite rows raise ``ValueError`` (``nonfinite="raise"``)
     or are replaced by zeros (``"zero"``), which keeps the sensitivity bound; their reported norm is
     ``inf``.
@@ -279,9 +275,8 @@ def per_task_grads(
     """Unclipped per-task MAML query gradients, ``[n_tasks, dim]`` on ``device``.
 
     ``tasks`` is a batched :class:`Task` (leading task dimension) or a sequence of unbatched tasks
-    (all
-    of one shape). ``on_chunk(start, grads)`` may transform each chunk before it is stored (used for
-    clipping chunk by chunk). See :func:`per_task_clipped_grads` for the arguments.
+    (all of one shape). ``on_chunk(start, grads)`` may transform each chunk before it is stored
+    (used for clipping chunk by chunk). See :func:`per_task_clipped_grads` for the arguments.
     """
     if inner_steps < 0:
         raise ValueError(f"inner_steps must be >= 0; got {inner_steps}")
@@ -345,8 +340,7 @@ def per_task_clipped_grads(
 
     Args:
         model: a :class:`~metalearning.models.SinusoidMLP` / :class:`~metalearning.models.ConvNet4`
-        (or
-            any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used
+            (or any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used
             unless ``params`` is None, and are never modified.
         params: meta-parameters phi: a ``{name: tensor}`` dict in the model's order, a flat vector
             (:func:`~metalearning.models.flatten_params` layout) or None for the module's own.
@@ -356,7 +350,8 @@ def per_task_clipped_grads(
         first_order: FOMAML (no differentiation through the inner steps).
         clip: L2 bound C on each task's whole flattened gradient (``math.inf``: no clipping).
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ...
-        chunk_size: tasks computed at once; bounds memory. Default: 32 (CPU vmap), 256 (CUDA vmap).
+        chunk_size: tasks computed at once; bounds memory. Default: 32 for CPU vmap; on CUDA as
+            many as fit in half the free GPU memory by a conservative estimate (at most 512).
         method: ``"auto"``, ``"vmap"`` or ``"loop"`` (see module docstring).
         nonfinite: ``"raise"`` or ``"zero"`` for a task whose gradient is NaN/inf.
         deterministic: on CUDA, run cuDNN in deterministic mode (bitwise-repeatable results).
@@ -450,8 +445,8 @@ def evaluate(
 
     Returns the mean query accuracy (classification) or MSE (regression) over the tasks with a 95%
     confidence half-width ``1.96 * std / sqrt(n)`` (MAML's reporting convention). Build the tasks
-    from held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``.
-    ``mean, ci95 = evaluate(...)`` unpacks.
+    from held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``. ``mean,
+    ci95 = evaluate(...)`` unpacks.
     """
     dev = resolve_device(device)
     meth = resolve_method(model, dev, method, _num_tasks(tasks))
@@ -523,8 +518,8 @@ def meta_train(
     """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
 
     ``next_batch(step)`` returns a batched :class:`Task`. Returns the trained parameters (a new
-    dict).
-    This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
+    dict). This is the outer loop of MAML without noise; the federated, private loop lives in
+    ``server/``.
     """
     from metalearning.models import param_spec, unflatten_params
 

@@ -2,18 +2,15 @@
 
 * :class:`SinusoidMLP` - the 1-40-40-1 ReLU regressor of Finn et al. (2017), Section 5.1.
 * :class:`ConvNet4` - the 4 x (conv3x3-64, norm, ReLU, max-pool 2) network of Vinyals et al. (2016)
-as used
-  by MAML and DP-MAML for Omniglot, then a linear head. Its normalisation is defined *per task*:
-  either
-  transductive batch statistics (``norm="batch"``, no running statistics, as in MAML's reference
-  code) or
-  GroupNorm (``norm="group"``, per example). Running statistics shared across tasks are never used:
-  they would leak information between tasks and break ``torch.func`` transforms.
+  as used by MAML and DP-MAML for Omniglot, then a linear head. Its normalisation is defined *per
+  task*: either transductive batch statistics (``norm="batch"``, no running statistics, as in MAML's
+  reference code) or GroupNorm (``norm="group"``, per example). Running
+  statistics shared across tasks are never used: they would leak information between tasks and break
+      ``torch.func`` transforms.
 
-Models are used functionally: the meta-parameters live outside the module as a ``dict[str,
-Tensor]`` and
-:func:`torch.func.functional_call` evaluates the module with them. On the wire they travel as one
-flat float32 vector (:func:`flatten_params` / :func:`unflatten_params`) plus the model's
+Models are used functionally: the meta-parameters live outside the module as a ``dict[str, Tensor]``
+and :func:`torch.func.functional_call` evaluates the module with them. On the wire they travel as
+one flat float32 vector (:func:`flatten_params` / :func:`unflatten_params`) plus the model's
 :class:`ParamSpec`.
 """
 

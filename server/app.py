@@ -38,8 +38,10 @@ def make_observers(cfg: Config, progress: bool | None = None) -> list[Any]:
     if cfg.output.progress if progress is None else progress:
         observers.append(ProgressBar())
     if cfg.metrics.port is not None:
+        import importlib
+
         try:
-            from server import metrics  # lazy: the only prometheus_client importer
+            metrics = importlib.import_module("server.metrics")  # lazy: the only prometheus_client user
         except ImportError as error:
             log.warning("metrics.port is set but server.metrics is unavailable: %s", error)
         else:

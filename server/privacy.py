@@ -186,3 +186,8 @@ def fmt_eps(x: float | None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
     return f"{x:.3f}"
+
+
+def budget_exhausted_error() -> type[BaseException]:
+    """The exception ``ledger.spend`` raises when the budget would be exceeded."""
+    return _acc("BudgetExhausted")  # type: ignore[no-any-return]

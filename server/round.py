@@ -365,7 +365,14 @@ class RoundLoop:
             # 5. spend FIRST, then aggregate and release
             spends_recorded = None
             if self.private:
-                ledger.spend(event, self.run_id, r)
+                try:
+                    ledger.spend(event, self.run_id, r)
+                except priv.budget_exhausted_error() as error:
+                    # Another run on the same ledger spent the rest meanwhile: nothing was recorded
+                    # and nothing is released.
+                    log.info("round %d not run: %s", r, error)
+                    stopped = STOP_BUDGET
+                    break
                 spends_this_run.append(r)
                 spends_recorded = ledger.position()
             update, received, noise_std = aggregate(
@@ -403,6 +410,7 @@ class RoundLoop:
                 for a in checked.accepted
                 if a.compute_seconds is not None
             )
+            round_seconds = time.perf_counter() - t_round
             row = {
                 "round": r + 1,
                 "participants_sampled": len(sample),
@@ -417,7 +425,7 @@ class RoundLoop:
                 "epsilon_participant": eps_part if is_report else None,
                 "loss": loss,
                 "validation_metric": val,
-                "round_seconds": time.perf_counter() - t_round,
+                "round_seconds": round_seconds,
                 "server_overhead_seconds": (time.perf_counter() - t_round) - (t_recv - t_sent),
             }
             state.rows.append(row)
@@ -447,7 +455,7 @@ class RoundLoop:
                     clip=cfg.privacy.clip if self.private else None,
                     clipped_fraction=clipped_fraction,
                     pre_clip_norm_quantiles=quantiles,
-                    round_seconds=row["round_seconds"],
+                    round_seconds=round_seconds,
                     aggregation_seconds=agg_seconds,
                     client_compute_seconds_per_task=compute_times,
                 ),

@@ -86,7 +86,7 @@ def main(config: Any = None, *, out_dir: str | Path | None = None, resume: bool 
         os.environ.setdefault(k, v)
     from fedmeta.config import Config
 
-    cfg = config if config is not None else Config()
+    cfg = config if config is not None else Config()  # type: ignore[call-arg]
     out = Path(out_dir or cfg.output.dir)
     if cfg.federation.backend == "inprocess":
         from server.app import execute
@@ -128,6 +128,6 @@ def _run_ray(cfg: Any, out: Path, resume: bool) -> Any:
         server_app=server_app,
         client_app=client_app,
         num_supernodes=cfg.federation.participants,
-        backend_config=backend_config,  # type: ignore[arg-type]
+        backend_config=backend_config,
     )
     return holder.get("result")

@@ -236,7 +236,7 @@ def _validate_sum(
     a = _check_array(pid, arrays, P.GRAD_SUM, (exp.dim,))
     if isinstance(a, Rejected):
         return a
-    norms_raw = meta.get(P.TASK_NORMS) if hasattr(meta, "get") else None  # type: ignore[union-attr]
+    norms_raw = meta.get(P.TASK_NORMS) if hasattr(meta, "get") else None
     if not isinstance(norms_raw, list) or len(norms_raw) != len(ids):
         return _reject(pid, REASON_MISSING_RECORD, "sum_and_norms reply needs one norm per task id")
     if not all(isinstance(x, int | float) for x in norms_raw):

@@ -146,7 +146,7 @@ _WRITER = textwrap.dedent(
     from accounting import BudgetLedger, FlatPoissonScheme, GaussianRound
     db, run_id, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     event = GaussianRound(FlatPoissonScheme(0.01), 1.0)
-    ledger = BudgetLedger.open(db, "fed", 10.0, 1e-6)
+    ledger = BudgetLedger.open(db, "fed", 3.0, 1e-6)
     ledger.rounds_affordable(event)  # warm the cache before the timed loop
     print("ready", flush=True)
     for i in range(count):
@@ -169,7 +169,7 @@ def _writer(db: Path, run_id: str, count: int) -> subprocess.Popen[str]:
 @pytest.mark.integration
 def test_sigkill_mid_spend_loses_nothing(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
-    BudgetLedger.open(db, "fed", 10.0, 1e-6).close()
+    BudgetLedger.open(db, "fed", 3.0, 1e-6).close()
     proc = _writer(db, "killed", 100_000)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
@@ -190,7 +190,7 @@ def test_sigkill_mid_spend_loses_nothing(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_two_concurrent_writer_processes_lose_no_record(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
-    BudgetLedger.open(db, "fed", 10.0, 1e-6).close()
+    BudgetLedger.open(db, "fed", 3.0, 1e-6).close()
     procs = [_writer(db, f"run-{k}", 25) for k in range(2)]
     for proc in procs:
         out, _ = proc.communicate(timeout=300)

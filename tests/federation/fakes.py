@@ -30,12 +30,15 @@ class FakeLedger:
         self._records: list[FakeRecord] = []
         self.spend_calls = 0
 
-    def would_exceed(self, event: Any) -> bool:
+    def _over(self) -> bool:
         return (len(self._records) + 1) * self.eps_per_round > self.budget + 1e-12
+
+    def would_exceed(self, event: Any) -> bool:
+        return self._over()
 
     def spend(self, event: Any, run_id: str, round_index: int) -> FakeRecord:
         self.spend_calls += 1
-        if self.would_exceed(event):
+        if self._over():
             raise FakeBudgetExhausted("budget")
         rec = FakeRecord(run_id, round_index, event)
         self._records.append(rec)
@@ -72,3 +75,4 @@ def install_fake_privacy(monkeypatch: pytest.MonkeyPatch, ledger: FakeLedger) ->
 
     monkeypatch.setattr(priv, "epsilon_for", eps_for)
     monkeypatch.setattr(priv, "published_epsilon", lambda e, r, d: None)
+    monkeypatch.setattr(priv, "budget_exhausted_error", lambda: FakeBudgetExhausted)

@@ -73,7 +73,9 @@ def test_config_is_frozen_and_toml_is_read(tmp_path: Path) -> None:
     f.write_text("rounds = 5\n[privacy]\nepsilon_budget = 3.0\n")
     cfg = load_config(f, ["rounds=6"])
     assert cfg.rounds == 6 and cfg.privacy.epsilon_budget == 3.0
-    with pytest.raises(Exception):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
         cfg.rounds = 9  # type: ignore[misc]
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")

@@ -186,3 +186,39 @@ def test_omniglot_5way_1shot_above_chance(tmp_path: Path, shared_omniglot: Path)
     assert s["metric"] == "accuracy"
     ci = s["final_metric_ci95"]
     assert ci[0] > 0.2, s  # chance is 20% for 5-way
+
+
+def _superlink_pids() -> set[int]:
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"flower-superlink" in cmd:
+                pids.add(int(d.name))
+    return pids
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_flwr_run_dot(tmp_path: Path) -> None:
+    """`flwr run .` (the Flower way) runs the same apps; it exits 0 even on failure, so check outputs."""
+    import shutil
+
+    if shutil.which("flwr") is None:
+        pytest.skip("flwr CLI not on PATH")
+    before = _superlink_pids()
+    out = tmp_path / "flwr"
+    overrides = "rounds=4;training.eval_every=2;privacy.report_every=2;dataset.test_tasks=20"
+    try:
+        res = subprocess.run(
+            ["flwr", "run", ".", "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        for pid in _superlink_pids() - before:  # only the SuperLink this test started
+            os.kill(pid, signal.SIGTERM)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["rounds_completed"] == 4, res.stdout[-2000:]

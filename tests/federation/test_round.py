@@ -259,3 +259,21 @@ def test_private_diagnostics_are_opt_in(tmp_path: Path, monkeypatch: pytest.Monk
     run(cfg, tmp_path, FakeLedger(100.0, 0.1), monkeypatch, observers=[rec])
     assert rec.rounds[0].clipped_fraction is not None
     assert rec.rounds[0].pre_clip_norm_quantiles is not None
+
+
+def test_spend_refused_by_a_concurrent_run_stops_without_release(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class RacyLedger(FakeLedger):
+        def would_exceed(self, event: Any) -> bool:
+            return False  # the dry run passed, but another process spends the rest before us
+
+    ledger = RacyLedger(budget=0.25, eps_per_round=0.1)
+    released: list[int] = []
+    real = round_mod.noised_sum
+    monkeypatch.setattr(
+        round_mod, "noised_sum", lambda total, **kw: released.append(1) or real(total, **kw)
+    )
+    result = run(small("rounds=10"), tmp_path, ledger, monkeypatch)
+    assert result.summary["stopped_reason"] == "budget_exhausted"
+    assert ledger.position() == 2 and len(released) == 2

@@ -37,9 +37,9 @@ def test_sinusoid_maml_learns() -> None:
     assert r.mean < 0.6
 
 
-def test_omniglot_5way_1shot_learns_far_above_chance(shared_omniglot) -> None:
+def test_omniglot_5way_1shot_learns_far_above_chance(shared_omniglot, tmp_path) -> None:
     torch.set_num_threads(1)
-    splits = ml.load_omniglot(shared_omniglot)
+    splits = ml.load_omniglot(shared_omniglot, cache=tmp_path)
     steps, batch = 120, 8
     fts = ml.FederatedTaskSet.from_classes(
         splits.train,
