@@ -12,7 +12,6 @@ Keys that scripts rely on (part of the interface): ``rounds``, ``seed``, ``priva
 from __future__ import annotations
 
 import json
-import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -320,8 +319,3 @@ def default_federation_id(cfg: Config) -> str:
         return cfg.privacy.federation_id
     ds = cfg.dataset
     return f"{ds.name}-P{cfg.federation.participants}-T{ds.tasks_per_participant}-seed{cfg.seed}"
-
-
-def is_finite(x: float) -> bool:
-    """Small helper used by callers formatting optional floats."""
-    return x is not None and math.isfinite(x)

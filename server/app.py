@@ -41,7 +41,9 @@ def make_observers(cfg: Config, progress: bool | None = None) -> list[Any]:
         import importlib
 
         try:
-            metrics = importlib.import_module("server.metrics")  # lazy: the only prometheus_client user
+            metrics = importlib.import_module(
+                "server.metrics"
+            )  # lazy: the only prometheus_client user
         except ImportError as error:
             log.warning("metrics.port is set but server.metrics is unavailable: %s", error)
         else:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -689,8 +688,3 @@ def run_federation(
 ) -> RunResult:
     """Run one federation over ``grid`` (see :class:`RoundLoop`)."""
     return RoundLoop(cfg, grid, out_dir=out_dir, resume=resume, observers=observers).run()
-
-
-def secret_run_suffix() -> str:
-    """A short random suffix (run ids need not be secret; this just avoids collisions)."""
-    return secrets.token_hex(3)

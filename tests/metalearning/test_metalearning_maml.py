@@ -80,7 +80,6 @@ def _query_loss_after_adaptation(model, flat, spec, task, k, lr):
 
 @pytest.mark.parametrize("method", ["loop", "vmap"])
 def test_second_order_matches_finite_differences(method: str) -> None:
-    torch.manual_seed(0)  # only for module construction; params come from init_params
     model = ml.SinusoidMLP(hidden=6).double()
     spec = ml.param_spec(model)
     flat = ml.flatten_params(_cast(ml.init_params(model, 5), torch.float64))
@@ -187,6 +186,15 @@ def test_task_sequence_input_and_flat_params() -> None:
     a, _ = ml.per_task_clipped_grads(model, flat, batch, clip=1.0, device="cpu", method="loop")
     b, _ = ml.per_task_clipped_grads(model, flat, seq, clip=1.0, device="cpu", method="loop")
     assert torch.equal(a, b)
+
+
+def test_models_use_no_global_rng() -> None:
+    state = torch.random.get_rng_state()
+    a, b = ml.ConvNet4(5, seed=3), ml.ConvNet4(5, seed=3)
+    ml.SinusoidMLP()
+    ml.init_params(a, 0)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(ml.flatten_params(a), ml.flatten_params(b))
 
 
 def test_resolve_method_is_by_measurement() -> None:

@@ -1,0 +1,169 @@
+"""server/metrics.py and server/exporter.py without Prometheus: names, labels, privacy, robustness."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from server.report import RoundReport
+from tests.monitoring.conftest import FED, spend, synthetic_run, write_summary
+from tests.monitoring.helpers import exposed_names, free_port, http_get
+
+pytestmark = pytest.mark.unit
+
+ALLOWED_LABELS = {"federation", "run", "reason", "quantile", "le"}
+
+
+def _families(text: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^# TYPE (\S+) (\S+)$", text, re.M)}
+
+
+def test_names_follow_prometheus_conventions(exposition: str) -> None:
+    from server.metrics import LEDGER_METRICS, LIVE_METRICS
+
+    families = _families(exposition)
+    assert set(LIVE_METRICS) | set(LEDGER_METRICS) == set(families), "declared list is stale"
+    for name, kind in families.items():
+        assert name.startswith("fedmeta_"), name
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        else:
+            assert not name.endswith("_total"), name
+        if kind == "histogram":
+            assert name.endswith("_seconds"), name
+    # Base units only: no milliseconds, no percent.
+    assert not any(re.search(r"_(ms|milliseconds|percent|minutes)\b", n) for n in families)
+
+
+def test_labels_are_low_cardinality_and_never_ids(exposition: str) -> None:
+    for line in exposition.splitlines():
+        if line.startswith("#") or "{" not in line:
+            continue
+        labels = set(re.findall(r'(\w+)="', line.split("}")[0]))
+        assert labels <= ALLOWED_LABELS, line
+        assert "participant" not in line.split("{")[1].split("}")[0], line
+
+
+def test_private_diagnostics_only_when_present() -> None:
+    from prometheus_client import generate_latest
+
+    from server.metrics import PrometheusRunObserver
+
+    obs = PrometheusRunObserver()
+    synthetic_run(obs, "r-private", 2, (0.5, 5.0), diagnostics=False)
+    text = generate_latest(obs.registry).decode()
+    samples = {n for n in exposed_names(text) if not text.count(f"# TYPE {n} ")}
+    assert "fedmeta_clipped_tasks_ratio" not in samples
+    assert "fedmeta_pre_clip_norm" not in samples
+    assert 'fedmeta_epsilon_spent_task{federation="sinusoid-test",run="r-private"} 0.5' in text
+    obs2 = PrometheusRunObserver()
+    synthetic_run(obs2, "r-diag", 2, (0.5, 5.0), diagnostics=True)
+    text2 = generate_latest(obs2.registry).decode()
+    assert 'fedmeta_clipped_tasks_ratio{federation="sinusoid-test",run="r-diag"} 0.25' in text2
+    assert 'quantile="0.9"' in text2
+
+
+def test_observer_never_raises_on_garbage() -> None:
+    from server.metrics import PrometheusRunObserver
+
+    obs = PrometheusRunObserver()
+    obs.run_started(object())  # type: ignore[arg-type]
+    obs.round_finished(RoundReport(
+        run_id="r", federation_id=FED, round_index=1, participants_registered=1,
+        participants_sampled=1, participants_replied=0, participants_failed=1,
+        tasks_requested=1, tasks_received=0, train_loss=float("nan"),
+        epsilon_spent_task=float("inf"), pre_clip_norm_quantiles={0.5: float("nan")},
+        client_compute_seconds_per_task=(float("nan"),),
+    ))
+    obs.run_finished(None)  # type: ignore[arg-type]
+
+
+def test_make_observer_serves_and_survives_a_taken_port() -> None:
+    from server.metrics import make_observer
+
+    cfg = SimpleNamespace(metrics=SimpleNamespace(port=0, bind="127.0.0.1"))
+    obs = make_observer(cfg)
+    try:
+        assert obs.port
+        synthetic_run(obs, "served", 2, (0.3, 3.0))
+        text = http_get(f"http://127.0.0.1:{obs.port}/metrics")
+        assert 'fedmeta_rounds_completed{federation="sinusoid-test",run="served"} 2.0' in text
+        # A second observer on the same port: logged, no exception, the run goes on.
+        taken = make_observer(SimpleNamespace(metrics=SimpleNamespace(port=obs.port,
+                                                                      bind="127.0.0.1")))
+        assert taken.server is None
+        synthetic_run(taken, "unserved", 1, (0.1, 1.0))
+    finally:
+        obs.close()
+
+
+def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from server.metrics import exporter_registry
+
+    db = tmp_path / "ledger.sqlite"
+    registry, collector = exporter_registry(db, [tmp_path / "runs"])
+    try:
+        assert "fedmeta_ledger_up{" not in generate_latest(registry).decode()  # no ledger yet
+        eps1 = spend(db, "run-1", 2)
+        text = generate_latest(registry).decode()
+        assert f'fedmeta_ledger_epsilon_spent_task{{federation="{FED}"}} {eps1[0]!r}' in text
+        assert f'fedmeta_ledger_spends_total{{federation="{FED}"}} 2.0' in text
+        eps2 = spend(db, "run-2", 3, start=0)
+        write_summary(tmp_path / "runs" / "b", "run-2", 3, eps2)
+        text = generate_latest(registry).decode()
+        assert eps2[0] > eps1[0]
+        assert f'fedmeta_ledger_epsilon_spent_task{{federation="{FED}"}} {eps2[0]!r}' in text
+        assert f'fedmeta_ledger_spends_total{{federation="{FED}"}} 5.0' in text
+        assert f'fedmeta_last_run_rounds_completed{{federation="{FED}",run="run-2"}} 3.0' in text
+        assert 'fedmeta_ledger_rounds_affordable{' in text
+    finally:
+        collector.close()
+
+
+def test_exporter_reports_a_tampered_ledger_as_down(tmp_path: Path) -> None:
+    import sqlite3
+
+    from prometheus_client import generate_latest
+
+    from server.metrics import exporter_registry
+
+    db = tmp_path / "ledger.sqlite"
+    spend(db, "run-1", 2)
+    conn = sqlite3.connect(db)
+    for trigger in ("spends_append_only_update", "spends_append_only_delete"):
+        conn.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+    conn.execute("UPDATE spends SET round_index = 7 WHERE position = 0")
+    conn.commit()
+    conn.close()
+    registry, collector = exporter_registry(db)
+    try:
+        text = generate_latest(registry).decode()
+        assert f'fedmeta_ledger_up{{federation="{FED}"}} 0.0' in text
+        assert "fedmeta_ledger_epsilon_spent_task{" not in text
+    finally:
+        collector.close()
+
+
+def test_exporter_cli_registers_with_localhost_default() -> None:
+    from server import exporter
+
+    parser = argparse.ArgumentParser()
+    exporter.register(parser.add_subparsers())
+    args = parser.parse_args(["exporter", "--db", "x.sqlite"])
+    assert args.bind == "127.0.0.1" and args.port == exporter.DEFAULT_PORT
+    args = parser.parse_args(["exporter", "--db", "x", "--port", "0", "--bind", "::1",
+                              "--runs-dir", "a", "--runs-dir", "b"])
+    assert args.runs_dir == ["a", "b"] and args.port == 0
+
+
+def test_free_port_helper_gives_a_bindable_port() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
