@@ -54,7 +54,9 @@ def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
     from server.metrics import exporter_registry, serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     log = logging.getLogger("fedmeta.exporter")
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"--port must be in [0, 65535]; got {args.port}")
@@ -63,7 +65,9 @@ def main(args: argparse.Namespace) -> int:
     )
     server, port = serve(registry, args.port, args.bind)
     # The bound port on one line, for scripts and tests that pass --port 0.
-    print(f"fedmeta exporter serving http://{args.bind}:{port}/metrics (ledger {args.db})", flush=True)
+    print(
+        f"fedmeta exporter serving http://{args.bind}:{port}/metrics (ledger {args.db})", flush=True
+    )
     stop = threading.Event()
 
     def _stop(signum: int, _frame: Any) -> None:

@@ -2,17 +2,18 @@
 
 Two sources, one naming scheme (``fedmeta_`` prefix, base units, ``_total`` on counters):
 
-* ``PrometheusRunObserver`` -- live per-run metrics, fed the round loop's records (server/report.py)
-  and served by ``make_observer(config)`` on ``(metrics.bind, metrics.port)`` while a run is alive.
-  Labels: ``federation``, ``run`` (plus a bounded ``reason`` enum on rejected replies and stop reasons).
-* ``LedgerCollector`` -- the cumulative, per-federation budget state re-read from the SQLite ledger on
-  every scrape, plus the latest run records (``summary.json``); served by ``fedmeta exporter``
+* ``PrometheusRunObserver`` -- live per-run metrics, fed the round loop's records
+  (server/report.py) and served by ``make_observer(config)`` on ``(metrics.bind, metrics.port)``
+  while a run is alive. Labels: ``federation``, ``run`` (plus bounded enums: ``reason`` on rejected
+  replies and stop reasons, ``quantile``).
+* ``LedgerCollector`` -- the cumulative, per-federation budget state re-read from the SQLite ledger
+  on every scrape, plus the latest run records (``summary.json``); served by ``fedmeta exporter``
   (server/exporter.py). Labels: ``federation`` (and ``run`` on the latest-run records).
 
-Never a participant or task id as a label: unbounded cardinality, and it would publish who took part.
-``clipped_fraction`` and ``pre_clip_norm_quantiles`` are computed from private data and are NOT covered
-by the DP guarantee; they are exported only when the round loop provides them (non-private runs, or
-``metrics.private_diagnostics = true``).
+Never a participant or task id as a label: unbounded cardinality, and it would publish who took
+part. ``clipped_fraction`` and ``pre_clip_norm_quantiles`` are computed from private data and are
+NOT covered by the DP guarantee; they are exported only when the round loop provides them
+(non-private runs, or ``metrics.private_diagnostics = true``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from server.report import RoundReport, RunFinished, RunStarted
 log = logging.getLogger("fedmeta.metrics")
 
 # No ``*_created`` series: they double the series count and no panel or alert uses them.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 RUN_LABELS = ("federation", "run")
 FED_LABELS = ("federation",)
@@ -130,22 +131,29 @@ class PrometheusRunObserver:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._budget: dict[tuple[str, str], float] = {}
         r = self.registry
-        g = lambda name, doc, labels=RUN_LABELS: Gauge(name, doc, labels, registry=r)  # noqa: E731
-        c = lambda name, doc, labels=RUN_LABELS: Counter(name, doc, labels, registry=r)  # noqa: E731
+
+        def g(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def c(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
         # progress
         self.runs_started = c("fedmeta_runs_started", "Runs started in this process.", FED_LABELS)
-        self.runs_finished = c("fedmeta_runs_finished", "Runs finished in this process.", FED_LABELS)
+        self.runs_finished = c(
+            "fedmeta_runs_finished", "Runs finished in this process.", FED_LABELS
+        )
         self.run_active = g("fedmeta_run_active", "1 while the run is in its round loop.")
         self.run_private = g("fedmeta_run_private", "1 = private run, 0 = NON-PRIVATE baseline.")
         self.run_stopped = g(
             "fedmeta_run_stopped", "1 for the reason the run stopped.", (*RUN_LABELS, "reason")
         )
-        self.run_start_ts = g(
-            "fedmeta_run_start_timestamp_seconds", "Unix time the run started."
-        )
+        self.run_start_ts = g("fedmeta_run_start_timestamp_seconds", "Unix time the run started.")
         self.rounds_planned = g("fedmeta_rounds_planned", "Rounds planned by the configuration.")
         self.rounds_completed = g("fedmeta_rounds_completed", "Rounds completed by this run.")
-        self.round_current = g("fedmeta_round_current", "Index (1-based) of the last finished round.")
+        self.round_current = g(
+            "fedmeta_round_current", "Index (1-based) of the last finished round."
+        )
         self.last_round_ts = g(
             "fedmeta_last_round_timestamp_seconds", "Unix time the last round finished."
         )
@@ -168,7 +176,9 @@ class PrometheusRunObserver:
         self.spends = g("fedmeta_spends_recorded", "Spends recorded in the federation's ledger.")
         # participation
         self.registered = g("fedmeta_participants_registered", "Participants registered.")
-        self.sampled = c("fedmeta_participants_sampled", "Participants sampled, summed over rounds.")
+        self.sampled = c(
+            "fedmeta_participants_sampled", "Participants sampled, summed over rounds."
+        )
         self.replied = c(
             "fedmeta_participants_replied", "Participants whose reply was accepted, over rounds."
         )
@@ -201,27 +211,38 @@ class PrometheusRunObserver:
         )
         # timing
         self.round_seconds = Histogram(
-            "fedmeta_round_duration_seconds", "Wall time of a round.", RUN_LABELS,
-            buckets=ROUND_BUCKETS, registry=r,
+            "fedmeta_round_duration_seconds",
+            "Wall time of a round.",
+            RUN_LABELS,
+            buckets=ROUND_BUCKETS,
+            registry=r,
         )
         self.agg_seconds = Histogram(
-            "fedmeta_aggregation_duration_seconds", "Server aggregation time of a round.",
-            RUN_LABELS, buckets=SHORT_BUCKETS, registry=r,
+            "fedmeta_aggregation_duration_seconds",
+            "Server aggregation time of a round.",
+            RUN_LABELS,
+            buckets=SHORT_BUCKETS,
+            registry=r,
         )
         self.compute_seconds = Histogram(
             "fedmeta_client_task_compute_duration_seconds",
-            "Client compute time per task, as reported in replies.", RUN_LABELS,
-            buckets=SHORT_BUCKETS, registry=r,
+            "Client compute time per task, as reported in replies.",
+            RUN_LABELS,
+            buckets=SHORT_BUCKETS,
+            registry=r,
         )
 
     # ------------------------------------------------------------------------ RunObserver
     def run_started(self, event: RunStarted) -> None:
+        """Record the plan of a run."""
         self._guard(self._run_started, event)
 
     def round_finished(self, report: RoundReport) -> None:
+        """Record one completed round."""
         self._guard(self._round_finished, report)
 
     def run_finished(self, event: RunFinished) -> None:
+        """Record how the run ended."""
         self._guard(self._run_finished, event)
 
     def _guard(self, fn: Callable[[Any], None], event: Any) -> None:
@@ -241,8 +262,13 @@ class PrometheusRunObserver:
         self.rounds_planned.labels(*lab).set(e.planned_rounds)
         self.rounds_completed.labels(*lab).set(0)
         self.registered.labels(*lab).set(e.participants_registered)
-        for counter in (self.sampled, self.replied, self.failed,
-                        self.tasks_requested, self.tasks_received):
+        for counter in (
+            self.sampled,
+            self.replied,
+            self.failed,
+            self.tasks_requested,
+            self.tasks_received,
+        ):
             counter.labels(*lab)  # initialise at 0 so rate() has a start point
         if _finite(e.epsilon_budget):
             self._budget[lab] = float(e.epsilon_budget)  # type: ignore[arg-type]
@@ -286,8 +312,12 @@ class PrometheusRunObserver:
             self.affordable.labels(*lab).set(r.rounds_affordable)
         if r.spends_recorded is not None:
             self.spends.labels(*lab).set(r.spends_recorded)
-        for gauge, value in ((self.loss, r.train_loss), (self.validation, r.validation_metric),
-                             (self.noise_std, r.noise_std), (self.clip, r.clip)):
+        for gauge, value in (
+            (self.loss, r.train_loss),
+            (self.validation, r.validation_metric),
+            (self.noise_std, r.noise_std),
+            (self.clip, r.clip),
+        ):
             if _finite(value):
                 gauge.labels(*lab).set(float(value))  # type: ignore[arg-type]
         # Private diagnostics: exported only when the round loop provides them.
@@ -325,6 +355,7 @@ class ServedObserver(PrometheusRunObserver):
     port: int | None = None
 
     def run_finished(self, event: RunFinished) -> None:
+        """Record the end; with ``FEDMETA_METRICS_LINGER_S`` keep serving a while at exit."""
         super().run_finished(event)
         try:
             linger = float(os.environ.get(LINGER_ENV, "0") or 0)
@@ -353,7 +384,7 @@ def serve(registry: CollectorRegistry, port: int, bind: str = "127.0.0.1") -> tu
 
 
 def make_observer(config: Any) -> ServedObserver:
-    """The round loop's factory: an observer serving /metrics on ``(metrics.bind, metrics.port)``.
+    """Return the round loop's observer, serving /metrics on ``(metrics.bind, metrics.port)``.
 
     Never raises: if the port cannot be bound the run goes on without metrics (logged).
     """
@@ -368,7 +399,7 @@ def make_observer(config: Any) -> ServedObserver:
     return obs
 
 
-# ================================================================================ the ledger exporter
+# ======================================================================== the ledger exporter
 
 
 class _FederationCache:
@@ -402,6 +433,7 @@ class LedgerCollector(Collector):
         self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
+        """Describe nothing up front (an unchecked collector)."""
         return []  # unchecked collector: the families depend on the ledger's content
 
     def _federation_values(self, fed: str) -> dict[str, float]:
@@ -443,6 +475,7 @@ class LedgerCollector(Collector):
         return values
 
     def collect(self) -> Iterator[Metric]:
+        """Read the ledger and run records now (called on every scrape)."""
         t0 = time.perf_counter()
         with self._lock:
             yield from self._collect()
@@ -453,31 +486,48 @@ class LedgerCollector(Collector):
         yield d
 
     def _collect(self) -> Iterator[Metric]:
-        fams = {
-            "up": GaugeMetricFamily("fedmeta_ledger_up", "1 if the federation's ledger was read "
-                                    "and verified on this scrape, else 0.", labels=FED_LABELS),
-            "eps_task": GaugeMetricFamily("fedmeta_ledger_epsilon_spent_task",
-                                          "Task-level epsilon spent (PLD, enforced).",
-                                          labels=FED_LABELS),
-            "eps_part": GaugeMetricFamily("fedmeta_ledger_epsilon_spent_participant",
-                                          "Participant-level epsilon spent (RDP, reported).",
-                                          labels=FED_LABELS),
-            "budget": GaugeMetricFamily("fedmeta_ledger_epsilon_budget",
-                                        "Task-level epsilon budget.", labels=FED_LABELS),
-            "delta": GaugeMetricFamily("fedmeta_ledger_delta", "Delta of the guarantee.",
-                                       labels=FED_LABELS),
-            "remaining": GaugeMetricFamily("fedmeta_ledger_budget_remaining_ratio",
-                                           "Fraction of the epsilon budget left.",
-                                           labels=FED_LABELS),
-            "affordable": GaugeMetricFamily("fedmeta_ledger_rounds_affordable",
-                                            "More rounds like the last recorded one the budget "
-                                            "allows.", labels=FED_LABELS),
-            "spends": CounterMetricFamily("fedmeta_ledger_spends",
-                                          "Spends (rounds) recorded in the ledger.",
-                                          labels=FED_LABELS),
-            "last_ts": GaugeMetricFamily("fedmeta_ledger_last_spend_timestamp_seconds",
-                                         "Unix time of the last recorded spend.",
-                                         labels=FED_LABELS),
+        fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "up": GaugeMetricFamily(
+                "fedmeta_ledger_up",
+                "1 if the federation's ledger was read and verified on this scrape, else 0.",
+                labels=FED_LABELS,
+            ),
+            "eps_task": GaugeMetricFamily(
+                "fedmeta_ledger_epsilon_spent_task",
+                "Task-level epsilon spent (PLD, enforced).",
+                labels=FED_LABELS,
+            ),
+            "eps_part": GaugeMetricFamily(
+                "fedmeta_ledger_epsilon_spent_participant",
+                "Participant-level epsilon spent (RDP, reported).",
+                labels=FED_LABELS,
+            ),
+            "budget": GaugeMetricFamily(
+                "fedmeta_ledger_epsilon_budget", "Task-level epsilon budget.", labels=FED_LABELS
+            ),
+            "delta": GaugeMetricFamily(
+                "fedmeta_ledger_delta", "Delta of the guarantee.", labels=FED_LABELS
+            ),
+            "remaining": GaugeMetricFamily(
+                "fedmeta_ledger_budget_remaining_ratio",
+                "Fraction of the epsilon budget left.",
+                labels=FED_LABELS,
+            ),
+            "affordable": GaugeMetricFamily(
+                "fedmeta_ledger_rounds_affordable",
+                "More rounds like the last recorded one the budget allows.",
+                labels=FED_LABELS,
+            ),
+            "spends": CounterMetricFamily(
+                "fedmeta_ledger_spends",
+                "Spends (rounds) recorded in the ledger.",
+                labels=FED_LABELS,
+            ),
+            "last_ts": GaugeMetricFamily(
+                "fedmeta_ledger_last_spend_timestamp_seconds",
+                "Unix time of the last recorded spend.",
+                labels=FED_LABELS,
+            ),
         }
         feds: list[str] = []
         if self.db.is_file():
@@ -509,13 +559,16 @@ class LedgerCollector(Collector):
         yield from self._run_records()
 
     def _run_records(self) -> Iterator[Metric]:
-        """The latest ``summary.json`` per federation under the run directories."""
+        """Yield the latest ``summary.json`` per federation under the run directories."""
         latest: dict[str, tuple[float, dict[str, Any]]] = {}
         for root in self.runs_dirs:
             if not root.is_dir():
                 continue
-            for path in [root / "summary.json", *root.glob("*/summary.json"),
-                         *root.glob("*/*/summary.json")]:
+            for path in [
+                root / "summary.json",
+                *root.glob("*/summary.json"),
+                *root.glob("*/*/summary.json"),
+            ]:
                 try:
                     mtime = path.stat().st_mtime
                     summary = json.loads(path.read_text())
@@ -526,29 +579,42 @@ class LedgerCollector(Collector):
                     latest[fed] = (mtime, summary)
         labels = (*FED_LABELS, "run")
         fams = {
-            "rounds_completed": GaugeMetricFamily("fedmeta_last_run_rounds_completed",
-                                                  "Rounds completed by the latest finished run.",
-                                                  labels=labels),
-            "epsilon_spent": GaugeMetricFamily("fedmeta_last_run_epsilon_spent_task",
-                                               "Task-level epsilon after the latest run.",
-                                               labels=labels),
+            "rounds_completed": GaugeMetricFamily(
+                "fedmeta_last_run_rounds_completed",
+                "Rounds completed by the latest finished run.",
+                labels=labels,
+            ),
+            "epsilon_spent": GaugeMetricFamily(
+                "fedmeta_last_run_epsilon_spent_task",
+                "Task-level epsilon after the latest run.",
+                labels=labels,
+            ),
             "epsilon_participant_level": GaugeMetricFamily(
                 "fedmeta_last_run_epsilon_spent_participant",
-                "Participant-level epsilon after the latest run.", labels=labels),
-            "final_metric": GaugeMetricFamily("fedmeta_last_run_final_metric",
-                                              "Final test metric of the latest run.",
-                                              labels=labels),
+                "Participant-level epsilon after the latest run.",
+                labels=labels,
+            ),
+            "final_metric": GaugeMetricFamily(
+                "fedmeta_last_run_final_metric",
+                "Final test metric of the latest run.",
+                labels=labels,
+            ),
         }
-        stopped = GaugeMetricFamily("fedmeta_last_run_stopped", "1 for the latest run's stop "
-                                    "reason.", labels=(*labels, "reason"))
-        ts = GaugeMetricFamily("fedmeta_last_run_timestamp_seconds",
-                               "Unix time the latest run's summary.json was written.",
-                               labels=labels)
+        stopped = GaugeMetricFamily(
+            "fedmeta_last_run_stopped",
+            "1 for the latest run's stop reason.",
+            labels=(*labels, "reason"),
+        )
+        ts = GaugeMetricFamily(
+            "fedmeta_last_run_timestamp_seconds",
+            "Unix time the latest run's summary.json was written.",
+            labels=labels,
+        )
         for fed, (mtime, summary) in sorted(latest.items()):
             lab = [fed, str(summary.get("run_id", ""))]
             for key, fam in fams.items():
                 value = summary.get(key)
-                if _finite(value):
+                if isinstance(value, int | float) and _finite(value):
                     fam.add_metric(lab, float(value))
             if summary.get("stopped_reason"):
                 stopped.add_metric([*lab, str(summary["stopped_reason"])], 1)
@@ -558,6 +624,7 @@ class LedgerCollector(Collector):
         yield ts
 
     def close(self) -> None:
+        """Close the open ledgers."""
         with self._lock:
             for ledger in self._ledgers.values():
                 try:
@@ -576,9 +643,10 @@ def _parse_ts(text: str) -> float:
         return math.nan
 
 
-def exporter_registry(db: str | Path, runs_dirs: Iterable[str | Path] = (),
-                      *, affordable: bool = True) -> tuple[CollectorRegistry, LedgerCollector]:
-    """A registry holding only the ledger collector (no process/platform collectors)."""
+def exporter_registry(
+    db: str | Path, runs_dirs: Iterable[str | Path] = (), *, affordable: bool = True
+) -> tuple[CollectorRegistry, LedgerCollector]:
+    """Return a registry holding only the ledger collector (no process/platform collectors)."""
     registry = CollectorRegistry(auto_describe=False)
     collector = LedgerCollector(db, runs_dirs, affordable=affordable)
     registry.register(collector)

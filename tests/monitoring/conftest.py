@@ -36,42 +36,86 @@ def spend(db: Path, run_id: str, rounds: int, start: int = 0) -> tuple[float, fl
         )
 
 
-def synthetic_run(observer: Any, run_id: str, rounds: int, eps: tuple[float, float],
-                  diagnostics: bool = True) -> None:
-    observer.run_started(RunStarted(
-        run_id=run_id, federation_id=FED, private=True, epsilon_budget=BUDGET, delta=DELTA,
-        noise_multiplier=2.0, clip=1.0, planned_rounds=rounds, rounds_affordable=100,
-        epsilon_spent_task=0.0, epsilon_spent_participant=0.0, participants_registered=20,
-        metric_name="mse",
-    ))
+def synthetic_run(
+    observer: Any, run_id: str, rounds: int, eps: tuple[float, float], diagnostics: bool = True
+) -> None:
+    observer.run_started(
+        RunStarted(
+            run_id=run_id,
+            federation_id=FED,
+            private=True,
+            epsilon_budget=BUDGET,
+            delta=DELTA,
+            noise_multiplier=2.0,
+            clip=1.0,
+            planned_rounds=rounds,
+            rounds_affordable=100,
+            epsilon_spent_task=0.0,
+            epsilon_spent_participant=0.0,
+            participants_registered=20,
+            metric_name="mse",
+        )
+    )
     for r in range(1, rounds + 1):
-        observer.round_finished(RoundReport(
-            run_id=run_id, federation_id=FED, round_index=r, participants_registered=20,
-            participants_sampled=4, participants_replied=3, participants_failed=1,
-            tasks_requested=12, tasks_received=9, rejected_by_reason={"norm_exceeded": 1},
-            train_loss=1.0 / r, validation_metric=0.5, epsilon_spent_task=eps[0] * r / rounds,
-            epsilon_spent_participant=eps[1] * r / rounds, rounds_affordable=100 - r,
-            spends_recorded=r, noise_std=2.0, clip=1.0,
-            clipped_fraction=0.25 if diagnostics else None,
-            pre_clip_norm_quantiles={0.5: 0.8, 0.9: 1.2} if diagnostics else None,
-            round_seconds=0.2, aggregation_seconds=0.01,
-            client_compute_seconds_per_task=(0.02, 0.03),
-        ))
-    observer.run_finished(RunFinished(
-        run_id=run_id, federation_id=FED, rounds_completed=rounds, stopped_reason="planned",
-        epsilon_spent_task=eps[0], epsilon_spent_participant=eps[1], final_metric=0.4,
-        final_metric_ci95=(0.3, 0.5),
-    ))
+        observer.round_finished(
+            RoundReport(
+                run_id=run_id,
+                federation_id=FED,
+                round_index=r,
+                participants_registered=20,
+                participants_sampled=4,
+                participants_replied=3,
+                participants_failed=1,
+                tasks_requested=12,
+                tasks_received=9,
+                rejected_by_reason={"norm_exceeded": 1},
+                train_loss=1.0 / r,
+                validation_metric=0.5,
+                epsilon_spent_task=eps[0] * r / rounds,
+                epsilon_spent_participant=eps[1] * r / rounds,
+                rounds_affordable=100 - r,
+                spends_recorded=r,
+                noise_std=2.0,
+                clip=1.0,
+                clipped_fraction=0.25 if diagnostics else None,
+                pre_clip_norm_quantiles={0.5: 0.8, 0.9: 1.2} if diagnostics else None,
+                round_seconds=0.2,
+                aggregation_seconds=0.01,
+                client_compute_seconds_per_task=(0.02, 0.03),
+            )
+        )
+    observer.run_finished(
+        RunFinished(
+            run_id=run_id,
+            federation_id=FED,
+            rounds_completed=rounds,
+            stopped_reason="planned",
+            epsilon_spent_task=eps[0],
+            epsilon_spent_participant=eps[1],
+            final_metric=0.4,
+            final_metric_ci95=(0.3, 0.5),
+        )
+    )
 
 
 def write_summary(run_dir: Path, run_id: str, rounds: int, eps: tuple[float, float]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps({
-        "run_id": run_id, "federation_id": FED, "rounds_completed": rounds,
-        "stopped_reason": "planned", "epsilon_spent": eps[0],
-        "epsilon_participant_level": eps[1], "delta": DELTA, "epsilon_budget": BUDGET,
-        "final_metric": 0.4, "final_metric_ci95": [0.3, 0.5],
-    }))
+    (run_dir / "summary.json").write_text(
+        json.dumps(
+            {
+                "run_id": run_id,
+                "federation_id": FED,
+                "rounds_completed": rounds,
+                "stopped_reason": "planned",
+                "epsilon_spent": eps[0],
+                "epsilon_participant_level": eps[1],
+                "delta": DELTA,
+                "epsilon_budget": BUDGET,
+                "final_metric": 0.4,
+                "final_metric_ci95": [0.3, 0.5],
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="session")

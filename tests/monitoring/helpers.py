@@ -45,8 +45,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.25,
-             what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float, interval: float = 0.25, what: str = "condition"
+) -> Any:
     """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
@@ -59,7 +60,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_error})")
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what} (last error: {last_error})"
+    )
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:

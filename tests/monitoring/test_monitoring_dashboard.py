@@ -57,8 +57,16 @@ DASHBOARD_SCHEMA: dict[str, Any] = {
                         "required": ["name", "type"],
                         "properties": {
                             "name": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"},
-                            "type": {"enum": ["query", "custom", "constant", "datasource",
-                                              "interval", "textbox"]},
+                            "type": {
+                                "enum": [
+                                    "query",
+                                    "custom",
+                                    "constant",
+                                    "datasource",
+                                    "interval",
+                                    "textbox",
+                                ]
+                            },
                             "datasource": _DS,
                             "multi": {"type": "boolean"},
                             "includeAll": {"type": "boolean"},
@@ -75,8 +83,17 @@ DASHBOARD_SCHEMA: dict[str, Any] = {
                 "required": ["id", "type", "title", "gridPos", "targets", "datasource"],
                 "properties": {
                     "id": {"type": "integer", "minimum": 1},
-                    "type": {"enum": ["gauge", "stat", "timeseries", "xychart", "bargauge",
-                                      "table", "text"]},
+                    "type": {
+                        "enum": [
+                            "gauge",
+                            "stat",
+                            "timeseries",
+                            "xychart",
+                            "bargauge",
+                            "table",
+                            "text",
+                        ]
+                    },
                     "title": {"type": "string", "minLength": 1},
                     "description": {"type": "string"},
                     "gridPos": _GRID,
@@ -120,8 +137,12 @@ def _exprs() -> list[tuple[str, str]]:
 
 def _grafana_to_promql(expr: str) -> str:
     """Substitute Grafana's variables with what they expand to."""
-    for var, value in (("$__rate_interval", "1m"), ("$__interval", "1m"), ("$__range", "1h"),
-                       ("$federation", ".*")):
+    for var, value in (
+        ("$__rate_interval", "1m"),
+        ("$__interval", "1m"),
+        ("$__range", "1h"),
+        ("$federation", ".*"),
+    ):
         expr = expr.replace(var, value)
     assert "$" not in expr, f"unsubstituted Grafana variable in {expr!r}"
     return expr

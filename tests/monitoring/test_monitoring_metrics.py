@@ -1,4 +1,4 @@
-"""server/metrics.py and server/exporter.py without Prometheus: names, labels, privacy, robustness."""
+"""server/metrics.py and server/exporter.py without Prometheus: names, labels, privacy, faults."""
 
 from __future__ import annotations
 
@@ -73,13 +73,23 @@ def test_observer_never_raises_on_garbage() -> None:
 
     obs = PrometheusRunObserver()
     obs.run_started(object())  # type: ignore[arg-type]
-    obs.round_finished(RoundReport(
-        run_id="r", federation_id=FED, round_index=1, participants_registered=1,
-        participants_sampled=1, participants_replied=0, participants_failed=1,
-        tasks_requested=1, tasks_received=0, train_loss=float("nan"),
-        epsilon_spent_task=float("inf"), pre_clip_norm_quantiles={0.5: float("nan")},
-        client_compute_seconds_per_task=(float("nan"),),
-    ))
+    obs.round_finished(
+        RoundReport(
+            run_id="r",
+            federation_id=FED,
+            round_index=1,
+            participants_registered=1,
+            participants_sampled=1,
+            participants_replied=0,
+            participants_failed=1,
+            tasks_requested=1,
+            tasks_received=0,
+            train_loss=float("nan"),
+            epsilon_spent_task=float("inf"),
+            pre_clip_norm_quantiles={0.5: float("nan")},
+            client_compute_seconds_per_task=(float("nan"),),
+        )
+    )
     obs.run_finished(None)  # type: ignore[arg-type]
 
 
@@ -94,8 +104,9 @@ def test_make_observer_serves_and_survives_a_taken_port() -> None:
         text = http_get(f"http://127.0.0.1:{obs.port}/metrics")
         assert 'fedmeta_rounds_completed{federation="sinusoid-test",run="served"} 2.0' in text
         # A second observer on the same port: logged, no exception, the run goes on.
-        taken = make_observer(SimpleNamespace(metrics=SimpleNamespace(port=obs.port,
-                                                                      bind="127.0.0.1")))
+        taken = make_observer(
+            SimpleNamespace(metrics=SimpleNamespace(port=obs.port, bind="127.0.0.1"))
+        )
         assert taken.server is None
         synthetic_run(taken, "unserved", 1, (0.1, 1.0))
     finally:
@@ -122,7 +133,7 @@ def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
         assert f'fedmeta_ledger_epsilon_spent_task{{federation="{FED}"}} {eps2[0]!r}' in text
         assert f'fedmeta_ledger_spends_total{{federation="{FED}"}} 5.0' in text
         assert f'fedmeta_last_run_rounds_completed{{federation="{FED}",run="run-2"}} 3.0' in text
-        assert 'fedmeta_ledger_rounds_affordable{' in text
+        assert "fedmeta_ledger_rounds_affordable{" in text
     finally:
         collector.close()
 
@@ -158,8 +169,21 @@ def test_exporter_cli_registers_with_localhost_default() -> None:
     exporter.register(parser.add_subparsers())
     args = parser.parse_args(["exporter", "--db", "x.sqlite"])
     assert args.bind == "127.0.0.1" and args.port == exporter.DEFAULT_PORT
-    args = parser.parse_args(["exporter", "--db", "x", "--port", "0", "--bind", "::1",
-                              "--runs-dir", "a", "--runs-dir", "b"])
+    args = parser.parse_args(
+        [
+            "exporter",
+            "--db",
+            "x",
+            "--port",
+            "0",
+            "--bind",
+            "::1",
+            "--runs-dir",
+            "a",
+            "--runs-dir",
+            "b",
+        ]
+    )
     assert args.runs_dir == ["a", "b"] and args.port == 0
 
 
