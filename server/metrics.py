@@ -26,6 +26,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -407,15 +409,21 @@ class _FederationCache:
 
     def __init__(self) -> None:
         self.position = -1
+        self.event: Any = None
         self.values: dict[str, float] = {}
 
 
 class LedgerCollector(Collector):
     """Re-reads the SQLite ledger (and run directories) on every scrape.
 
-    ``open_ledger(db, federation_id)`` and ``list_federations(db)`` default to accounting's public
-    ``BudgetLedger.open(..., create=False)`` and ``BudgetLedger.federations``. Expensive numbers
-    (epsilon, rounds affordable) are recomputed only when the ledger's position changed.
+    Reads go through accounting's public ``BudgetLedger.federations`` and
+    ``BudgetLedger.open(..., create=False)``. All ledger work runs on one worker thread (SQLite
+    connections belong to the thread that opened them; the HTTP server answers each scrape on a new
+    thread). Epsilon is recomputed only when the ledger's position changed; rounds affordable
+    (a PLD search, seconds) is updated exactly without a search while the new spends repeat the
+    last recorded round (each costs one affordable round), and otherwise recomputed in the
+    background and left out until known. A read slower than ``read_timeout_s`` serves the last
+    snapshot.
     """
 
     def __init__(
@@ -424,25 +432,43 @@ class LedgerCollector(Collector):
         runs_dirs: Iterable[str | Path] = (),
         *,
         affordable: bool = True,
+        read_timeout_s: float = 8.0,
     ) -> None:
         self.db = Path(db)
         self.runs_dirs = [Path(d) for d in runs_dirs]
         self.affordable = affordable
+        self.read_timeout_s = read_timeout_s
         self._ledgers: dict[str, Any] = {}
         self._cache: dict[str, _FederationCache] = {}
+        self._snapshot: list[tuple[str, dict[str, float] | None]] = []
         self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmeta-ledger")
 
     def describe(self) -> list[Metric]:
         """Describe nothing up front (an unchecked collector)."""
         return []  # unchecked collector: the families depend on the ledger's content
 
-    def _federation_values(self, fed: str) -> dict[str, float]:
+    # -------------------------------------------------------------- on the worker thread only
+    def _ledger(self, fed: str) -> Any:
         from accounting import BudgetLedger  # light: stdlib + numpy/scipy/dp-accounting
 
         ledger = self._ledgers.get(fed)
         if ledger is None:
             ledger = BudgetLedger.open(self.db, fed, create=False)
             self._ledgers[fed] = ledger
+        return ledger
+
+    def _drop(self, fed: str) -> None:
+        stale = self._ledgers.pop(fed, None)
+        if stale is not None:
+            try:
+                stale.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._cache.pop(fed, None)
+
+    def _federation_values(self, fed: str) -> dict[str, float]:
+        ledger = self._ledger(fed)
         cache = self._cache.setdefault(fed, _FederationCache())
         position = int(ledger.position())
         if position == cache.position:
@@ -454,6 +480,7 @@ class LedgerCollector(Collector):
             "delta": float(ledger.delta),
             "spends": float(position),
         }
+        event = None
         if records:
             # Same methods as the round loop (server/privacy.py): task level PLD (enforced),
             # participant level RDP (reported).
@@ -462,18 +489,60 @@ class LedgerCollector(Collector):
                 eps_part = float(ledger.epsilon(unit="participant", method="rdp"))
             except Exception:  # noqa: BLE001 - e.g. a scheme without a participant-level bound
                 eps_part = math.nan
-            last = records[-1]
-            values["last_ts"] = _parse_ts(last.created_at)
+            event = records[-1].event
+            values["last_ts"] = _parse_ts(records[-1].created_at)
             if self.affordable:
-                values["affordable"] = float(ledger.rounds_affordable(last.event))
+                previous = cache.values.get("affordable")
+                same = (
+                    previous is not None
+                    and 0 <= cache.position < position
+                    and cache.event == event
+                    and all(r.event == event for r in records[cache.position :])
+                )
+                if same:
+                    values["affordable"] = max(0.0, previous - (position - cache.position))  # type: ignore[operator]
+                else:
+                    self._worker.submit(self._refresh_affordable, fed, position, event)
         else:
             eps_task, eps_part = 0.0, 0.0
         values["eps_task"] = eps_task
         values["eps_part"] = eps_part
         values["remaining"] = _remaining(eps_task, budget) or 0.0
-        cache.position, cache.values = position, values
+        cache.position, cache.event, cache.values = position, event, values
         return values
 
+    def _refresh_affordable(self, fed: str, position: int, event: Any) -> None:
+        try:
+            cache = self._cache.get(fed)
+            if cache is None or cache.position != position:
+                return  # superseded by a newer read
+            value = float(self._ledger(fed).rounds_affordable(event))
+            if cache.position == position:
+                cache.values["affordable"] = value
+        except Exception:  # noqa: BLE001 - never crash the worker
+            log.exception("could not compute rounds affordable for %r", fed)
+
+    def _read_ledgers(self) -> list[tuple[str, dict[str, float] | None]]:
+        out: list[tuple[str, dict[str, float] | None]] = []
+        if not self.db.is_file():
+            return out
+        try:
+            from accounting import BudgetLedger
+
+            feds = list(BudgetLedger.federations(self.db))
+        except Exception:  # noqa: BLE001 - a scrape never crashes the exporter
+            log.exception("could not list the federations in %s", self.db)
+            return out
+        for fed in feds:
+            try:
+                out.append((fed, dict(self._federation_values(fed))))
+            except Exception:  # noqa: BLE001 - e.g. LedgerCorrupted: report down, keep serving
+                log.exception("could not read federation %r from %s", fed, self.db)
+                self._drop(fed)
+                out.append((fed, None))
+        return out
+
+    # --------------------------------------------------------------------------- scrape thread
     def collect(self) -> Iterator[Metric]:
         """Read the ledger and run records now (called on every scrape)."""
         t0 = time.perf_counter()
@@ -529,30 +598,20 @@ class LedgerCollector(Collector):
                 labels=FED_LABELS,
             ),
         }
-        feds: list[str] = []
-        if self.db.is_file():
-            try:
-                from accounting import BudgetLedger
-
-                feds = list(BudgetLedger.federations(self.db))
-            except Exception:  # noqa: BLE001 - a scrape never crashes the exporter
-                log.exception("could not list the federations in %s", self.db)
-        for fed in feds:
-            try:
-                values = self._federation_values(fed)
-            except Exception:  # noqa: BLE001 - e.g. LedgerCorrupted: report down, keep serving
-                log.exception("could not read federation %r from %s", fed, self.db)
-                stale = self._ledgers.pop(fed, None)
-                if stale is not None:
-                    try:
-                        stale.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                self._cache.pop(fed, None)
-                fams["up"].add_metric([fed], 0)
-                continue
-            fams["up"].add_metric([fed], 1)
-            for key, value in values.items():
+        try:
+            snapshot = self._worker.submit(self._read_ledgers).result(self.read_timeout_s)
+            self._snapshot = snapshot
+        except FutureTimeout:
+            log.warning(
+                "ledger read slower than %.1fs: serving the last snapshot", self.read_timeout_s
+            )
+            snapshot = self._snapshot
+        except Exception:  # noqa: BLE001
+            log.exception("ledger read failed")
+            snapshot = []
+        for fed, values in snapshot:
+            fams["up"].add_metric([fed], 0 if values is None else 1)
+            for key, value in (values or {}).items():
                 if key in fams and _finite(value):
                     fams[key].add_metric([fed], value)
         yield from fams.values()
@@ -624,14 +683,18 @@ class LedgerCollector(Collector):
         yield ts
 
     def close(self) -> None:
-        """Close the open ledgers."""
+        """Close the open ledgers and stop the worker."""
         with self._lock:
-            for ledger in self._ledgers.values():
-                try:
-                    ledger.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            self._ledgers.clear()
+
+            def _close_all() -> None:
+                for fed in list(self._ledgers):
+                    self._drop(fed)
+
+            try:
+                self._worker.submit(_close_all).result(30)
+            except Exception:  # noqa: BLE001
+                log.exception("closing the ledgers failed")
+            self._worker.shutdown(wait=False, cancel_futures=True)
 
 
 def _parse_ts(text: str) -> float:

@@ -133,7 +133,48 @@ def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
         assert f'fedmeta_ledger_epsilon_spent_task{{federation="{FED}"}} {eps2[0]!r}' in text
         assert f'fedmeta_ledger_spends_total{{federation="{FED}"}} 5.0' in text
         assert f'fedmeta_last_run_rounds_completed{{federation="{FED}",run="run-2"}} 3.0' in text
+        text = generate_latest(registry).decode()  # after the background search
         assert "fedmeta_ledger_rounds_affordable{" in text
+    finally:
+        collector.close()
+
+
+def _sample(text: str, name: str) -> float | None:
+    m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_path: Path) -> None:
+    import threading
+
+    from prometheus_client import generate_latest
+
+    from accounting import BudgetLedger
+    from server.metrics import exporter_registry
+    from tests.monitoring.conftest import gaussian_round
+
+    db = tmp_path / "ledger.sqlite"
+    spend(db, "run-1", 2)
+    registry, collector = exporter_registry(db)
+    try:
+        generate_latest(registry)
+        for start in (2, 3, 5):
+            spend(db, "run-1", 1 if start < 5 else 2, start=start)
+            pages: list[str] = []
+            threads = [
+                threading.Thread(target=lambda: pages.append(generate_latest(registry).decode()))
+                for _ in range(3)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert len(pages) == 3
+            for page in pages:
+                assert _sample(page, "fedmeta_ledger_up") == 1.0
+            with BudgetLedger.open(db, FED, create=False) as ledger:
+                exact = ledger.rounds_affordable(gaussian_round())
+            assert _sample(pages[-1], "fedmeta_ledger_rounds_affordable") == exact
     finally:
         collector.close()
 
