@@ -162,7 +162,9 @@ def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_pa
             spend(db, "run-1", 1 if start < 5 else 2, start=start)
             pages: list[str] = []
             threads = [
-                threading.Thread(target=lambda: pages.append(generate_latest(registry).decode()))
+                threading.Thread(
+                    target=lambda pages=pages: pages.append(generate_latest(registry).decode())
+                )
                 for _ in range(3)
             ]
             for t in threads:
