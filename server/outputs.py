@@ -27,6 +27,13 @@ def _e(x: Any, fmt: str = ".3f") -> str:
     return format(x, fmt)
 
 
+def _participant_eps(value: Any, note: str | None) -> str:
+    """Participant-level epsilon for humans: the number, or why it is not meaningful."""
+    if note:
+        return f"{note} (valid but vacuous bound: {_e(value, '.3g')})"
+    return f"epsilon {_e(value)}"
+
+
 def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]) -> str:
     """The privacy plan, printed before training."""
     lines = ["== fedmeta federation plan =="]
@@ -52,8 +59,10 @@ def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]
         f"expected tasks per round (public normaliser): {_e(plan['expected_tasks_per_round'], '.2f')}",
         f"ledger before this run: {plan['ledger_records_before']} spends, epsilon {_e(plan['epsilon_spent_before'])}",
         f"rounds affordable: {plan['rounds_affordable']} | rounds this run will run: {plan['rounds_to_run']}",
-        f"at the planned end: task-level epsilon {_e(plan['epsilon_task_at_end'])}, "
-        f"participant-level epsilon {_e(plan['epsilon_participant_at_end'])} (delta {_e(plan['delta'], 'g')})",
+        f"at the planned end: task-level epsilon {_e(plan['epsilon_task_at_end'])} "
+        f"(delta {_e(plan['delta'], 'g')})",
+        "participant-level epsilon at the planned end: "
+        + _participant_eps(plan["epsilon_participant_at_end"], plan.get("participant_level_note")),
     ]
     pub = plan.get("epsilon_tombs2022_published_at_end_NOT_VALID")
     if pub is not None:
@@ -72,7 +81,11 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["private"]:
         lines.append(
             f"epsilon spent (task level) {_e(s['epsilon_spent'])} of budget {_e(s['epsilon_budget'], 'g')} "
-            f"at delta {_e(s['delta'], 'g')} | participant level {_e(s['epsilon_participant_level'])}"
+            f"at delta {_e(s['delta'], 'g')}"
+        )
+        lines.append(
+            "participant level: "
+            + _participant_eps(s["epsilon_participant_level"], s.get("participant_level_note"))
         )
         if s.get("noise_secure") is False:
             lines.append(

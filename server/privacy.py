@@ -92,6 +92,25 @@ def max_tasks_per_participant(cfg: Config, task_counts: Mapping[str, int]) -> in
     return int(max(task_counts.values()))
 
 
+#: Printed instead of the participant-level epsilon when it is not a meaningful guarantee.
+PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
+    "not meaningful: no per-participant cap with Poisson stage 2 (the bound assumes a participant "
+    "may send all its tasks in a round); use sampling.stage2=fixed for a participant-level guarantee"
+)
+
+
+def participant_level_note(cfg: Config) -> str | None:
+    """Explain why the participant-level epsilon is not meaningful, or None when it is.
+
+    With a Poisson stage 2 nothing caps a participant's tasks per round, so the only sound
+    sensitivity is its whole task count times C: the resulting epsilon (~1e7 in the default run) is
+    a valid but useless bound. A fixed-size stage 2 caps it at ``tasks_per_round``.
+    """
+    if cfg.sampling.stage2 == "fixed":
+        return None
+    return PARTICIPANT_LEVEL_NOT_MEANINGFUL
+
+
 def make_event(cfg: Config, scheme: Any, z: float, task_counts: Mapping[str, int]) -> Any:
     """The per-round ``GaussianRound`` event."""
     return _acc("GaussianRound")(

@@ -245,6 +245,13 @@ class RoundLoop:
                 np.random.SeedSequence([self.test_seed, state.next_round]).generate_state(1)[0]
             )
         sampler = priv.make_sampler(scheme, sampler_seed, state.sampler_state)
+        try:
+            # The accounted stage-2 rate assumes every participant holds >= min_tasks tasks.
+            sampler.check_task_counts(task_counts)
+        except ValueError as error:
+            raise FederationError(
+                f"the registered task counts do not fit the accounted scheme: {error}"
+            ) from error
         noise_seed = None if self.test_seed is None else self.test_seed * 7919 + state.next_round
         noise = NoiseSource.create(noise_seed)
         if self.private and not noise.secure:
@@ -500,6 +507,7 @@ class RoundLoop:
             "stopped_reason": stopped,
             "epsilon_spent": eps_task,
             "epsilon_participant_level": eps_part,
+            "participant_level_note": priv.participant_level_note(cfg) if self.private else None,
             "epsilon_spent_this_run_rounds": len(spends_this_run) if self.private else None,
             "delta": cfg.privacy.delta if self.private else None,
             "epsilon_budget": cfg.privacy.epsilon_budget if self.private else None,
@@ -553,6 +561,7 @@ class RoundLoop:
             "epsilon_spent_before": eps_before,
             "epsilon_task_at_end": eps_end,
             "epsilon_participant_at_end": eps_end_part,
+            "participant_level_note": priv.participant_level_note(cfg),
             "epsilon_tombs2022_published_at_end_NOT_VALID": priv.published_epsilon(
                 event, will_run, cfg.privacy.delta
             ),
