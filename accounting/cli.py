@@ -1,10 +1,8 @@
 """``fedmeta privacy epsilon|calibrate|max-rounds|compare`` and ``fedmeta ledger show``.
 
 Human-readable tables by default, ``--json`` for machines. Bad input is reported as one line naming
-the
-flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports
-only
-``accounting`` (no torch, no Flower), so the planner starts fast.
+the flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports
+only ``accounting`` (no torch, no Flower), so the planner starts fast.
 """
 
 from __future__ import annotations

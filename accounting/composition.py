@@ -3,16 +3,12 @@
 Two accountants, both from dp-accounting:
 
 * **PLD** (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022 "connect the
-dots"):
-  tight up to discretisation. dp-accounting's ``pessimistic_estimate=True`` rounds every privacy
-  loss
-  *up* to the grid, so the reported epsilon errs on the safe (too large) side. This is the value
-  that
-  is enforced.
+  dots"): tight up to discretisation. dp-accounting's ``pessimistic_estimate=True`` rounds every
+  privacy loss *up* to the grid, so the reported epsilon errs on the safe (too large) side. This is
+  the value that is enforced.
 * **RDP** (Mironov 2017; Mironov, Talwar, Zhang 2019 for the Poisson-subsampled Gaussian): an
   independent, looser upper bound, reported as a cross-check. Converting RDP to (eps, delta) is
-  always
-  pessimistic.
+  always pessimistic.
 
 Per-round dominating pairs (privacy-accounting note, section 2):
 
@@ -20,23 +16,19 @@ Per-round dominating pairs (privacy-accounting note, section 2):
   "participant not sampled" part, one round's PLD is the mixture
   ``(1 - q1) * (point mass at loss 0) + q1 * PLD_stage2``, where ``PLD_stage2`` is the
   Poisson-subsampled Gaussian at the stage-2 rate (``z/2`` if stage 2 has a fixed size). This holds
-  in
-  both the remove and the add direction: the unsampled branch has the same law under both datasets
-  and
-  is distinguishable (by the siblings) from the sampled branch, so its privacy loss is exactly 0.
-  Only the innermost stage amplifies epsilon; the outer rate only scales delta within a round.
+  in both the remove and the add direction: the unsampled branch has the same law under both
+  datasets and is distinguishable (by the siblings) from the sampled branch, so its privacy loss is
+  exactly 0. Only the innermost stage amplifies epsilon; the outer rate only scales delta within a
+  round.
 * two-stage schemes, participant level: Poisson-subsampled Gaussian at rate ``q1`` with the
   substitution form for a fixed-size stage 1, i.e. noise multiplier ``z / (2 k)`` for a cap of ``k``
   tasks per participant per round (sensitivity ``k C``, doubled by substitution).
 * flat Poisson: the Poisson-subsampled Gaussian (rate ``q``, ``z``); fixed-size single stage: the
-same at
-  rate ``m/n`` and ``z/2``.
+  same at rate ``m/n`` and ``z/2``.
 
 Rounds are composed *by count*: each distinct round's PLD is built once and self-composed (an FFT
-power,
-cost ~ independent of the count), groups of different rounds are composed together. Composing one
-round
-at a time is quadratic and is never done.
+power, cost ~ independent of the count), groups of different rounds are composed together. Composing
+one round at a time is quadratic and is never done.
 """
 
 from __future__ import annotations
@@ -120,8 +112,7 @@ def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, f
     """Return ``(w, q, sigma)``: one round is ``(1-w) * [no loss] + w * PoissonGaussian(q, sigma)``.
 
     ``sigma`` is the noise standard deviation in units of the (add/remove) sensitivity. See the
-    module
-    docstring and the privacy-accounting note, section 2, for the derivation of each case.
+    module docstring and the privacy-accounting note, section 2, for the derivation of each case.
     """
     _check_unit(unit)
     scheme = event.scheme
@@ -166,9 +157,8 @@ def _grid(sigma: float, discretization: float) -> float:
     The privacy-loss range grows like ``1 / sigma^2``, so at a fixed grid a tiny ``sigma`` (e.g.
     participant level, ``z / (2 k)``) needs millions of bins and minutes per composition. Below
     ``sigma = 0.5`` the grid is scaled by ``(0.5 / sigma)^2``: dp-accounting's pessimistic rounding
-    keeps
-    every grid an upper bound, so this errs only on the safe (larger epsilon) side. The reference
-    numbers (sigma >= 0.5) use the base grid unchanged.
+    keeps every grid an upper bound, so this errs only on the safe (larger epsilon) side. The
+    reference numbers (sigma >= 0.5) use the base grid unchanged.
     """
     if sigma >= _SMALL_SIGMA:
         return discretization
@@ -187,8 +177,7 @@ def _pld_one_round(weight: float, rate: float, sigma: float, discretization: flo
     if weight >= 1.0:
         return stage
     # (1 - w) * delta_0 + w * PLD_stage: dp-accounting's mixture of PMFs, in both directions. The
-    # point
-    # mass at loss 0 lies exactly on the grid, so the mixture adds no discretisation error.
+    # point mass at loss 0 lies exactly on the grid, so the mixture adds no discretisation error.
     identity = pld_lib.identity(value_discretization_interval=_grid(sigma, discretization))
     return stage.compute_mixture(identity, weight)
 
@@ -258,12 +247,10 @@ def _rdp_one_round(weight: float, rate: float, sigma: float) -> tuple[float, ...
     """RDP curve of one round over ``RDP_ORDERS``.
 
     Stage: dp-accounting's Poisson-subsampled Gaussian RDP (Mironov, Talwar, Zhang 2019), valid in
-    both
-    directions. Mixture with a point mass (disjoint, equal under both datasets): for any pair,
+    both directions. Mixture with a point mass (disjoint, equal under both datasets): for any pair,
     ``E_Q[(P/Q)^a] = (1 - w) + w E_Q2[(P2/Q2)^a]``, hence
     ``RDP(a) = log(1 - w + w exp((a - 1) RDP2(a))) / (a - 1)`` -- exact, and monotone in ``RDP2``,
-    so
-    an upper bound on ``RDP2`` gives an upper bound.
+    so an upper bound on ``RDP2`` gives an upper bound.
     """
     accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS))
     # dp-accounting logs (via absl) when a fractional order's series does not converge and then sets
@@ -318,8 +305,7 @@ def epsilon(
     """Return epsilon at ``delta`` after ``rounds``, a list of ``(GaussianRound, count)``.
 
     ``method="pld"`` is the tight value fedmeta enforces (pessimistic discretisation: never below
-    the
-    exact value of the dominating pair); ``method="rdp"`` is the looser independent cross-check.
+    the exact value of the dominating pair); ``method="rdp"`` is the looser independent cross-check.
     """
     _check_delta(delta)
     _check_unit(unit)
@@ -340,11 +326,9 @@ def tombs2022_published_epsilon(
 
     Theorem 3 claims two-stage sampling amplifies like Poisson sampling at ``eta``, the largest
     inclusion probability of a task (``eta = q1 * n2 / min_i |T_i|`` or ``q1 * q2``), with the
-    Gaussian's
-    sensitivity ``C`` (``z`` unhalved). The privacy-accounting note (section 1) gives a one-round
-    dataset
-    where the true delta is ~1e4 times larger. This number is reported beside the valid one for
-    comparison and is never used to enforce a budget.
+    Gaussian's sensitivity ``C`` (``z`` unhalved). The privacy-accounting note (section 1) gives a
+    one-round dataset where the true delta is ~1e4 times larger. This number is reported beside the
+    valid one for comparison and is never used to enforce a budget.
     """
     _check_delta(delta)
     scheme = event.scheme
@@ -387,8 +371,7 @@ def calibrate_noise_multiplier(
     """Smallest noise multiplier ``z`` (to ``relative_tolerance``, rounded up) with eps <= target.
 
     Bisection that always returns the upper, *feasible* end of the bracket: the result meets the
-    target
-    under the chosen accountant, and ``z * (1 - relative_tolerance)`` may not.
+    target under the chosen accountant, and ``z * (1 - relative_tolerance)`` may not.
     """
     _check_delta(delta)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -447,11 +430,9 @@ def max_rounds(
     """Largest ``T`` such that ``prior`` plus ``T`` copies of ``event`` stays within the budget.
 
     Exact to the round under the chosen accountant: a galloping search then a bisection that keeps
-    the
-    last *feasible* value (the DP-MAML line's off-by-one kept the last probe). Assumes epsilon is
-    non-decreasing in ``T``, which holds for these accountants. Returns 0 if not even one round
-    fits,
-    and ``limit`` if ``limit`` rounds fit.
+    the last *feasible* value (the DP-MAML line's off-by-one kept the last probe). Assumes epsilon
+    is non-decreasing in ``T``, which holds for these accountants. Returns 0 if not even one round
+    fits, and ``limit`` if ``limit`` rounds fit.
     """
     _check_delta(delta)
     if not (isinstance(epsilon_budget, int | float) and epsilon_budget >= 0):
@@ -503,11 +484,9 @@ def max_rounds(
             return limit
         hi = extrapolate(hi)
     # 3. Invariant: lo feasible, hi infeasible. Interpolate (regula falsi) and probe the neighbour
-    # of
-    #    each interpolated point, which ends the search in a few evaluations when the curve is
-    #   smooth;
-    #    after two interpolations that failed to halve the bracket, bisect, so the worst case stays
-    #    logarithmic.
+    #    of each interpolated point, which ends the search in a few evaluations when the curve is
+    #    smooth; after two interpolations that failed to halve the bracket, bisect, so the worst
+    #    case stays logarithmic.
     slow_steps = 0
     while hi - lo > 1:
         bisect_next = slow_steps >= 2

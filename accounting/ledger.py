@@ -3,15 +3,14 @@
 Design (privacy-accounting note, section 4; conventions, items 3-4):
 
 * **Durable.** SQLite in WAL mode with ``synchronous=FULL``: a spend that ``spend`` returned is on
-disk
-  before the noisy update is released; a writer killed mid-spend leaves either the whole record or
-  none.
+  disk before the noisy update is released; a writer killed mid-spend leaves either the whole record
+  or none.
 * **Append-only.** Triggers refuse UPDATE and DELETE on records. Each record carries a SHA-256 hash
   chained to the previous one (the first to the federation's own row) and a head row names the last
   record, so a hand-edited, reordered, deleted or truncated ledger is reported on open as
   ``LedgerCorrupted`` naming the first bad record, never silently reset. (The chain detects
-  accidents
-  and naive edits; someone with write access who recomputes every hash is outside its threat model.)
+  accidents and naive edits; someone with write access who recomputes every hash is outside its
+  threat model.)
 * **Recomputed, not trusted.** Epsilon is never stored: opening the ledger re-reads the rounds and
   recomposes them (PLD, by count).
 * **Check, then commit.** ``would_exceed`` is a dry run; ``spend`` takes the write lock
@@ -169,9 +168,8 @@ class BudgetLedger:
     """A federation's privacy budget, enforced against its durable record of spends.
 
     Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)``. Several runs over
-    the
-    same participants share one ``federation_id`` and so compose. The enforced guarantee is the PLD
-    epsilon at ``delta`` for ``unit`` (task level by default).
+    the same participants share one ``federation_id`` and so compose. The enforced guarantee is the
+    PLD epsilon at ``delta`` for ``unit`` (task level by default).
     """
 
     def __init__(
@@ -467,8 +465,7 @@ class BudgetLedger:
                 after = epsilon([*self._counts.items(), (event, 1)], self.delta, self.unit)
                 raise BudgetExhausted(
                     f"budget exhausted for federation {self.federation_id!r}: this round would "
-                    "take "
-                    f"epsilon to {after:.4g} > budget {self.epsilon_budget:g} "
+                    f"take epsilon to {after:.4g} > budget {self.epsilon_budget:g} "
                     f"(delta {self.delta:g}, {self.unit} level); nothing was recorded",
                     epsilon_after=after,
                     epsilon_budget=self.epsilon_budget,

@@ -2,8 +2,7 @@
 
 The scheme object that builds the ``GaussianRound`` event is the one this sampler runs, so the two
 cannot drift apart (conventions, item 5). Sampling must be random and secret for amplification to
-hold:
-the generator is seeded from ``secrets`` unless a test passes a seed explicitly.
+hold: the generator is seeded from ``secrets`` unless a test passes a seed explicitly.
 """
 
 from __future__ import annotations
@@ -24,15 +23,12 @@ class TwoStageSampler:
     public metadata) and returns ``{participant id: sorted task ids}`` for the sampled ones. Stage 1
     draws ``participants_per_round`` of the available participants uniformly without replacement;
     fewer available than that is an error (the accounted rate would be wrong). Stage 2 is Poisson
-    with
-    ``task_rate`` or ``tasks_per_round`` without replacement (a participant with fewer tasks than
-    that,
-    or fewer than the scheme's ``min_tasks``, is an error: the accountant's worst case assumed
-    more).
+    with ``task_rate`` or ``tasks_per_round`` without replacement (a participant with fewer tasks
+    than that, or fewer than the scheme's ``min_tasks``, is an error: the accountant's worst case
+    assumed more).
 
     A sampled participant may receive an empty task list under Poisson stage 2: it is still part of
-    the
-    round (skipping it would change the mechanism).
+    the round (skipping it would change the mechanism).
     """
 
     def __init__(
@@ -96,8 +92,7 @@ class TwoStageSampler:
 
         With a fixed-size stage 2 the accounted rate is ``tasks_per_round / min_tasks``; a smaller
         participant would have a larger rate than the one accounted for. The server calls this on
-        the
-        registered task counts before the first round and whenever they change.
+        the registered task counts before the first round and whenever they change.
         """
         if isinstance(self.scheme, TwoStageFixedScheme):
             for pid, count in task_counts.items():

@@ -2,8 +2,8 @@
 
 The style follows dp-accounting's ``dp_event.py`` (one class per object, a docstring stating the
 mathematics), with one difference: every field is validated on construction, so an event can never
-hold
-a negative noise multiplier or a rate of 1.5. Errors read ``"<field> must be ...; got <value>"``.
+hold a negative noise multiplier or a rate of 1.5. Errors read
+``"<field> must be ...; got <value>"``.
 
 The same scheme object drives the sampler that runs (``accounting.sampler.TwoStageSampler``) and the
 event the accountant composes (``GaussianRound``): one source of truth for sampling.
@@ -46,8 +46,7 @@ class TwoStagePoissonScheme:
     """Stage 1: ``participants_per_round`` of ``participants``; stage 2: Poisson(``task_rate``).
 
     Stage 1 draws ``n1`` of ``P`` participants uniformly without replacement; stage 2 includes each
-    task
-    of a sampled participant independently with probability ``q2 = task_rate``.
+    task of a sampled participant independently with probability ``q2 = task_rate``.
 
     Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
     ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate q2, noise z)`` with
@@ -85,15 +84,13 @@ class TwoStageFixedScheme:
     """``participants_per_round`` of ``participants``, then ``tasks_per_round`` of each one's tasks.
 
     Both stages sample without replacement. ``min_tasks`` is the smallest task count of any
-    registered
-    participant (counting the protected task): the smallest participant has the largest stage-2
-    rate.
+    registered participant (counting the protected task): the smallest participant has the largest
+    stage-2 rate.
 
     Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
     ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate n2/min_tasks, noise z/2)``.
     The ``z/2`` is because adding a task to a fixed-size sample is a substitution inside the sample
-    and a
-    sum of vectors clipped to ``C`` moves by up to ``2C`` (dp-accounting issue #378). Tight.
+    and a sum of vectors clipped to ``C`` moves by up to ``2C`` (dp-accounting issue #378). Tight.
     """
 
     participants: int
@@ -151,11 +148,9 @@ class FlatPoissonScheme:
 class FixedSizeScheme:
     """Single stage: ``sample_size`` of ``population`` tasks uniformly without replacement.
 
-    Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population``
-    and noise
-    multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``;
-    privacy-accounting
-    note, section 2). This is the dominating pair the note calls tight.
+    Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population`` and
+    noise multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``;
+    privacy-accounting note, section 2). This is the dominating pair the note calls tight.
     """
 
     sample_size: int
@@ -193,18 +188,15 @@ class GaussianRound:
     """One round of ``sum(clip_C(g_i) for sampled tasks i) + N(0, (z*C)^2 I)`` under ``scheme``.
 
     ``noise_multiplier`` is ``z`` relative to the clip norm ``C`` (``C`` itself cancels from the
-    privacy
-    analysis). ``max_tasks_per_participant`` is the most tasks one participant can contribute in a
-    round
-    (the participant-level sensitivity is that times ``C``); it defaults to ``tasks_per_round`` for
-    the
-    fixed-size stage 2 and must be given for participant-level accounting with a Poisson stage 2
-    (the
-    server caps and passes the largest participant's task count).
+    privacy analysis). ``max_tasks_per_participant`` is the most tasks one participant can
+    contribute in a round (the participant-level sensitivity is that times ``C``); it defaults to
+    ``tasks_per_round`` for the fixed-size stage 2 and must be given for participant-level
+    accounting with a Poisson stage 2 (the server passes the largest participant's task count:
+    nothing smaller caps a participant's tasks per round, so that participant-level bound is valid
+    but vacuous).
 
     This is the event the server's noise step returns and the ledger records; once recorded it is
-    never
-    reinterpreted.
+    never reinterpreted.
     """
 
     scheme: Scheme

@@ -1,1 +1,1 @@
-"""The fedmeta participant: a Flower ClientApp that returns clipped per-task MAML query gradients."""
+"""The fedmeta participant: a Flower ClientApp returning clipped per-task MAML query gradients."""

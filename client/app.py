@@ -29,7 +29,8 @@ def participant_id(context: Context) -> str:
         if key in nc:
             return str(nc[key])
     raise ValueError(
-        f"node_config must hold {P.NODE_PARTICIPANT_ID!r} or {P.NODE_PARTITION_ID!r}; got {dict(nc)}"
+        f"node_config must hold {P.NODE_PARTICIPANT_ID!r} or {P.NODE_PARTITION_ID!r}; "
+        f"got {dict(nc)}"
     )
 
 
@@ -37,11 +38,16 @@ def _config(rec: ConfigRecord) -> Config:
     return Config.model_validate_json(str(rec["config_json"]))
 
 
+def _value(rec: ConfigRecord, key: str) -> Any:
+    """Return a request value (its type is checked by the conversion at the call site)."""
+    return rec[key]
+
+
 def handle_register(message: Message, context: Context) -> Message:
     """Reply with this participant's id and its (public) task count."""
     from client.workload import workload
 
-    req = message.content[P.REGISTER_REQUEST]
+    req = message.content.config_records[P.REGISTER_REQUEST]
     cfg = _config(req)
     pid = participant_id(context)
     count = workload(cfg).task_set.participant(pid).num_tasks
@@ -53,20 +59,21 @@ def handle_register(message: Message, context: Context) -> Message:
 
 
 def compute_reply(content: RecordDict, pid: str) -> RecordDict:
-    """The reply content for a gradient request (pure function of the request and the local data)."""
+    """The reply content for a gradient request (a pure function of the request and local data)."""
     import torch
 
     from client.workload import workload
     from metalearning import per_task_clipped_grads
 
     torch.set_num_threads(1)
-    req = content[P.REQUEST]
+    req = content.config_records[P.REQUEST]
     cfg = _config(req)
     wl = workload(cfg)
-    task_ids = [int(t) for t in req[P.TASK_IDS]]  # type: ignore[union-attr]
-    params = torch.from_numpy(content[P.WEIGHTS][P.PARAMS].numpy().astype(np.float32, copy=False))
+    task_ids = [int(t) for t in _value(req, P.TASK_IDS)]
+    weights = content.array_records[P.WEIGHTS][P.PARAMS].numpy()
+    params = torch.from_numpy(weights.astype(np.float32, copy=False))
     private = bool(req[P.PRIVATE])
-    clip = float(req[P.CLIP]) if private else math.inf
+    clip = float(_value(req, P.CLIP)) if private else math.inf
     t0 = time.perf_counter()
     dim = int(params.numel())
     if task_ids:
@@ -75,8 +82,8 @@ def compute_reply(content: RecordDict, pid: str) -> RecordDict:
             wl.model,
             params,
             tasks,
-            inner_steps=int(req[P.INNER_STEPS]),
-            inner_lr=float(req[P.INNER_LR]),
+            inner_steps=int(_value(req, P.INNER_STEPS)),
+            inner_lr=float(_value(req, P.INNER_LR)),
             first_order=bool(req[P.FIRST_ORDER]),
             clip=clip,
             device=cfg.federation.client_device,
@@ -90,7 +97,7 @@ def compute_reply(content: RecordDict, pid: str) -> RecordDict:
     fmt = str(req[P.REPLY_FORMAT])
     meta: dict[str, Any] = {
         P.RUN_ID: str(req[P.RUN_ID]),
-        P.ROUND_ID: int(req[P.ROUND_ID]),  # type: ignore[arg-type]
+        P.ROUND_ID: int(_value(req, P.ROUND_ID)),
         P.PARTICIPANT_ID: pid,
         P.TASK_IDS: task_ids,
     }

@@ -101,11 +101,14 @@ def workload(cfg: Config) -> Workload:
 
 
 def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
-    """Server-side held-out tasks (batched ``Task``): ``which`` = ``validation``, ``test`` or ``probe``.
+    """Server-side held-out tasks (batched ``Task``).
 
-    Sinusoid: fresh tasks from the whole distribution with their own seeds. Image data: tasks over the
-    validation (``validation``/``probe``) or test classes, which no participant owns. If the
-    validation split is empty (Omniglot's background/evaluation split), validation uses test classes.
+    ``which`` is ``validation``, ``test`` or ``probe``.
+
+    Sinusoid: fresh tasks from the whole distribution with their own seeds. Image data: tasks over
+    the validation (``validation``/``probe``) or test classes, which no participant owns. If the
+    validation split is empty (Omniglot's background/evaluation split), validation uses test
+    classes.
     """
     from metalearning import SinusoidTasks, sample_tasks
 

@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
-            # Only a missing module *of ours* is tolerated (a partial install); a missing third-party
-            # dependency inside it is a real error that the user must see.
+            # Only a missing module *of ours* is tolerated (a partial install); a missing
+            # third-party dependency inside it is a real error that the user must see.
             if error.name == module_name:
                 continue
             raise

@@ -218,7 +218,7 @@ class Config(_Section):
 
 
 def _parse_value(text: str) -> Any:
-    """Parse a ``--set`` value as TOML (numbers, booleans, quoted strings, arrays), else a bare string."""
+    """Parse a ``--set`` value as TOML (numbers, booleans, strings, arrays), else a bare string."""
     if text.lower() in ("none", "null"):
         return None
     try:
@@ -229,7 +229,7 @@ def _parse_value(text: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with ``key.sub=value`` overrides applied."""
-    out = json.loads(json.dumps(data))
+    out: dict[str, Any] = json.loads(json.dumps(data))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value; got {item!r}")

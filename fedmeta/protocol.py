@@ -64,7 +64,8 @@ COMPUTE_SECONDS: Final = "compute_seconds"
 REPLY_PER_TASK: Final = "per_task"
 REPLY_SUM_AND_NORMS: Final = "sum_and_norms"
 
-# Flower node_config keys (simulation: partition-id / num-partitions; deployment may set participant-id).
+# Flower node_config keys (simulation: partition-id / num-partitions; deployment may set
+# participant-id).
 NODE_PARTITION_ID: Final = "partition-id"
 NODE_NUM_PARTITIONS: Final = "num-partitions"
 NODE_PARTICIPANT_ID: Final = "participant-id"

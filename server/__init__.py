@@ -1,1 +1,1 @@
-"""The trusted fedmeta server: round logic, reply validation, noise, checkpoints and the Flower ServerApp."""
+"""The trusted fedmeta server: round logic, reply validation, noise, checkpoints, the ServerApp."""

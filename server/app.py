@@ -60,7 +60,7 @@ def execute(
     observers: list[Any] | None = None,
     echo: bool = True,
 ) -> Any:
-    """Run the federation over ``grid``, write summary.json / rounds.csv / plots; return RunResult."""
+    """Run the federation over ``grid``; write summary.json, rounds.csv, plots; return RunResult."""
     from server.outputs import format_summary, write_all
     from server.round import RoundLoop
 
@@ -77,7 +77,7 @@ def execute(
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> tuple[Config, str | None, bool]:
-    """Flower run_config -> (Config, out dir, resume). ``set`` holds ``;``-separated ``key=value``."""
+    """Flower run_config -> (Config, out dir, resume); ``set``: ``;``-separated ``key=value``."""
     path = str(run_config.get(P.RUN_CONFIG_FILE, "") or "") or None
     raw_set = str(run_config.get(P.RUN_CONFIG_SET, "") or "")
     overrides = [s.strip() for s in raw_set.split(";") if s.strip()]

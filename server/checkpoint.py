@@ -1,10 +1,11 @@
 """Atomic checkpoints of a federation run.
 
-A checkpoint holds the meta-parameters, the Adam state, the next round index, the sampler's RNG state,
-the configuration, the ledger position (number of ledger records when it was written) and the rows
-of ``rounds.csv`` so far. It is written atomically: a temporary file in the same directory, flushed
-and fsynced, then ``os.replace`` onto the final name, then the directory fsynced. A crash leaves
-either the old or the new checkpoint, never a torn one.
+A checkpoint holds the meta-parameters, the Adam state, the next round index, the sampler's RNG
+state (non-private and insecure-test-seed runs only: in a private run it is secret), the
+configuration, the ledger position (number of ledger records when it was written) and the rows of
+``rounds.csv`` so far. It is written atomically: a temporary file in the same directory,
+flushed and fsynced, then ``os.replace`` onto the final name, then the directory fsynced. A crash
+leaves either the old or the new checkpoint, never a torn one.
 
 The resume rule (the ledger is the source of truth for spends) is implemented in ``server/round.py``
 and documented in docs/federation.md.

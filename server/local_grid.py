@@ -22,7 +22,7 @@ Handler = Callable[[Message, Context], Any]
 
 
 class InProcessGrid(Grid):
-    """Routes each message to ``handler(message, context)`` of its destination node, synchronously."""
+    """Routes each message to ``handler(message, context)`` of its destination, synchronously."""
 
     def __init__(
         self, num_nodes: int, handler: Handler | None = None, *, first_node_id: int = 1000

@@ -1,14 +1,15 @@
-"""Gaussian noise for the sum of clipped per-task gradients; the mechanism returns the event it caused.
+"""Gaussian noise for the sum of clipped per-task gradients; the mechanism returns its event.
 
 The release of one round is ``sum_i clip(g_i) + N(0, (z C)^2 I)`` (DP-MAML Algorithm 1; Abadi et al.
-2016), with one noise draw per round over the whole flat vector. Noise comes from a ``torch.Generator``
-seeded with 63 bits from :mod:`secrets` (the operating system's CSPRNG), so nobody can regenerate and
-subtract it from a published model. A reproducible seed exists for tests only: it is passed as
-``insecure_test_seed`` and the resulting generator is labelled ``secure=False`` in every output.
+2016), with one noise draw per round over the whole flat vector. Noise comes from a
+``torch.Generator`` seeded with 63 bits from :mod:`secrets` (the operating system's CSPRNG), so
+nobody can regenerate and subtract it from a published model. A reproducible seed exists for tests
+only: it is passed as ``insecure_test_seed`` and the resulting generator is labelled
+``secure=False`` in every output.
 
 Caveat (stated, not hidden): torch's CPU generator is a Mersenne Twister; the secret is its seed.
-Opacus's "secure mode" additionally uses a CSPRNG for the draws themselves (torchcsprng); that library
-is unmaintained, so fedmeta relies on the secret seed.
+Opacus's "secure mode" additionally uses a CSPRNG for the draws themselves (torchcsprng); that
+library is unmaintained, so fedmeta relies on the secret seed.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def gaussian_noise(dim: int, std: float, source: NoiseSource) -> Tensor:
 
 
 def noised_sum(total: Tensor, *, clip: float, event: Any, source: NoiseSource) -> NoisedSum:
-    """Add ``N(0, (z C)^2 I)`` to ``total`` (the sum of clipped gradients), ``z`` taken from ``event``.
+    """Add ``N(0, (z C)^2 I)`` to ``total`` (the sum of clipped gradients), ``z`` from ``event``.
 
     ``event`` is the accounting ``GaussianRound`` this release is accounted as; the noise multiplier
     is read from it, so the noise drawn and the event spent cannot disagree. The caller records the

@@ -16,8 +16,8 @@ from server.checkpoint import atomic_write_bytes
 
 CSV_FIELDS = [
     "round", "mode", "participants_sampled", "participants_replied", "participants_failed",
-    "tasks_requested", "tasks_received", "norm_violations", "epsilon", "epsilon_participant", "loss",
-    "validation_metric", "round_seconds", "server_overhead_seconds", "lost_on_resume",
+    "tasks_requested", "tasks_received", "norm_violations", "epsilon", "epsilon_participant",
+    "loss", "validation_metric", "round_seconds", "server_overhead_seconds", "lost_on_resume",
 ]  # fmt: skip
 
 
@@ -44,21 +44,26 @@ def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]
     )
     if not private:
         lines.append(
-            "mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; NO privacy guarantee"
+            "mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
+            "NO privacy guarantee"
         )
         return "\n".join(lines)
     lines += [
         "mode: private (task-level DP, PLD accounting, enforced by the ledger)",
-        f"budget: epsilon {_e(plan['epsilon_budget'], 'g')}, delta {_e(plan['delta'], 'g')} | clip C = {_e(plan['clip'], 'g')}",
+        f"budget: epsilon {_e(plan['epsilon_budget'], 'g')}, delta {_e(plan['delta'], 'g')} | "
+        f"clip C = {_e(plan['clip'], 'g')}",
         f"noise multiplier z = {_e(plan['noise_multiplier'], '.4f')}"
         + (
             " (calibrated so the planned rounds spend the budget)"
             if plan.get("noise_calibrated")
             else ""
         ),
-        f"expected tasks per round (public normaliser): {_e(plan['expected_tasks_per_round'], '.2f')}",
-        f"ledger before this run: {plan['ledger_records_before']} spends, epsilon {_e(plan['epsilon_spent_before'])}",
-        f"rounds affordable: {plan['rounds_affordable']} | rounds this run will run: {plan['rounds_to_run']}",
+        "expected tasks per round (public normaliser): "
+        f"{_e(plan['expected_tasks_per_round'], '.2f')}",
+        f"ledger before this run: {plan['ledger_records_before']} spends, "
+        f"epsilon {_e(plan['epsilon_spent_before'])}",
+        f"rounds affordable: {plan['rounds_affordable']} | "
+        f"rounds this run will run: {plan['rounds_to_run']}",
         f"at the planned end: task-level epsilon {_e(plan['epsilon_task_at_end'])} "
         f"(delta {_e(plan['delta'], 'g')})",
         "participant-level epsilon at the planned end: "
@@ -67,7 +72,8 @@ def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]
     pub = plan.get("epsilon_tombs2022_published_at_end_NOT_VALID")
     if pub is not None:
         lines.append(
-            f"(Tombs et al. 2022 Thm 3 as published: {_e(pub)} - NOT a valid guarantee, not enforced)"
+            f"(Tombs et al. 2022 Thm 3 as published: {_e(pub)} - NOT a valid guarantee, "
+            "not enforced)"
         )
     return "\n".join(lines)
 
@@ -76,11 +82,13 @@ def format_summary(s: dict[str, Any]) -> str:
     """The summary printed at the end."""
     lines = ["== fedmeta summary ==", f"mode: {s['mode']}"]
     lines.append(
-        f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | stopped: {s['stopped_reason']}"
+        f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | "
+        f"stopped: {s['stopped_reason']}"
     )
     if s["private"]:
         lines.append(
-            f"epsilon spent (task level) {_e(s['epsilon_spent'])} of budget {_e(s['epsilon_budget'], 'g')} "
+            f"epsilon spent (task level) {_e(s['epsilon_spent'])} "
+            f"of budget {_e(s['epsilon_budget'], 'g')} "
             f"at delta {_e(s['delta'], 'g')}"
         )
         lines.append(
@@ -89,7 +97,8 @@ def format_summary(s: dict[str, Any]) -> str:
         )
         if s.get("noise_secure") is False:
             lines.append(
-                "WARNING: insecure_test_seed was set - noise is reproducible, NOT private (tests only)"
+                "WARNING: insecure_test_seed was set - noise is reproducible, NOT private "
+                "(tests only)"
             )
     else:
         lines.append("NON-PRIVATE: no clipping, no noise, no privacy guarantee")
@@ -101,7 +110,8 @@ def format_summary(s: dict[str, Any]) -> str:
     )
     if s.get("rounds_lost_on_resume"):
         lines.append(
-            f"rounds spent but lost before a checkpoint (counted as spent): {s['rounds_lost_on_resume']}"
+            "rounds spent but lost before a checkpoint (counted as spent): "
+            f"{s['rounds_lost_on_resume']}"
         )
     return "\n".join(lines)
 

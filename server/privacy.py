@@ -42,7 +42,7 @@ class Plan:
 
 
 def _acc(name: str) -> Any:
-    """``accounting.<name>``; falls back to its submodules while the package's ``__init__`` is partial."""
+    """``accounting.<name>``, falling back to its submodules while ``__init__`` is partial."""
     import importlib
 
     import accounting
@@ -60,7 +60,7 @@ def _acc(name: str) -> Any:
 
 
 def make_scheme(cfg: Config, task_counts: Mapping[str, int]) -> Any:
-    """The two-stage scheme for the registered participants (their count and task counts are public)."""
+    """The two-stage scheme for the registered participants (counts are public)."""
     participants = len(task_counts)
     n1 = min(cfg.sampling.participants_per_round, participants)
     if cfg.sampling.stage2 == "fixed":
@@ -86,7 +86,7 @@ def expected_tasks(cfg: Config, task_counts: Mapping[str, int]) -> float:
 
 
 def max_tasks_per_participant(cfg: Config, task_counts: Mapping[str, int]) -> int:
-    """Participant-level sensitivity (in units of C): the most tasks one participant sends per round."""
+    """Participant-level sensitivity in units of C: the most tasks a participant sends per round."""
     if cfg.sampling.stage2 == "fixed":
         return int(cfg.sampling.tasks_per_round or 1)
     return int(max(task_counts.values()))
@@ -95,7 +95,8 @@ def max_tasks_per_participant(cfg: Config, task_counts: Mapping[str, int]) -> in
 #: Printed instead of the participant-level epsilon when it is not a meaningful guarantee.
 PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
     "not meaningful: no per-participant cap with Poisson stage 2 (the bound assumes a participant "
-    "may send all its tasks in a round); use sampling.stage2=fixed for a participant-level guarantee"
+    "may send all its tasks in a round); use sampling.stage2=fixed for a participant-level "
+    "guarantee"
 )
 
 

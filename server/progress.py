@@ -1,4 +1,4 @@
-"""A dependency-free progress bar, as a ``RunObserver``: round, eps spent / budget, loss, validation.
+"""A dependency-free progress bar, a ``RunObserver``: round, eps spent/budget, loss, validation.
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
 """
@@ -58,7 +58,8 @@ class ProgressBar:
             line = (
                 f"[{bar}] round {r}/{self.planned} | {eps} | loss {_f(report.train_loss)} | "
                 f"val {self.metric} {_f(report.validation_metric)} | "
-                f"{report.participants_replied}/{report.participants_sampled} replied | {rate:.2f} r/s"
+                f"{report.participants_replied}/{report.participants_sampled} replied | "
+                f"{rate:.2f} r/s"
             )
             if self.tty:
                 self.stream.write("\r" + line)

@@ -5,9 +5,10 @@ into the loop's state. Keeping the records plain lets the Prometheus exporter, t
 ``rounds.csv`` all read the same facts, and lets tests assert on them without any of those sinks.
 
 Privacy note: ``RoundReport`` carries only aggregates over a round, never a participant or task id,
-and never a per-task gradient norm. ``clipped_fraction`` and ``pre_clip_norm_quantiles`` are computed
-from private data and are *not* covered by the (epsilon, delta) guarantee; they are ``None`` unless
-the configuration opts in to private diagnostics (always available in non-private runs).
+and never a per-task gradient norm. ``clipped_fraction`` and ``pre_clip_norm_quantiles`` are
+computed from private data and are *not* covered by the (epsilon, delta) guarantee; they are
+``None`` unless the configuration opts in to private diagnostics (always available in non-private
+runs).
 """
 
 from __future__ import annotations
@@ -80,12 +81,17 @@ class RunFinished:
 
 
 class RunObserver(Protocol):
-    """Receives a run's records in order: ``run_started``, then ``round_finished`` per round, then
-    ``run_finished``. Observers must not raise; a failing sink must never stop a private run halfway
-    through its bookkeeping."""
+    """Receives a run's records in order.
 
-    def run_started(self, event: RunStarted) -> None: ...
+    ``run_started``, then ``round_finished`` per round, then ``run_finished``. Observers must not
+    raise; a failing sink must never stop a private run halfway through its bookkeeping.
+    """
 
-    def round_finished(self, report: RoundReport) -> None: ...
+    def run_started(self, event: RunStarted) -> None:
+        """Receive the run's start."""
 
-    def run_finished(self, event: RunFinished) -> None: ...
+    def round_finished(self, report: RoundReport) -> None:
+        """Receive one finished round."""
+
+    def run_finished(self, event: RunFinished) -> None:
+        """Receive the run's end."""

@@ -1,27 +1,29 @@
-"""The federation's round loop: register, check budget, sample, request, validate, spend, noise, step.
+"""The federation's round loop: register, check budget, sample, request, validate, spend, noise.
 
 It takes a Flower ``Grid`` (the real one in simulation or deployment, a fake one in tests), so the
 whole protocol is testable without Ray. One round (private mode):
 
 1. ``ledger.would_exceed(event)`` -> stop with ``budget_exhausted`` (the round is not run);
-2. sample participants then tasks with the ``TwoStageSampler`` executing the *same* scheme object that
-   the accounted ``GaussianRound`` event holds;
+2. sample participants then tasks with the ``TwoStageSampler`` executing the *same* scheme object
+   that the accounted ``GaussianRound`` event holds;
 3. send each sampled participant the flat float32 meta-parameters, its task ids, C, the inner-loop
    settings, the run id and the round id (``train`` messages, per-round timeout);
 4. validate every reply (``server/validation.py``); missing / late / malformed replies do not stop
    the round;
 5. ``ledger.spend(event, run_id, round)`` FIRST (raises before anything is released), then sum the
-   clipped gradients, add ``N(0, (zC)^2 I)`` (``server/noise.py``), divide by the *expected* number of
-   tasks per round (a public constant), and take an Adam step;
-6. every k rounds: validation on held-out tasks and a checkpoint; at the end a final checkpoint and a
-   test evaluation with a 95% confidence interval.
+   clipped gradients, add ``N(0, (zC)^2 I)`` (``server/noise.py``), divide by the *expected* number
+   of tasks per round (a public constant), and take an Adam step;
+6. every k rounds: validation on held-out tasks and a checkpoint; at the end a final checkpoint and
+   a test evaluation with a 95% confidence interval.
 
 Resume rule (the ledger is the source of truth for spends): a round whose spend is in the ledger is
-spent, whether or not its update reached a checkpoint. On resume the run continues from its checkpoint's
-model, and the next round index is one past the larger of the checkpoint's last round and the ledger's
-last spend for this run: a round index is never spent twice, and rounds whose update was lost count as
-completed (their privacy cost is paid). When rounds were lost the sampler is reseeded from a fresh
-secret instead of replaying the checkpointed RNG state (replaying would reuse the lost rounds' samples).
+spent, whether or not its update reached a checkpoint. On resume the run continues from its
+checkpoint's model, and the next round index is one past the larger of the checkpoint's last round
+and the ledger's last spend for this run: a round index is never spent twice, and rounds whose
+update was lost count as completed (their privacy cost is paid). When rounds were lost the sampler
+is reseeded from a fresh secret instead of replaying the checkpointed RNG state (replaying would
+reuse the lost rounds' samples). A private run never checkpoints its sampler state at all (it is as
+secret as the noise) and always reseeds on resume.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _safe(observers: Sequence[RunObserver], method: str, event: Any) -> None:
 
 
 def _ensure_task_identity() -> None:
-    """Flower's Message constructor reads the process's task identity; a fake grid may not set it."""
+    """Set a task identity: Flower's Message constructor reads it; a fake grid may not set it."""
     from flwr.supercore.task_identity import TaskIdentity
 
     for name in ("_run_id", "_node_id", "_task_id"):
@@ -123,7 +125,7 @@ class RoundLoop:
     # registration
 
     def register(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Ask every node for its participant id and task count; returns (task_counts, pid -> node)."""
+        """Ask every node for its participant id and task count; return (task_counts, pid->node)."""
         cfg = self.cfg
         want = cfg.federation.participants
         deadline = time.monotonic() + cfg.federation.register_timeout_s
@@ -197,7 +199,7 @@ class RoundLoop:
         dim = int(initial_params(cfg, model).numel())
         exp_tasks = priv.expected_tasks(cfg, task_counts)
 
-        # --- privacy plan ---------------------------------------------------------------------------
+        # --- privacy plan -------------------------------------------------------------------------
         scheme = priv.make_scheme(cfg, task_counts)
         z: float | None = None
         event: Any = None
@@ -233,7 +235,7 @@ class RoundLoop:
             )
         )
 
-        # --- state: fresh or resumed ----------------------------------------------------------------
+        # --- state: fresh or resumed --------------------------------------------------------------
         state = self._initial_state(ckpt, cfg, model, ledger)
         params = state.params.clone().requires_grad_(True)
         opt = torch.optim.Adam([params], lr=cfg.training.meta_lr)
@@ -471,7 +473,7 @@ class RoundLoop:
             if r % cfg.training.checkpoint_every == 0:
                 self._save(state, params, opt, sampler, ledger, z)
 
-        # --- end ----------------------------------------------------------------------------------------
+        # --- end ----------------------------------------------------------------------------------
         self._save(state, params, opt, sampler, ledger, z)
         test_tasks = held_out_tasks(cfg, "test", cfg.dataset.test_tasks)
         final = self._evaluate(model, params, test_tasks, with_pre=True)
@@ -584,7 +586,7 @@ class RoundLoop:
             optimizer_state=ckpt["optimizer"],
             next_round=int(ckpt["next_round"]),
             rows=list(ckpt.get("rows", [])),
-            sampler_state=ckpt.get("sampler_state"),
+            sampler_state=ckpt.get("sampler_state") if self._keep_sampler_state() else None,
         )
         if ledger is not None:
             if ledger.position() < int(ckpt.get("ledger_position", 0)):
@@ -596,8 +598,8 @@ class RoundLoop:
             lost = [i for i in spent if i >= state.next_round]
             if lost:
                 log.warning(
-                    "resume: rounds %s were spent in the ledger but their update was not checkpointed; "
-                    "they count as spent and are not re-run",
+                    "resume: rounds %s were spent in the ledger but their update was not "
+                    "checkpointed; they count as spent and are not re-run",
                     lost,
                 )
                 state.lost_rounds = lost
@@ -617,10 +619,11 @@ class RoundLoop:
         z: float | None,
     ) -> None:
         sampler_state = None
-        try:
-            sampler_state = sampler.state()
-        except Exception:  # noqa: BLE001
-            log.exception("sampler state not saved")
+        if self._keep_sampler_state():
+            try:
+                sampler_state = sampler.state()
+            except Exception:  # noqa: BLE001
+                log.exception("sampler state not saved")
         save_checkpoint(
             self.out_dir,
             {
@@ -638,6 +641,17 @@ class RoundLoop:
                 "private": self.private,
             },
         )
+
+    def _keep_sampler_state(self) -> bool:
+        """Whether the sampler's RNG state may be written to (and replayed from) a checkpoint.
+
+        In a private run the sampler's state is as secret as the noise: PCG64 can be stepped
+        backwards, so the state in ``checkpoint.pt`` (an output file) would reveal every past
+        round's sample and void the amplification by secret sampling. Such runs never store it and
+        reseed from a fresh secret on resume (same sampling law). Only non-private runs and runs
+        labelled insecure by ``insecure_test_seed`` keep it, for reproducible resumes.
+        """
+        return not self.private or self.test_seed is not None
 
     def _evaluate(
         self, model: Any, params: torch.Tensor, tasks: Any, with_pre: bool = False
@@ -672,9 +686,11 @@ def aggregate(
     source: NoiseSource,
     expected_tasks: float,
 ) -> tuple[torch.Tensor, int, float | None]:
-    """Sum the validated clipped gradients; private: add N(0,(zC)^2 I) and divide by the *expected*
-    task count (public). Non-private: the plain mean over received tasks. Returns (update, received,
-    noise std). The caller has already recorded the spend.
+    """Sum the validated clipped gradients and, if private, noise and normalise them.
+
+    Private: add N(0,(zC)^2 I) and divide by the *expected* task count (public). Non-private: the
+    plain mean over received tasks. Returns (update, received, noise std). The caller has already
+    recorded the spend.
     """
     total = torch.zeros(dim, dtype=torch.float64)
     received = 0

@@ -1,10 +1,11 @@
-"""``fedmeta simulate``: the main job - a federation simulated locally with Flower's simulation engine.
+"""``fedmeta simulate``: the main job - a federation run locally in Flower's simulation engine.
 
 ``fedmeta simulate [--config FILE] [--set key=value ...] [--out DIR] [--resume]``. With no arguments
 it runs a private sinusoid federation on the embedded default configuration. ``register`` imports
 nothing heavy; torch, Flower and Ray are imported inside the handler.
 
-``main(config, out_dir=None, resume=False) -> RunResult`` is the programmatic entry point (smoke tests).
+``main(config, out_dir=None, resume=False) -> RunResult`` is the programmatic entry point (smoke
+tests).
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ def _handle(args: argparse.Namespace) -> int:
 
 
 def _resume_config(args: argparse.Namespace) -> Any:
-    """On --resume the checkpoint's configuration is used; only ``rounds`` (and output/metrics keys)
-    may be overridden, so a resumed run cannot silently change its privacy parameters.
+    """Return the configuration of a resumed run: the checkpoint's.
+
+    Only ``rounds`` (and output/metrics keys) may be overridden, so a resumed run cannot silently
+    change its privacy parameters.
     """
     from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
     from server.checkpoint import load_checkpoint
@@ -86,7 +89,7 @@ def main(config: Any = None, *, out_dir: str | Path | None = None, resume: bool 
         os.environ.setdefault(k, v)
     from fedmeta.config import Config
 
-    cfg = config if config is not None else Config()  # type: ignore[call-arg]
+    cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
     if cfg.federation.backend == "inprocess":
         from server.app import execute

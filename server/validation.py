@@ -9,13 +9,14 @@ Two kinds of problems, treated differently on purpose:
 * **Value** problems in per-task replies - a non-finite row, a row over the clip bound. Dropping the
   whole reply here would let one task's *values* decide whether its siblings are counted (a
   sensitivity above C). Instead the offending row is neutralised: a non-finite row contributes zero,
-  an over-norm row is re-clipped to C; both are counted as violations. Every accepted row has L2 norm
-  <= C, which is what the accountant assumes.
+  an over-norm row is re-clipped to C; both are counted as violations. Every accepted row has L2
+  norm <= C, which is what the accountant assumes.
 
 In the ``sum_and_norms`` reply format the server cannot re-clip individual tasks. It checks that the
 reported post-clip norms are <= C (within tolerance), that there is one per task, and that
-``||sum|| <= sum(norms)``; anything else drops the reply (so the per-task bound then also relies on the
-participant's own clipping: prefer ``per_task`` unless bandwidth matters; see docs/federation.md).
+``||sum|| <= sum(norms)``; anything else drops the reply (so the per-task bound then also relies on
+the participant's own clipping: prefer ``per_task`` unless bandwidth matters; see
+docs/federation.md).
 """
 
 from __future__ import annotations
@@ -266,8 +267,9 @@ def validate_round(
 ) -> RoundReplies:
     """Validate all replies of a round; ``expectations`` maps destination node id -> what was asked.
 
-    Replies from nodes that were not asked are dropped (``unexpected_sender``), as is any second reply
-    from the same node (``duplicate_reply``). Nodes that never replied are recorded as ``timeout``.
+    Replies from nodes that were not asked are dropped (``unexpected_sender``), as is any second
+    reply from the same node (``duplicate_reply``). Nodes that never replied are recorded as
+    ``timeout``.
     """
     out = RoundReplies()
     seen: set[int] = set()

@@ -1,6 +1,8 @@
-"""Test doubles: an in-memory ledger with a linear epsilon (so tests do not pay for PLD), patched into
-``server.privacy`` - the one seam between the round loop and ``accounting``. Schemes, events and the
-sampler stay real."""
+"""Test doubles: an in-memory ledger with a linear epsilon (so tests do not pay for PLD).
+
+It is patched into ``server.privacy`` - the one seam between the round loop and ``accounting``.
+Schemes, events and the sampler stay real.
+"""
 
 from __future__ import annotations
 

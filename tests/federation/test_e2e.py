@@ -68,7 +68,7 @@ def privacy_epsilon_cli(rounds: int, z: float, delta: float) -> float:
 
 @pytest.mark.e2e
 def test_ray_federation_runs_to_budget_exhaustion(tmp_path: Path) -> None:
-    """Flower's simulation engine (Ray); stops on the budget; eps agrees with `fedmeta privacy epsilon`."""
+    """Flower's simulation engine (Ray); stops on the budget; eps = `fedmeta privacy epsilon`."""
     out = tmp_path / "run"
     res = fedmeta(
         "simulate", "--out", str(out),
@@ -204,7 +204,7 @@ def _superlink_pids() -> set[int]:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_flwr_run_dot(tmp_path: Path) -> None:
-    """`flwr run .` (the Flower way) runs the same apps; it exits 0 even on failure, so check outputs."""
+    """`flwr run .` runs the same apps; it exits 0 even on failure, so check the outputs."""
     import shutil
 
     if shutil.which("flwr") is None:

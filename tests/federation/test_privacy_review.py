@@ -93,3 +93,32 @@ def test_summary_carries_the_participant_level_note(
     result = execute(cfg, grid, out_dir=tmp_path, observers=[], echo=False)
     assert result.summary["participant_level_note"] == priv.PARTICIPANT_LEVEL_NOT_MEANINGFUL
     assert result.summary["plan"]["participant_level_note"] == priv.PARTICIPANT_LEVEL_NOT_MEANINGFUL
+
+
+def test_private_checkpoint_never_holds_the_secret_sampler_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # checkpoint.pt is an output file; numpy's PCG64 state can be stepped backwards, so storing it
+    # would reveal every past round's sample (and void the amplification by secret sampling).
+    import torch
+
+    from server.checkpoint import load_checkpoint
+
+    ledger = FakeLedger(budget=100.0, eps_per_round=0.1)
+    install_fake_privacy(monkeypatch, ledger)
+    cfg = small("rounds=2")
+    execute(cfg, InProcessGrid(6, None), out_dir=tmp_path / "p", observers=[], echo=False)
+    ckpt = load_checkpoint(tmp_path / "p")
+    assert ckpt is not None and ckpt["sampler_state"] is None
+    assert "bit_generator" not in repr(torch.load(tmp_path / "p" / "checkpoint.pt",
+                                                  weights_only=False))  # fmt: skip
+    # A resumed private run reseeds from a fresh secret and still spends once per round.
+    cfg4 = small("rounds=4")
+    execute(cfg4, InProcessGrid(6, None), out_dir=tmp_path / "p", resume=True, observers=[],
+            echo=False)  # fmt: skip
+    assert [r.round_index for r in ledger.records()] == [0, 1, 2, 3]
+    # Runs labelled insecure (test seed) keep it for reproducible resumes.
+    seeded = small("rounds=2", "privacy.insecure_test_seed=3")
+    execute(seeded, InProcessGrid(6, None), out_dir=tmp_path / "s", observers=[], echo=False)
+    ckpt = load_checkpoint(tmp_path / "s")
+    assert ckpt is not None and ckpt["sampler_state"] is not None

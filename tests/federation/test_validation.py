@@ -1,4 +1,4 @@
-"""Every kind of malformed reply is dropped (structural) or neutralised (values), with its reason."""
+"""Every kind of malformed reply is dropped (structural) or neutralised (values), with a reason."""
 
 from __future__ import annotations
 
