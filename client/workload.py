@@ -45,7 +45,7 @@ def build_model(cfg: Config) -> nn.Module:
     if ds.name == "sinusoid":
         return SinusoidMLP()
     channels = 1 if ds.name == "omniglot" else 3
-    return ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size)
+    return ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size, norm=ds.norm)
 
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:
@@ -56,11 +56,20 @@ def initial_params(cfg: Config, model: nn.Module) -> Tensor:
 
 
 @functools.lru_cache(maxsize=4)
-def _splits(name: str, path: str, image_size: int, seed: int) -> Any:
+def _splits(
+    name: str, path: str, image_size: int, seed: int, split: str, rotations: bool, download: bool
+) -> Any:
     from metalearning import load_image_folder, load_omniglot
 
     if name == "omniglot":
-        return load_omniglot(path, image_size=image_size, seed=seed)
+        return load_omniglot(
+            path,
+            split=split,
+            rotations=rotations,
+            image_size=image_size,
+            seed=seed,
+            download=download,
+        )
     return load_image_folder(path, image_size=image_size, seed=seed)
 
 
@@ -81,7 +90,10 @@ def _workload(cfg_json: str) -> Workload:
         )
         return Workload(model, "mse", tasks, None)
     assert ds.path is not None
-    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed)
+    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed, ds.split, ds.rotations, ds.download)
+    partition = ds.partition
+    if partition == "auto":
+        partition = "group" if ds.name == "omniglot" else "even"
     tasks = FederatedTaskSet.from_classes(
         splits.train,
         cfg.federation.participants,
@@ -89,7 +101,8 @@ def _workload(cfg_json: str) -> Workload:
         k_shot=ds.shots,
         q_query=ds.query,
         tasks_per_participant=ds.tasks_per_participant,
-        partition="group" if ds.name == "omniglot" else "even",
+        partition=partition,
+        disjoint_examples=ds.disjoint_examples,
         seed=cfg.seed,
     )
     return Workload(model, "accuracy", tasks, splits)

@@ -126,6 +126,30 @@ class DatasetConfig(_Section):
     probe_tasks: int = Field(
         32, ge=0, le=100_000, description="held-out tasks scored every round (loss)"
     )
+    split: Literal["dpmaml", "background"] = Field(
+        "dpmaml",
+        description="Omniglot class split: DP-MAML's 1150/50/423 characters, or Lake et al.'s "
+        "background (meta-train) / evaluation (meta-test) alphabets",
+    )
+    rotations: bool = Field(
+        False, description="Omniglot: each rotation by 90/180/270 degrees is a new class (MAML)"
+    )
+    partition: Literal["auto", "group", "even"] = Field(
+        "auto",
+        description="how classes are split among participants: group = whole alphabets (Omniglot's "
+        "natural non-IID split), even = an even random split; auto = group for Omniglot, else even",
+    )
+    disjoint_examples: bool = Field(
+        False, description="build each participant's tasks so that no two share an example"
+    )
+    download: bool = Field(
+        False, description="Omniglot: fetch the official zips into dataset.path (checksum checked)"
+    )
+    norm: Literal["batch", "group"] = Field(
+        "batch",
+        description="ConvNet4 normalisation: per-task batch statistics (no running statistics) or "
+        "GroupNorm",
+    )
 
 
 class TrainingConfig(_Section):

@@ -304,8 +304,11 @@ class PrometheusRunObserver:
         self.sampled.labels(*lab).inc(max(0, r.participants_sampled))
         self.replied.labels(*lab).inc(max(0, r.participants_replied))
         self.failed.labels(*lab).inc(max(0, r.participants_failed))
-        self.tasks_requested.labels(*lab).inc(max(0, r.tasks_requested))
-        self.tasks_received.labels(*lab).inc(max(0, r.tasks_received))
+        # None in private runs without the diagnostics opt-in (see server/report.py).
+        if r.tasks_requested is not None:
+            self.tasks_requested.labels(*lab).inc(max(0, r.tasks_requested))
+        if r.tasks_received is not None:
+            self.tasks_received.labels(*lab).inc(max(0, r.tasks_received))
         for reason, n in (r.rejected_by_reason or {}).items():
             if n > 0:
                 self.rejected.labels(*lab, str(reason)).inc(n)

@@ -48,8 +48,8 @@ class RoundReport:
     participants_sampled: int
     participants_replied: int
     participants_failed: int
-    tasks_requested: int
-    tasks_received: int
+    tasks_requested: int | None
+    tasks_received: int | None
     rejected_by_reason: Mapping[str, int] = field(default_factory=dict)
     train_loss: float | None = None
     validation_metric: float | None = None

@@ -406,6 +406,11 @@ class RoundLoop:
                 eps_task = priv.ledger_epsilon(ledger)
                 eps_part = priv.ledger_epsilon(ledger, "participant")
             diag = self.private is False or cfg.metrics.private_diagnostics
+            # With Poisson stage 2 the realised number of sampled tasks depends on which tasks exist
+            # (the very count the note forbids normalising by), and it is not accounted: like the
+            # clip diagnostics it leaves the server only in non-private runs or on opt-in.
+            shown_requested = tasks_requested if diag else None
+            shown_received = received if diag else None
             n_rows = sum(len(a.post_clip_norms) for a in checked.accepted)
             clipped_fraction = None
             quantiles = None
@@ -424,8 +429,8 @@ class RoundLoop:
                 "participants_sampled": len(sample),
                 "participants_replied": len(checked.accepted),
                 "participants_failed": len(checked.rejected),
-                "tasks_requested": tasks_requested,
-                "tasks_received": received,
+                "tasks_requested": shown_requested,
+                "tasks_received": shown_received,
                 "norm_violations": sum(
                     a.norm_violations + a.nonfinite_rows for a in checked.accepted
                 ),
@@ -448,8 +453,8 @@ class RoundLoop:
                     participants_sampled=len(sample),
                     participants_replied=len(checked.accepted),
                     participants_failed=len(checked.rejected),
-                    tasks_requested=tasks_requested,
-                    tasks_received=received,
+                    tasks_requested=shown_requested,
+                    tasks_received=shown_received,
                     rejected_by_reason=checked.rejected_by_reason(),
                     train_loss=loss,
                     validation_metric=last_val,

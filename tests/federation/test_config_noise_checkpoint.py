@@ -118,3 +118,44 @@ def test_checkpoint_roundtrip_and_atomicity(tmp_path: Path) -> None:
     assert (tmp_path / "x.bin").read_bytes() == b"abc"
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
     assert math.isfinite(1.0)
+
+
+@pytest.mark.unit
+def test_dataset_options_reach_the_workload(tmp_path: Path) -> None:
+    """The Omniglot options of the config are passed to the workload package, and bad values name
+    the field."""
+    import numpy as np
+
+    from client.workload import build_model, workload
+    from fedmeta.config import load_config
+
+    # A tiny Omniglot-shaped npz pair: 2 alphabets' worth of characters, 20 drawings each.
+    rng = np.random.default_rng(0)
+    for name, chars in (("images_background", 12), ("images_evaluation", 8)):
+        images = rng.random((chars, 20, 105, 105)) > 0.1
+        labels = np.repeat(np.arange(chars)[:, None], 20, axis=1)
+        np.savez(tmp_path / f"{name}.npz", images=images, labels=labels)
+    cfg = load_config(
+        None,
+        [
+            "dataset.name=omniglot",
+            f"dataset.path={tmp_path}",
+            "dataset.split=background",
+            "dataset.partition=even",
+            "dataset.norm=group",
+            "dataset.tasks_per_participant=3",
+            "dataset.query=1",
+            "dataset.shots=1",
+            "federation.participants=2",
+            "sampling.participants_per_round=1",
+        ],
+    )
+    wl = workload(cfg)
+    # background split: the 12 background characters train, the 8 evaluation characters test.
+    assert wl.splits.train.n_classes == 12
+    assert wl.splits.test.n_classes == 8
+    assert sum(wl.task_set.task_counts().values()) == 6
+    blocks = [m for m in build_model(cfg).modules() if hasattr(m, "_norm")]
+    assert blocks and all(m._norm == "group" for m in blocks)
+    with pytest.raises(Exception, match="dataset.split"):
+        load_config(None, ["dataset.split=nope"])

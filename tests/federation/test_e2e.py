@@ -26,6 +26,9 @@ ENV = {
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "PYTHONUNBUFFERED": "1",
+    # Flower's CLI starts flower-superlink and friends by name: the interpreter's bin directory
+    # (a venv used without activation) comes first.
+    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
 }
 
 TINY = [
@@ -206,15 +209,19 @@ def _superlink_pids() -> set[int]:
 def test_flwr_run_dot(tmp_path: Path) -> None:
     """`flwr run .` runs the same apps; it exits 0 even on failure, so check the outputs."""
     import shutil
+    import sys
 
-    if shutil.which("flwr") is None:
-        pytest.skip("flwr CLI not on PATH")
+    # In a venv used without activation (`.venv/bin/python -m pytest`) flwr sits beside python.
+    beside_python = Path(sys.executable).parent / "flwr"
+    flwr = str(beside_python) if beside_python.is_file() else shutil.which("flwr")
+    if flwr is None:
+        pytest.skip("flwr CLI not found beside the interpreter or on PATH")
     before = _superlink_pids()
     out = tmp_path / "flwr"
     overrides = "rounds=4;training.eval_every=2;privacy.report_every=2;dataset.test_tasks=20"
     try:
         res = subprocess.run(
-            ["flwr", "run", ".", "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
+            [flwr, "run", ".", "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:

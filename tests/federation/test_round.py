@@ -249,8 +249,37 @@ def test_sum_and_norms_reply_format(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     cfg = small("federation.reply_format=sum_and_norms", "rounds=3")
     result = run(cfg, tmp_path, ledger, monkeypatch, observers=[rec])
     assert result.summary["rounds_completed"] == 3
-    assert sum(r.tasks_received for r in rec.rounds) == sum(r.tasks_requested for r in rec.rounds)
+    # A private run does not publish realised task counts (they are not accounted) ...
+    assert all(r.tasks_requested is None and r.tasks_received is None for r in rec.rounds)
     assert all(not r.rejected_by_reason for r in rec.rounds)
+    # ... except on the private-diagnostics opt-in, where every requested task must arrive.
+    rec = Recorder()
+    cfg = small(
+        "federation.reply_format=sum_and_norms", "rounds=3", "metrics.private_diagnostics=true"
+    )
+    result = run(cfg, tmp_path / "diag", FakeLedger(100.0, 0.1), monkeypatch, observers=[rec])
+    assert result.summary["rounds_completed"] == 3
+    assert sum(r.tasks_received or 0 for r in rec.rounds) == sum(
+        r.tasks_requested or 0 for r in rec.rounds
+    )
+    assert sum(r.tasks_requested or 0 for r in rec.rounds) > 0
+
+
+def test_private_run_publishes_no_realised_task_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With Poisson stage 2 the realised task count depends on the private data set (and the note
+    forbids even normalising by it): it must not reach rounds.csv or the observers by default."""
+    rec = Recorder()
+    result = run(small("rounds=2"), tmp_path, FakeLedger(100.0, 0.1), monkeypatch, observers=[rec])
+    assert result.summary["rounds_completed"] == 2
+    assert all(r.tasks_requested is None and r.tasks_received is None for r in rec.rounds)
+    csv_text = (tmp_path / "rounds.csv").read_text()
+    header, *rows = csv_text.strip().splitlines()
+    cols = header.split(",")
+    for row in rows:
+        cells = dict(zip(cols, row.split(","), strict=False))
+        assert cells["tasks_requested"] == "" and cells["tasks_received"] == ""
 
 
 def test_private_diagnostics_are_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
