@@ -44,7 +44,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from fedmeta import protocol as P
 from fedmeta.config import Config, default_federation_id
 from server import privacy as priv
-from server.checkpoint import load_checkpoint, save_checkpoint
+from server.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from server.noise import NoiseSource, noised_sum
 from server.report import RoundReport, RunFinished, RunObserver, RunStarted
 from server.validation import Expectation, RoundReplies, validate_round
@@ -58,6 +58,20 @@ STOP_NO_PARTICIPANTS = "no_participants"
 
 class FederationError(RuntimeError):
     """The federation cannot proceed (e.g. too few participants registered)."""
+
+
+def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> None:
+    """Raise ``FederationError`` if a fresh run would overwrite the run recorded in ``out_dir``.
+
+    A new run writes its initial checkpoint at once, which would replace the trained model of the
+    run already there; nothing is written before this check.
+    """
+    existing = Path(out_dir) / CHECKPOINT_NAME
+    if not resume and existing.is_file():
+        raise FederationError(
+            f"{out_dir} already holds a run's checkpoint ({existing.name}); continue that run with "
+            "--resume, or give a new output directory with --out"
+        )
 
 
 @dataclass
@@ -186,6 +200,7 @@ class RoundLoop:
 
         _ensure_task_identity()
         cfg = self.cfg
+        refuse_to_overwrite_run(self.out_dir, self.resume)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         ckpt = load_checkpoint(self.out_dir) if self.resume else None
         if self.resume and ckpt is None:

@@ -54,11 +54,16 @@ def _handle(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"fedmeta simulate: {error}", file=sys.stderr)
         return 2
+    from server.round import FederationError
+
     try:
         result = main(cfg, out_dir=args.out, resume=args.resume)
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)
         return 130
+    except FederationError as error:
+        print(f"fedmeta simulate: {error}", file=sys.stderr)
+        return 2
     return 0 if result is not None else 1
 
 
@@ -91,6 +96,9 @@ def main(config: Any = None, *, out_dir: str | Path | None = None, resume: bool 
 
     cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
+    from server.round import refuse_to_overwrite_run
+
+    refuse_to_overwrite_run(out, resume)  # before Ray starts, so the error is the first thing seen
     if cfg.federation.backend == "inprocess":
         from server.app import execute
         from server.local_grid import InProcessGrid

@@ -306,3 +306,19 @@ def test_spend_refused_by_a_concurrent_run_stops_without_release(
     result = run(small("rounds=10"), tmp_path, ledger, monkeypatch)
     assert result.summary["stopped_reason"] == "budget_exhausted"
     assert ledger.position() == 2 and len(released) == 2
+
+
+def test_a_fresh_run_never_overwrites_a_recorded_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second run without --resume in the same directory is refused before anything is written:
+    the first run's checkpoint (its trained model) and summary stay byte for byte."""
+    from server.round import FederationError
+
+    run(small("rounds=2"), tmp_path, FakeLedger(100.0, 0.1), monkeypatch)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert "checkpoint.pt" in before
+    with pytest.raises(FederationError, match="--resume"):
+        run(small("rounds=2"), tmp_path, FakeLedger(100.0, 0.1), monkeypatch)
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert after == before
