@@ -41,6 +41,17 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
 
 
+def _check_stage_one(participants: int, participants_per_round: int) -> None:
+    """Validate stage 1 of a two-stage scheme: ``n1`` of ``P`` participants without replacement."""
+    _check_int("participants", participants, minimum=1)
+    _check_int("participants_per_round", participants_per_round, minimum=1)
+    if participants_per_round > participants:
+        raise ValueError(
+            f"participants_per_round must be <= participants ({participants}); "
+            f"got {participants_per_round}"
+        )
+
+
 @dataclass(frozen=True)
 class TwoStagePoissonScheme:
     """Stage 1: ``participants_per_round`` of ``participants``; stage 2: Poisson(``task_rate``).
@@ -59,13 +70,7 @@ class TwoStagePoissonScheme:
     task_rate: float
 
     def __post_init__(self) -> None:
-        _check_int("participants", self.participants, minimum=1)
-        _check_int("participants_per_round", self.participants_per_round, minimum=1)
-        if self.participants_per_round > self.participants:
-            raise ValueError(
-                "participants_per_round must be <= participants "
-                f"({self.participants}); got {self.participants_per_round}"
-            )
+        _check_stage_one(self.participants, self.participants_per_round)
         _check_rate("task_rate", self.task_rate)
 
     @property
@@ -99,13 +104,7 @@ class TwoStageFixedScheme:
     min_tasks: int
 
     def __post_init__(self) -> None:
-        _check_int("participants", self.participants, minimum=1)
-        _check_int("participants_per_round", self.participants_per_round, minimum=1)
-        if self.participants_per_round > self.participants:
-            raise ValueError(
-                "participants_per_round must be <= participants "
-                f"({self.participants}); got {self.participants_per_round}"
-            )
+        _check_stage_one(self.participants, self.participants_per_round)
         _check_int("tasks_per_round", self.tasks_per_round, minimum=1)
         _check_int("min_tasks", self.min_tasks, minimum=1)
         if self.tasks_per_round > self.min_tasks:

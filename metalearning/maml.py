@@ -293,31 +293,33 @@ def per_task_grads(
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
     loss_fn = _loss_fn(model)
-    with _deterministic(dev, deterministic):
-        if meth == "vmap":
-            fn = torch.func.vmap(
-                _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
-                in_dims=(None, 0, 0, 0, 0),
-            )
-            for start, batch in _chunks(tasks, chunk):
-                b = batch.to(dev)
-                g = fn(p, b.support_x, b.support_y, b.query_x, b.query_y)
-                if on_chunk is not None:
-                    g = on_chunk(start, g)
-                out[start : start + g.shape[0]] = g
-        else:
-            for start, batch in _chunks(tasks, chunk):
-                b = batch.to(dev)
-                rows = [
+    if meth == "vmap":
+        batched = torch.func.vmap(
+            _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
+            in_dims=(None, 0, 0, 0, 0),
+        )
+
+        def chunk_grads(b: Task) -> Tensor:
+            return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
+
+    else:
+
+        def chunk_grads(b: Task) -> Tensor:
+            return torch.stack(
+                [
                     _task_grad_autograd(
                         model, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
                     )
                     for i in range(b.support_x.shape[0])
                 ]
-                g = torch.stack(rows)
-                if on_chunk is not None:
-                    g = on_chunk(start, g)
-                out[start : start + g.shape[0]] = g
+            )
+
+    with _deterministic(dev, deterministic):
+        for start, batch in _chunks(tasks, chunk):
+            g = chunk_grads(batch.to(dev))
+            if on_chunk is not None:
+                g = on_chunk(start, g)
+            out[start : start + g.shape[0]] = g
     return out
 
 
