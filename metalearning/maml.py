@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 Params = dict[str, Tensor]
+# (params, inputs, once_differentiable) -> outputs; see _loop_forward.
+Forward = Callable[[Params, Tensor, bool], Tensor]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -101,6 +103,30 @@ def _default_chunk(
     per_task = 150 * 2**20 + images * pixels * hidden * 50 * (1 + 0.2 * inner_steps)
     free, _ = torch.cuda.mem_get_info(device)
     return int(max(1, min(512, 0.5 * free // per_task)))
+
+
+def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
+    """The per-task forward of the loop path: ``(params, x, once_differentiable) -> output``.
+
+    On the CPU a model may offer ``fused_forward`` (the same function, evaluated faster; see
+    :meth:`~metalearning.models.ConvNet4.fused_forward`); ``once_differentiable`` tells it that the
+    pass's graph will be differentiated at most once, which allows kernels without a double
+    backward. Elsewhere it is ``functional_call``.
+    """
+    fused = getattr(model, "fused_forward", None)
+    if device.type == "cpu" and fused is not None:
+
+        def fast(p: Params, x: Tensor, once: bool) -> Tensor:
+            out: Tensor = fused(p, x, once_differentiable=once)
+            return out
+
+        return fast
+
+    def plain(p: Params, x: Tensor, once: bool) -> Tensor:
+        out: Tensor = functional_call(model, p, (x,))
+        return out
+
+    return plain
 
 
 def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
@@ -205,7 +231,7 @@ def clip_by_global_norm(
 
 
 def _task_grad_autograd(
-    model: nn.Module,
+    forward: Forward,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     params: Params,
     task: Task,
@@ -217,10 +243,12 @@ def _task_grad_autograd(
     meta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     fast = meta
     for _ in range(inner_steps):
-        loss = loss_fn(functional_call(model, fast, (task.support_x,)), task.support_y)
+        loss = loss_fn(forward(fast, task.support_x, first_order), task.support_y)
         g = torch.autograd.grad(loss, list(fast.values()), create_graph=not first_order)
         fast = {n: p - inner_lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
-    qloss = loss_fn(functional_call(model, fast, (task.query_x,)), task.query_y)
+    # The query pass is differentiated once even in second order: its backward only feeds the
+    # inner steps' graph, which holds the second derivatives.
+    qloss = loss_fn(forward(fast, task.query_x, True), task.query_y)
     grads = torch.autograd.grad(qloss, list(meta.values()))
     return torch.cat([g.reshape(-1) for g in grads])
 
@@ -303,12 +331,13 @@ def per_task_grads(
             return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
 
     else:
+        forward = _loop_forward(model, dev)
 
         def chunk_grads(b: Task) -> Tensor:
             return torch.stack(
                 [
                     _task_grad_autograd(
-                        model, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
+                        forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
                     )
                     for i in range(b.support_x.shape[0])
                 ]
@@ -408,7 +437,7 @@ class EvalResult:
 
 
 def _adapt_and_score(
-    model: nn.Module,
+    forward: Forward,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     params: Params,
     task: Task,
@@ -418,14 +447,14 @@ def _adapt_and_score(
 ) -> Tensor:
     fast = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     for _ in range(steps):
-        loss = loss_fn(functional_call(model, fast, (task.support_x,)), task.support_y)
+        loss = loss_fn(forward(fast, task.support_x, True), task.support_y)
         g = torch.autograd.grad(loss, list(fast.values()))
         fast = {
             n: (p - lr * gi).detach().requires_grad_(True)
             for (n, p), gi in zip(fast.items(), g, strict=True)
         }
     with torch.no_grad():
-        out: Tensor = functional_call(model, fast, (task.query_x,))
+        out = forward(fast, task.query_x, True)
         if metric == "accuracy":
             return (out.argmax(-1) == task.query_y).float().mean()
         return F.mse_loss(out, task.query_y)
@@ -478,12 +507,13 @@ def evaluate(
                 b = batch.to(dev)
                 scores.append(fn(p, b.support_x, b.support_y, b.query_x, b.query_y).detach())
         else:
+            forward = _loop_forward(model, dev)
             for _, batch in _chunks(tasks, chunk):
                 b = batch.to(dev)
                 for i in range(b.support_x.shape[0]):
                     scores.append(
                         _adapt_and_score(
-                            model, loss_fn, p, b.task(i), steps, inner_lr, metric
+                            forward, loss_fn, p, b.task(i), steps, inner_lr, metric
                         ).reshape(1)
                     )
         return torch.cat(scores).double().cpu()
