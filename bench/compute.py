@@ -3,8 +3,9 @@
 Tasks per second and peak extra memory of "one clipped query gradient per task" for Omniglot-shaped
 tasks (28x28, ConvNet4 with 64 filters), for:
 
-* ``fedmeta``  - :func:`metalearning.per_task_clipped_grads` (auto method: loop on CPU, vmap on
-  CUDA);
+* ``fedmeta``  - :func:`metalearning.per_task_clipped_grads` (auto method: on CUDA vmap; on the CPU
+  the per-task loop over ``ConvNet4.fused_forward``, with tasks side by side when torch has more
+  than one thread);
 * ``fedmeta-vmap`` / ``fedmeta-loop`` - the two forced paths (``--methods`` to add them);
 * ``loop``     - a plain per-task autograd loop written here as the reference;
 * ``higher``   - facebookresearch/higher's ``innerloop_ctx`` (if installed), per task.
@@ -15,9 +16,12 @@ a machine without the dataset. CPU memory is the peak RSS increase during the me
 every 2 ms); CUDA memory is ``torch.cuda.max_memory_allocated``. Each line also records
 ``os.getloadavg()``: the CPU machine is shared, so read CPU figures with the load beside them.
 
-    python bench/compute.py --quick --json         # ~1 min: 5-way 1-shot, 1 step, 1st/2nd order,
-    batch 8 python bench/compute.py --json                 # the full grid (slow on CPU)
-    python bench/compute.py --gpu-config --json    # 5-way 1-shot, 2nd order, 5 steps, 1 query/class
+    python bench/compute.py --quick --json       # ~1 min: 5-way 1-shot, 1 step, 1st/2nd order, batch 8
+    python bench/compute.py --json --min-time 1  # the full grid (~25 min on 2 CPU cores)
+    python bench/compute.py --gpu-config --json  # 5-way 1-shot, 2nd order, 5 steps, 1 query/class
+    python bench/compute_table.py grid.jsonl     # JSON lines -> the table in docs/benchmarks.md
+
+``--threads`` sets torch's CPU threads for every method alike (default 1).
 """
 
 from __future__ import annotations
@@ -187,7 +191,14 @@ def measure(
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     # warm-up (vmap tracing, cuDNN algorithm choice: the full shape on CUDA; two tasks on the CPU)
     warm = tasks if device.type == "cuda" else Task(*(t[:2] for t in tasks))
-    fn(model, params, warm, steps, first, device, chunk)
+    # On the CPU, repeat for half a second: the first calls at a new shape also pay for the
+    # allocator growing and for oneDNN primitive creation (a cold first 20-way row read 0.94x
+    # where repeats read 1.17-1.22x).
+    t_warm = time.perf_counter()
+    while True:
+        fn(model, params, warm, steps, first, device, chunk)
+        if device.type == "cuda" or time.perf_counter() - t_warm >= 0.5:
+            break
     sync()
     gc.collect()
     if device.type == "cuda":

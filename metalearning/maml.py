@@ -13,10 +13,13 @@ Per-task gradients are computed with ``torch.autograd.grad`` / ``torch.func.grad
 rows of a tensor; they never touch any ``.grad`` attribute, so nothing sums them before clipping.
 
 Batching: ``method="vmap"`` vectorises tasks with :func:`torch.func.vmap` in chunks of
-``chunk_size``; ``method="loop"`` runs one task at a time. ``method="auto"`` picks what was measured
+``chunk_size``; ``method="loop"`` runs task by task. ``method="auto"`` picks what was measured
 fastest: vmap on CUDA (the loop for a single task), and on the CPU vmap only for models that declare
 ``prefers_vmap_on_cpu`` (the sinusoid MLP; the conv net is 1.2-2.3x slower and 25-45x more
-memory-hungry under vmap on 2 CPU cores). See ``docs/benchmarks.md``.
+memory-hungry under vmap on 2 CPU cores). On the CPU the loop evaluates a model through its
+``fused_forward`` when it has one (the same function, computed faster:
+:meth:`~metalearning.models.ConvNet4.fused_forward`) and, when torch has several threads, runs
+tasks side by side on one thread each. See ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +131,20 @@ def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
         return out
 
     return plain
+
+
+def _task_threads(device: torch.device, n_tasks: int) -> int:
+    """Worker threads for the CPU loop: tasks side by side, one intra-op thread each.
+
+    Measured on 2 cores (``docs/benchmarks.md``): two tasks at once on one thread each beat one
+    task at a time on two intra-op threads, most for second order, whose many small support-set
+    ops split poorly across threads. A call with a single task keeps the intra-op threads. Every
+    task of a multi-task call runs on one thread, so its gradient does not depend on the batch
+    size, the chunking or the scheduling.
+    """
+    if device.type != "cpu" or n_tasks < 2:
+        return 1
+    return max(1, min(torch.get_num_threads(), n_tasks))
 
 
 def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
@@ -243,7 +261,10 @@ def _task_grad_autograd(
     meta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     fast = meta
     for _ in range(inner_steps):
-        loss = loss_fn(forward(fast, task.support_x, first_order), task.support_y)
+        # Support passes keep the NCHW kernels: second order differentiates them twice, and in
+        # first order the channels-last layout saved nothing on these few images but changed the
+        # float32 rounding (bench/compute_accuracy.py).
+        loss = loss_fn(forward(fast, task.support_x, False), task.support_y)
         g = torch.autograd.grad(loss, list(fast.values()), create_graph=not first_order)
         fast = {n: p - inner_lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
     # The query pass is differentiated once even in second order: its backward only feeds the
@@ -321,6 +342,8 @@ def per_task_grads(
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
     loss_fn = _loss_fn(model)
+    workers = _task_threads(dev, n) if meth == "loop" else 1
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="fedmeta-task") if workers > 1 else None
     if meth == "vmap":
         batched = torch.func.vmap(
             _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
@@ -333,22 +356,33 @@ def per_task_grads(
     else:
         forward = _loop_forward(model, dev)
 
-        def chunk_grads(b: Task) -> Tensor:
-            return torch.stack(
-                [
-                    _task_grad_autograd(
-                        forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
-                    )
-                    for i in range(b.support_x.shape[0])
-                ]
+        def one_task(b: Task, i: int) -> Tensor:
+            if pool is not None:
+                torch.set_num_threads(1)  # this worker thread's own intra-op setting
+            return _task_grad_autograd(
+                forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
             )
 
-    with _deterministic(dev, deterministic):
-        for start, batch in _chunks(tasks, chunk):
-            g = chunk_grads(batch.to(dev))
-            if on_chunk is not None:
-                g = on_chunk(start, g)
-            out[start : start + g.shape[0]] = g
+        def chunk_grads(b: Task) -> Tensor:
+            ids = range(b.support_x.shape[0])
+            if pool is None:
+                return torch.stack([one_task(b, i) for i in ids])
+            return torch.stack(list(pool.map(lambda i: one_task(b, i), ids)))
+
+    threads = torch.get_num_threads()
+    try:
+        with _deterministic(dev, deterministic):
+            for start, batch in _chunks(tasks, chunk):
+                g = chunk_grads(batch.to(dev))
+                if on_chunk is not None:
+                    g = on_chunk(start, g)
+                out[start : start + g.shape[0]] = g
+    finally:
+        if pool is not None:
+            pool.shutdown()
+            # torch.set_num_threads in a worker also sets the process-wide value that new threads
+            # start from; put it back.
+            torch.set_num_threads(threads)
     return out
 
 
@@ -447,7 +481,7 @@ def _adapt_and_score(
 ) -> Tensor:
     fast = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     for _ in range(steps):
-        loss = loss_fn(forward(fast, task.support_x, True), task.support_y)
+        loss = loss_fn(forward(fast, task.support_x, False), task.support_y)
         g = torch.autograd.grad(loss, list(fast.values()))
         fast = {
             n: (p - lr * gi).detach().requires_grad_(True)

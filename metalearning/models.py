@@ -217,8 +217,8 @@ class ConvNet4(nn.Module):
           window's max is positive both orders route it to the same first maximal element, and
           where it is not, ReLU's zero derivative kills it either way. ReLU then touches a quarter
           of the elements, forward and backward.
-        * With ``once_differentiable=True`` (a pass whose graph is differentiated once, such as
-          the query pass), channels-last (NHWC) tensors: oneDNN's convolutions then need no layout
+        * With ``once_differentiable=True`` (a pass whose graph is differentiated at most once;
+          the gradient code sets it for query passes), channels-last (NHWC) tensors: oneDNN's convolutions then need no layout
           reorders and max-pooling takes PyTorch's vectorised channels-last kernel (14x faster
           than the NCHW one here). PyTorch's own channels-last batch norm accumulates its
           per-channel sums naively in float32 (20x the error of the NCHW kernel, amplified to

@@ -121,3 +121,53 @@ def test_loop_path_uses_the_fused_forward_on_cpu_only() -> None:
     assert cpu.__name__ == "fast" and meta.__name__ == "plain"
     assert _loop_forward(ml.SinusoidMLP(), torch.device("cpu")).__name__ == "plain"
     assert math.isfinite(float(cpu(params, x, False).sum()))
+
+
+def _threads(n: int):
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return ctx()
+
+
+def test_tasks_side_by_side_give_the_one_thread_gradients_and_restore_threads() -> None:
+    model = ml.ConvNet4(3, hidden=8)
+    params = ml.init_params(model, 0)
+    g = torch.Generator().manual_seed(4)
+    tasks = Task(
+        (torch.rand(5, 3, 1, 28, 28, generator=g) > 0.8).float(),
+        torch.arange(3).repeat(5, 1),
+        (torch.rand(5, 6, 1, 28, 28, generator=g) > 0.8).float(),
+        torch.arange(3).repeat(5, 2),
+    )
+    kw = dict(inner_steps=2, first_order=False, device="cpu", method="loop", chunk_size=2)
+    with _threads(1):
+        one = ml.per_task_grads(model, params, tasks, **kw)
+    with _threads(2):
+        two = ml.per_task_grads(model, params, tasks, **kw)
+        assert torch.get_num_threads() == 2
+    # every task of a multi-task call runs on one intra-op thread, whatever torch's setting
+    assert torch.equal(one, two)
+
+
+def test_worker_errors_propagate_and_threads_are_restored() -> None:
+    model = ml.ConvNet4(3, hidden=8)
+    params = ml.init_params(model, 0)
+    bad = Task(
+        torch.rand(3, 3, 1, 28, 28),
+        torch.full((3, 3), 7),  # label 7 with 3 classes
+        torch.rand(3, 3, 1, 28, 28),
+        torch.arange(3).repeat(3, 1),
+    )
+    with _threads(2):
+        with pytest.raises((IndexError, RuntimeError)):
+            ml.per_task_grads(model, params, bad, device="cpu", method="loop")
+        assert torch.get_num_threads() == 2

@@ -1,0 +1,107 @@
+"""Float32 accuracy of the CPU gradient paths against float64 (the table in docs/benchmarks.md).
+
+For Omniglot-shaped synthetic tasks (binary 28x28 images, ConvNet4 with 64 filters, 15 queries per
+class) and each configuration, the relative error ``max_i ||g_i - g_i^64|| / ||g_i^64||`` of float32
+per-task gradients against the float64 gradients of the module's own forward, for:
+
+* ``vmap``   - ``method="vmap"``: the module's NCHW forward through ``functional_call``;
+* ``fused``  - ``method="loop"`` on the CPU: ``ConvNet4.fused_forward`` (fedmeta's CPU path);
+* ``fused-torch-nhwc-bn`` - the fused path with PyTorch's own channels-last batch norm in place of
+  ``_BatchNormNHWC`` (the variant fedmeta rejected).
+
+Each cell is the median and the maximum over ``--seeds`` task draws: random binary tasks with several
+inner steps at 0.4 are badly conditioned (a near-tie in a max-pool window that float32 rounding
+resolves the other way sends a gradient elsewhere), so single draws scatter over orders of magnitude
+for every path.
+
+    python bench/compute_accuracy.py            # ~5 min on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import metalearning as ml  # noqa: E402
+import metalearning.models as models  # noqa: E402
+from metalearning.data import Task  # noqa: E402
+
+
+@contextlib.contextmanager
+def torch_nhwc_batch_norm() -> Iterator[None]:
+    """Swap fedmeta's cascade-summed channels-last batch norm for PyTorch's kernel."""
+    original = models._BatchNormNHWC.apply
+
+    def native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, None, None, w, b, training=True)
+
+    models._BatchNormNHWC.apply = native  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        models._BatchNormNHWC.apply = original  # type: ignore[method-assign]
+
+
+def tasks(n: int, n_way: int, seed: int) -> Task:
+    g = torch.Generator().manual_seed(seed)
+    sx = (torch.rand(n, n_way, 1, 28, 28, generator=g) > 0.8).float()
+    qx = (torch.rand(n, 15 * n_way, 1, 28, 28, generator=g) > 0.8).float()
+    sy = torch.arange(n_way).repeat(n, 1)
+    qy = torch.arange(n_way).repeat_interleave(15).repeat(n, 1)
+    return Task(sx, sy, qx, qy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--tasks", type=int, default=2, help="tasks per draw")
+    ap.add_argument("--ways", default="5,20")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print("| way | steps | order | vmap (NCHW) | fedmeta fused | fused with PyTorch's NHWC batch norm |")
+    print("|---|---|---|---|---|---|")
+    ways = [int(w) for w in a.ways.split(",")]
+    for n_way, steps, order in itertools.product(ways, (1, 5), ("first", "second")):
+        model = ml.ConvNet4(n_way)
+        params = ml.init_params(model, 0)
+        errs: dict[str, list[float]] = {"vmap": [], "fused": [], "torch": []}
+        for seed in range(a.seeds):
+            t = tasks(a.tasks, n_way, seed)
+            kw = dict(inner_steps=steps, first_order=order == "first", device="cpu")
+            ref = ml.per_task_grads(
+                model.double(),
+                {k: v.double() for k, v in params.items()},
+                Task(t.support_x.double(), t.support_y, t.query_x.double(), t.query_y),
+                method="vmap",
+                **kw,
+            )
+            model.float()
+
+            def err(method: str) -> float:
+                g = ml.per_task_grads(model, params, t, method=method, **kw).double()
+                return float(((g - ref).norm(dim=1) / ref.norm(dim=1)).max())
+
+            errs["vmap"].append(err("vmap"))
+            errs["fused"].append(err("loop"))
+            with torch_nhwc_batch_norm():
+                errs["torch"].append(err("loop"))
+        cells = [
+            f"{statistics.median(v):.1e} (max {max(v):.1e})"
+            for v in (errs["vmap"], errs["fused"], errs["torch"])
+        ]
+        print(f"| {n_way} | {steps} | {order} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
