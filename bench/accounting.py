@@ -90,8 +90,11 @@ def main() -> None:
             f"amortised {1000 * total / n:.2f} ms/round including the one-off max-rounds search; "
             f"cached would_exceed {1000 * check:.3f} ms"
         )
-        for cached in (composition._pld_one_round, composition._composed_group,
-                       composition._rdp_one_round):
+        for cached in (
+            composition._pld_one_round,
+            composition._composed_group,
+            composition._rdp_one_round,
+        ):
             cached.cache_clear()  # time max_rounds from cold caches
         m, s = timed(lambda event=event, budget=budget: max_rounds(event, budget, 1e-6))
         print(

@@ -16,8 +16,8 @@ a machine without the dataset. CPU memory is the peak RSS increase during the me
 every 2 ms); CUDA memory is ``torch.cuda.max_memory_allocated``. Each line also records
 ``os.getloadavg()``: the CPU machine is shared, so read CPU figures with the load beside them.
 
-    python bench/compute.py --quick --json       # ~1 min: 5-way 1-shot, 1 step, 1st/2nd order, batch 8
-    python bench/compute.py --json --min-time 1  # the full grid (~25 min on 2 CPU cores)
+    python bench/compute.py --quick --json       # ~1 min: 5-way, 1 step, both orders, batch 8
+    python bench/compute.py --json --min-time 1  # the full grid (~10 min on 2 CPU cores)
     python bench/compute.py --gpu-config --json  # 5-way 1-shot, 2nd order, 5 steps, 1 query/class
     python bench/compute_table.py grid.jsonl     # JSON lines -> the table in docs/benchmarks.md
 

@@ -56,13 +56,19 @@ def table(rows: dict[Key, dict[str, dict[str, Any]]]) -> str:
         loads = [by[m]["loadavg"][0] for m in by]
         cells = [str(k) for k in key]
         cells += [f"{speed[m]:.2f}" if m in speed else "-" for m in methods]
-        cells.append(f"**{ratio:.2f}**" if ratio is not None and ratio >= 1 else f"{ratio:.2f}"
-                     if ratio is not None else "-")
+        cells.append(
+            f"**{ratio:.2f}**"
+            if ratio is not None and ratio >= 1
+            else f"{ratio:.2f}"
+            if ratio is not None
+            else "-"
+        )
         cells += [f"{by[m]['peak_mem_mib']:.0f}" if m in by else "-" for m in methods]
         cells.append(f"{min(loads):.2f}-{max(loads):.2f}")
         out.append("| " + " | ".join(cells) + " |")
     ratios = [
-        rows[k]["fedmeta"]["tasks_per_s"] / max(rows[k][m]["tasks_per_s"] for m in refs if m in rows[k])
+        rows[k]["fedmeta"]["tasks_per_s"]
+        / max(rows[k][m]["tasks_per_s"] for m in refs if m in rows[k])
         for k in rows
         if "fedmeta" in rows[k] and any(m in rows[k] for m in refs)
     ]

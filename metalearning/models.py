@@ -218,13 +218,13 @@ class ConvNet4(nn.Module):
           where it is not, ReLU's zero derivative kills it either way. ReLU then touches a quarter
           of the elements, forward and backward.
         * With ``once_differentiable=True`` (a pass whose graph is differentiated at most once;
-          the gradient code sets it for query passes), channels-last (NHWC) tensors: oneDNN's convolutions then need no layout
-          reorders and max-pooling takes PyTorch's vectorised channels-last kernel (14x faster
-          than the NCHW one here). PyTorch's own channels-last batch norm accumulates its
-          per-channel sums naively in float32 (20x the error of the NCHW kernel, amplified to
-          1-60% relative gradient error over five inner steps); :class:`_BatchNormNHWC` sums with
-          ``torch.sum``'s cascade instead and keeps float32 gradients as accurate as the NCHW
-          path.
+          the gradient code sets it for query passes), channels-last (NHWC) tensors: oneDNN's
+          convolutions then need no layout reorders and max-pooling takes PyTorch's vectorised
+          channels-last kernel (14x faster than the NCHW one here). PyTorch's own channels-last
+          batch norm accumulates its per-channel sums naively in float32 (20x the error of the
+          NCHW kernel, amplified to up to 60% relative gradient error over five inner steps);
+          :class:`_BatchNormNHWC` sums with ``torch.sum``'s cascade instead and is as accurate as
+          the NCHW kernel.
 
         Measured on 2 CPU cores (``docs/benchmarks.md``). cuDNN gains nothing from this, so the
         gradient code uses it on the CPU only.

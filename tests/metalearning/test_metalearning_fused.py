@@ -82,31 +82,34 @@ def test_to_channels_last_single_channel() -> None:
     assert out.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_fused_float32_gradients_as_accurate_as_plain() -> None:
-    """Guard against PyTorch's channels-last batch norm, whose naive float32 sums made the
-    5-way, 15-query gradients 100-1000x less accurate (relative error up to 0.6 after five steps).
-    """
-    model = ml.ConvNet4(5)
-    params = ml.init_params(model, 0)
-    g = torch.Generator().manual_seed(1)
-    sx = (torch.rand(2, 5, 1, 28, 28, generator=g) > 0.8).float()
-    qx = (torch.rand(2, 75, 1, 28, 28, generator=g) > 0.8).float()
-    sy, qy = torch.arange(5).repeat(2, 1), torch.arange(5).repeat_interleave(15).repeat(2, 1)
-    tasks = Task(sx, sy, qx, qy)
-    kw = dict(inner_steps=1, first_order=True, device="cpu")
-    ref = ml.per_task_grads(
-        model.double(),
-        {k: v.double() for k, v in params.items()},
-        Task(sx.double(), sy, qx.double(), qy),
-        method="vmap",
-        **kw,
+def test_batchnorm_nhwc_float32_as_accurate_as_the_nchw_kernel() -> None:
+    """Guard against naive float32 sums: PyTorch's own channels-last batch norm had 20x the error of
+    its NCHW kernel on a first-layer-sized map, which the network amplified into 1e-3 to 0.6
+    relative error in task gradients (docs/benchmarks.md)."""
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(75, 64, 28, 28, generator=g, dtype=torch.float64) * 0.3 + 1.0
+    dy64 = torch.randn(75, 64, 28, 28, generator=g, dtype=torch.float64)
+    w64 = torch.rand(64, generator=g, dtype=torch.float64) + 0.5
+    b64 = torch.randn(64, generator=g, dtype=torch.float64)
+
+    def run(fn, x, dy, w, b):
+        x, w, b = (t.detach().requires_grad_(True) for t in (x, w, b))
+        y = fn(x, w, b)
+        return [y.detach(), *torch.autograd.grad(y, (x, w, b), dy)]
+
+    def native(x, w, b):
+        return F.batch_norm(x, None, None, w, b, training=True)
+
+    ref = run(native, x64, dy64, w64, b64)
+    f32 = (w64.float(), b64.float())
+    nchw = run(native, x64.float(), dy64.float(), *f32)
+    ours = run(
+        _BatchNormNHWC.apply, to_channels_last(x64.float()), to_channels_last(dy64.float()), *f32
     )
-    model.float()
-    errs = {}
-    for method in ("loop", "vmap"):  # loop: the fused path on the CPU; vmap: functional_call
-        got = ml.per_task_grads(model, params, tasks, method=method, **kw).double()
-        errs[method] = float(((got - ref).norm(dim=1) / ref.norm(dim=1)).max())
-    assert errs["loop"] < max(5 * errs["vmap"], 1e-5), errs
+    for name, a, b, r in zip(("y", "dx", "dw", "db"), ours, nchw, ref, strict=True):
+        err_ours = float((a.double() - r).abs().max() / r.abs().max())
+        err_nchw = float((b.double() - r).abs().max() / r.abs().max())
+        assert err_ours <= 3 * err_nchw + 1e-7, (name, err_ours, err_nchw)
 
 
 def test_loop_path_uses_the_fused_forward_on_cpu_only() -> None:
