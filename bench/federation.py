@@ -1,4 +1,4 @@
-"""Federation benchmark: rounds/s, server overhead per round and peak memory for 10/100/1000 participants.
+"""Federation benchmark: rounds/s, server overhead per round, peak memory; 10/100/1000 participants.
 
 Server overhead = wall time of a round minus the time spent inside the ClientApp (client compute),
 i.e. budget check, sampling, building requests, validation, ledger spend (SQLite, fsync), noise,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -141,8 +142,9 @@ def main() -> int:
         plan += [(1000, "inprocess"), (10, "ray"), (100, "ray")]
     print(f"# load average before: {os.getloadavg()}", file=sys.stderr)
     for participants, backend in plan:
+        child = [sys.executable, __file__, "--child", str(participants), backend]
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", str(participants), backend, "--rounds", str(args.rounds)],
+            [*child, "--rounds", str(args.rounds)],
             env=env, capture_output=True, text=True, timeout=1800,
         )  # fmt: skip
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -154,11 +156,12 @@ def main() -> int:
         if args.json:
             print(json.dumps(rec), flush=True)
         else:
+            overhead = rec.get("server_overhead_s_mean", rec.get("non_transport_s_mean", math.nan))
             print(
                 f"{backend:9s} P={participants:5d} n1={rec['participants_per_round']:4d} "
-                f"{rec['rounds_per_s']:.2f} rounds/s, overhead "
-                f"{rec.get('server_overhead_s_mean', rec.get('non_transport_s_mean', float('nan'))):.3f} s/round, "
-                f"peak RSS {rec['peak_rss_mib']} MiB (+children {rec['peak_rss_children_mib']} MiB)",
+                f"{rec['rounds_per_s']:.2f} rounds/s, overhead {overhead:.3f} s/round, "
+                f"peak RSS {rec['peak_rss_mib']} MiB "
+                f"(+children {rec['peak_rss_children_mib']} MiB)",
                 flush=True,
             )
     print(f"# load average after: {os.getloadavg()}", file=sys.stderr)

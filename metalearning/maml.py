@@ -133,7 +133,7 @@ def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
     return plain
 
 
-def _task_threads(device: torch.device, n_tasks: int) -> int:
+def _task_threads(model: nn.Module, device: torch.device, n_tasks: int) -> int:
     """Worker threads for the CPU loop: tasks side by side, one intra-op thread each.
 
     Measured on 2 cores (``docs/benchmarks.md``): two tasks at once on one thread each beat one
@@ -141,8 +141,12 @@ def _task_threads(device: torch.device, n_tasks: int) -> int:
     ops split poorly across threads. A call with a single task keeps the intra-op threads. Every
     task of a multi-task call runs on one thread, so its gradient does not depend on the batch
     size, the chunking or the scheduling.
+
+    Only models with a ``fused_forward`` qualify: it is a pure function of the parameters it is
+    given, whereas ``functional_call`` swaps them into the shared module for the duration of the
+    call, so two threads would run on each other's parameters.
     """
-    if device.type != "cpu" or n_tasks < 2:
+    if device.type != "cpu" or n_tasks < 2 or getattr(model, "fused_forward", None) is None:
         return 1
     return max(1, min(torch.get_num_threads(), n_tasks))
 
@@ -342,7 +346,7 @@ def per_task_grads(
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
     loss_fn = _loss_fn(model)
-    workers = _task_threads(dev, n) if meth == "loop" else 1
+    workers = _task_threads(model, dev, n) if meth == "loop" else 1
     pool = ThreadPoolExecutor(workers, thread_name_prefix="fedmeta-task") if workers > 1 else None
     if meth == "vmap":
         batched = torch.func.vmap(

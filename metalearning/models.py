@@ -116,7 +116,7 @@ class SinusoidMLP(nn.Module):
         # PyTorch's layer initialisation draws from the global RNG: fork it, seeded, so building a
         # model neither reads nor changes global state; its own parameters depend on ``seed`` only.
         with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)  # CPU only; restored on exit
+            torch.default_generator.manual_seed(seed)  # CPU only; restored on exit
             self.fc1 = nn.Linear(1, hidden)
             self.fc2 = nn.Linear(hidden, hidden)
             self.out = nn.Linear(hidden, 1)
@@ -190,7 +190,7 @@ class ConvNet4(nn.Module):
         for _ in range(4):
             side = side // 2 if side >= 2 else side
         with torch.random.fork_rng(devices=[]):  # see SinusoidMLP: no global RNG use
-            torch.random.default_generator.manual_seed(seed)  # CPU only; restored on exit
+            torch.default_generator.manual_seed(seed)  # CPU only; restored on exit
             self.blocks = nn.Sequential(
                 *[
                     _ConvBlock(in_channels if i == 0 else hidden, hidden, norm, groups)
@@ -239,7 +239,7 @@ class ConvNet4(nn.Module):
             )
             weight, bias = params[f"blocks.{i}.norm_weight"], params[f"blocks.{i}.norm_bias"]
             if nhwc and self._norm == "batch":
-                x = _BatchNormNHWC.apply(x, weight, bias)
+                x = _batch_norm_nhwc(x, weight, bias)
             else:
                 x = block.normalise(x, weight, bias)
             if x.shape[-1] >= 2:
@@ -283,6 +283,11 @@ class _BatchNormNHWC(torch.autograd.Function):
 
 
 _BN_EPS = 1e-5  # F.batch_norm's default
+
+
+def _batch_norm_nhwc(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    out: Tensor = _BatchNormNHWC.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+    return out
 
 
 def to_channels_last(t: Tensor) -> Tensor:

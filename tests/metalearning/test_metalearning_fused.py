@@ -174,3 +174,22 @@ def test_worker_errors_propagate_and_threads_are_restored() -> None:
         with pytest.raises((IndexError, RuntimeError)):
             ml.per_task_grads(model, params, bad, device="cpu", method="loop")
         assert torch.get_num_threads() == 2
+
+
+def test_only_pure_forwards_run_side_by_side() -> None:
+    """``functional_call`` swaps parameters into the shared module, so a model without a
+    ``fused_forward`` must never run two tasks at once (it did, and raced, during development)."""
+    from metalearning.maml import _task_threads
+
+    cpu = torch.device("cpu")
+    with _threads(2):
+        assert _task_threads(ml.SinusoidMLP(), cpu, 8) == 1
+        assert _task_threads(ml.ConvNet4(3), cpu, 8) == 2
+        assert _task_threads(ml.ConvNet4(3), cpu, 1) == 1
+        model = ml.SinusoidMLP()
+        params = ml.init_params(model, 0)
+        tasks = ml.SinusoidTasks(5, 5).sample(16, seed=3)
+        kw = dict(inner_steps=2, device="cpu", method="loop")
+        first = ml.per_task_grads(model, params, tasks, **kw)
+        for _ in range(10):
+            assert torch.equal(ml.per_task_grads(model, params, tasks, **kw), first)
