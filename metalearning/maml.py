@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ __all__ = [
 ]
 
 Params = dict[str, Tensor]
+# Serialises the start-up of worker pools (see _one_thread_workers).
+_WORKER_START_LOCK = threading.Lock()
 # (params, inputs, once_differentiable) -> outputs; see _loop_forward.
 Forward = Callable[[Params, Tensor, bool], Tensor]
 
@@ -117,8 +120,8 @@ def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
     pass's graph will be differentiated at most once, which allows kernels without a double
     backward. Elsewhere it is ``functional_call``.
     """
-    fused = getattr(model, "fused_forward", None)
-    if device.type == "cpu" and fused is not None:
+    fused = _faithful_fused_forward(model) if device.type == "cpu" else None
+    if fused is not None:
 
         def fast(p: Params, x: Tensor, once: bool) -> Tensor:
             out: Tensor = fused(p, x, once_differentiable=once)
@@ -133,22 +136,69 @@ def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
     return plain
 
 
+def _faithful_fused_forward(model: nn.Module) -> Callable[..., Tensor] | None:
+    """``model.fused_forward`` when it computes what calling the module computes, else None.
+
+    It does not when a subclass overrides ``forward`` or a forward hook is registered: calling the
+    module would run them, and ``fused_forward`` would silently bypass them.
+    """
+    fused = getattr(model, "fused_forward", None)
+    faithful = getattr(model, "fused_forward_is_faithful", None)
+    if fused is None or faithful is None or not faithful():
+        return None
+    return fused  # type: ignore[no-any-return]
+
+
 def _task_threads(model: nn.Module, device: torch.device, n_tasks: int) -> int:
     """Worker threads for the CPU loop: tasks side by side, one intra-op thread each.
 
     Measured on 2 cores (``docs/benchmarks.md``): two tasks at once on one thread each beat one
     task at a time on two intra-op threads, most for second order, whose many small support-set
     ops split poorly across threads. A call with a single task keeps the intra-op threads. Every
-    task of a multi-task call runs on one thread, so its gradient does not depend on the batch
-    size, the chunking or the scheduling.
+    task of a multi-task call runs on one thread, so its gradient does not depend on the chunking
+    or the scheduling.
 
     Only models with a ``fused_forward`` qualify: it is a pure function of the parameters it is
     given, whereas ``functional_call`` swaps them into the shared module for the duration of the
     call, so two threads would run on each other's parameters.
     """
-    if device.type != "cpu" or n_tasks < 2 or getattr(model, "fused_forward", None) is None:
+    if device.type != "cpu" or n_tasks < 2 or _faithful_fused_forward(model) is None:
         return 1
     return max(1, min(torch.get_num_threads(), n_tasks))
+
+
+@contextlib.contextmanager
+def _one_thread_workers(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A pool of ``workers`` threads, each set to one intra-op thread, that leaves torch as it was.
+
+    ``torch.set_num_threads`` sets the calling thread's own setting and also the process-wide value
+    that threads starting later inherit. The workers therefore all set theirs while this (locked)
+    start-up waits, and the process-wide value is put back at once: two calls cannot capture each
+    other's 1, and only a thread whose first torch work falls in those few milliseconds inherits
+    1 (PyTorch initialises a thread's setting lazily from the process-wide value).
+    """
+    ready = threading.Barrier(workers + 1)
+
+    def one_thread() -> None:
+        # Initialise this thread's torch threading first: PyTorch does so lazily on a thread's
+        # first parallel op, from the process-wide value, which would undo the 1 set here.
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        ready.wait()
+
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="fedmeta-task")
+    try:
+        with _WORKER_START_LOCK:
+            threads = torch.get_num_threads()
+            try:
+                for _ in range(workers):  # one per thread: each blocks at the barrier
+                    pool.submit(one_thread)
+                ready.wait(timeout=60)
+            finally:
+                torch.set_num_threads(threads)
+        yield pool
+    finally:
+        pool.shutdown()
 
 
 def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
@@ -261,7 +311,11 @@ def _task_grad_autograd(
     inner_lr: float,
     first_order: bool,
 ) -> Tensor:
-    """One task's flat query gradient with plain autograd (the loop path)."""
+    """One task's flat query gradient with plain autograd (the loop path).
+
+    A parameter that does not reach the loss (``ConvNet4(norm="none")``'s norm scales) gets a zero
+    gradient, as ``torch.func.grad`` reports it on the vmap path.
+    """
     meta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     fast = meta
     for _ in range(inner_steps):
@@ -269,12 +323,20 @@ def _task_grad_autograd(
         # first order the channels-last layout saved nothing on these few images but changed the
         # float32 rounding (bench/compute_accuracy.py).
         loss = loss_fn(forward(fast, task.support_x, False), task.support_y)
-        g = torch.autograd.grad(loss, list(fast.values()), create_graph=not first_order)
+        g = torch.autograd.grad(
+            loss,
+            list(fast.values()),
+            create_graph=not first_order,
+            allow_unused=True,
+            materialize_grads=True,
+        )
         fast = {n: p - inner_lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
     # The query pass is differentiated once even in second order: its backward only feeds the
     # inner steps' graph, which holds the second derivatives.
     qloss = loss_fn(forward(fast, task.query_x, True), task.query_y)
-    grads = torch.autograd.grad(qloss, list(meta.values()))
+    grads = torch.autograd.grad(
+        qloss, list(meta.values()), allow_unused=True, materialize_grads=True
+    )
     return torch.cat([g.reshape(-1) for g in grads])
 
 
@@ -347,7 +409,6 @@ def per_task_grads(
         out = torch.empty((n, dim), dtype=dtype, device=dev)
     loss_fn = _loss_fn(model)
     workers = _task_threads(model, dev, n) if meth == "loop" else 1
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="fedmeta-task") if workers > 1 else None
     if meth == "vmap":
         batched = torch.func.vmap(
             _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
@@ -361,8 +422,6 @@ def per_task_grads(
         forward = _loop_forward(model, dev)
 
         def one_task(b: Task, i: int) -> Tensor:
-            if pool is not None:
-                torch.set_num_threads(1)  # this worker thread's own intra-op setting
             return _task_grad_autograd(
                 forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
             )
@@ -373,20 +432,16 @@ def per_task_grads(
                 return torch.stack([one_task(b, i) for i in ids])
             return torch.stack(list(pool.map(lambda i: one_task(b, i), ids)))
 
-    threads = torch.get_num_threads()
-    try:
-        with _deterministic(dev, deterministic):
-            for start, batch in _chunks(tasks, chunk):
-                g = chunk_grads(batch.to(dev))
-                if on_chunk is not None:
-                    g = on_chunk(start, g)
-                out[start : start + g.shape[0]] = g
-    finally:
-        if pool is not None:
-            pool.shutdown()
-            # torch.set_num_threads in a worker also sets the process-wide value that new threads
-            # start from; put it back.
-            torch.set_num_threads(threads)
+    pool: ThreadPoolExecutor | None = None
+
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(_one_thread_workers(workers)) if workers > 1 else None
+        stack.enter_context(_deterministic(dev, deterministic))
+        for start, batch in _chunks(tasks, chunk):
+            g = chunk_grads(batch.to(dev))
+            if on_chunk is not None:
+                g = on_chunk(start, g)
+            out[start : start + g.shape[0]] = g
     return out
 
 
@@ -486,7 +541,9 @@ def _adapt_and_score(
     fast = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     for _ in range(steps):
         loss = loss_fn(forward(fast, task.support_x, False), task.support_y)
-        g = torch.autograd.grad(loss, list(fast.values()))
+        g = torch.autograd.grad(
+            loss, list(fast.values()), allow_unused=True, materialize_grads=True
+        )
         fast = {
             n: (p - lr * gi).detach().requires_grad_(True)
             for (n, p), gi in zip(fast.items(), g, strict=True)

@@ -221,11 +221,16 @@ def test_flwr_run_dot(tmp_path: Path) -> None:
     overrides = "rounds=4;training.eval_every=2;privacy.report_every=2;dataset.test_tasks=20"
     try:
         res = subprocess.run(
-            [flwr, "run", ".", "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
+            # Flower >= 1.26 takes the SuperNode count per run, not from pyproject.toml; a fresh
+            # ~/.flwr simulates only 2.
+            [flwr, "run", ".", "--federation-config", "num-supernodes=20",
+             "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:
         for pid in _superlink_pids() - before:  # only the SuperLink this test started
             os.kill(pid, signal.SIGTERM)
-    s = json.loads((out / "summary.json").read_text())
+    summary = out / "summary.json"
+    assert summary.is_file(), f"flwr run wrote no summary:\n{(res.stdout + res.stderr)[-3000:]}"
+    s = json.loads(summary.read_text())
     assert s["rounds_completed"] == 4, res.stdout[-2000:]

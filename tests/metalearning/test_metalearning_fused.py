@@ -33,6 +33,8 @@ def test_fused_forward_matches_module_forward_with_ties(norm: str, once: bool) -
     ref = functional_call(model, params, (x,))
     out = model.fused_forward(params, x, once_differentiable=once)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    if norm == "group":  # same NCHW kernels, only the ReLU moved: bit for bit
+        assert torch.equal(out, ref)
     # norm="none" leaves the norm parameters unused: both sides must agree on that too.
     g_ref = torch.autograd.grad(F.cross_entropy(ref, y), list(params.values()), allow_unused=True)
     g_out = torch.autograd.grad(F.cross_entropy(out, y), list(params.values()), allow_unused=True)
@@ -40,6 +42,8 @@ def test_fused_forward_matches_module_forward_with_ties(norm: str, once: bool) -
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+            if norm == "group":
+                assert torch.equal(a, b), name
 
 
 def test_batchnorm_nhwc_matches_f_batch_norm() -> None:
@@ -193,3 +197,113 @@ def test_only_pure_forwards_run_side_by_side() -> None:
         first = ml.per_task_grads(model, params, tasks, **kw)
         for _ in range(10):
             assert torch.equal(ml.per_task_grads(model, params, tasks, **kw), first)
+
+
+@pytest.mark.parametrize("first_order", [True, False])
+def test_norm_none_loop_matches_vmap(first_order: bool) -> None:
+    # norm="none" leaves the norm scales out of the graph: the loop must report zeros for them,
+    # as the vmap path does, not fail.
+    model = ml.ConvNet4(3, hidden=8, norm="none").double()
+    params = {k: v.double() for k, v in ml.init_params(model, 2).items()}
+    g = torch.Generator().manual_seed(5)
+    tasks = Task(
+        torch.rand(3, 3, 1, 28, 28, generator=g, dtype=torch.float64),
+        torch.arange(3).repeat(3, 1),
+        torch.rand(3, 6, 1, 28, 28, generator=g, dtype=torch.float64),
+        torch.arange(3).repeat(3, 2),
+    )
+    kw = dict(inner_steps=2, first_order=first_order, device="cpu")
+    loop = ml.per_task_grads(model, params, tasks, method="loop", **kw)
+    vmap = ml.per_task_grads(model, params, tasks, method="vmap", **kw)
+    torch.testing.assert_close(loop, vmap, rtol=1e-10, atol=1e-12)
+    res = ml.evaluate(model, params, tasks, inner_steps=2, device="cpu", method="loop")
+    assert 0.0 <= res.mean <= 1.0
+
+
+def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
+    from metalearning.maml import _faithful_fused_forward
+
+    class Scaled(ml.ConvNet4):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    plain = ml.ConvNet4(3, hidden=8)
+    assert _faithful_fused_forward(plain) is not None
+    assert _faithful_fused_forward(Scaled(3, hidden=8)) is None
+    hooked = ml.ConvNet4(3, hidden=8)
+    handle = hooked.blocks[1].register_forward_hook(lambda m, i, o: o * 0)
+    assert _faithful_fused_forward(hooked) is None
+    handle.remove()
+    assert _faithful_fused_forward(hooked) is not None
+    # and the gradients then follow the subclass's forward
+    sub = Scaled(3, hidden=8).double()
+    params = {k: v.double() for k, v in ml.init_params(sub, 0).items()}
+    g = torch.Generator().manual_seed(6)
+    tasks = Task(
+        torch.rand(2, 3, 1, 28, 28, generator=g, dtype=torch.float64),
+        torch.arange(3).repeat(2, 1),
+        torch.rand(2, 6, 1, 28, 28, generator=g, dtype=torch.float64),
+        torch.arange(3).repeat(2, 2),
+    )
+    kw = dict(inner_steps=1, device="cpu")
+    torch.testing.assert_close(
+        ml.per_task_grads(sub, params, tasks, method="loop", **kw),
+        ml.per_task_grads(sub, params, tasks, method="vmap", **kw),
+        rtol=1e-10,
+        atol=1e-12,
+    )
+
+
+def test_workers_run_on_one_thread_and_leave_torch_as_it_was() -> None:
+    import threading
+
+    from metalearning.maml import _one_thread_workers
+
+    def fresh_thread_setting() -> int:
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return seen[0]
+
+    with _threads(2):
+        with _one_thread_workers(2) as pool:
+            # each worker, whenever it runs, computes with one intra-op thread
+            assert set(pool.map(lambda _: torch.get_num_threads(), range(8))) == {1}
+            # while the process-wide default is already back for everyone else
+            assert torch.get_num_threads() == 2
+            assert fresh_thread_setting() == 2
+        assert torch.get_num_threads() == 2
+        assert fresh_thread_setting() == 2
+
+
+def test_concurrent_callers_keep_their_thread_setting() -> None:
+    import threading
+
+    model = ml.ConvNet4(3, hidden=8)
+    params = ml.init_params(model, 0)
+    tasks = Task(
+        torch.rand(4, 3, 1, 28, 28),
+        torch.arange(3).repeat(4, 1),
+        torch.rand(4, 6, 1, 28, 28),
+        torch.arange(3).repeat(4, 2),
+    )
+    seen: list[int] = []
+
+    def caller() -> None:
+        # Each caller decides its own setting, after torch's lazy per-thread initialisation
+        # (which copies the process-wide value, 1 while another call's workers start up).
+        torch.get_num_threads()
+        torch.set_num_threads(2)
+        for _ in range(3):
+            ml.per_task_grads(model, params, tasks, device="cpu", method="loop")
+        seen.append(torch.get_num_threads())
+
+    with _threads(2):
+        callers = [threading.Thread(target=caller) for _ in range(3)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join()
+        assert torch.get_num_threads() == 2
+    assert seen == [2, 2, 2], seen
