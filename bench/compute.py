@@ -229,6 +229,8 @@ def measure(
         if method.startswith("fedmeta")
         else method
     )
+    if impl == "loop" and device.type == "cpu" and method.startswith("fedmeta"):
+        impl = "fused-loop"  # ConvNet4.fused_forward, tasks side by side with >1 thread
     return {
         "method": method,
         "impl": impl,
