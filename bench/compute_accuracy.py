@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from compute import synthetic_tasks  # noqa: E402
 
 import metalearning as ml  # noqa: E402
 import metalearning.models as models  # noqa: E402
@@ -53,15 +54,6 @@ def torch_nhwc_batch_norm() -> Iterator[None]:
         models._BatchNormNHWC.apply = original  # type: ignore[method-assign]
 
 
-def tasks(n: int, n_way: int, seed: int) -> Task:
-    g = torch.Generator().manual_seed(seed)
-    sx = (torch.rand(n, n_way, 1, 28, 28, generator=g) > 0.8).float()
-    qx = (torch.rand(n, 15 * n_way, 1, 28, 28, generator=g) > 0.8).float()
-    sy = torch.arange(n_way).repeat(n, 1)
-    qy = torch.arange(n_way).repeat_interleave(15).repeat(n, 1)
-    return Task(sx, sy, qx, qy)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -80,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         params = ml.init_params(model, 0)
         errs: dict[str, list[float]] = {"vmap": [], "fused": [], "torch": []}
         for seed in range(a.seeds):
-            t = tasks(a.tasks, n_way, seed)
+            t = synthetic_tasks(a.tasks, n_way, 1, 15, seed, torch.device("cpu"))
             kw = dict(inner_steps=steps, first_order=order == "first", device="cpu")
             ref = ml.per_task_grads(
                 model.double(),

@@ -415,7 +415,7 @@ def per_task_grads(
             in_dims=(None, 0, 0, 0, 0),
         )
 
-        def chunk_grads(b: Task) -> Tensor:
+        def chunk_grads(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
             return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
 
     else:
@@ -426,19 +426,17 @@ def per_task_grads(
                 forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
             )
 
-        def chunk_grads(b: Task) -> Tensor:
+        def chunk_grads(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
             ids = range(b.support_x.shape[0])
             if pool is None:
                 return torch.stack([one_task(b, i) for i in ids])
             return torch.stack(list(pool.map(lambda i: one_task(b, i), ids)))
 
-    pool: ThreadPoolExecutor | None = None
-
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(_one_thread_workers(workers)) if workers > 1 else None
         stack.enter_context(_deterministic(dev, deterministic))
         for start, batch in _chunks(tasks, chunk):
-            g = chunk_grads(batch.to(dev))
+            g = chunk_grads(batch.to(dev), pool)
             if on_chunk is not None:
                 g = on_chunk(start, g)
             out[start : start + g.shape[0]] = g

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_metalearning_maml import _tiny_conv_tasks
 from torch.func import functional_call
 
 import metalearning as ml
@@ -21,18 +22,6 @@ def _binary_images(n: int, seed: int, dtype: torch.dtype = torch.float64) -> tor
     # outputs, so max-pool windows are full of exact ties - the case the ReLU/pool swap must keep.
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(n, 1, 28, 28, generator=g) > 0.8).to(dtype)
-
-
-def _tasks(
-    n: int, n_way: int, seed: int, dtype: torch.dtype = torch.float32, *, binary: bool = False
-) -> Task:
-    """``n`` tasks of ``n_way`` classes, one support and two query images per class."""
-    g = torch.Generator().manual_seed(seed)
-    sx = torch.rand(n, n_way, 1, 28, 28, generator=g, dtype=dtype)
-    qx = torch.rand(n, 2 * n_way, 1, 28, 28, generator=g, dtype=dtype)
-    if binary:
-        sx, qx = (sx > 0.8).to(dtype), (qx > 0.8).to(dtype)
-    return Task(sx, torch.arange(n_way).repeat(n, 1), qx, torch.arange(n_way).repeat(n, 2))
 
 
 @pytest.mark.parametrize("norm", ["batch", "group", "none"])
@@ -160,7 +149,7 @@ def _threads(n: int):
 def test_tasks_side_by_side_give_the_one_thread_gradients_and_restore_threads() -> None:
     model = ml.ConvNet4(3, hidden=8)
     params = ml.init_params(model, 0)
-    tasks = _tasks(5, 3, seed=4, binary=True)
+    tasks = _tiny_conv_tasks(5, 4, binary=True)
     kw = dict(inner_steps=2, first_order=False, device="cpu", method="loop", chunk_size=2)
     with _threads(1):
         one = ml.per_task_grads(model, params, tasks, **kw)
@@ -211,7 +200,7 @@ def test_norm_none_loop_matches_vmap(first_order: bool) -> None:
     # as the vmap path does, not fail.
     model = ml.ConvNet4(3, hidden=8, norm="none").double()
     params = {k: v.double() for k, v in ml.init_params(model, 2).items()}
-    tasks = _tasks(3, 3, seed=5, dtype=torch.float64)
+    tasks = _tiny_conv_tasks(3, 5, torch.float64)
     kw = dict(inner_steps=2, first_order=first_order, device="cpu")
     loop = ml.per_task_grads(model, params, tasks, method="loop", **kw)
     vmap = ml.per_task_grads(model, params, tasks, method="vmap", **kw)
@@ -238,7 +227,7 @@ def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
     # and the gradients then follow the subclass's forward
     sub = Scaled(3, hidden=8).double()
     params = {k: v.double() for k, v in ml.init_params(sub, 0).items()}
-    tasks = _tasks(2, 3, seed=6, dtype=torch.float64)
+    tasks = _tiny_conv_tasks(2, 6, torch.float64)
     kw = dict(inner_steps=1, device="cpu")
     torch.testing.assert_close(
         ml.per_task_grads(sub, params, tasks, method="loop", **kw),
@@ -276,7 +265,7 @@ def test_concurrent_callers_keep_their_thread_setting() -> None:
 
     model = ml.ConvNet4(3, hidden=8)
     params = ml.init_params(model, 0)
-    tasks = _tasks(4, 3, seed=7)
+    tasks = _tiny_conv_tasks(4, 7)
     seen: list[int] = []
 
     def caller() -> None:

@@ -18,10 +18,16 @@ from metalearning.data import Task
 pytestmark = pytest.mark.unit
 
 
-def _tiny_conv_tasks(n: int, seed: int, dtype=torch.float32, n_way: int = 3) -> Task:
+def _tiny_conv_tasks(
+    n: int, seed: int, dtype=torch.float32, n_way: int = 3, *, binary: bool = False
+) -> Task:
+    """``n`` tasks of ``n_way`` classes, one support and two query images per class; ``binary``
+    thresholds the pixels (Omniglot-like strokes, with exact ties in max-pool windows)."""
     g = torch.Generator().manual_seed(seed)
     sx = torch.rand(n, n_way, 1, 28, 28, generator=g, dtype=dtype)
     qx = torch.rand(n, 2 * n_way, 1, 28, 28, generator=g, dtype=dtype)
+    if binary:
+        sx, qx = (sx > 0.8).to(dtype), (qx > 0.8).to(dtype)
     sy = torch.arange(n_way).repeat(n, 1)
     qy = torch.arange(n_way).repeat(n, 2)
     return Task(sx, sy, qx, qy)
