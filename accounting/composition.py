@@ -115,6 +115,9 @@ def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, f
     module docstring and the privacy-accounting note, section 2, for the derivation of each case.
     """
     _check_unit(unit)
+    if event.neighbouring != "add_remove":
+        # Never account a relation this module does not model as if it were add/remove.
+        raise ValueError(f"neighbouring must be 'add_remove' here; got {event.neighbouring!r}")
     scheme = event.scheme
     z = float(event.noise_multiplier)
     if unit == "participant":

@@ -18,6 +18,14 @@ from typing import Any, Literal, TypeAlias
 Unit: TypeAlias = Literal["task", "participant"]
 UNITS: tuple[str, ...] = ("task", "participant")
 
+#: The neighbouring relation a guarantee is stated for. ``add_remove``: one task is added to or
+#: removed from a participant's data (per-participant task counts are private). ``replace_one``: one
+#: task is replaced by another (counts are public; every stage is analysed as a substitution).
+Neighbouring: TypeAlias = Literal["add_remove", "replace_one"]
+ADD_REMOVE: Neighbouring = "add_remove"
+REPLACE_ONE: Neighbouring = "replace_one"
+NEIGHBOURING_RELATIONS: tuple[str, ...] = (ADD_REMOVE, REPLACE_ONE)
+
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     # bool is an int subclass; True participants is a bug, not 1 participant.
@@ -194,6 +202,9 @@ class GaussianRound:
     nothing smaller caps a participant's tasks per round, so that participant-level bound is valid
     but vacuous).
 
+    ``neighbouring`` is the relation the task-level guarantee is stated for (``add_remove`` or
+    ``replace_one``); a ledger composes only rounds of one relation.
+
     This is the event the server's noise step returns and the ledger records; once recorded it is
     never reinterpreted.
     """
@@ -201,6 +212,7 @@ class GaussianRound:
     scheme: Scheme
     noise_multiplier: float
     max_tasks_per_participant: int | None = None
+    neighbouring: Neighbouring = ADD_REMOVE
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, tuple(_SCHEME_TYPES.values())):
@@ -209,6 +221,10 @@ class GaussianRound:
                 f"FlatPoissonScheme, FixedSizeScheme; got {self.scheme!r}"
             )
         _check_positive("noise_multiplier", self.noise_multiplier)
+        if self.neighbouring not in NEIGHBOURING_RELATIONS:
+            raise ValueError(
+                f"neighbouring must be one of {NEIGHBOURING_RELATIONS}; got {self.neighbouring!r}"
+            )
         if self.max_tasks_per_participant is not None:
             _check_int("max_tasks_per_participant", self.max_tasks_per_participant, minimum=1)
             if (
@@ -237,6 +253,7 @@ class GaussianRound:
             "scheme_params": scheme_fields,
             "noise_multiplier": float(self.noise_multiplier),
             "max_tasks_per_participant": self.max_tasks_per_participant,
+            "neighbouring": self.neighbouring,
         }
 
     @classmethod
@@ -253,4 +270,6 @@ class GaussianRound:
             scheme=scheme,
             noise_multiplier=data["noise_multiplier"],
             max_tasks_per_participant=data.get("max_tasks_per_participant"),
+            # Records written before the relation was recorded were all add/remove.
+            neighbouring=data.get("neighbouring", ADD_REMOVE),
         )
