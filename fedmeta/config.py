@@ -166,7 +166,7 @@ class TrainingConfig(_Section):
 
 
 class MetricsConfig(_Section):
-    """Prometheus metrics of a live run (server/metrics.py)."""
+    """Prometheus metrics of a live run (server/monitoring/live.py)."""
 
     port: int | None = Field(None, ge=0, le=65535, description="None = metrics off")
     bind: str = "127.0.0.1"

@@ -42,10 +42,10 @@ def make_observers(cfg: Config, progress: bool | None = None) -> list[Any]:
 
         try:
             metrics = importlib.import_module(
-                "server.metrics"
+                "server.monitoring.live"
             )  # lazy: the only prometheus_client user
         except ImportError as error:
-            log.warning("metrics.port is set but server.metrics is unavailable: %s", error)
+            log.warning("metrics.port is set but server.monitoring.live is unavailable: %s", error)
         else:
             observers.append(metrics.make_observer(cfg))
     return observers

@@ -2,11 +2,11 @@
 
 A run's ServerApp (and its live /metrics) lives only as long as the run; the privacy budget outlives
 runs. This exporter re-reads the SQLite ledger on every scrape (a custom collector in
-``server.metrics``) and serves, per federation: epsilon spent (task and participant level), budget,
-remaining fraction, rounds affordable left, spends recorded, plus the latest run records
-(``summary.json`` under ``--runs-dir``). Why an exporter rather than a Pushgateway: see
+``server.monitoring.ledger``) and serves, per federation: epsilon spent (task and participant
+level), budget, remaining fraction, rounds affordable left, spends recorded, plus the latest run
+records (``summary.json`` under ``--runs-dir``). Why an exporter rather than a Pushgateway: see
 docs/monitoring.md. Registration imports nothing heavy; prometheus_client is imported (through
-``server.metrics``) only when the command runs.
+``server.monitoring``) only when the command runs.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def register(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
-    from server.metrics import exporter_registry, serve
+    from server.monitoring.ledger import exporter_registry
+    from server.monitoring.live import serve
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -123,7 +123,8 @@ def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Both exposition pages (observer + exporter) after a synthetic run with diagnostics on."""
     from prometheus_client import generate_latest
 
-    from server.metrics import PrometheusRunObserver, exporter_registry
+    from server.monitoring.ledger import exporter_registry
+    from server.monitoring.live import PrometheusRunObserver
 
     tmp = tmp_path_factory.mktemp("exposition")
     eps = spend(tmp / "ledger.sqlite", "run-1", 3)

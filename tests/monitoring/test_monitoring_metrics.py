@@ -1,4 +1,4 @@
-"""server/metrics.py and server/exporter.py without Prometheus: names, labels, privacy, faults."""
+"""server/monitoring/ and server/exporter.py without Prometheus: names, labels, privacy, faults."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def _families(text: str) -> dict[str, str]:
 
 
 def test_names_follow_prometheus_conventions(exposition: str) -> None:
-    from server.metrics import LEDGER_METRICS, LIVE_METRICS
+    from server.monitoring.ledger import LEDGER_METRICS
+    from server.monitoring.live import LIVE_METRICS
 
     families = _families(exposition)
     assert set(LIVE_METRICS) | set(LEDGER_METRICS) == set(families), "declared list is stale"
@@ -52,7 +53,7 @@ def test_labels_are_low_cardinality_and_never_ids(exposition: str) -> None:
 def test_private_diagnostics_only_when_present() -> None:
     from prometheus_client import generate_latest
 
-    from server.metrics import PrometheusRunObserver
+    from server.monitoring.live import PrometheusRunObserver
 
     obs = PrometheusRunObserver()
     synthetic_run(obs, "r-private", 2, (0.5, 5.0), diagnostics=False)
@@ -69,7 +70,7 @@ def test_private_diagnostics_only_when_present() -> None:
 
 
 def test_observer_never_raises_on_garbage() -> None:
-    from server.metrics import PrometheusRunObserver
+    from server.monitoring.live import PrometheusRunObserver
 
     obs = PrometheusRunObserver()
     obs.run_started(object())  # type: ignore[arg-type]
@@ -94,7 +95,7 @@ def test_observer_never_raises_on_garbage() -> None:
 
 
 def test_make_observer_serves_and_survives_a_taken_port() -> None:
-    from server.metrics import make_observer
+    from server.monitoring.live import make_observer
 
     cfg = SimpleNamespace(metrics=SimpleNamespace(port=0, bind="127.0.0.1"))
     obs = make_observer(cfg)
@@ -116,7 +117,7 @@ def test_make_observer_serves_and_survives_a_taken_port() -> None:
 def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
-    from server.metrics import exporter_registry
+    from server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     registry, collector = exporter_registry(db, [tmp_path / "runs"])
@@ -150,7 +151,7 @@ def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_pa
     from prometheus_client import generate_latest
 
     from accounting import BudgetLedger
-    from server.metrics import exporter_registry
+    from server.monitoring.ledger import exporter_registry
     from tests.monitoring.conftest import gaussian_round
 
     db = tmp_path / "ledger.sqlite"
@@ -186,7 +187,7 @@ def test_exporter_reports_a_tampered_ledger_as_down(tmp_path: Path) -> None:
 
     from prometheus_client import generate_latest
 
-    from server.metrics import exporter_registry
+    from server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 2)

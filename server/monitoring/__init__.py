@@ -1,0 +1,1 @@
+"""Prometheus metrics: the only package that imports prometheus_client."""
