@@ -38,3 +38,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated_state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own fedmeta state directory: the default ledger never leaks between tests
+    (nor into the developer's ~/.local/state)."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(state))
+    return state

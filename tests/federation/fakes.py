@@ -1,62 +1,64 @@
 """Test doubles: an in-memory ledger with a linear epsilon (so tests do not pay for PLD).
 
-It is patched into ``server.privacy`` - the one seam between the round loop and ``accounting``.
-Schemes, events and the sampler stay real.
+It is handed to the run as ``open_ledger`` (server.run.run_federation); schemes, events, the
+sampler, validation and noise stay real.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import pytest
-
-
-class FakeBudgetExhausted(RuntimeError):
-    pass
+from accounting import BudgetExhausted, GaussianRound
 
 
 @dataclass(frozen=True)
 class FakeRecord:
     run_id: str
     round_index: int
-    event: Any
+    event: GaussianRound
 
 
-class FakeLedger:
-    """epsilon = eps_per_round * number of spends (task level); participant level = 2x."""
+class LinearLedger:
+    """epsilon = eps_per_round x spends (task level); participant level = 2x."""
 
-    def __init__(self, budget: float, eps_per_round: float) -> None:
-        self.budget = budget
+    def __init__(self, budget: float, eps_per_round: float, path: str = "/fake/ledger.sqlite"):
+        self.epsilon_budget = budget
         self.eps_per_round = eps_per_round
+        self.delta = 1e-5
+        self.unit = "task"
+        self.federation_id = "fake-federation"
+        self.ledger_id = "fake-ledger"
+        self.path = Path(path)
         self._records: list[FakeRecord] = []
         self.spend_calls = 0
 
     def _over(self) -> bool:
-        return (len(self._records) + 1) * self.eps_per_round > self.budget + 1e-12
+        return (len(self._records) + 1) * self.eps_per_round > self.epsilon_budget + 1e-12
 
-    def would_exceed(self, event: Any) -> bool:
+    def would_exceed(self, event: GaussianRound) -> bool:
         return self._over()
 
-    def spend(self, event: Any, run_id: str, round_index: int) -> FakeRecord:
+    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> FakeRecord:
         self.spend_calls += 1
         if self._over():
-            raise FakeBudgetExhausted("budget")
-        rec = FakeRecord(run_id, round_index, event)
-        self._records.append(rec)
-        return rec
+            raise BudgetExhausted("budget", epsilon_after=0.0, epsilon_budget=self.epsilon_budget)
+        record = FakeRecord(run_id, round_index, event)
+        self._records.append(record)
+        return record
 
-    def rounds(self) -> list[tuple[Any, int]]:
-        groups: dict[Any, int] = {}
+    def rounds(self) -> list[tuple[GaussianRound, int]]:
+        groups: dict[GaussianRound, int] = {}
         for r in self._records:
             groups[r.event] = groups.get(r.event, 0) + 1
         return list(groups.items())
 
-    def epsilon(self, unit: str = "task", method: str = "pld") -> float:
+    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
         return len(self._records) * self.eps_per_round * (2 if unit == "participant" else 1)
 
-    def rounds_affordable(self, event: Any) -> int:
-        return int(self.budget / self.eps_per_round + 1e-9) - len(self._records)
+    def rounds_affordable(self, event: GaussianRound) -> int:
+        return int(self.epsilon_budget / self.eps_per_round + 1e-9) - len(self._records)
 
     def records(self) -> list[FakeRecord]:
         return list(self._records)
@@ -64,17 +66,10 @@ class FakeLedger:
     def position(self) -> int:
         return len(self._records)
 
+    def close(self) -> None:
+        pass
 
-def install_fake_privacy(monkeypatch: pytest.MonkeyPatch, ledger: FakeLedger) -> None:
-    import server.privacy as priv
 
-    monkeypatch.setattr(priv, "open_ledger", lambda cfg, out, fid: ledger)
-    monkeypatch.setattr(priv, "calibrate_z", lambda cfg, scheme, rounds, target: 1.0)
-
-    def eps_for(groups: list[tuple[Any, int]], delta: float, unit: str = "task") -> float:
-        n = sum(c for _, c in groups)
-        return n * ledger.eps_per_round * (2 if unit == "participant" else 1)
-
-    monkeypatch.setattr(priv, "epsilon_for", eps_for)
-    monkeypatch.setattr(priv, "published_epsilon", lambda e, r, d: None)
-    monkeypatch.setattr(priv, "budget_exhausted_error", lambda: FakeBudgetExhausted)
+def opener(ledger: LinearLedger) -> Any:
+    """``open_ledger`` for run_federation / execute, always answering ``ledger``."""
+    return lambda cfg, identity: ledger

@@ -5,7 +5,8 @@ it runs a private sinusoid federation on the embedded default configuration. ``r
 nothing heavy; torch, Flower and Ray are imported inside the handler.
 
 ``main(config, out_dir=None, resume=False) -> RunResult`` is the programmatic entry point (smoke
-tests).
+tests). This harness wires the server and the client together in one process; it lives outside
+``server/`` so that nothing in the server imports the client.
 """
 
 from __future__ import annotations
@@ -47,61 +48,78 @@ def register(subparsers: Any) -> None:
 def _handle(args: argparse.Namespace) -> int:
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    from fedmeta.checkpoint import CheckpointError
     from fedmeta.config import ConfigError, load_config
+    from server.run import FederationError
+    from server.transport import RegistrationError
 
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
-    except ConfigError as error:
-        print(f"fedmeta simulate: {error}", file=sys.stderr)
-        return 2
-    from server.round import FederationError
-
-    try:
         result = main(cfg, out_dir=args.out, resume=args.resume)
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)
         return 130
-    except FederationError as error:
+    except (ConfigError, CheckpointError, FederationError, RegistrationError) as error:
         print(f"fedmeta simulate: {error}", file=sys.stderr)
         return 2
     return 0 if result is not None else 1
 
 
-def _resume_config(args: argparse.Namespace) -> Any:
-    """Return the configuration of a resumed run: the checkpoint's.
+#: Keys a resumed run may change: they do not touch what is accounted or how the model learns.
+RESUMABLE_KEYS = ("rounds", "output.", "metrics.", "federation.round_timeout_s",
+                  "federation.register_timeout_s", "federation.backend")  # fmt: skip
 
-    Only ``rounds`` (and output/metrics keys) may be overridden, so a resumed run cannot silently
-    change its privacy parameters.
+
+def _resume_config(args: argparse.Namespace) -> Any:
+    """The configuration of a resumed run: the checkpoint's, with only harmless keys changed.
+
+    A different ``--config`` or ``--set`` on anything else is refused with the keys that differ,
+    so a resumed run can never silently change its privacy parameters.
     """
     from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
-    from server.checkpoint import load_checkpoint
 
-    base = load_config(args.config, args.overrides)
-    out = Path(args.out or base.output.dir)
-    ckpt = load_checkpoint(out)
-    if ckpt is None:
-        return base
-    allowed = ("rounds", "output.", "metrics.", "federation.round_timeout_s", "federation.backend")
-    bad = [o for o in args.overrides if not o.split("=", 1)[0].strip().startswith(allowed)]
-    if bad:
-        raise ConfigError(f"--resume uses the checkpoint's configuration; cannot override {bad}")
-    return config_from_dict(apply_overrides(ckpt["config"], args.overrides))
+    given = load_config(args.config, args.overrides)
+    out = Path(args.out or given.output.dir)
+    from server.run import refuse_to_overwrite_run
+
+    ckpt = refuse_to_overwrite_run(out, resume=True)
+    assert ckpt is not None
+    resumed = config_from_dict(apply_overrides(ckpt["config"], args.overrides))
+    changed = _differences(ckpt["config"], given.to_dict()) if args.config else []
+    changed += [o.split("=", 1)[0].strip() for o in args.overrides]
+    refused = sorted({k for k in changed if not k.startswith(RESUMABLE_KEYS)})
+    if refused:
+        raise ConfigError(
+            f"--resume continues the run in {out} with the configuration it started with; these "
+            f"keys differ and cannot change on resume: {', '.join(refused)} (start a new run "
+            "with --out instead)"
+        )
+    return resumed
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [] if a == b else [prefix.rstrip(".")]
+    keys = set(a) | set(b)
+    return [
+        k for key in sorted(keys) for k in _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+    ]
 
 
 def main(config: Any = None, *, out_dir: str | Path | None = None, resume: bool = False) -> Any:
-    """Run one simulated federation and return its ``RunResult`` (summary, rows, out_dir)."""
+    """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
     from fedmeta.config import Config
+    from server.run import refuse_to_overwrite_run
 
     cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
-    from server.round import refuse_to_overwrite_run
-
     refuse_to_overwrite_run(out, resume)  # before Ray starts, so the error is the first thing seen
     if cfg.federation.backend == "inprocess":
         from server.app import execute
-        from server.local_grid import InProcessGrid
+        from simulation.local_grid import InProcessGrid
 
         return execute(cfg, InProcessGrid(cfg.federation.participants), out_dir=out, resume=resume)
     return _run_ray(cfg, out, resume)
