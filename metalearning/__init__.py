@@ -3,23 +3,19 @@
 Plain PyTorch + numpy; imports neither flwr nor prometheus_client. See ``docs/workload.md``.
 """
 
-from metalearning.data import (
-    ChecksumError,
-    ClassDataset,
-    DataError,
-    DataSplits,
+from metalearning.digests import verify_checksum
+from metalearning.errors import ChecksumError, DataError
+from metalearning.federated import (
     FederatedTaskSet,
     ParticipantTasks,
     SinusoidParticipant,
-    SinusoidTasks,
-    Task,
-    download_omniglot,
-    load_image_folder,
-    load_omniglot,
     partition_classes,
-    sample_tasks,
-    stack_tasks,
-    verify_checksum,
+)
+from metalearning.images import (
+    ClassDataset,
+    DataSplits,
+    image_folder_source_digest,
+    load_image_folder,
 )
 from metalearning.maml import (
     EvalResult,
@@ -40,6 +36,9 @@ from metalearning.models import (
     param_spec,
     unflatten_params,
 )
+from metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
+from metalearning.sinusoid import SinusoidTasks
+from metalearning.tasks import Task, sample_tasks, stack_tasks
 
 __all__ = [
     "ChecksumError",
@@ -59,10 +58,12 @@ __all__ = [
     "download_omniglot",
     "evaluate",
     "flatten_params",
+    "image_folder_source_digest",
     "init_params",
     "load_image_folder",
     "load_omniglot",
     "meta_train",
+    "omniglot_source_digest",
     "param_spec",
     "partition_classes",
     "per_task_clipped_grads",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearning.data import Task, stack_tasks
+from metalearning.tasks import Task, stack_tasks
 
 __all__ = [
     "EvalResult",

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from torch.func import functional_call
 
 import metalearning as ml
-from metalearning.data import Task
+from metalearning import Task
 
 pytestmark = pytest.mark.unit
 
