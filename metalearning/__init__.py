@@ -26,6 +26,7 @@ from metalearning.maml import (
     per_task_grads,
     resolve_device,
     resolve_method,
+    task_scores,
 )
 from metalearning.models import (
     ConvNet4,
@@ -72,6 +73,7 @@ __all__ = [
     "resolve_method",
     "sample_tasks",
     "stack_tasks",
+    "task_scores",
     "unflatten_params",
     "verify_checksum",
 ]
