@@ -38,6 +38,12 @@ from metalearning.models import (
     unflatten_params,
 )
 from metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
+from metalearning.oneshot_runs import (
+    OneShotResult,
+    OneShotRun,
+    evaluate_oneshot_runs,
+    load_oneshot_runs,
+)
 from metalearning.sinusoid import SinusoidTasks
 from metalearning.tasks import Task, sample_tasks, stack_tasks
 
@@ -49,6 +55,8 @@ __all__ = [
     "DataSplits",
     "EvalResult",
     "FederatedTaskSet",
+    "OneShotResult",
+    "OneShotRun",
     "ParamSpec",
     "ParticipantTasks",
     "SinusoidMLP",
@@ -58,11 +66,13 @@ __all__ = [
     "clip_by_global_norm",
     "download_omniglot",
     "evaluate",
+    "evaluate_oneshot_runs",
     "flatten_params",
     "image_folder_source_digest",
     "init_params",
     "load_image_folder",
     "load_omniglot",
+    "load_oneshot_runs",
     "meta_train",
     "omniglot_source_digest",
     "param_spec",
