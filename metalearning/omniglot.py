@@ -190,19 +190,26 @@ def _read_zip(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     return _assemble(entries, str(path))
 
 
-def _folder_pngs(path: Path) -> list[tuple[Path, re.Match[str]]]:
-    """The drawings of an unpacked folder that the loader reads, with their parsed names."""
+def _folder_pngs(path: Path) -> list[tuple[str, re.Match[str]]]:
+    """The drawings of an unpacked folder that the loader reads, with their parsed names.
+
+    ``os.walk`` and strings rather than ``Path.rglob``: the same files (neither follows directory
+    links) at a fraction of the cost per file, which a second source digest of the 32,460
+    drawings is made of.
+    """
     out = []
-    for f in sorted(path.rglob("*.png")):
-        m = _PNG_RE.search(f.relative_to(path.parent).as_posix())
-        if m:
-            out.append((f, m))
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, path.parent).replace(os.sep, "/")
+        for name in sorted(filenames):
+            if name.endswith(".png") and (m := _PNG_RE.search(f"{rel}/{name}")):
+                out.append((os.path.join(dirpath, name), m))
     return out
 
 
 def _read_folder(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     entries = [
-        (int(m["char"]), int(m["draw"]), m["alpha"], decode_png(f.read_bytes(), str(f)))
+        (int(m["char"]), int(m["draw"]), m["alpha"], decode_png(Path(f).read_bytes(), f))
         for f, m in _folder_pngs(path)
     ]
     return _assemble(entries, str(path))
@@ -289,10 +296,9 @@ def omniglot_source_digest(path: str | Path) -> str:
     """
     root = Path(path)
     kind, sources = _find_omniglot_sources(root)
+    files: list[str | Path] = list(sources)
     if kind == "folder":
         files = [f for s in sources for f, _ in _folder_pngs(s)]
-    else:
-        files = sources
     return manifest_digest(root, files)
 
 

@@ -204,7 +204,7 @@ def load_oneshot_runs(path: str | Path, *, image_size: int = 28) -> list[OneShot
     (the model's input side). A missing or malformed file raises a one-line
     :class:`~metalearning.errors.DataError` naming it.
     """
-    src = _Source(Path(path).expanduser())
+    src = _Source(Path(path))
     return [_run(src, f"run{r:02d}", image_size) for r in range(1, ONESHOT_RUNS + 1)]
 
 

@@ -159,3 +159,12 @@ def test_image_folder_digest_covers_what_the_loader_reads(tmp_path: Path) -> Non
     assert ml.image_folder_source_digest(tmp_path / "pre") == pre
     with pytest.raises(DataError, match="one sub-folder per class"):
         ml.image_folder_source_digest(tmp_path / "a" / "class0")
+
+
+def test_manifest_covers_one_directory(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"x")
+    (tmp_path / "y.bin").write_bytes(b"y")
+    digests.manifest_digest(tmp_path / "a", [tmp_path / "a" / "x.bin"])
+    with pytest.raises(ValueError, match="is not under"):
+        digests.manifest_digest(tmp_path / "a", [tmp_path / "y.bin"])
