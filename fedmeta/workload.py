@@ -151,20 +151,6 @@ def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
 SINUSOID_GENERATOR = "sinusoid-v1"
 
 
-@functools.lru_cache(maxsize=8)
-def _source_digest(path: str) -> str:
-    """SHA-256 over the data files under ``path`` (names relative to it, sizes and contents)."""
-    root = Path(path)
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(f"{file.relative_to(root) if file != root else file.name}\0".encode())
-        with open(file, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def data_fingerprint(cfg: Config) -> str:
     """What a participant's tasks are drawn from (see the module docstring)."""
     ds = cfg.dataset
@@ -179,13 +165,7 @@ def data_fingerprint(cfg: Config) -> str:
         }
         return "sinusoid:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
     assert ds.path is not None  # the configuration requires it
-    root = Path(ds.path).expanduser().resolve()
-    if ds.name == "omniglot":
-        from metalearning.data import _find_omniglot_sources
+    from metalearning import image_folder_source_digest, omniglot_source_digest
 
-        _kind, sources = _find_omniglot_sources(root)
-        return (
-            "omniglot:"
-            + hashlib.sha256("".join(_source_digest(str(s)) for s in sources).encode()).hexdigest()
-        )
-    return f"{ds.name}:{_source_digest(str(root))}"
+    digest = omniglot_source_digest if ds.name == "omniglot" else image_folder_source_digest
+    return f"{ds.name}:{digest(Path(ds.path).expanduser())}"
