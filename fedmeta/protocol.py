@@ -291,7 +291,9 @@ def encode_gradient_reply(reply: GradientReply) -> RecordDict:
         REPLY_RECORD: ConfigRecord(meta),
     }
     if reply.compute_seconds is not None:
-        content[REPLY_METRICS_RECORD] = MetricRecord({"compute_seconds": float(reply.compute_seconds)})
+        content[REPLY_METRICS_RECORD] = MetricRecord(
+            {"compute_seconds": float(reply.compute_seconds)}
+        )
     return RecordDict(content)
 
 
