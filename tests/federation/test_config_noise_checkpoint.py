@@ -36,9 +36,16 @@ def test_interface_keys_reach_the_tree() -> None:
         "privacy.noise_multiplier=1.2", "privacy.enabled=false", "dataset.name=sinusoid",
         "federation.participants=9", "metrics.port=9100", "privacy.neighbouring=replace_one",
     ])  # fmt: skip
-    assert (cfg.rounds, cfg.seed, cfg.privacy.epsilon_budget, cfg.privacy.delta) == (7, 3, 2.5, 1e-6)
+    assert (cfg.rounds, cfg.seed, cfg.privacy.epsilon_budget, cfg.privacy.delta) == (
+        7,
+        3,
+        2.5,
+        1e-6,
+    )
     assert cfg.privacy.noise_multiplier == 1.2 and cfg.privacy.enabled is False
-    assert cfg.privacy.neighbouring == "replace_one" and Config().privacy.neighbouring == "add_remove"
+    assert (
+        cfg.privacy.neighbouring == "replace_one" and Config().privacy.neighbouring == "add_remove"
+    )
     assert cfg.federation.participants == 9 and cfg.metrics.port == 9100
     assert load_config(None, ["metrics.port=none"]).metrics.port is None
 
@@ -79,8 +86,12 @@ def test_fixed_stage_two_is_bounded_by_the_public_min_tasks() -> None:
     cfg = load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5",
                              "sampling.min_tasks=40"])  # fmt: skip
     assert cfg.min_tasks == 40
-    assert load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5"]).min_tasks == 200
-    with pytest.raises(ConfigError, match=r"tasks_per_round must be in \[1, sampling.min_tasks=4\]"):
+    assert (
+        load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5"]).min_tasks == 200
+    )
+    with pytest.raises(
+        ConfigError, match=r"tasks_per_round must be in \[1, sampling.min_tasks=4\]"
+    ):
         load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5",
                            "sampling.min_tasks=4"])  # fmt: skip
 
@@ -95,7 +106,7 @@ def test_files_are_read_with_one_line_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["rounds"])
     latin1 = tmp_path / "latin1.toml"
-    latin1.write_bytes('# r\xe9sum\xe9\nrounds = 5\n'.encode("latin-1"))
+    latin1.write_bytes("# r\xe9sum\xe9\nrounds = 5\n".encode("latin-1"))
     with pytest.raises(ConfigError, match="not UTF-8") as info:
         load_config(latin1)
     assert "\n" not in str(info.value)
@@ -112,7 +123,9 @@ def test_secure_noise_is_not_reproduced_by_recreating_the_source() -> None:
     d = NoiseSource.insecure_for_tests(3, stream=1)
     assert not c.secure and "INSECURE" in repr(c)
     assert np.array_equal(c.standard_normal(1 << 17), d.standard_normal(1 << 17))  # threaded path
-    assert not np.array_equal(c.standard_normal(8), NoiseSource.insecure_for_tests(3, 2).standard_normal(8))
+    assert not np.array_equal(
+        c.standard_normal(8), NoiseSource.insecure_for_tests(3, 2).standard_normal(8)
+    )
 
 
 def test_the_private_path_gives_no_seed_to_torch_or_numpy(tmp_path: Path) -> None:
@@ -170,7 +183,9 @@ class _Planted:
         return (os.system, ("touch PLANTED_CODE_RAN",))
 
 
-def test_a_planted_checkpoint_never_runs_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_planted_checkpoint_never_runs_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
     run.mkdir()
@@ -183,7 +198,9 @@ def test_a_planted_checkpoint_never_runs_code(tmp_path: Path, monkeypatch: pytes
         read_checkpoint(run)
 
 
-@pytest.mark.parametrize("content", [b"", b"\x00" * 100, os.urandom(4096)], ids=["empty", "zeros", "random"])
+@pytest.mark.parametrize(
+    "content", [b"", b"\x00" * 100, os.urandom(4096)], ids=["empty", "zeros", "random"]
+)
 def test_a_broken_checkpoint_is_one_line(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "checkpoint.pt").write_bytes(content)
     with pytest.raises(CheckpointError) as info:
@@ -218,6 +235,8 @@ def test_dataset_options_reach_the_workload(tmp_path: Path) -> None:
     blocks = [m for m in build_model(cfg).modules() if hasattr(m, "_norm")]
     assert blocks and all(m._norm == "group" for m in blocks)
     # The data's identity ignores seed, partition and participants; it follows the files.
-    other = load_config(None, [f"dataset.path={tmp_path}", "dataset.name=omniglot", "seed=9",
-                               "federation.participants=3", "sampling.participants_per_round=1"])  # fmt: skip
+    other = load_config(None, [
+        f"dataset.path={tmp_path}", "dataset.name=omniglot", "seed=9",
+        "federation.participants=3", "sampling.participants_per_round=1",
+    ])  # fmt: skip
     assert data_fingerprint(cfg) == data_fingerprint(other)

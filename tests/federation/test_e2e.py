@@ -35,6 +35,7 @@ def env() -> dict[str, str]:
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
     }
 
+
 TINY = [
     "federation.participants=6",
     "sampling.participants_per_round=3",

@@ -69,7 +69,9 @@ def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
                 "rounds=2")  # fmt: skip
     ledger = LinearLedger(100.0, 0.1)
     grid = InProcessGrid(6, _short_participant(short=2, count=7))
-    result = execute(cfg, grid, out_dir=tmp_path, observers=[], echo=False, open_ledger=opener(ledger))
+    result = execute(
+        cfg, grid, out_dir=tmp_path, observers=[], echo=False, open_ledger=opener(ledger)
+    )
     assert result.summary["participants_registered"] == 5
     assert ledger.records()[0].event.scheme.participants == 5
     cfg = small("sampling.stage2=fixed", "sampling.tasks_per_round=3", "sampling.min_tasks=30")

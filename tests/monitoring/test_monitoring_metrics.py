@@ -84,8 +84,9 @@ def test_observer_never_raises_on_garbage() -> None:
             participants_failed=1,
             train_loss=float("nan"),
             epsilon_task=float("inf"),
-            diagnostics=RoundDiagnostics(1, 0, 0, 0, None, {0.5: float("nan")}, 0.1, 0.0,
-                                         (float("nan"),)),  # fmt: skip
+            diagnostics=RoundDiagnostics(
+                1, 0, 0, 0, None, {0.5: float("nan")}, 0.1, 0.0, (float("nan"),)
+            ),  # fmt: skip
         )
     )
     obs.run_finished(None)  # type: ignore[arg-type]
