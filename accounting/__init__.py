@@ -1,8 +1,7 @@
 """Privacy accounting for fedmeta: schemes, per-round events, PLD/RDP composition, planning, ledger.
 
 Imports only the standard library, numpy, scipy and dp-accounting (a test enforces that torch, flwr
-and prometheus_client are never loaded). The mathematics is in
-``../shared/design/privacy-accounting.md`` and ``docs/privacy.md``.
+and prometheus_client are never loaded). The mathematics is in ``docs/privacy.md``.
 """
 
 from accounting.composition import (

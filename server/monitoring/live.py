@@ -103,15 +103,20 @@ class PrometheusRunObserver:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._budget: dict[tuple[str, str], float] = {}
         self._diagnostics: dict[tuple[str, str], bool] = {}
-        r = self.registry
+        self._declare_progress()
+        self._declare_privacy()
+        self._declare_participation()
+        self._declare_learning()
+        self._declare_timing()
 
-        def g(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+    def _g(self, name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
 
-        def c(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+    def _c(self, name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
 
-        # progress
+    def _declare_progress(self) -> None:
+        g, c = self._g, self._c
         self.runs_started = c("fedmeta_runs_started", "Runs started in this process.", FED_LABELS)
         self.runs_finished = c(
             "fedmeta_runs_finished", "Runs finished in this process.", FED_LABELS
@@ -130,7 +135,9 @@ class PrometheusRunObserver:
         self.last_round_ts = g(
             "fedmeta_last_round_timestamp_seconds", "Unix time the last round finished."
         )
-        # privacy
+
+    def _declare_privacy(self) -> None:
+        g = self._g
         self.eps_budget = g("fedmeta_epsilon_budget", "Epsilon budget of the federation.")
         self.delta = g("fedmeta_delta", "Delta of the (epsilon, delta) guarantee.")
         self.eps_task = g(
@@ -147,7 +154,9 @@ class PrometheusRunObserver:
             "fedmeta_rounds_affordable", "More rounds like the last one the budget allows."
         )
         self.spends = g("fedmeta_spends_recorded", "Spends recorded in the federation's ledger.")
-        # participation
+
+    def _declare_participation(self) -> None:
+        g, c = self._g, self._c
         self.registered = g("fedmeta_participants_registered", "Participants registered.")
         self.sampled = c(
             "fedmeta_participants_sampled", "Participants sampled, summed over rounds."
@@ -164,7 +173,9 @@ class PrometheusRunObserver:
         self.rejected = c(
             "fedmeta_replies_rejected", "Replies rejected, by reason.", (*RUN_LABELS, "reason")
         )
-        # learning
+
+    def _declare_learning(self) -> None:
+        g = self._g
         self.loss = g("fedmeta_train_loss", "Meta-train loss of the last round.")
         self.validation = g("fedmeta_validation_metric", "Latest validation metric.")
         self.final = g("fedmeta_final_metric", "Final test metric of the run.")
@@ -182,7 +193,10 @@ class PrometheusRunObserver:
             "guarantee; present only in non-private runs or with metrics.private_diagnostics.",
             (*RUN_LABELS, "quantile"),
         )
-        # timing
+
+    def _declare_timing(self) -> None:
+        """Private diagnostics in a private run: observed only when the run provides them."""
+        r = self.registry
         self.round_seconds = Histogram(
             "fedmeta_round_duration_seconds",
             "Wall time of a round.",
