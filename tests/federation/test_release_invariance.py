@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +54,11 @@ def neighbour(tasks_of_participant_0: tuple[int, ...]) -> Any:
             return Message(P.encode_registration(own), reply_to=msg)
         req = P.decode_gradient_request(msg.content)
         real = tuple(tasks_of_participant_0[i] for i in req.task_ids)  # its local numbering
-        inner = Message(
-            P.encode_gradient_request(
-                P.GradientRequest(req.run_id, req.round_id, real, req.clip, req.params, req.config_json)
-            ),
-            msg.metadata.dst_node_id, P.MSG_TRAIN, group_id=msg.metadata.group_id,
-        )  # fmt: skip
+        content = P.encode_gradient_request(replace(req, task_ids=real))
+        inner = Message(content, msg.metadata.dst_node_id, P.MSG_TRAIN, group_id="x")
         inner.metadata.__dict__["_message_id"] = msg.metadata.message_id
         reply = P.decode_gradient_reply(client_app(inner, ctx).content)
-        local = P.GradientReply(reply.run_id, reply.round_id, reply.participant_id, req.task_ids,
-                                reply.grads, reply.grad_sum, reply.task_norms, reply.compute_seconds)  # fmt: skip
+        local = replace(reply, task_ids=req.task_ids)  # back to the server's numbering
         return Message(P.encode_gradient_reply(local), reply_to=msg)
 
     return handler
