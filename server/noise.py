@@ -136,7 +136,11 @@ def noised_sum(
     std = z * float(clip)
     grid = release_grid(std)
     exact = total.detach().to(torch.float64).cpu().numpy().reshape(-1)
-    noisy = exact + std * source.standard_normal(exact.size)
+    released = source.standard_normal(exact.size)
+    released *= std
+    released += exact
     # Division and multiplication by a power of two are exact; rint rounds to the nearest cell.
-    released = np.rint(noisy / grid) * grid
+    released /= grid
+    np.rint(released, out=released)
+    released *= grid
     return NoisedSum(torch.from_numpy(released).reshape(total.shape), event, std, grid)
