@@ -75,11 +75,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no checkpoint there; give a run directory or a .pt file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except pickle.UnpicklingError:
         raise CheckpointError(
-            f"{path}: not a readable fedmeta checkpoint (truncated, corrupted, or holding more "
-            f"than tensors and plain data: {first[:200]})"
+            f"{path}: refused: it holds objects other than tensors and plain data, which a "
+            "fedmeta checkpoint never does (loading it could run code)"
+        ) from None
+    except (zipfile.BadZipFile, EOFError, RuntimeError, OSError) as error:
+        raise CheckpointError(
+            f"{path}: not a readable fedmeta checkpoint (truncated or corrupted: "
+            f"{type(error).__name__})"
         ) from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else type(state).__name__

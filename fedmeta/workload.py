@@ -148,6 +148,16 @@ def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
     )
 
 
+def check_data(cfg: Config) -> None:
+    """Read the data once, so a missing or malformed source is one ``DataError`` at the start.
+
+    In simulation every participant's tasks come from the same source; checking it here, before
+    any participant starts, replaces thousands of lines of tracebacks from participant processes.
+    """
+    workload(cfg)
+    held_out_tasks(cfg, "validation", 1)
+
+
 SINUSOID_GENERATOR = "sinusoid-v1"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def execute(
     observers: list[RunObserver] | None = None,
     echo: bool = True,
     open_ledger: Callable[[Config, str], Any] | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
     """Run the federation over ``grid``; write summary.json, rounds.csv and plots."""
     from server.outputs import format_summary, write_all
@@ -74,6 +76,7 @@ def execute(
         observers=make_observers(cfg) if observers is None else observers,
         announce=(lambda text: print(text, flush=True)) if echo else (lambda text: None),
         open_ledger=open_ledger,
+        stop=stop,
     )
     diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
     write_all(out, result.summary, result.outcomes, diagnostics=diagnostics, plots=cfg.output.plots)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,13 +48,20 @@ from server.report import (
     RunStarted,
 )
 from server.round import STOP_BUDGET, STOP_PLANNED, RoundSession, TrainingState, run_round
+from server.rundir import exclusive_run_directory
 from server.transport import GridTransport, Registered, RegistrationError
 
 log = logging.getLogger("fedmeta.server")
 
+STOP_INTERRUPTED = "interrupted"
+
 
 class FederationError(RuntimeError):
     """The federation cannot start or go on; the message says why and what to do."""
+
+
+class PlanError(ValueError):
+    """The privacy plan cannot be made from this configuration (a one-line reason)."""
 
 
 @dataclass
@@ -63,6 +71,7 @@ class RunResult:
     summary: dict[str, Any]
     outcomes: list[RoundOutcome]
     out_dir: Path
+    rounds_run: int = 0  # by this invocation (a resumed run counts only its own)
 
 
 def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | None:
@@ -141,20 +150,27 @@ def run_federation(
     observers: Iterable[RunObserver] = (),
     announce: Callable[[str], None] = lambda text: log.info("%s", text),
     open_ledger: Callable[[Config, str], BudgetLedger] | None = None,
+    stop: threading.Event | None = None,
 ) -> RunResult:
-    """Run the federation to ``planned_rounds`` or ``budget_exhausted``.
+    """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
-    ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`).
+    ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`). Setting
+    ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
+    output directory is held exclusively for the whole run (server/rundir.py).
     """
     out = Path(out_dir or cfg.output.dir)
-    run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
-    from server.outputs import format_plan
+    with exclusive_run_directory(out):
+        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
+        from server.outputs import format_plan
 
-    announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
-    _notify(run.observers, "run_started", _run_started(run))
-    _checkpoint(run)  # the run id is recoverable from the first moment
-    stopped = _rounds(run)
-    return _finish(run, stopped)
+        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
+        _notify(run.observers, "run_started", _run_started(run))
+        _checkpoint(run)  # the run id is recoverable from the first moment
+        first = run.next_round
+        stopped = _rounds(run, stop or threading.Event())
+        result = _finish(run, stopped)
+        result.rounds_run = run.next_round - first
+        return result
 
 
 def _start(
@@ -166,12 +182,14 @@ def _start(
     open_ledger: Callable[[Config, str], BudgetLedger],
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
-    out.mkdir(parents=True, exist_ok=True)
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
     registered = _register(cfg, transport, run_id)
     task_counts = {r.participant_id: r.task_count for r in registered}
     z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
-    plan = build_plan(cfg, task_counts, noise_multiplier=z)
+    try:
+        plan = build_plan(cfg, task_counts, noise_multiplier=z)
+    except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
+        raise PlanError(f"cannot plan the private run: {error}") from None
     ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     model = build_model(cfg)
@@ -279,10 +297,13 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
 # ---------------------------------------------------------------------------------- the rounds
 
 
-def _rounds(run: _Run) -> str:
-    """Run rounds until the plan or the budget ends; the stop reason."""
+def _rounds(run: _Run, stop: threading.Event) -> str:
+    """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
     cfg = run.cfg
     for index in range(run.next_round, cfg.rounds):
+        if stop.is_set():
+            log.info("stopping before round %d: interrupted", index + 1)
+            return STOP_INTERRUPTED
         _prepare_round_randomness(run, index)
         outcome = run_round(run.session, run.state, index)
         if outcome is None:

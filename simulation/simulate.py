@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,21 +51,74 @@ def register(subparsers: Any) -> None:
 def _handle(args: argparse.Namespace) -> int:
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
-    from fedmeta.checkpoint import CheckpointError
-    from fedmeta.config import ConfigError, load_config
-    from server.run import FederationError
-    from server.transport import RegistrationError
+    from fedmeta import exitcodes
+    from fedmeta.config import load_config
 
+    stop = threading.Event()
+    restore = _stop_on_signals(stop)
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
-        result = main(cfg, out_dir=args.out, resume=args.resume)
+        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop)
     except KeyboardInterrupt:
-        print("interrupted; resume with --resume", file=sys.stderr)
-        return 130
-    except (ConfigError, CheckpointError, FederationError, RegistrationError) as error:
-        print(f"fedmeta simulate: {error}", file=sys.stderr)
-        return 2
-    return 0 if result is not None else 1
+        print("fedmeta simulate: aborted; the ledger holds every spent round: --resume continues",
+              file=sys.stderr)  # fmt: skip
+        return exitcodes.INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - every failure becomes one line and an exit status
+        return _report(error)
+    finally:
+        restore()
+    summary = result.summary
+    if summary["stopped_reason"] == "interrupted":
+        print(f"interrupted: checkpoint written; continue with --resume --out {result.out_dir}",
+              file=sys.stderr)  # fmt: skip
+        return exitcodes.INTERRUPTED
+    if summary["stopped_reason"] == "budget_exhausted" and result.rounds_run == 0:
+        return exitcodes.BUDGET_EXHAUSTED
+    return exitcodes.OK
+
+
+def _report(error: Exception) -> int:
+    """One line on stderr and the exit status that says what kind of failure it was."""
+    from accounting import LedgerError
+    from fedmeta import exitcodes
+    from fedmeta.checkpoint import CheckpointError
+    from fedmeta.config import ConfigError
+    from metalearning import DataError
+    from server.run import FederationError, PlanError
+    from server.rundir import RunDirectoryBusy
+    from server.transport import RegistrationError
+
+    bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError)
+    if isinstance(error, bad_input):
+        status, text = exitcodes.BAD_INPUT, str(error)
+    elif isinstance(error, RegistrationError | RunDirectoryBusy):
+        status, text = exitcodes.UNAVAILABLE, str(error)
+    elif isinstance(error, OSError):
+        where = f" {error.filename}" if error.filename else ""
+        status, text = exitcodes.BAD_INPUT, f"cannot write{where}: {error.strerror or error}"
+    else:
+        status, text = exitcodes.INTERNAL_ERROR, f"internal error: {type(error).__name__}: {error}"
+        if os.environ.get("FEDMETA_DEBUG"):
+            traceback.print_exception(error)
+        else:
+            text += " (set FEDMETA_DEBUG=1 for the traceback)"
+    print(f"fedmeta simulate: {text}", file=sys.stderr)
+    return status
+
+
+def _stop_on_signals(stop: threading.Event) -> Any:
+    """First SIGINT/SIGTERM: finish the round in progress, checkpoint, stop. Second: abort."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nstopping after the current round (signal again to abort at once)", file=sys.stderr)
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
 
 
 #: Keys a resumed run may change: they do not touch what is accounted or how the model learns.
@@ -107,25 +163,37 @@ def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
     ]
 
 
-def main(config: Any = None, *, out_dir: str | Path | None = None, resume: bool = False) -> Any:
+def main(
+    config: Any = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    stop: threading.Event | None = None,
+) -> Any:
     """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
     from fedmeta.config import Config
+    from fedmeta.workload import check_data
     from server.run import refuse_to_overwrite_run
+    from server.rundir import exclusive_run_directory
 
     cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
-    refuse_to_overwrite_run(out, resume)  # before Ray starts, so the error is the first thing seen
+    # Everything that can be refused is refused here, once, before Ray or any participant starts.
+    with exclusive_run_directory(out):
+        refuse_to_overwrite_run(out, resume)
+    check_data(cfg)
     if cfg.federation.backend == "inprocess":
         from server.app import execute
         from simulation.local_grid import InProcessGrid
 
-        return execute(cfg, InProcessGrid(cfg.federation.participants), out_dir=out, resume=resume)
-    return _run_ray(cfg, out, resume)
+        grid = InProcessGrid(cfg.federation.participants)
+        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
+    return _run_ray(cfg, out, resume, stop)
 
 
-def _run_ray(cfg: Any, out: Path, resume: bool) -> Any:
+def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
     import logging
 
     from flwr.app import Context
@@ -140,7 +208,7 @@ def _run_ray(cfg: Any, out: Path, resume: bool) -> Any:
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume)
+        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     import warnings
