@@ -17,6 +17,7 @@ _COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("accounting.cli", "register"),
     ("simulation.simulate", "register"),
     ("server.exporter", "register"),
+    ("fedmeta.evaluate", "register"),
 )
 
 
