@@ -179,12 +179,30 @@ class DatasetConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    """MAML inner loop and the meta-optimizer (Adam, as in DP-MAML)."""
+    """MAML inner loop and the server's meta-optimizer (server/optimizer.py)."""
 
     inner_steps: int = Field(1, ge=0, le=1000)
     inner_lr: float = Field(0.01, gt=0, le=10)
     first_order: bool = False
     meta_lr: float = Field(0.01, gt=0, le=10)
+    optimizer: Literal["adam", "adam_bc", "sgd"] = Field(
+        "adam",
+        description="adam (DP-MAML's), adam_bc (DP-AdamBC: Adam corrected for the DP noise "
+        "variance), or sgd with momentum",
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum, [0, 1)")
+    adam_bc_floor: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="adam_bc: floor of the corrected second moment; None = 1% of "
+        "the noise variance",
+    )
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_min_factor: float = Field(
+        0.1, ge=0, le=1, description="cosine: the final rate as a fraction of meta_lr"
+    )
+    warmup_rounds: int = Field(0, ge=0, le=1_000_000, description="linear warm-up rounds")
     eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
     eval_inner_steps: int = Field(10, ge=0, le=1000)
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")

@@ -28,8 +28,10 @@ import torch
 from torch import Tensor
 
 from accounting import BudgetExhausted, BudgetLedger, TwoStageSampler
+from fedmeta.config import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest
 from server.noise import NoiseSource, noised_sum
+from server.optimizer import learning_rate, make_optimizer
 from server.plan import RunPlan
 from server.report import RoundDiagnostics, RoundOutcome
 from server.validation import Expectation, RoundReplies, validate_round
@@ -63,16 +65,27 @@ class TrainingState:
     """The meta-parameters and their optimizer: what a round changes."""
 
     def __init__(
-        self, params: Tensor, lr: float, optimizer_state: dict[str, Any] | None = None
+        self,
+        params: Tensor,
+        training: TrainingConfig,
+        *,
+        noise_variance: float = 0.0,
+        planned_rounds: int = 1,
+        optimizer_state: dict[str, Any] | None = None,
     ) -> None:
-        """Adam on a flat float32 parameter vector (DP-MAML's meta-optimizer)."""
+        """The configured meta-optimizer on a flat float32 parameter vector (server/optimizer)."""
         self.params = params.detach().to(torch.float32).clone().requires_grad_(True)
-        self.optimizer = torch.optim.Adam([self.params], lr=lr)
+        self.training = training
+        self.planned_rounds = planned_rounds
+        self.optimizer = make_optimizer(self.params, training, noise_variance)
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
 
-    def step(self, update: Tensor) -> None:
-        """One optimizer step along ``update`` (a released, normalised gradient)."""
+    def step(self, update: Tensor, index: int) -> None:
+        """The optimizer step of round ``index`` along ``update`` (released, normalised)."""
+        rate = learning_rate(self.training, index, self.planned_rounds)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
         self.optimizer.zero_grad(set_to_none=True)
         self.params.grad = update.to(self.params.dtype).reshape(self.params.shape)
         self.optimizer.step()
@@ -120,7 +133,7 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
         return None
     received = time.perf_counter()
     update, noise_std = _aggregate(session, checked)
-    state.step(update)
+    state.step(update, index)
     outcome = _outcome(session, index, exchange, checked, position, noise_std)
     _pad(started, session.round_min_seconds)
     if not session.diagnostics:

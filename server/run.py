@@ -193,7 +193,7 @@ def _start(
     ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     model = build_model(cfg)
-    state, outcomes, next_round = _initial_state(cfg, ckpt, ledger, run_id, model)
+    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
     session = _session(cfg, run_id, federation_id, plan, task_counts, transport, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
@@ -252,8 +252,17 @@ def _session(
     )
 
 
+def _optimizer_args(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+    """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
+    phi = 0.0
+    if plan.private and plan.noise_multiplier is not None and plan.clip is not None:
+        phi = (plan.noise_multiplier * plan.clip / plan.normaliser) ** 2
+    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds}
+
+
 def _initial_state(
     cfg: Config,
+    plan: RunPlan,
     ckpt: dict[str, Any] | None,
     ledger: BudgetLedger | None,
     run_id: str,
@@ -261,8 +270,9 @@ def _initial_state(
 ) -> tuple[TrainingState, list[RoundOutcome], int]:
     """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
     if ckpt is None:
-        return TrainingState(initial_params(cfg, model), cfg.training.meta_lr), [], 0
-    state = TrainingState(ckpt["params"], cfg.training.meta_lr, ckpt["optimizer"])
+        return TrainingState(initial_params(cfg, model), **_optimizer_args(cfg, plan)), [], 0
+    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
+                          optimizer_state=ckpt["optimizer"])  # fmt: skip
     outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
     next_round = int(ckpt["next_round"])
     if ledger is None:

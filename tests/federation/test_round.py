@@ -189,9 +189,9 @@ def test_the_noisy_sum_is_divided_by_the_public_normaliser(tmp_path: Path) -> No
     updates: list[torch.Tensor] = []
     real_step = round_mod.TrainingState.step
 
-    def step(self: round_mod.TrainingState, update: torch.Tensor) -> None:
+    def step(self: round_mod.TrainingState, update: torch.Tensor, index: int) -> None:
         updates.append(update.clone())
-        real_step(self, update)
+        real_step(self, update, index)
 
     released: list[torch.Tensor] = []
     real = round_mod.noised_sum
