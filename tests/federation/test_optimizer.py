@@ -54,7 +54,7 @@ def test_schedules() -> None:
     rates = [learning_rate(cfg, t, 104) for t in range(104)]
     assert rates[:4] == [0.2, 0.4, 0.6, 0.8] and rates[4] == pytest.approx(1.0)
     assert rates[-1] == pytest.approx(0.1, abs=1e-3) and all(
-        x >= y for x, y in zip(rates[4:], rates[5:])
+        x >= y for x, y in zip(rates[4:], rates[5:], strict=False)
     )
     constant = load_config(None, ["training.meta_lr=0.5"]).training
     assert {learning_rate(constant, t, 10) for t in range(10)} == {0.5}
