@@ -495,6 +495,11 @@ def _classify(path: Path, error: sqlite3.Error) -> LedgerUnreadable:
             "exists); the next writable open rolls it back, a read-only one cannot",
             reason="hot_journal",
         )
+    if code == 8:  # SQLITE_READONLY without a hot journal: a writer on a read-only file or mount
+        return LedgerUnreadable(
+            f"ledger {path} is read-only here ({error}); writing needs write access, reading "
+            "works with BudgetLedger.open_readonly"
+        )
     if code == 11:  # SQLITE_CORRUPT
         return LedgerCorrupted(f"ledger {path} is corrupted: {error}")
     return LedgerUnreadable(f"cannot open the ledger {path}: {error}")
@@ -504,12 +509,12 @@ def _tables(conn: sqlite3.Connection) -> set[str]:
     return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
-def _not_a_ledger(path: Path) -> NotALedger:
+def _not_a_ledger(path: Path, header: bytes) -> NotALedger:
     hint = ""
-    if _sidecar(path, "-wal").exists():
+    if header[18:20] == b"\x02\x02":
         hint = (
-            f"; its records may still be in {path.name}-wal (written by an older fedmeta): copy "
-            "both files, or open it writable once"
+            " (in WAL mode: if it is a copy of a ledger written by an older fedmeta, its records "
+            f"were in {path.name}-wal, which was not copied with it)"
         )
     return NotALedger(f"{path} is a SQLite database but not a fedmeta ledger{hint}")
 
@@ -538,7 +543,7 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
         raise _classify(path, error) from error
     try:
         if not _LEDGER_TABLES <= _tables(conn):
-            raise _not_a_ledger(path)
+            raise _not_a_ledger(path, header)
     except sqlite3.Error as error:
         conn.close()
         raise _classify(path, error) from error
@@ -556,6 +561,14 @@ def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
             _check_sqlite_header(path, header)
     elif not create:
         raise LedgerMissing(f"no ledger at {path} (file missing)")
+    # SQLite would open a read-only file read-only without a word and fail at the first spend.
+    # access() sees a read-only mount even for root (for whom chmod does not stop writes).
+    for needed in (path, path.parent) if path.exists() else (path.parent,):
+        if not os.access(needed, os.W_OK):
+            raise LedgerReadOnly(
+                f"ledger {path} is read-only here ({needed} is not writable: file, directory or "
+                "mount); spending needs write access, reading works with open_readonly"
+            )
     try:
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -855,30 +868,15 @@ class BudgetLedger:
         try:
             identity = _file_identity(path)
             meta = _ensure_schema(conn, path, mode)
-            with _immediate(conn):
-                row = _registration(conn, federation_id)
-                if row is None:
-                    if not create or epsilon_budget is None or delta is None:
-                        raise LedgerError(
-                            f"federation {federation_id!r} is not in ledger {path}; opening a new "
-                            "one needs epsilon_budget and delta"
-                        )
-                    row = _Registration(
-                        float(epsilon_budget),
-                        float(delta),
-                        unit,
-                        datetime.now(UTC).isoformat(),
-                        neighbouring or ADD_REMOVE,
-                    )
-                    conn.execute(
-                        "INSERT INTO federations (federation_id, epsilon_budget, delta, unit, "
-                        "created_at, neighbouring) VALUES (?, ?, ?, ?, ?, ?)",
-                        (federation_id, row.epsilon_budget, row.delta, unit, row.created_at,
-                         row.neighbouring),
-                    )  # fmt: skip
+            row = _register(
+                conn, path, federation_id, epsilon_budget, delta, unit, neighbouring, create
+            )
             _check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
             ledger = cls(conn, path, meta, federation_id, row, readonly=False, identity=identity)
             ledger._catch_up()
+        except sqlite3.Error as error:
+            conn.close()
+            raise _classify(path, error) from error
         except BaseException:
             conn.close()
             raise
@@ -1180,9 +1178,17 @@ class BudgetLedger:
             self._conn.execute(
                 "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
                 "created_at, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.federation_id, position, run_id, round_index, event_json, created, prev,
-                 digest),
-            )  # fmt: skip
+                (
+                    self.federation_id,
+                    position,
+                    run_id,
+                    round_index,
+                    event_json,
+                    created,
+                    prev,
+                    digest,
+                ),
+            )
             self._conn.execute(
                 "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
                 "ON CONFLICT(federation_id) DO UPDATE SET position = excluded.position, "
@@ -1196,6 +1202,41 @@ class BudgetLedger:
         self._records.append(record)
         self._counts[event] = self._counts.get(event, 0) + 1
         return record
+
+
+def _register(
+    conn: sqlite3.Connection,
+    path: Path,
+    federation_id: str,
+    epsilon_budget: float | None,
+    delta: float | None,
+    unit: str,
+    neighbouring: str | None,
+    create: bool,
+) -> _Registration:
+    """The federation's row, inserted first if it is new (and ``create`` allows it)."""
+    with _immediate(conn):
+        row = _registration(conn, federation_id)
+        if row is not None:
+            return row
+        if not create or epsilon_budget is None or delta is None:
+            raise LedgerError(
+                f"federation {federation_id!r} is not in ledger {path}; opening a new one needs "
+                "epsilon_budget and delta"
+            )
+        row = _Registration(
+            float(epsilon_budget),
+            float(delta),
+            unit,
+            datetime.now(UTC).isoformat(),
+            neighbouring or ADD_REMOVE,
+        )
+        conn.execute(
+            "INSERT INTO federations (federation_id, epsilon_budget, delta, unit, created_at, "
+            "neighbouring) VALUES (?, ?, ?, ?, ?, ?)",
+            (federation_id, row.epsilon_budget, row.delta, unit, row.created_at, row.neighbouring),
+        )
+        return row
 
 
 def _registration(conn: sqlite3.Connection, federation_id: str) -> _Registration | None:
@@ -1374,9 +1415,17 @@ def _append_budget(
     conn.execute(
         "INSERT INTO budgets (data_key, number, federation_id, reason, actor, created_at, "
         "prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (data_key, number, record.federation_id, reason, actor, record.created_at, prev,
-         record.hash),
-    )  # fmt: skip
+        (
+            data_key,
+            number,
+            record.federation_id,
+            reason,
+            actor,
+            record.created_at,
+            prev,
+            record.hash,
+        ),
+    )
     return record
 
 
@@ -1523,21 +1572,23 @@ def _heads(path: Path) -> tuple[LedgerInfo, dict[str, tuple[int, str | None]]]:
     return info, heads
 
 
-def _contains(path: Path, older: Mapping[str, tuple[int, str | None]]) -> str | None:
-    """``None`` if the ledger at ``path`` holds every record of ``older``; else why not."""
+def _contains(
+    path: Path, older: Mapping[str, tuple[int, str | None]], *, this: str, other: str
+) -> str | None:
+    """``None`` if the ledger at ``path`` (``this``) holds every record of ``older`` (``other``)."""
     for fid, (position, head) in older.items():
         try:
             ledger = BudgetLedger.open_readonly(path, fid)
         except LedgerUnreadable:
             raise
         except LedgerError:
-            return f"it lacks federation {fid!r}"
+            return f"federation {fid!r} is in {other}, not in {this}"
         with ledger:
             records = ledger.records()
         if len(records) < position:
-            return f"federation {fid!r} has {len(records)} records there, {position} here"
+            return f"federation {fid!r} has {len(records)} records in {this}, {position} in {other}"
         if position and records[position - 1].hash != head:
-            return f"federation {fid!r} has a different history there"
+            return f"federation {fid!r} has another history in {this} than in {other}"
     return None
 
 
@@ -1564,7 +1615,7 @@ def _check_destination(src_info: LedgerInfo, copy: Path, dest: Path, force: bool
             f"{dest} is another ledger ({dest_info.ledger_id or 'legacy, no id'}, not "
             f"{src_info.ledger_id or 'legacy, no id'}); pass --force to replace it"
         )
-    missing = _contains(copy, dest_heads)
+    missing = _contains(copy, dest_heads, this="the copy", other=str(dest))
     if missing is not None:
         raise LedgerError(
             f"{dest} holds spends the source lacks ({missing}): restoring would forget privacy "
@@ -1589,7 +1640,7 @@ def backup(src: str | Path, dest: str | Path, *, force: bool = False) -> BackupR
     tmp = dest_path.with_name(f".{dest_path.name}.backup-{uuid.uuid4().hex}")
     try:
         _copy(src_path, tmp)
-        missing = _contains(tmp, src_heads)
+        missing = _contains(tmp, src_heads, this="the copy", other=str(src_path))
         if missing is not None:
             raise LedgerError(f"the backup does not verify ({missing}); {dest_path} left alone")
         _, tmp_heads = _heads(tmp)
@@ -1601,7 +1652,7 @@ def backup(src: str | Path, dest: str | Path, *, force: bool = False) -> BackupR
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if _contains(dest_path, tmp_heads) is not None:
+    if _contains(dest_path, tmp_heads, this=str(dest_path), other="the copy") is not None:
         raise LedgerError(f"{dest_path} does not verify after the rename")
     return BackupResult(dest_path, src_info.ledger_id, {f: p for f, (p, _) in tmp_heads.items()})
 
