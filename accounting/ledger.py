@@ -561,6 +561,10 @@ def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
             _check_sqlite_header(path, header)
     elif not create:
         raise LedgerMissing(f"no ledger at {path} (file missing)")
+    elif not path.parent.is_dir():
+        raise LedgerUnreadable(
+            f"cannot create the ledger {path}: the directory {path.parent} does not exist"
+        )
     # SQLite would open a read-only file read-only without a word and fail at the first spend.
     # access() sees a read-only mount even for root (for whom chmod does not stop writes).
     for needed in (path, path.parent) if path.exists() else (path.parent,):

@@ -268,6 +268,8 @@ def test_each_unreadable_file_has_its_own_one_line_error(tmp_path: Path) -> None
         assert isinstance(error, LedgerUnreadable) and error.reason == reason, path
         assert "\n" not in str(error)
     assert isinstance(LedgerMissing("x"), FileNotFoundError)
+    with pytest.raises(LedgerUnreadable, match="the directory .*/nowhere does not exist"):
+        BudgetLedger.open(tmp_path / "nowhere" / "ledger.sqlite", "fed", 2.0, 1e-6)
     before = _state(other)
     with pytest.raises(NotALedger, match="refusing to add ledger tables"):
         BudgetLedger.open(other, "fed", 2.0, 1e-6)
@@ -427,3 +429,34 @@ def test_a_writer_refuses_to_spend_into_a_replaced_or_overwritten_file(tmp_path:
         shutil.copyfile(older, db)  # overwritten in place (same inode)
         with pytest.raises(LedgerReplaced, match="no longer the one this process read"):
             writer.spend(CHEAP, "run", 3)
+
+
+_DIE_MID_COMMIT = textwrap.dedent(
+    """
+    import os, sqlite3, sys
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("PRAGMA cache_size = 1")  # spill pages into the main file before the commit
+    conn.execute("BEGIN IMMEDIATE")
+    for i in range(2000):
+        conn.execute("INSERT INTO heads VALUES (?, 0, ?)", (f"junk-{i}", "x" * 500))
+    os._exit(9)  # dies with the journal hot and the main file half written
+    """
+)
+
+
+@pytest.mark.integration
+def test_a_hot_journal_is_reported_read_only_and_rolled_back_by_the_next_writer(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "ledger.sqlite"
+    _ledger(db, 3)
+    died = subprocess.run([sys.executable, "-c", _DIE_MID_COMMIT, str(db)], timeout=120)
+    assert died.returncode == 9 and db.with_name("ledger.sqlite-journal").exists()
+    with pytest.raises(LedgerUnreadable, match="died in the middle of a commit") as raised:
+        BudgetLedger.open_readonly(db, "fed")
+    assert raised.value.reason == "hot_journal"
+    with BudgetLedger.open(db, "fed") as ledger:  # rolls the unfinished transaction back
+        assert ledger.position() == 3
+    assert not db.with_name("ledger.sqlite-journal").exists()
+    with BudgetLedger.open_readonly(db, "fed") as reader:
+        assert reader.position() == 3
