@@ -102,9 +102,8 @@ FIRST_BUDGET_REASON = "first budget for this data"
 #: Printed instead of the participant-level epsilon when it is not a meaningful guarantee (the run
 #: summary and ``fedmeta ledger show`` use this one text).
 PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
-    "not meaningful: no per-participant cap with Poisson stage 2 (the bound assumes a participant "
-    "may send all its tasks in a round); use sampling.stage2=fixed for a participant-level "
-    "guarantee"
+    "not meaningful: no per-participant cap with Poisson stage 2 (a participant may send all its "
+    "tasks in a round); use sampling.stage2=fixed for a participant-level guarantee"
 )
 #: Printed instead of the participant-level epsilon of single-stage sampling.
 PARTICIPANT_LEVEL_UNDEFINED = "not defined: single-stage sampling has no participants"
