@@ -16,7 +16,7 @@ from tests.monitoring.helpers import exposed_names, free_port, http_get
 
 pytestmark = pytest.mark.unit
 
-ALLOWED_LABELS = {"federation", "run", "reason", "quantile", "le"}
+ALLOWED_LABELS = {"federation", "run", "reason", "quantile", "le", "db"}
 
 
 def _families(text: str) -> dict[str, str]:
