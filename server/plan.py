@@ -24,17 +24,12 @@ from accounting import (
     TwoStagePoissonScheme,
     calibrate_noise_multiplier,
     epsilon,
+    participant_level_note,
     tombs2022_published_epsilon,
 )
 from fedmeta.config import Config
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
-
-#: Printed instead of the participant-level epsilon when it is not a meaningful guarantee.
-PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
-    "not meaningful: no per-participant cap with Poisson stage 2 (a participant may send all its "
-    "tasks in a round); use sampling.stage2=fixed for a participant-level guarantee"
-)
 
 
 @dataclass(frozen=True)
@@ -60,9 +55,7 @@ class RunPlan:
     @property
     def participant_level_note(self) -> str | None:
         """Why the participant-level epsilon is not meaningful, or None when it is."""
-        if self.event is None or self.event.participant_cap is not None:
-            return None
-        return PARTICIPANT_LEVEL_NOT_MEANINGFUL
+        return None if self.event is None else participant_level_note(self.event)
 
 
 def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:

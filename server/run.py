@@ -19,7 +19,6 @@ noise's randomness is ever checkpointed: a resumed private run draws fresh secre
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -27,12 +26,12 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from accounting import BudgetLedger, TwoStageSampler
+from accounting import BudgetLedger, LedgerCheckpoint, TwoStageSampler, resolve_federation
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
@@ -100,16 +99,23 @@ def data_identity(cfg: Config, registered: Sequence[Registered]) -> str:
 
 
 def open_budget(cfg: Config, identity: str) -> BudgetLedger:
-    """The ledger federation of this data (created on first use)."""
-    secure = cfg.privacy.insecure_test_seed is None
-    path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
-    path = (path or default_ledger_path(secure=secure)).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    label = cfg.dataset.name if secure else f"INSECURE-{cfg.dataset.name}"
-    federation = f"{label}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
-    return BudgetLedger.open(
-        path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta
+    """The current budget of this data in the ledger (created on first use).
+
+    The federation id is an HMAC of the data's identity under the ledger's secret salt
+    (``accounting.resolve_federation``): it names the budget without revealing the data. A test-mode
+    run needs an insecure ledger; the ledger refuses the other mode.
+    """
+    mode: Literal["secure", "insecure"] = (
+        "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
     )
+    path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
+    path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
+    return BudgetLedger.open(
+        path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
+        neighbouring=cfg.privacy.neighbouring, mode=mode,
+    )  # fmt: skip
 
 
 def run_spends(ledger: BudgetLedger, run_id: str) -> list[int]:
@@ -290,18 +296,22 @@ def _initial_state(
 
 
 def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None:
-    """Refuse a ledger that is not the one the run spent from, or that lost records since."""
-    bound = ckpt.get("ledger") or {}
-    if bound.get("path") and Path(bound["path"]) != Path(ledger.path).resolve():
+    """Refuse a ledger that is not the one the run spent from, or that lost records since.
+
+    The run recorded the ledger's identity, path, position and last record before its first spend
+    and in every checkpoint; a resume that opened another, emptier or diverged ledger (a relative
+    path from another directory, a restored backup, a copy without its journal) stops here.
+    """
+    bound = ckpt.get("ledger")
+    if bound is None:
+        raise FederationError("the checkpoint records no ledger: it is not a private run's")
+    saved = LedgerCheckpoint.from_dict(bound)
+    if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
         raise FederationError(
-            f"the run spent from the ledger {bound['path']} but this resume opened {ledger.path}; "
-            "resume with --set privacy.ledger_path=" + str(bound["path"])
+            f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
+            f"resume with --set privacy.ledger_path={saved.path}"
         )
-    if ledger.position() < int(bound.get("position") or 0):
-        raise FederationError(
-            f"the ledger {ledger.path} holds {ledger.position()} records but the checkpoint saw "
-            f"{bound['position']}: the ledger was truncated or replaced; refusing to resume"
-        )
+    ledger.check_resume(saved)
 
 
 # ---------------------------------------------------------------------------------- the rounds
@@ -401,9 +411,7 @@ def _checkpoint(run: _Run) -> None:
             "noise_calibrated": run.plan.noise_calibrated,
             "outcomes": [o.to_dict() for o in run.outcomes],
             "private": run.plan.private,
-            "ledger": None
-            if ledger is None
-            else {"path": str(Path(ledger.path).resolve()), "position": ledger.position()},
+            "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
         },
     )
 

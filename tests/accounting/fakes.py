@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from accounting import BudgetExhausted, GaussianRound, LedgerError, SpendRecord
+from accounting import BudgetExhausted, GaussianRound, LedgerCheckpoint, LedgerError, SpendRecord
 
 
 @dataclass
@@ -105,6 +105,21 @@ class LinearLedger:
         )
         self._records.append(record)
         return record
+
+    def checkpoint(self) -> LedgerCheckpoint:
+        """Where the fake stands (same fields as the real ledger's)."""
+        head = self._records[-1].hash if self._records else None
+        return LedgerCheckpoint(self.ledger_id, str(self.path), self.federation_id,
+                                len(self._records), head)  # fmt: skip
+
+    def check_resume(self, saved: LedgerCheckpoint) -> None:
+        """The real ledger's refusals: another ledger, a ledger behind, a diverged history."""
+        if saved.ledger_id is not None and saved.ledger_id != self.ledger_id:
+            raise LedgerError(f"a different ledger ({saved.ledger_id}, this is {self.ledger_id})")
+        if len(self._records) < saved.position:
+            raise LedgerError(f"the ledger is behind: {len(self._records)} < {saved.position}")
+        if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
+            raise LedgerError("the ledger's history diverged")
 
     def close(self) -> None:
         """Nothing to release."""

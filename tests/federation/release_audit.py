@@ -1,4 +1,4 @@
-"""An empirical audit of the real release path: sampler, reply validation, aggregation, secure noise.
+"""An empirical audit of the real release path: sampling, validation, aggregation, secure noise.
 
 Each trial is one private round through ``server.round.run_round``: the real ``TwoStageSampler``
 on the operating system's CSPRNG, replies validated and re-clipped by ``server/validation.py``, the
@@ -34,7 +34,7 @@ from server.noise import NoiseSource
 from server.plan import RunPlan
 from server.round import Delivery, Exchange, RoundSession, run_round
 
-from .fakes import LinearLedger
+from .fakes import fake_ledger
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def released(
     counts = {pid: len(g) for pid, g in grads.items()}
     session = RoundSession(
         "audit", "audit", plan, counts, TwoStageSampler(plan.scheme), _transport(grads), "{}", 1,
-        REPLY_PER_TASK, 1e-4, False, 0.0, LinearLedger(1e12, 1e-12), noise,
+        REPLY_PER_TASK, 1e-4, False, 0.0, fake_ledger(1e12, 1e-12), noise,
     )  # fmt: skip
     out = _Released(plan.normaliser)
     for index in range(trials):

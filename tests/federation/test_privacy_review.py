@@ -9,17 +9,17 @@ import pytest
 import torch
 from flwr.app import Context, Message
 
-from accounting import TwoStageFixedScheme, TwoStagePoissonScheme
+from accounting import PARTICIPANT_LEVEL_NOT_MEANINGFUL, TwoStageFixedScheme, TwoStagePoissonScheme
 from client.app import app as client_app
 from fedmeta import protocol as P
 from fedmeta.config import load_config
 from server.app import execute
 from server.outputs import format_summary
-from server.plan import PARTICIPANT_LEVEL_NOT_MEANINGFUL, build_plan
+from server.plan import build_plan
 from server.transport import RegistrationError
 from simulation.local_grid import InProcessGrid
 
-from .fakes import LinearLedger, opener
+from .fakes import fake_ledger, opener
 from .test_round import small
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
 ) -> None:
     cfg = small("sampling.stage2=fixed", "sampling.tasks_per_round=3", "sampling.min_tasks=10",
                 "rounds=2")  # fmt: skip
-    ledger = LinearLedger(100.0, 0.1)
+    ledger = fake_ledger(100.0, 0.1)
     grid = InProcessGrid(6, _short_participant(short=2, count=7))
     result = execute(
         cfg, grid, out_dir=tmp_path, observers=[], echo=False, open_ledger=opener(ledger)
@@ -83,7 +83,7 @@ def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
 def test_the_relation_and_the_participant_level_note_are_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ledger = LinearLedger(100.0, 0.1)
+    ledger = fake_ledger(100.0, 0.1)
     cfg = small("rounds=1")
     result = execute(cfg, InProcessGrid(6), out_dir=tmp_path, observers=[], echo=True,
                      open_ledger=opener(ledger))  # fmt: skip
@@ -101,7 +101,7 @@ def test_the_relation_and_the_participant_level_note_are_printed(
 def test_a_private_checkpoint_holds_no_secret_randomness(tmp_path: Path) -> None:
     """checkpoint.pt is an output: a stored sampler or noise state would reveal past samples and
     noise. A resumed private run draws fresh secrets and still spends once per round."""
-    ledger = LinearLedger(100.0, 0.1)
+    ledger = fake_ledger(100.0, 0.1)
     execute(small("rounds=2"), InProcessGrid(6), out_dir=tmp_path, observers=[], echo=False,
             open_ledger=opener(ledger))  # fmt: skip
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)

@@ -35,7 +35,9 @@ MODEL_DERIVED_SUMMARY = {
     "final_metric", "final_metric_ci95", "final_metric_ci95_halfwidth",
     "final_metric_pre_adaptation",
 }  # fmt: skip
-RANDOM_OR_CLOCK = {"run_id", "wall_seconds", "ledger"}  # a random id, a wall clock, a temp path
+# A random id; an HMAC under each ledger's random secret salt (independent of the data); a wall
+# clock; a temporary path.
+RANDOM_OR_CLOCK = {"run_id", "federation_id", "wall_seconds", "ledger"}
 MODEL_DERIVED_METRICS = ("fedmeta_train_loss", "fedmeta_validation_metric", "fedmeta_final_metric")
 CLOCK_METRICS = ("_timestamp_seconds",)
 
@@ -96,7 +98,8 @@ def _page(text: str) -> list[str]:
         line for line in text.splitlines()
         if not line.startswith(MODEL_DERIVED_METRICS) and CLOCK_METRICS[0] not in line.split("{")[0]
     ]  # fmt: skip
-    return [re.sub(r'run="[0-9a-f]+"', 'run="R"', line) for line in keep]
+    keep = [re.sub(r'run="[0-9a-f]+"', 'run="R"', line) for line in keep]
+    return [re.sub(r'federation="[^"]+"', 'federation="F"', line) for line in keep]
 
 
 def test_neighbouring_datasets_release_the_same_files_and_metrics(

@@ -18,7 +18,7 @@ from server.report import RoundOutcome
 from server.run import FederationError
 from server.rundir import LOCK_NAME, RunDirectoryBusy, exclusive_run_directory
 
-from .fakes import LinearLedger
+from .fakes import fake_ledger
 from .test_round import Recorder, run, small
 
 pytestmark = pytest.mark.integration
@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_one_run_per_output_directory(tmp_path: Path) -> None:
     with exclusive_run_directory(tmp_path):
         with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
-            run(small("rounds=1"), tmp_path, LinearLedger(100.0, 0.1))
+            run(small("rounds=1"), tmp_path, fake_ledger(100.0, 0.1))
     assert not (tmp_path / "checkpoint.pt").exists()
-    run(small("rounds=1"), tmp_path, LinearLedger(100.0, 0.1))  # free again
+    run(small("rounds=1"), tmp_path, fake_ledger(100.0, 0.1))  # free again
 
 
 def test_the_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_the_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
 def test_a_failed_start_leaves_no_directory(tmp_path: Path) -> None:
     out = tmp_path / "never"
     with pytest.raises(FederationError, match="no checkpoint"):
-        run(small("rounds=1"), out, LinearLedger(100.0, 0.1), resume=True)
+        run(small("rounds=1"), out, fake_ledger(100.0, 0.1), resume=True)
     assert not out.exists()
 
 
@@ -79,7 +79,7 @@ def test_a_stop_finishes_the_round_and_checkpoints_so_no_paid_round_is_lost(
 
     from .fakes import opener
 
-    ledger, stop = LinearLedger(100.0, 0.1), threading.Event()
+    ledger, stop = fake_ledger(100.0, 0.1), threading.Event()
     cfg = small("rounds=8", "training.checkpoint_every=100")
     observer = StopAfter(3, stop)
     result = execute(cfg, InProcessGrid(6), out_dir=tmp_path, observers=[observer], echo=False,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from flwr.app import Context, Error, Message
 
+from accounting import BudgetExhausted, LedgerError
 from client.app import app as client_app
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
@@ -21,7 +22,7 @@ from server.report import RoundOutcome, RunFinished, RunStarted
 from server.run import FederationError
 from simulation.local_grid import InProcessGrid
 
-from .fakes import LinearLedger, opener
+from .fakes import LinearLedger, fake_ledger, opener
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,7 @@ def run(cfg: Config, out: Path, ledger: LinearLedger, handler: Any = None, resum
 def test_private_run_spends_once_per_round_before_noise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ledger = LinearLedger(budget=100.0, eps_per_round=0.1)
+    ledger = fake_ledger(100.0, 0.1)
     seen: list[int] = []
     real = round_mod.noised_sum
 
@@ -102,7 +103,7 @@ def test_private_run_spends_once_per_round_before_noise(
 
 
 def test_budget_exhaustion_stops_before_the_round(tmp_path: Path) -> None:
-    ledger = LinearLedger(budget=0.45, eps_per_round=0.1)
+    ledger = fake_ledger(0.45, 0.1)
     s = run(small("rounds=50"), tmp_path, ledger).summary
     assert s["stopped_reason"] == "budget_exhausted"
     assert s["rounds_completed"] == 4 == ledger.position()
@@ -111,7 +112,7 @@ def test_budget_exhaustion_stops_before_the_round(tmp_path: Path) -> None:
 
 
 def test_non_private_mode_is_labelled_and_leaves_the_ledger_alone(tmp_path: Path) -> None:
-    ledger = LinearLedger(budget=100.0, eps_per_round=0.1)
+    ledger = fake_ledger(100.0, 0.1)
     rec = Recorder()
     result = run(small("privacy.enabled=false"), tmp_path, ledger, observers=[rec])
     assert ledger.spend_calls == 0
@@ -153,7 +154,7 @@ def test_each_failure_is_counted_once_with_its_true_reason(tmp_path: Path) -> No
 
     rec = Recorder()
     cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3")
-    result = run(cfg, tmp_path, LinearLedger(100.0, 0.1), handler=handler, observers=[rec])
+    result = run(cfg, tmp_path, fake_ledger(100.0, 0.1), handler=handler, observers=[rec])
     assert result.summary["rounds_completed"] == 3
     for r in rec.rounds:
         assert dict(r.failures) == {"timeout": 1, "node_unavailable": 1, "error_reply": 1,
@@ -174,7 +175,7 @@ def test_every_stage_one_participant_is_contacted_even_without_tasks(tmp_path: P
         return client_app(msg, ctx)
 
     rec = Recorder()
-    run(small("sampling.task_rate=0.02", "rounds=8"), tmp_path, LinearLedger(100.0, 0.1),
+    run(small("sampling.task_rate=0.02", "rounds=8"), tmp_path, fake_ledger(100.0, 0.1),
         handler=handler, observers=[rec])  # fmt: skip
     per_round = [sum(1 for r, _ in asked if r == i) for i in range(8)]
     assert per_round == [3] * 8
@@ -204,7 +205,7 @@ def test_the_noisy_sum_is_divided_by_the_public_normaliser(tmp_path: Path) -> No
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(round_mod.TrainingState, "step", step)
         mp.setattr(round_mod, "noised_sum", spy)
-        run(cfg, tmp_path, LinearLedger(100.0, 0.1), observers=[rec])
+        run(cfg, tmp_path, fake_ledger(100.0, 0.1), observers=[rec])
     assert len(updates) == 1 and torch.equal(updates[0], released[0] / 8)
     assert rec.rounds[0].noise_std == 1.0
 
@@ -226,7 +227,7 @@ class CrashAt(Recorder):
 
 
 def test_resume_never_respends_and_never_loses_a_spend(tmp_path: Path) -> None:
-    ledger = LinearLedger(budget=100.0, eps_per_round=0.1)
+    ledger = fake_ledger(100.0, 0.1)
     cfg = small("rounds=8", "training.checkpoint_every=4")
     with pytest.raises(Crash):
         run(cfg, tmp_path, ledger, observers=[CrashAt(6)])
@@ -240,7 +241,7 @@ def test_resume_never_respends_and_never_loses_a_spend(tmp_path: Path) -> None:
 
 def test_resume_after_a_crash_between_spend_and_checkpoint(tmp_path: Path) -> None:
     """Round 3 is spent and its observers run before its checkpoint: exactly round 3 is lost."""
-    ledger = LinearLedger(budget=100.0, eps_per_round=0.1)
+    ledger = fake_ledger(100.0, 0.1)
     cfg = small("rounds=8", "training.checkpoint_every=1")
     with pytest.raises(Crash):
         run(cfg, tmp_path, ledger, observers=[CrashAt(3)])
@@ -249,23 +250,30 @@ def test_resume_after_a_crash_between_spend_and_checkpoint(tmp_path: Path) -> No
     assert result.summary["rounds_lost_on_resume"] == [3]
 
 
-def test_resume_refuses_a_ledger_that_lost_records(tmp_path: Path) -> None:
+def test_resume_refuses_another_or_an_emptier_ledger(tmp_path: Path) -> None:
+    """A resume must never spend from a ledger other than the run's, nor one that lost records
+    (a relative path resolved elsewhere, a restored old backup, a copy without its journal)."""
     cfg = small("rounds=8", "training.checkpoint_every=2")
+    spent = fake_ledger(100.0, 0.1)
     with pytest.raises(Crash):
-        run(cfg, tmp_path, LinearLedger(100.0, 0.1), observers=[CrashAt(5)])
-    with pytest.raises(FederationError, match="truncated or replaced"):
-        run(cfg, tmp_path, LinearLedger(100.0, 0.1), resume=True)  # an emptier ledger
+        run(cfg, tmp_path, spent, observers=[CrashAt(5)])
+    with pytest.raises(LedgerError, match="a different ledger"):
+        run(cfg, tmp_path, fake_ledger(100.0, 0.1), resume=True)
+    emptier = fake_ledger(100.0, 0.1, ledger_id=spent.ledger_id)
+    with pytest.raises(LedgerError, match="behind"):
+        run(cfg, tmp_path, emptier, resume=True)
+    assert emptier.spend_calls == 0 and spent.position() == 5
 
 
 def test_reproducible_with_the_insecure_test_seed_and_labelled(tmp_path: Path) -> None:
     cfg = small("privacy.insecure_test_seed=5", "rounds=3")
-    a = run(cfg, tmp_path / "a", LinearLedger(100.0, 0.1))
-    b = run(cfg, tmp_path / "b", LinearLedger(100.0, 0.1))
+    a = run(cfg, tmp_path / "a", fake_ledger(100.0, 0.1))
+    b = run(cfg, tmp_path / "b", fake_ledger(100.0, 0.1))
     pa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["params"]
     pb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["params"]
     assert torch.equal(pa, pb) and a.summary["final_metric"] == b.summary["final_metric"]
     assert a.summary["noise_secure"] is False
-    c = run(small("rounds=3"), tmp_path / "c", LinearLedger(100.0, 0.1))
+    c = run(small("rounds=3"), tmp_path / "c", fake_ledger(100.0, 0.1))
     pc = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=True)["params"]
     assert c.summary["noise_secure"] is True and not torch.equal(pa, pc)
 
@@ -274,7 +282,7 @@ def test_sum_and_norms_reply_format(tmp_path: Path) -> None:
     rec = Recorder()
     cfg = small("federation.reply_format=sum_and_norms", "rounds=3",
                 "metrics.private_diagnostics=true")  # fmt: skip
-    result = run(cfg, tmp_path, LinearLedger(100.0, 0.1), observers=[rec])
+    result = run(cfg, tmp_path, fake_ledger(100.0, 0.1), observers=[rec])
     assert result.summary["rounds_completed"] == 3
     assert all(not r.failures for r in rec.rounds)
     diag = [r.diagnostics for r in rec.rounds]
@@ -284,13 +292,13 @@ def test_sum_and_norms_reply_format(tmp_path: Path) -> None:
 
 def test_private_runs_publish_no_stage_two_facts_unless_opted_in(tmp_path: Path) -> None:
     rec = Recorder()
-    run(small("rounds=2"), tmp_path / "p", LinearLedger(100.0, 0.1), observers=[rec])
+    run(small("rounds=2"), tmp_path / "p", fake_ledger(100.0, 0.1), observers=[rec])
     assert all(r.diagnostics is None for r in rec.rounds) and rec.started[0].diagnostics is False
     header = (tmp_path / "p" / "rounds.csv").read_text().splitlines()[0].split(",")
     assert not {"tasks_requested", "tasks_received", "round_seconds"} & set(header)
     rec = Recorder()
     run(small("rounds=2", "metrics.private_diagnostics=true"), tmp_path / "d",
-        LinearLedger(100.0, 0.1), observers=[rec])  # fmt: skip
+        fake_ledger(100.0, 0.1), observers=[rec])  # fmt: skip
     d = rec.rounds[0].diagnostics
     assert d is not None and d.clipped_fraction is not None and d.norm_quantiles is not None
     header = (tmp_path / "d" / "rounds.csv").read_text().splitlines()[0].split(",")
@@ -301,10 +309,18 @@ def test_spend_refused_by_a_concurrent_run_stops_without_release(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class RacyLedger(LinearLedger):
-        def would_exceed(self, event: Any) -> bool:
-            return False  # the dry run passed, but another process spends the rest before us
+        """The dry run passes, but another process spends the rest before this run's spend."""
 
-    ledger = RacyLedger(budget=0.25, eps_per_round=0.1)
+        def would_exceed(self, event: Any) -> bool:
+            return False
+
+        def spend(self, event: Any, run_id: str, round_index: int) -> Any:
+            if LinearLedger.would_exceed(self, event):
+                self.spend_calls += 1
+                raise BudgetExhausted("spent meanwhile", epsilon_after=1.0, epsilon_budget=0.25)
+            return super().spend(event, run_id, round_index)
+
+    ledger = RacyLedger(epsilon_budget=0.25, eps_per_round=0.1, delta=1e-5)
     released: list[int] = []
     real = round_mod.noised_sum
     monkeypatch.setattr(round_mod, "noised_sum",
@@ -315,11 +331,15 @@ def test_spend_refused_by_a_concurrent_run_stops_without_release(
 
 
 def test_a_fresh_run_never_overwrites_and_a_resume_needs_a_run(tmp_path: Path) -> None:
-    run(small("rounds=2"), tmp_path, LinearLedger(100.0, 0.1))
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    run(small("rounds=2"), tmp_path, fake_ledger(100.0, 0.1))
+
+    def recorded() -> dict[str, bytes]:  # the run's files; the lock names its latest holder
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != ".fedmeta.lock"}
+
+    before = recorded()
     assert "checkpoint.pt" in before
     with pytest.raises(FederationError, match="--resume"):
-        run(small("rounds=2"), tmp_path, LinearLedger(100.0, 0.1))
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+        run(small("rounds=2"), tmp_path, fake_ledger(100.0, 0.1))
+    assert recorded() == before
     with pytest.raises(FederationError, match="no checkpoint"):
-        run(small("rounds=2"), tmp_path / "empty", LinearLedger(100.0, 0.1), resume=True)
+        run(small("rounds=2"), tmp_path / "empty", fake_ledger(100.0, 0.1), resume=True)
