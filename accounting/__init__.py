@@ -23,6 +23,14 @@ from accounting.ledger import (
     LedgerError,
     SpendRecord,
 )
+from accounting.randomness import (
+    InsecureSeededSource,
+    RandomSource,
+    SystemRandomSource,
+    bernoulli,
+    bernoulli_probability,
+    sample_without_replacement,
+)
 from accounting.sampler import TwoStageSampler
 from accounting.schemes import (
     FixedSizeScheme,
@@ -55,4 +63,10 @@ __all__ = [
     "round_components",
     "round_pld",
     "tombs2022_published_epsilon",
+    "InsecureSeededSource",
+    "RandomSource",
+    "SystemRandomSource",
+    "bernoulli",
+    "bernoulli_probability",
+    "sample_without_replacement",
 ]
