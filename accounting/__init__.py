@@ -2,11 +2,12 @@
 
 Imports only the standard library, numpy, scipy and dp-accounting (a test enforces that torch, flwr
 and prometheus_client are never loaded). The mathematics is in
-``../shared/design/privacy-accounting.md`` and ``docs/privacy.md``.
+``docs/privacy.md`` and in the module docstrings (``accounting.composition``).
 """
 
 from accounting.composition import (
     DEFAULT_DISCRETIZATION,
+    RoundModel,
     calibrate_noise_multiplier,
     composed_pld,
     epsilon,
@@ -33,12 +34,14 @@ from accounting.randomness import (
 )
 from accounting.sampler import TwoStageSampler
 from accounting.schemes import (
+    PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
     Scheme,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
+    participant_level_note,
 )
 
 __all__ = [
@@ -69,4 +72,7 @@ __all__ = [
     "bernoulli",
     "bernoulli_probability",
     "sample_without_replacement",
+    "RoundModel",
+    "PARTICIPANT_LEVEL_NOT_MEANINGFUL",
+    "participant_level_note",
 ]
