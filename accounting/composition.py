@@ -528,35 +528,34 @@ def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
 
 
 def _epsilon_for_delta(pmf: _Pmf, grid: float, delta: float) -> float:
-    """Smallest epsilon >= 0 with ``delta(epsilon) <= delta`` for one PMF, vectorised.
+    """Smallest epsilon >= 0 with ``delta(epsilon) <= delta`` for one PMF, vectorised and stable.
 
-    The same walk as dp-accounting's ``_get_epsilon_for_delta`` (down from the largest loss,
-    accumulating ``P`` and ``e^-loss P``), computed with cumulative sums (a test checks they agree).
+    Between two grid losses ``delta(eps) = P(inf) + U - e^eps L`` with ``U`` and ``L`` the sums of
+    ``P`` and ``e^-loss P`` over the losses above ``eps``: the root in the first interval where
+    ``delta`` drops below the target is ``log(P(inf) + U - delta) - log(L)`` (dp-accounting's
+    ``_get_epsilon_for_delta``, which walks down the losses one at a time). ``log L`` is formed as
+    ``-loss_k + log(P_k + S_k)`` with ``S`` a discounted suffix sum (a first-order filter), so no
+    ``e^-loss`` is ever formed: losses above 709 would overflow it, and dp-accounting then answers
+    infinity. Negative probabilities (FFT rounding) count as 0, which can only raise delta.
     """
     if pmf.infinity_mass > delta:
         return math.inf
-    losses = (pmf.lower + np.arange(pmf.probs.size - 1, -1, -1)) * grid  # descending
-    probs = pmf.probs[::-1]
-    with np.errstate(over="ignore", invalid="ignore"):
-        upper = pmf.infinity_mass + np.cumsum(probs)
-        lower = np.cumsum(np.exp(-losses) * probs)
-        # Before adding point i the masses are those of the points above it.
-        upper_before = np.concatenate(([pmf.infinity_mass], upper[:-1]))
-        lower_before = np.concatenate(([0.0], lower[:-1]))
-        ok = (upper_before > delta) & (lower_before > 0.0)
-        ratio = np.where(ok, (upper_before - delta) / np.where(ok, lower_before, 1.0), 1.0)
-        stop = ok & (np.log(ratio) >= losses)
-        # dp-accounting returns at once if the mass above delta has e^-loss underflowing to 0.
-        underflow = (upper >= delta) & (lower == 0.0)
-    first_stop = int(np.argmax(stop)) if stop.any() else probs.size
-    first_underflow = int(np.argmax(underflow)) if underflow.any() else probs.size
-    if first_underflow < first_stop:
-        return max(0.0, float(losses[first_underflow]))
-    mass_upper = float(upper_before[first_stop]) if first_stop < probs.size else float(upper[-1])
-    mass_lower = float(lower_before[first_stop]) if first_stop < probs.size else float(lower[-1])
-    if mass_upper <= mass_lower + delta:
+    probs = np.maximum(pmf.probs, 0.0)
+    size = probs.size
+    losses = (pmf.lower + np.arange(size)) * grid
+    # above[k] = sum of P over losses > loss_k; tilt[k] = sum_{j > k} P_j e^-(loss_j - loss_k).
+    above = np.concatenate((np.cumsum(probs[::-1])[::-1][1:], [0.0]))
+    shifted = np.concatenate((probs[1:], [0.0]))
+    tilt = signal.lfilter([math.exp(-grid)], [1.0, -math.exp(-grid)], shifted[::-1])[::-1]
+    deltas = pmf.infinity_mass + above - tilt  # delta(loss_k), exact on the grid
+    below = np.flatnonzero(deltas <= delta)
+    k = int(below[0]) if below.size else size - 1
+    # Root in [loss_(k-1), loss_k): the losses above it are loss_k, loss_(k+1), ...
+    mass_upper = pmf.infinity_mass + probs[k] + above[k]
+    log_mass_lower = -float(losses[k]) + math.log(max(probs[k] + tilt[k], 1e-300))
+    if mass_upper <= delta:
         return 0.0
-    return math.log((mass_upper - delta) / mass_lower)
+    return max(0.0, math.log(mass_upper - delta) - log_mass_lower)
 
 
 def _delta_for_epsilon(pmf: _Pmf, grid: float, epsilon_value: float) -> float:
@@ -939,14 +938,25 @@ def calibrate_noise_multiplier(
     # 1. Cheap RDP bracket, bisected in log z: an RDP-feasible z is feasible under either method
     #    (the enforced epsilon is never above RDP), and eps_rdp(low) > target as checked above.
     lo, hi = low, high
+    e_rdp = {lo: math.inf, hi: 0.0}
     stop = relative_tolerance if method == "rdp" else 0.05
     while hi - lo > stop * hi:
         mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if eps_at(mid, "rdp") <= target else (mid, hi)
+        e_rdp[mid] = eps_at(mid, "rdp")
+        lo, hi = (lo, mid) if e_rdp[mid] <= target else (mid, hi)
     if method == "rdp":
         return hi
-    # 2. Refine with the PLD accountant. Its answer is at most hi; extend down to an infeasible lo.
-    return _refine_noise(lambda z: eps_at(z, method), target, lo, hi, low, relative_tolerance)
+    # 2. The PLD answer is at most hi. First guess: move from hi along the RDP curve's log-log
+    #    slope to where the PLD value would reach the target; then refine.
+    e_hi = eps_at(hi, method)
+    slope = -1.0
+    if 0.0 < e_rdp[hi] < math.inf and 0.0 < e_rdp[lo] < math.inf and e_rdp[lo] > e_rdp[hi]:
+        slope = math.log(e_rdp[lo] / e_rdp[hi]) / math.log(lo / hi)
+    guess = hi * math.exp(math.log(target / max(e_hi, 1e-300)) / slope) if e_hi > 0 else low
+    guess = max(low, min(guess, hi * (1.0 - relative_tolerance)))
+    return _refine_noise(
+        lambda z: eps_at(z, method), target, guess, hi, e_hi, low, relative_tolerance
+    )
 
 
 def _refine_noise(
@@ -954,6 +964,7 @@ def _refine_noise(
     target: float,
     lo: float,
     hi: float,
+    e_hi: float,
     floor: float,
     tolerance: float,
 ) -> float:
@@ -970,11 +981,12 @@ def _refine_noise(
         e = eps_at(z)
         return math.inf if e == math.inf else math.log(max(e, 1e-300) / target)
 
-    g_hi, g_lo = g(hi), g(lo)
-    while g_lo <= 0.0:  # lo is feasible too: step down along the secant, by 10% to 50%
+    g_hi = math.log(max(e_hi, 1e-300) / target) if e_hi < math.inf else math.inf
+    g_lo = g(lo)
+    while g_lo <= 0.0:  # lo is feasible too: step down along the secant, by 10% up to 16x
         flat = not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo <= g_hi
         guess = lo / 2.0 if flat else math.exp(_secant(math.log(lo), math.log(hi), g_lo, g_hi))
-        new = max(floor, lo / 2.0, min(guess * (1.0 - tolerance), lo * 0.9))
+        new = max(floor, lo / 16.0, min(guess * (1.0 - tolerance), lo * 0.9))
         hi, g_hi, lo = lo, g_lo, new
         g_lo = g(lo)
     last = 0  # +1 if the last step moved hi, -1 if it moved lo (Illinois bookkeeping)
@@ -1067,47 +1079,52 @@ def max_rounds(
 def _gallop_and_interpolate(
     eps_of: Callable[[int], float], budget: float, lo: int, limit: int
 ) -> int:
-    """Largest feasible count at or above the feasible ``lo``, up to ``limit``."""
+    """Largest feasible count at or above the feasible ``lo``, up to ``limit``.
 
-    # Epsilon grows at least like sqrt(T) once it is non-trivial, so scaling by (budget / eps)^2
-    # usually overshoots in one step; otherwise keep galloping.
-    def extrapolate(t: int) -> int:
-        eps_now = eps_of(t)
-        factor = (budget / eps_now) ** 2 if eps_now > 0 else 4.0
-        return min(limit, max(t + 1, math.ceil(t * min(max(factor, 1.1), 4.0))))
+    Epsilon grows like a power of T (between sqrt(T) and T), so the search works in
+    ``(log T, log eps)``: a gallop along the secant (slope 1/2 until two points are known) until
+    infeasible, then Illinois-modified regula falsi on the integers, which converges superlinearly
+    and never leaves the bracket. Invariant: ``lo`` feasible, ``hi`` infeasible; the result is
+    ``lo`` with ``hi == lo + 1``.
+    """
 
-    hi = extrapolate(lo)
-    while eps_of(hi) <= budget:
-        lo = hi
+    def g(t: int) -> float:
+        e = eps_of(t)
+        return math.inf if e == math.inf else math.log(max(e, 1e-300) / budget)
+
+    g_lo, prev = g(lo), None
+    while True:  # gallop
+        if prev is not None and prev[1] < g_lo < 0.0:
+            slope = (g_lo - prev[1]) / math.log(lo / prev[0])
+        else:
+            slope = 0.5
+        step = math.exp(-g_lo / max(slope, 0.05)) * 1.05 if g_lo < 0.0 else 2.0
+        hi = min(limit, max(lo + 1, math.ceil(lo * min(max(step, 1.01), 16.0))))
+        g_hi = g(hi)
+        if g_hi > 0.0:
+            break
         if hi >= limit:
             return limit
-        hi = extrapolate(hi)
-    # Invariant: lo feasible, hi infeasible. Interpolate (regula falsi) and probe the neighbour of
-    # each interpolated point, which ends the search in a few evaluations when the curve is smooth;
-    # after two interpolations that failed to halve the bracket, bisect (worst case logarithmic).
-    slow_steps = 0
+        prev, lo, g_lo = (lo, g_lo), hi, g_hi
+    last = 0
     while hi - lo > 1:
-        bisect_next = slow_steps >= 2
-        width = hi - lo
-        if bisect_next:
+        if hi - lo <= 4 or not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo == g_hi:
             mid = (lo + hi) // 2
         else:
-            e_lo, e_hi = eps_of(lo), eps_of(hi)
-            frac = (budget - e_lo) / (e_hi - e_lo) if math.isfinite(e_hi) and e_hi > e_lo else 0.5
-            mid = lo + round(frac * (hi - lo))
+            u_lo, u_hi = math.log(lo), math.log(hi)
+            mid = round(math.exp(u_lo + g_lo * (u_hi - u_lo) / (g_lo - g_hi)))
         mid = min(max(mid, lo + 1), hi - 1)
-        if eps_of(mid) <= budget:
-            lo = mid
-            if mid + 1 < hi and eps_of(mid + 1) > budget:
-                hi = mid + 1
+        g_mid = g(mid)
+        if g_mid <= 0.0:
+            lo, g_lo = mid, g_mid
+            if last == 1:
+                g_hi /= 2.0  # hi kept twice: pull the secant towards it (Illinois)
+            last = 1
         else:
-            hi = mid
-            if mid - 1 > lo:
-                if eps_of(mid - 1) <= budget:
-                    lo = mid - 1
-                else:
-                    hi = mid - 1
-        slow_steps = 0 if (bisect_next or (hi - lo) * 2 <= width) else slow_steps + 1
+            hi, g_hi = mid, g_mid
+            if last == -1:
+                g_lo /= 2.0
+            last = -1
     return lo
 
 

@@ -208,12 +208,14 @@ def bernoulli(source: RandomSource, n: int, p: float) -> npt.NDArray[np.bool_]:
     Each draw compares 64 uniform bits ``u`` with ``t = floor(p * 2**64)``, and
     ``P(u < t) = t / 2**64``.
     """
-    src = _check_source(source)
-    count = _check_count("n", n, minimum=0)
+    return _bernoulli(_check_source(source), _check_count("n", n, minimum=0), p)
+
+
+def _bernoulli(source: RandomSource, count: int, p: float) -> npt.NDArray[np.bool_]:
     threshold = _bernoulli_threshold(p)
     if threshold >= _TWO_64:  # p == 1: every draw is included (t / 2**64 == 1)
         return np.ones(count, dtype=np.bool_)
-    words = np.frombuffer(src.random_bytes(8 * count), dtype="<u8")
+    words = np.frombuffer(source.random_bytes(8 * count), dtype="<u8")
     return words < np.uint64(threshold)
 
 
@@ -229,10 +231,14 @@ def sample_without_replacement(source: RandomSource, population: int, k: int) ->
     count = _check_count("k", k, minimum=0)
     if count > size:
         raise ValueError(f"k must be <= population ({size}); got {count}")
+    return _sample_without_replacement(src, size, count)
+
+
+def _sample_without_replacement(source: RandomSource, size: int, count: int) -> list[int]:
     swapped: dict[int, int] = {}
     out: list[int] = []
     for i in range(count):
-        j = i + src.randbelow(size - i)
+        j = i + source.randbelow(size - i)
         out.append(swapped.get(j, j))
         swapped[j] = swapped.get(i, i)
     return out

@@ -16,9 +16,9 @@ import numpy as np
 
 from accounting.randomness import (
     RandomSource,
+    _bernoulli,
     _check_source,
-    bernoulli,
-    sample_without_replacement,
+    _sample_without_replacement,
 )
 from accounting.schemes import TwoStageFixedScheme, TwoStagePoissonScheme
 
@@ -79,18 +79,21 @@ class TwoStageSampler:
                     f"task_counts[{pid!r}] must be >= tasks_per_round ({scheme.tasks_per_round}); "
                     f"got {count}"
                 )
-        chosen = sample_without_replacement(self._source, len(ids), n1)
+        # The source was checked once, in __init__; the helpers' own checks would cost more than
+        # the draws (a runtime Protocol check is slow).
+        chosen = _sample_without_replacement(self._source, len(ids), n1)
         out: dict[str, list[int]] = {}
         for index in sorted(chosen):
             pid = ids[index]
             count = int(task_counts[pid])
             if isinstance(scheme, TwoStagePoissonScheme):
                 tasks = [
-                    int(t) for t in np.flatnonzero(bernoulli(self._source, count, scheme.task_rate))
+                    int(t)
+                    for t in np.flatnonzero(_bernoulli(self._source, count, scheme.task_rate))
                 ]
             else:
                 tasks = sorted(
-                    sample_without_replacement(self._source, count, scheme.tasks_per_round)
+                    _sample_without_replacement(self._source, count, scheme.tasks_per_round)
                 )
             out[pid] = tasks
         return out

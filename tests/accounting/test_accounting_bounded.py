@@ -244,7 +244,10 @@ def test_pmfs_and_their_queries_match_dp_accounting(model: comp.RoundModel) -> N
     lib_composed = library.self_compose(count)
     for delta in (1e-3, 1e-6, 1e-9):
         mine_eps = max(comp._epsilon_for_delta(p, grid, delta) for p in parts)
-        assert mine_eps == pytest.approx(lib_composed.get_epsilon_for_delta(delta), rel=1e-6)
+        theirs_eps = lib_composed.get_epsilon_for_delta(delta)
+        # FFT rounding leaves +-1e-17 noise in the tail; we count negative noise as 0 (only ever
+        # raising delta), dp-accounting keeps it: ours is never below, and equal to 1e-5.
+        assert theirs_eps * (1 - 1e-9) <= mine_eps <= theirs_eps * (1 + 1e-5)
     for eps in (0.0, 0.5, 2.0):
         mine_delta = max(comp._delta_for_epsilon(p, grid, eps) for p in parts)
         # FFT rounding (~1e-17 a point, either sign) summed over the tail: ~1e-13 at most.
