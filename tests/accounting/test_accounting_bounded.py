@@ -297,3 +297,24 @@ def test_pld_delta_is_the_smaller_valid_bound() -> None:
     event = GaussianRound(FlatPoissonScheme(0.01), 1.0)
     value = pld_delta([(event, 1000)], 1.0)
     assert 0 < value <= composed_pld([(event, 1000)]).get_delta_for_epsilon(1.0) + 1e-15
+
+
+@pytest.mark.unit
+def test_epsilon_for_delta_beyond_exp_overflow() -> None:
+    # Losses around 1000 (e^-loss underflows): dp-accounting's walk answers infinity here. Two
+    # points, 1000 and 1000.5; delta(eps) = P(inf) + sum over losses above eps of p (1 - e^(eps-l)).
+    grid, inf = 0.5, 1e-9
+    p1, p2 = 0.4, 0.6 - inf
+    pmf = comp._Pmf(2000, np.array([p1, p2]), inf)
+    roots = {
+        0.1: 1000.5 + math.log((inf + p2 - 0.1) / p2),  # root in [1000, 1000.5)
+        0.3: 1000.0 + math.log(0.7) - math.log(p1 + p2 * math.exp(-0.5)),  # root below 1000
+    }
+    for delta, expected in roots.items():
+        assert comp._epsilon_for_delta(pmf, grid, delta) == pytest.approx(expected, rel=1e-12)
+        assert comp._delta_for_epsilon(pmf, grid, expected) == pytest.approx(delta, rel=1e-9)
+    # ... and a composition whose epsilon crosses 709 stays continuous in T.
+    event = GaussianRound(TwoStageFixedScheme(100, 10, 5, 50), 100.0, 200)
+    values = [epsilon([(event, t)], 1e-5, "participant") for t in (832, 833, 834, 835)]
+    steps = np.diff(values)
+    assert np.all(steps > 0) and steps.max() < 2 * steps.min(), values
