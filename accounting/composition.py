@@ -562,7 +562,8 @@ def _delta_for_epsilon(pmf: _Pmf, grid: float, epsilon_value: float) -> float:
     """``delta(epsilon) = P(inf) + sum over losses above epsilon of (1 - e^(eps - loss)) P``."""
     losses = (pmf.lower + np.arange(pmf.probs.size)) * grid
     above = losses > epsilon_value
-    return pmf.infinity_mass + float(-np.expm1(epsilon_value - losses[above]) @ pmf.probs[above])
+    probs = np.maximum(pmf.probs[above], 0.0)  # FFT noise below 0 counts as 0: only raises delta
+    return pmf.infinity_mass + float(-np.expm1(epsilon_value - losses[above]) @ probs)
 
 
 ModelGroups: TypeAlias = tuple[tuple[RoundModel, int], ...]
@@ -711,9 +712,13 @@ def _rdp_of(event: dp_event.DpEvent, orders: Sequence[float], *, replace: bool =
         absl_logger.setLevel(previous)
 
 
-#: Orders for the without-replacement RDP bound, whose cost grows like order^2; the other orders
-#: of RDP_ORDERS are dropped (set to infinity), which only loosens the bound.
-_WOR_ORDERS = frozenset(a for a in RDP_ORDERS if a < 2 or (a.is_integer() and a <= 64))
+#: Orders for the without-replacement RDP bound (Wang et al. 2019, Theorem 27, computed exactly up
+#: to order 256 at a cost growing like order^2; above 256 dp-accounting switches to a Stirling
+#: approximation whose direction is not documented, so those orders are not used). The other
+#: orders of RDP_ORDERS are dropped (set to infinity), which only loosens the bound.
+_WOR_ORDERS = frozenset(
+    a for a in RDP_ORDERS if a < 2 or (a.is_integer() and (a <= 64 or a == 128))
+)
 
 
 def _stage_rdp(model: RoundModel) -> _Floats:
@@ -925,7 +930,7 @@ def calibrate_noise_multiplier(
         return epsilon([(event, rounds)], delta, unit, how, discretization=discretization)
 
     low, high = NOISE_MULTIPLIER_RANGE
-    if eps_at(high, "rdp") > target:
+    if eps_at(high, method) > target:
         raise ValueError(
             f"target_epsilon must be reachable with a noise multiplier <= {high:g} (the "
             f"accountant's range); got {target:g}"
