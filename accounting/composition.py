@@ -944,7 +944,7 @@ def calibrate_noise_multiplier(
     #    (the enforced epsilon is never above RDP), and eps_rdp(low) > target as checked above.
     lo, hi = low, high
     e_rdp = {lo: math.inf, hi: 0.0}
-    stop = relative_tolerance if method == "rdp" else 0.05
+    stop = relative_tolerance if method == "rdp" else 0.2
     while hi - lo > stop * hi:
         mid = math.sqrt(lo * hi)
         e_rdp[mid] = eps_at(mid, "rdp")
@@ -999,7 +999,7 @@ def _refine_noise(
         u = _secant(math.log(lo), math.log(hi), g_lo, g_hi)
         z = min(max(math.exp(u), lo + 0.01 * (hi - lo)), hi - 0.01 * (hi - lo))
         if z > hi * (1.0 - tolerance):  # the root is within tolerance of hi: try to close
-            z = max(hi * (1.0 - tolerance), lo + 0.5 * (hi - lo))
+            z = max(hi * (1.0 - 0.99 * tolerance), lo + 0.5 * (hi - lo))
         gz = g(z)
         if gz <= 0.0:
             hi, g_hi = z, gz
