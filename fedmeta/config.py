@@ -40,7 +40,7 @@ class PrivacyConfig(_Section):
     delta: float = Field(1e-5, gt=0, lt=1, description="delta, (0, 1)")
     noise_multiplier: float | None = Field(
         None,
-        gt=0,
+        ge=1e-4,
         le=1000,
         description="z; None = calibrate z so that `rounds` rounds spend the budget",
     )

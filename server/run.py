@@ -28,10 +28,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from accounting import BudgetLedger, LedgerCheckpoint, TwoStageSampler, resolve_federation
+from accounting import (
+    BudgetLedger,
+    InsecureSeededSource,
+    LedgerCheckpoint,
+    SystemRandomSource,
+    TwoStageSampler,
+    resolve_federation,
+)
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
@@ -251,7 +257,7 @@ def _session(
         federation_id=federation_id,
         plan=plan,
         task_counts=membership.eligible(),
-        sampler=TwoStageSampler(plan.scheme),
+        sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
         transport=exchange,
         config_json=cfg.model_dump_json(),
         dim=int(state.params.numel()),
@@ -358,14 +364,14 @@ def _prepare_round(run: _Run, index: int) -> bool:
                               if v > before.get(k, 0)}  # fmt: skip
     session.task_counts = eligible
     session.plan = run.plan.for_population(run.cfg, eligible)
-    TwoStageSampler(session.plan.scheme).check_task_counts(eligible)
     seed = run.cfg.privacy.insecure_test_seed
     if seed is None:
-        session.sampler = TwoStageSampler(session.plan.scheme)
+        session.sampler = TwoStageSampler(session.plan.scheme, SystemRandomSource())
     else:  # test mode: sampling and noise re-derived from (seed, round), so resumes reproduce
-        rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-        session.sampler = TwoStageSampler(session.plan.scheme, rng)
+        source = InsecureSeededSource(seed, stream=index)
+        session.sampler = TwoStageSampler(session.plan.scheme, source)
         session.noise = NoiseSource.insecure_for_tests(seed, index)
+    session.sampler.check_task_counts(eligible)
     return True
 
 

@@ -51,8 +51,13 @@ class Registered:
 
 
 def key_fingerprint(public_key: bytes) -> str:
-    """``SHA256:...`` of a node's PEM public key, as ``ssh-keygen -l`` prints it ("" if none)."""
-    if not public_key:
+    """``SHA256:...`` of a node's PEM public key, as ``ssh-keygen -l`` prints it.
+
+    "" when the node has no authentication key: Flower's simulation engine, and a SuperLink without
+    node authentication, give each node random bytes instead of a PEM key. "" never matches a
+    configured key, so an unauthenticated node cannot take a bound participant's place.
+    """
+    if not public_key.startswith(b"-----BEGIN"):
         return ""
     key = serialization.load_pem_public_key(public_key)
     blob = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)

@@ -122,3 +122,11 @@ def test_node_keys_bind_participant_ids(tmp_path: Path) -> None:
     assert dict(rec.rounds[0].nodes_refused) == {"unbound_node": 1, "wrong_key": 1}
     assert {e.scheme.participants for e, _ in ledger.rounds()} == {2}
     assert fingerprints[0].startswith("SHA256:") and len(fingerprints[0]) == 50
+
+
+def test_a_node_without_an_authentication_key_has_no_fingerprint() -> None:
+    """Flower's simulation engine gives each node 32 random bytes, not a PEM key."""
+    import secrets
+
+    assert key_fingerprint(secrets.token_bytes(32)) == "" and key_fingerprint(b"") == ""
+    assert key_fingerprint(_key()).startswith("SHA256:")
