@@ -96,7 +96,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -1145,9 +1145,3 @@ def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: fl
             last = -1
     return lo
 
-
-def epsilon_curve(
-    event: GaussianRound, rounds: Iterable[int], delta: float, unit: str = "task"
-) -> list[tuple[int, float]]:
-    """``[(T, eps(T))]`` for a few ``T`` (each a single self-composition)."""
-    return [(t, epsilon([(event, t)], delta, unit)) for t in rounds]
