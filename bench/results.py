@@ -62,16 +62,24 @@ def sinusoid_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[st
 def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[str]]:
     """Equal expected lot (80 tasks a round from 20 participants of 200 tasks each)."""
     base = [] if rounds is None else [f"rounds={rounds}"]
-    samplers = {
-        "flat Poisson (20 of 20, q2 = 0.02)": ["sampling.participants_per_round=20",
-                                               "sampling.stage2=poisson", "sampling.task_rate=0.02"],
-        "two-stage Poisson (4 of 20, q2 = 0.1)": ["sampling.participants_per_round=4",
-                                                  "sampling.stage2=poisson", "sampling.task_rate=0.1"],
-        "two-stage fixed (4 of 20, n2 = 20)": ["sampling.participants_per_round=4",
-                                               "sampling.stage2=fixed", "sampling.tasks_per_round=20"],
-    }  # fmt: skip
+    samplers = [
+        # flat Poisson: every participant every round, q2 = 0.02
+        [
+            "sampling.participants_per_round=20",
+            "sampling.stage2=poisson",
+            "sampling.task_rate=0.02",
+        ],
+        # two-stage Poisson: 4 of 20, q2 = 0.1
+        ["sampling.participants_per_round=4", "sampling.stage2=poisson", "sampling.task_rate=0.1"],
+        # two-stage fixed-size: 4 of 20, n2 = 20
+        [
+            "sampling.participants_per_round=4",
+            "sampling.stage2=fixed",
+            "sampling.tasks_per_round=20",
+        ],
+    ]
     for eps in epsilons:
-        for sets in samplers.values():
+        for sets in samplers:
             yield [*base, *sets, f"privacy.epsilon_budget={eps}"]
 
 
@@ -81,8 +89,9 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> Non
     with tempfile.TemporaryDirectory(prefix="fedmeta-results-") as tmp, out.open("a") as sink:
         for overrides in runs:
             rec = run_one(config, overrides, Path(tmp))
-            rec |= {"experiment": kind, "config": str(config.relative_to(REPO)),
-                    "date": datetime.now(UTC).isoformat(timespec="minutes"), "machine": machine}  # fmt: skip
+            now = datetime.now(UTC).isoformat(timespec="minutes")
+            rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
+                    "machine": machine}  # fmt: skip
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
             print(json.dumps(rec), flush=True)
@@ -111,7 +120,8 @@ def plot(paths: list[Path], png_dir: Path) -> None:
                 ax.axhline(r["final_metric"], ls="--", c="grey", label="non-private")
                 continue
             lo, hi = r["final_metric_ci95"]
-            series.setdefault(_label(r), []).append((r["epsilon_spent"], r["final_metric"], hi - lo))
+            point = (r["epsilon_spent"], r["final_metric"], hi - lo)
+            series.setdefault(_label(r), []).append(point)
         for name, pts in series.items():
             pts.sort()
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] / 2 for p in pts],

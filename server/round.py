@@ -99,7 +99,8 @@ class TrainingState:
             raise TrainingDiverged(
                 f"the meta-model became non-finite at round {index + 1}: the step is too large; "
                 "lower training.meta_lr (or, with training.optimizer=adam_bc, raise "
-                "training.adam_bc_floor); the rounds before it are in the ledger and the last checkpoint"
+                "training.adam_bc_floor); the rounds before it are in the ledger and the last "
+                "checkpoint"
             )
 
     def flat(self) -> np.ndarray:
