@@ -3,6 +3,7 @@
     python bench/results.py sinusoid  --out results/sinusoid.jsonl     # MSE against epsilon
     python bench/results.py two-stage --out results/two-stage.jsonl    # sampler trade-off
     python bench/results.py plot results/sinusoid.jsonl results/two-stage.jsonl --png docs/img
+    python bench/results.py sinusoid --epsilons 8 --set sampling.participants_per_round=20 ...
 
 ``sinusoid`` runs ``configs/sinusoid.toml`` (the default main job) privately at each ``--epsilons``
 value and once without privacy, all for the same number of rounds, and records the post-adaptation
@@ -142,6 +143,8 @@ def main() -> int:
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "sinusoid.toml")
     ap.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override applied to every run (repeatable)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img")
     args = ap.parse_args()
@@ -149,7 +152,8 @@ def main() -> int:
         plot(args.inputs, args.png)
         return 0
     runs = sinusoid_runs if args.experiment == "sinusoid" else two_stage_runs
-    record(args.experiment, runs(args.epsilons, args.rounds), args.config.resolve(), args.out)
+    plan = ([*args.sets, *sets] for sets in runs(args.epsilons, args.rounds))
+    record(args.experiment, plan, args.config.resolve(), args.out)
     return 0
 
 

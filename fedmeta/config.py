@@ -82,9 +82,13 @@ class PrivacyConfig(_Section):
 class SamplingConfig(_Section):
     """Two-stage sampling: n1 participants without replacement, then tasks within each."""
 
-    participants_per_round: int = Field(4, ge=1, le=100_000, description="n1, [1, participants]")
+    # Unset: every participant every round. At equal expected lot this needs less noise than
+    # sampling a few participants (docs/privacy.md, "Planning a run"; measured in docs/results.md).
+    participants_per_round: int | None = Field(
+        None, ge=1, le=100_000, description="n1, [1, participants]; unset = all participants"
+    )
     stage2: Literal["poisson", "fixed"] = "poisson"
-    task_rate: float = Field(0.1, gt=0, le=1, description="q2 for Poisson stage 2, (0, 1]")
+    task_rate: float = Field(0.05, gt=0, le=1, description="q2 for Poisson stage 2, (0, 1]")
     tasks_per_round: int | None = Field(
         None, ge=1, le=1_000_000, description="n2 for the fixed stage 2 (tasks per participant)"
     )
@@ -205,7 +209,8 @@ class TrainingConfig(_Section):
     inner_steps: int = Field(1, ge=0, le=1000)
     inner_lr: float = Field(0.01, gt=0, le=10)
     first_order: bool = False
-    meta_lr: float = Field(0.01, gt=0, le=10)
+    # 0.03: of 0.01, 0.02 and 0.03 the best private and non-private sinusoid MSE (docs/results.md).
+    meta_lr: float = Field(0.03, gt=0, le=10)
     optimizer: Literal["adam", "adam_bc", "sgd"] = Field(
         "adam",
         description="adam (DP-MAML's), adam_bc (DP-AdamBC: Adam corrected for the DP noise "
@@ -252,7 +257,7 @@ class OutputConfig(_Section):
 class Config(_Section):
     """The whole configuration of a federation run."""
 
-    rounds: int = Field(300, ge=1, le=10_000_000, description="planned rounds, [1, 1e7]")
+    rounds: int = Field(200, ge=1, le=10_000_000, description="planned rounds, [1, 1e7]")
     seed: int = Field(
         0, ge=0, le=2**63 - 1, description="public seed: model init, data, partitions"
     )
@@ -266,7 +271,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.sampling.participants_per_round > self.federation.participants:
+        if self.sampling.participants_per_round is None:
+            # Resolved once here, so every reader sees an int; the section is a fresh copy (frozen).
+            every = {"participants_per_round": self.federation.participants}
+            object.__setattr__(self, "sampling", self.sampling.model_copy(update=every))
+        if self.n1 > self.federation.participants:
             raise ValueError(
                 "sampling.participants_per_round must be in [1, federation.participants="
                 f"{self.federation.participants}]; got {self.sampling.participants_per_round}"
@@ -280,6 +289,12 @@ class Config(_Section):
                 f"(the public lower bound on task counts); got {n2}"
             )
         return self
+
+    @property
+    def n1(self) -> int:
+        """Participants sampled per round (``sampling.participants_per_round``, resolved)."""
+        assert self.sampling.participants_per_round is not None  # resolved by _cross_checks
+        return self.sampling.participants_per_round
 
     @property
     def min_tasks(self) -> int:

@@ -53,7 +53,7 @@ class Membership:
 
     def start(self) -> None:
         """Register until ``min_participants`` are in or the registration timeout passes."""
-        want = self.cfg.federation.min_participants or self.cfg.sampling.participants_per_round
+        want = self.cfg.federation.min_participants or self.cfg.n1
         deadline = time.monotonic() + self.cfg.federation.register_timeout_s
         while True:
             self.refresh()

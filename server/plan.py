@@ -70,7 +70,7 @@ class RunPlan:
 def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
     """The two-stage scheme over the registered participants (their number is public)."""
     participants = len(task_counts)
-    n1 = min(cfg.sampling.participants_per_round, participants)
+    n1 = min(cfg.n1, participants)
     if cfg.sampling.stage2 == "poisson":
         return TwoStagePoissonScheme(participants, n1, cfg.sampling.task_rate)
     assert cfg.sampling.tasks_per_round is not None  # the configuration requires it
@@ -92,7 +92,7 @@ def normaliser(cfg: Config) -> float:
     """
     if cfg.privacy.normaliser is not None:
         return float(cfg.privacy.normaliser)
-    n1 = cfg.sampling.participants_per_round
+    n1 = cfg.n1
     if cfg.sampling.stage2 == "fixed":
         return float(n1 * (cfg.sampling.tasks_per_round or 1))
     return n1 * cfg.sampling.task_rate * cfg.dataset.tasks_per_participant

@@ -222,7 +222,7 @@ def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
     """The run's membership once enough participants registered (server/membership.py)."""
     membership = Membership(cfg, transport, RegisterRequest(run_id, cfg.model_dump_json()))
     membership.start()
-    want = cfg.federation.min_participants or cfg.sampling.participants_per_round
+    want = cfg.federation.min_participants or cfg.n1
     if len(membership.members) < want:
         refused = f" (refused: {membership.refused})" if membership.refused else ""
         raise RegistrationError(

@@ -82,6 +82,15 @@ def test_errors_name_the_field_and_the_range(override: str, needle: str) -> None
     assert needle in str(info.value)
 
 
+def test_participants_per_round_unset_means_every_participant() -> None:
+    assert load_config(None, []).n1 == 20
+    cfg = load_config(None, ["federation.participants=7"])
+    assert cfg.n1 == 7 and cfg.sampling.participants_per_round == 7
+    assert load_config(None, ["sampling.participants_per_round=3"]).n1 == 3
+    with pytest.raises(ConfigError, match=r"participants_per_round must be in \[1, federation"):
+        load_config(None, ["federation.participants=7", "sampling.participants_per_round=8"])
+
+
 def test_fixed_stage_two_is_bounded_by_the_public_min_tasks() -> None:
     cfg = load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5",
                              "sampling.min_tasks=40"])  # fmt: skip

@@ -55,6 +55,8 @@ def test_add_remove_keeps_task_counts_private_and_replace_one_uses_them() -> Non
     assert replaced.event is not None and replaced.event.neighbouring == "replace_one"
     # Poisson stage 2: the normaliser comes from the configuration, never from the real counts.
     poisson = build_plan(load_config(None, ["dataset.tasks_per_participant=50",
+                                            "sampling.participants_per_round=4",
+                                            "sampling.task_rate=0.1",
                                             "privacy.noise_multiplier=1.0"]), counts)  # fmt: skip
     assert isinstance(poisson.scheme, TwoStagePoissonScheme)
     assert poisson.normaliser == pytest.approx(4 * 0.1 * 50)  # configured n1, not registered
