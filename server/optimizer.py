@@ -88,7 +88,5 @@ def make_optimizer(
         return torch.optim.Adam([params], lr=cfg.meta_lr)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD([params], lr=cfg.meta_lr, momentum=cfg.momentum)
-    floor = (
-        cfg.adam_bc_floor if cfg.adam_bc_floor is not None else max(noise_variance, 1e-12)
-    )
+    floor = cfg.adam_bc_floor if cfg.adam_bc_floor is not None else max(noise_variance, 1e-12)
     return AdamBC([params], lr=cfg.meta_lr, phi=noise_variance, floor=floor)

@@ -113,8 +113,9 @@ def build_plan(
     if noise_multiplier is None:
         target = cfg.privacy.target_epsilon or cfg.privacy.epsilon_budget
         noise_multiplier = calibrate_noise_multiplier(
-            scheme, cfg.rounds, float(target), cfg.privacy.delta
-        )
+            scheme, cfg.rounds, float(target), cfg.privacy.delta,
+            neighbouring=cfg.privacy.neighbouring,
+        )  # fmt: skip
     event = GaussianRound(scheme, float(noise_multiplier), _cap(scheme), cfg.privacy.neighbouring)
     return RunPlan(
         private=True,

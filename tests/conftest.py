@@ -27,6 +27,16 @@ def shared_omniglot() -> Path:
     return SHARED_OMNIGLOT
 
 
+_KINDS = {"unit", "integration", "e2e"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test that names no kind is a unit test; one marked `integration` or `e2e` is not."""
+    if not _KINDS & {m.name for m in item.iter_markers()}:
+        item.add_marker(pytest.mark.unit)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests when no CUDA device is present, rather than failing them."""
     try:

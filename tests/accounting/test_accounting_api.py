@@ -138,7 +138,7 @@ TWO_STAGE = [
 ]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cli_epsilon_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli(["privacy", "epsilon", *TWO_STAGE, "--task-rate", "0.1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -152,7 +152,7 @@ def test_cli_epsilon_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "51.0" in capsys.readouterr().out
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cli_calibrate_and_max_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     assert (
         _cli(
@@ -196,7 +196,7 @@ def test_cli_calibrate_and_max_rounds(capsys: pytest.CaptureFixture[str]) -> Non
     assert epsilon([(event, rounds)], 1e-6) <= 1.0 < epsilon([(event, rounds + 1)], 1e-6)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "privacy",
@@ -222,7 +222,7 @@ def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "not a valid guarantee" in designs[-1]["design"]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cli_neighbouring_is_a_flag_and_printed(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["privacy", "epsilon", *TWO_STAGE, "--tasks-per-round", "5", "--min-tasks", "50"]
     assert _cli([*base, "--neighbouring", "replace_one", "--json"]) == 0
@@ -251,7 +251,7 @@ def test_cli_default_delta_is_the_configurations(capsys: pytest.CaptureFixture[s
     assert json.loads(capsys.readouterr().out)["delta"] == PrivacyConfig().delta
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_cli_max_rounds_says_where_the_range_ends(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["privacy", "max-rounds", "--flat-poisson-rate", "0.0001", "--noise-multiplier", "50"]
     assert _cli([*argv, "--epsilon", "1000"]) == 0

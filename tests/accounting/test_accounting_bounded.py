@@ -66,6 +66,7 @@ def _clear_caches() -> None:
         (GaussianRound(FixedSizeScheme(1600, 400_000), 100.0, None, REPLACE), 10**9),
     ],
 )
+@pytest.mark.integration
 def test_a_billion_rounds_stay_within_the_size_limits(
     event: GaussianRound, rounds: int, fft_lengths: list[int]
 ) -> None:
@@ -77,7 +78,7 @@ def test_a_billion_rounds_stay_within_the_size_limits(
     assert all(n <= limit for n in fft_lengths), max(fft_lengths, default=0)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_max_rounds_with_a_large_budget_is_exact_or_at_the_limit() -> None:
     # `--set privacy.epsilon_budget=1000 --set privacy.noise_multiplier=5` died with MemoryError.
     event = GaussianRound(TwoStagePoissonScheme(100, 10, 0.1), 5.0)
@@ -118,7 +119,7 @@ def test_range_ends_are_one_line_errors_naming_the_field() -> None:
         epsilon([(GaussianRound(FlatPoissonScheme(0.01), 2e6), 1)], 1e-5)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_calibration_at_the_extremes_is_feasible() -> None:
     scheme = TwoStagePoissonScheme(100, 10, 0.1)
     for rounds, target in ((10**9, 1000.0), (1, 1000.0), (10**9, 1.0)):
@@ -129,7 +130,7 @@ def test_calibration_at_the_extremes_is_feasible() -> None:
 # ------------------------------------------------------------------------- safe side
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_a_coarser_grid_is_never_below_a_finer_one() -> None:
     # Connect-the-dots on a grid that refines another is below it at every epsilon (chords of a
     # convex curve), so coarsening to stay within the size limits only loosens the bound.
@@ -278,7 +279,7 @@ def test_connect_the_dots_is_dp_accountings_bit_for_bit() -> None:
     assert np.array_equal(ours.probs, np.asarray(dense._probs))
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_our_window_is_about_dp_accountings() -> None:
     # The same Chernoff bound at fewer orders (cheaper), plus orders near the optimum: within a
     # few percent of dp-accounting's window (its size is what the plan bounds).
@@ -301,7 +302,7 @@ def test_pld_delta_is_the_smaller_valid_bound() -> None:
     assert value <= comp._rdp_delta(comp._model_groups([(event, 1000)], "task"), 1.0)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_epsilon_for_delta_beyond_exp_overflow() -> None:
     # Losses around 1000 (e^-loss underflows): dp-accounting's walk answers infinity here. Two
     # points, 1000 and 1000.5; delta(eps) = P(inf) + sum over losses above eps of p (1 - e^(eps-l)).

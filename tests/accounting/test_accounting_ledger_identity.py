@@ -221,7 +221,7 @@ def test_the_budget_follows_the_data_not_the_run(tmp_path: Path) -> None:
     assert spent[1] == pytest.approx(epsilon([(POISSON, 6)], 1e-5))
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_a_new_budget_is_an_explicit_recorded_act(tmp_path: Path) -> None:
     db = tmp_path / "ledger.sqlite"
     first = resolve_federation(db, DATA, label="omniglot")

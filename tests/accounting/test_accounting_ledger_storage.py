@@ -57,7 +57,7 @@ def _ledger(path: Path, spends: int, fid: str = "fed") -> None:
 # ------------------------------------------------------------------- the main file is complete
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_the_main_file_alone_holds_every_spend_after_each_commit(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     db = tmp_path / "state" / "ledger.sqlite"
@@ -150,7 +150,7 @@ def test_after_sigkill_at_random_moments_a_copy_of_the_main_file_keeps_every_ack
 # ------------------------------------------------------------------------------- read-only
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_reading_writes_nothing(tmp_path: Path) -> None:
     db = tmp_path / "ledger.sqlite"
     fid = resolve_federation(db, DATA, label="sinusoid")
@@ -229,7 +229,7 @@ def test_reading_works_on_a_read_only_mount(tmp_path: Path) -> None:
     assert _state(db) == before and sorted(p.name for p in state.iterdir()) == ["ledger.sqlite"]
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_each_unreadable_file_has_its_own_one_line_error(tmp_path: Path) -> None:
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"not a database at all" * 50)

@@ -55,7 +55,7 @@ def test_monotone_in_rates_and_noise(q1: float, q2: float, z: float, t: int) -> 
     assert base >= eps(q1, q2, 1.5 * z, t) - 1e-9
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(q2=rates, t=st.integers(5, 50), target=st.sampled_from([1.0, 2.0, 4.0]))
 def test_calibrate_and_max_rounds_are_inverse_to_epsilon(q2: float, t: int, target: float) -> None:
@@ -171,7 +171,7 @@ def FlatPoissonFromFixed(event: GaussianRound):  # noqa: N802
     return FlatPoissonScheme(scheme.rate)
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_audit_reduced_with_negative_controls() -> None:
     check_audit(trials=60_000, seed=20261122)
 

@@ -112,3 +112,18 @@ def test_a_private_checkpoint_holds_no_secret_randomness(tmp_path: Path) -> None
     execute(small("rounds=4"), InProcessGrid(6), out_dir=tmp_path, resume=True, observers=[],
             echo=False, open_ledger=opener(ledger))  # fmt: skip
     assert [r.round_index for r in ledger.records()] == [0, 1, 2, 3]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("relation", ["add_remove", "replace_one"])
+def test_a_calibrated_plan_spends_its_budget_under_its_own_relation(relation: str) -> None:
+    """The noise is calibrated for the configured neighbouring relation, not always add/remove
+    (which under replace-one gave a z too small: the ledger stopped the run early)."""
+    from accounting import epsilon
+
+    cfg = load_config(None, ["sampling.participants_per_round=4", "sampling.task_rate=0.1",
+                             "rounds=50", f"privacy.neighbouring={relation}"])  # fmt: skip
+    plan = build_plan(cfg, {str(i): 200 for i in range(20)})
+    assert plan.event is not None
+    spent = epsilon([(plan.event, 50)], cfg.privacy.delta)
+    assert spent <= cfg.privacy.epsilon_budget and spent > 0.97 * cfg.privacy.epsilon_budget

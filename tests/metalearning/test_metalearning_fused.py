@@ -14,7 +14,7 @@ import metalearning as ml
 from metalearning import Task
 from metalearning.models import _BatchNormNHWC, to_channels_last
 
-pytestmark = pytest.mark.unit
+# Unit tests unless marked otherwise (tests/conftest.py).
 
 
 def _binary_images(n: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -175,6 +175,7 @@ def test_worker_errors_propagate_and_threads_are_restored() -> None:
         assert torch.get_num_threads() == 2
 
 
+@pytest.mark.integration
 def test_only_pure_forwards_run_side_by_side() -> None:
     """``functional_call`` swaps parameters into the shared module, so a model without a
     ``fused_forward`` must never run two tasks at once (it did, and raced, during development)."""

@@ -14,7 +14,7 @@ from PIL import Image
 import metalearning as ml
 from metalearning import ChecksumError, DataError
 
-pytestmark = pytest.mark.unit
+# Unit tests unless marked otherwise (tests/conftest.py).
 
 
 # ---------------------------------------------------------------- tiny Omniglot-shaped sources
@@ -159,6 +159,7 @@ def test_checksum_rejects_corruption_and_download_verifies(tmp_path: Path) -> No
 # ---------------------------------------------------------------- the shared Omniglot npz
 
 
+@pytest.mark.integration
 def test_shared_omniglot_splits_and_cache(shared_omniglot: Path, tmp_path: Path) -> None:
     s = ml.load_omniglot(shared_omniglot, cache=tmp_path)
     assert [d.n_classes for d in s] == [1150, 50, 423]

@@ -22,7 +22,7 @@ import metalearning as ml
 from metalearning import DataError
 from metalearning.oneshot_runs import HUMAN_ERROR_RATE, ONESHOT_RUNS, ONESHOT_WAYS
 
-pytestmark = pytest.mark.unit
+# Unit tests unless marked otherwise (tests/conftest.py).
 
 _YY, _XX = np.mgrid[0:105, 0:105].astype(float)
 
@@ -165,6 +165,7 @@ def test_pixels_match_load_omniglot(tmp_path: Path) -> None:
     _check_pixels_match_load_omniglot(tmp_path, tmp_path / "runs", (28, 105))
 
 
+@pytest.mark.integration
 def test_pixels_match_load_omniglot_on_the_real_drawings(
     shared_omniglot: Path, tmp_path: Path
 ) -> None:
@@ -243,6 +244,7 @@ def test_model_must_fit_the_runs(runs_tree: tuple[Path, dict]) -> None:
 # ---------------------------------------------------------------- evaluation
 
 
+@pytest.mark.integration
 def test_adapted_model_classifies_separable_runs(runs_tree: tuple[Path, dict]) -> None:
     torch.set_num_threads(1)
     model = ml.ConvNet4(20, hidden=16)

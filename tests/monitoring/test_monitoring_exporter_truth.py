@@ -24,7 +24,7 @@ from tests.accounting.readonly_mount import need_readonly_mount
 from tests.monitoring.conftest import FED, gaussian_round, spend
 from tests.monitoring.helpers import ROOT, wait_for
 
-pytestmark = pytest.mark.unit
+# Unit tests unless marked otherwise (tests/conftest.py).
 
 
 def _scrape(registry: Any) -> str:
