@@ -1,4 +1,4 @@
-"""``fedmeta privacy plan --write-config``: a plan's row as a configuration ``fedmeta simulate`` runs.
+"""``fedmeta privacy plan --write-config``: a plan row as a configuration for ``fedmeta simulate``.
 
 ``accounting`` knows no configuration, so the fedmeta command line registers the ``privacy``
 commands through :func:`register`, handing them :func:`write_config`. The file holds only the keys
