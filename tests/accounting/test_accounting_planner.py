@@ -1,4 +1,4 @@
-"""The planner (accounting/planner.py) and `fedmeta privacy plan`: contracts, properties, the CLI."""
+"""accounting/planner.py and `fedmeta privacy plan`: contracts, properties, the CLI."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def tiny(eps: float = 4.0, **kw: object) -> PlanRequest:
     return PlanRequest(**args)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------------------ unit: no calibration
+# --------------------------------------------------------------------------- unit: no calibration
 
 
 @pytest.mark.unit
@@ -246,7 +246,8 @@ def test_bad_input_is_one_line_naming_the_flag(
 @pytest.mark.integration
 def test_cli_table_and_json_agree(capsys: pytest.CaptureFixture[str]) -> None:
     args = [*PLAN, "--rounds", "30", "--designs", "flat_poisson,two_stage_poisson",
-            "--participants-per-round", "6,3", "--baseline", "participants_per_round=3,task_rate=0.1"]  # fmt: skip
+            "--participants-per-round", "6,3",
+            "--baseline", "participants_per_round=3,task_rate=0.1"]  # fmt: skip
     code, table, _ = run_cli(args, capsys)
     assert code == 0
     lines = table.splitlines()
