@@ -748,7 +748,7 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
             f"{r.noise_std:.4g}",
             f"{r.proxy:.3g}",
             _eps(r.epsilon),
-            f"{r.task_gradients:.4g}",
+            f"{r.task_gradients:.0f}",
         ]
         if result.baseline:
             cells.append(f"{result.baseline.noise_std / r.noise_std:.2f}")
