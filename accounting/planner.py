@@ -482,6 +482,8 @@ def _climb(request: PlanRequest, precision: _Precision, design: Design, n1: int)
         if _key(at(best)) >= _key(at(i)):
             break
         i = best
+    if _key(at(i)) == math.inf:  # no feasible neighbour to climb from: try the whole grid
+        i = min(range(len(grid)), key=lambda j: _key(at(j)))
     found = at(i)
     if found is None:
         return f"{design} with {n1} participants per round: the compute caps allow no task"
