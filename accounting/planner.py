@@ -35,8 +35,9 @@ Search space
 * rounds ``T``: the given candidates, else a grid around ``T* = max_task_gradients /
   max_tasks_per_round`` (``T*/4 .. 4 T*``), the point where both compute caps bind;
 * the lot: for each ``(design, n1, T)`` the largest the compute allows, ``min(max_tasks_per_round,
-  max_task_gradients / T)``, up to every task (a larger lot at the same ``T`` never has more noise
-  per averaged gradient, by the two papers above and the accountant's monotonicity);
+  max_task_gradients / T)``, up to every task (at the same ``T``, ``z`` grows more slowly than the
+  lot, as the two papers above observe and every case in docs/privacy.md computes, so the largest
+  lot has the least noise per averaged gradient);
 * ``z``: the smallest meeting (epsilon, delta) after ``T`` rounds, from the accountant's own
   ``calibrate_noise_multiplier`` (PLD, enforced).
 
