@@ -263,3 +263,16 @@ def test_cli_table_and_json_agree(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["baseline"]["noise_vs_baseline"] == 1.0
     assert first["noise_vs_baseline"] > 1.0
     assert first["epsilon"] <= 4.0
+
+
+@pytest.mark.integration
+def test_cli_shows_adaptive_clippings_share(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*PLAN, "--rounds", "30", "--designs", "flat_poisson", "--adaptive-count-noise", "1"]
+    code, table, _ = run_cli(args, capsys)
+    assert code == 0 and " z_grad " in table.splitlines()[2]
+    code, text, _ = run_cli([*args, "--json"], capsys)
+    row = json.loads(text)["rows"][0]
+    assert row["gradient_noise_multiplier"] > row["noise_multiplier"]
+    assert row["noise_std"] == pytest.approx(row["gradient_noise_multiplier"] / row["expected_lot"])
+    code, _, err = run_cli([*args[:-1], "0.05"], capsys)
+    assert code == 2 and err.startswith("fedmeta privacy plan: error: --adaptive-count-noise: ")
