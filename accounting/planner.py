@@ -433,9 +433,9 @@ class _Precision:
 def evaluate(request: PlanRequest, candidate: Candidate, precision: _Precision) -> PlanRow | str:
     """Calibrate ``candidate`` with the accountant: its row, or why it is infeasible."""
     fed, budget = request.federation, request.budget
-    scheme = _scheme(candidate, fed)
     tolerance = 1e-3 if precision.exact else SCREEN_TOLERANCE
     try:
+        scheme = _scheme(candidate, fed)  # a baseline may not fit the federation
         z = calibrate_noise_multiplier(
             scheme, candidate.rounds, budget.epsilon, budget.delta,
             neighbouring=budget.neighbouring, method=precision.method,
@@ -532,7 +532,7 @@ def plan(
     rows = [r if r.exact else next(redone) for r in screened]
     baseline = next(redone) if request.baseline is not None else None
     if isinstance(baseline, str):
-        raise ValueError(f"baseline must meet the budget: {baseline}")
+        raise ValueError(f"baseline must fit the federation and meet the budget: {baseline}")
     notes += tuple(r for r in rows if isinstance(r, str))
     ranked = sorted(
         (r for r in rows if isinstance(r, PlanRow)),
