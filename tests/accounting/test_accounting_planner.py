@@ -153,13 +153,13 @@ def test_compute_caps_are_respected(
 def test_rows_agree_with_the_accountant() -> None:
     """Each row meets the budget under the enforced accountant, and 0.1% less noise does not."""
     req = tiny(
-        participants_per_round=(6, 2), baseline=Candidate("two_stage_poisson", 2, 30, task_rate=0.1)
+        participants_per_round=(6,), baseline=Candidate("two_stage_poisson", 2, 30, task_rate=0.1)
     )
     result = plan(req, top=3, discretization=GRID)
     assert result.rows and result.baseline is not None
     assert [r.proxy for r in result.rows] == sorted(r.proxy for r in result.rows)
-    # All six contacted beat two of six at the same lot (the flat design wins).
-    assert result.rows[0].candidate.design == "flat_poisson"
+    # Flat Poisson, fixed size with everyone contacted, and two-stage Poisson (the baseline).
+    assert [r.candidate.design for r in result.rows] == ["flat_poisson", "two_stage_fixed"]
     for row in (*result.rows, result.baseline):
         t, z = row.candidate.rounds, row.noise_multiplier
         assert epsilon([(row.event, t)], 1e-5, discretization=GRID) <= 4.0
