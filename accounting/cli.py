@@ -1,4 +1,4 @@
-"""``fedmeta privacy epsilon|calibrate|max-rounds|compare`` and ``fedmeta ledger show``.
+"""``fedmeta privacy epsilon|calibrate|max-rounds|compare|plan`` and ``fedmeta ledger ...``.
 
 Human-readable tables by default, ``--json`` for machines. Bad input is reported as one line naming
 the flag and what it must be, with exit status 2 (argparse's convention), never a traceback. Imports
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -28,6 +29,18 @@ from accounting.ledger import (
     backup,
     budgets,
     start_new_budget,
+)
+from accounting.planner import (
+    DESIGNS,
+    Candidate,
+    ComputeBudget,
+    Design,
+    Federation,
+    Plan,
+    PlanBudget,
+    PlanRequest,
+    PlanRow,
+    plan,
 )
 from accounting.schemes import (
     ADD_REMOVE,
@@ -72,20 +85,22 @@ class UsageError(Exception):
     """A user error with the flag to fix; printed as one line, exit status 2."""
 
 
-def _flag_for(message: str) -> str | None:
+def _flag_for(message: str, flags: dict[str, str] | None = None) -> str | None:
     match = re.match(r"([a-z_ ]+?) must", message)
-    return _FLAGS.get(match.group(1)) if match else None
+    return (flags or _FLAGS).get(match.group(1)) if match else None
 
 
 def _run(
-    command: str, body: Callable[[argparse.Namespace], int]
+    command: str,
+    body: Callable[[argparse.Namespace], int],
+    flags: dict[str, str] | None = None,
 ) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         try:
             return body(args)
-        except (UsageError, ValueError, LedgerError, FileNotFoundError) as error:
+        except (UsageError, ValueError, LedgerError, OSError) as error:
             message = str(error)
-            flag = _flag_for(message)
+            flag = _flag_for(message, flags)
             prefix = f"{flag}: " if flag else ""
             print(f"fedmeta {command}: error: {prefix}{message}", file=sys.stderr)
             return 2
@@ -579,11 +594,271 @@ def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------ plan
+
+#: Planner field -> the ``privacy plan`` flag a user should fix.
+_PLAN_FLAGS = {
+    "epsilon": "--epsilon",
+    "delta": "--delta",
+    "neighbouring": "--neighbouring",
+    "participants": "--participants",
+    "tasks_per_participant": "--tasks-per-participant",
+    "max_tasks_per_round": "--max-tasks-per-round",
+    "max_task_gradients": "--max-task-gradients",
+    "max_participants_per_round": "--max-participants-per-round",
+    "rounds": "--rounds",
+    "participants_per_round": "--participants-per-round",
+    "designs": "--designs",
+    "clip": "--clip",
+    "adaptive_count_noise": "--adaptive-count-noise",
+    "top": "--top",
+    "workers": "--jobs",
+    "baseline": "--baseline",
+}
+_DESIGN_LABELS = {
+    "flat_poisson": "all participants, Poisson",
+    "two_stage_poisson": "two-stage, Poisson",
+    "two_stage_fixed": "two-stage, fixed size",
+}
+#: Writes a plan's row as a configuration file: ``(path, row, request, base_config) -> text``.
+ConfigWriter = Callable[[str, PlanRow, PlanRequest, "str | None"], str]
+
+
+def _ints(flag: str, text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} must be integers separated by commas; got {text!r}") from None
+
+
+def _baseline(text: str | None, request_rounds: tuple[int, ...] | None) -> Candidate | None:
+    """``participants_per_round=5,task_rate=0.05[,rounds=400]`` (or ``tasks_per_round=10``)."""
+    if text is None:
+        return None
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("participants_per_round", "task_rate",
+                                           "tasks_per_round", "rounds"):  # fmt: skip
+            raise UsageError(
+                "--baseline must be key=value pairs of participants_per_round, task_rate or "
+                f"tasks_per_round, and rounds, separated by commas; got {item!r}"
+            )
+        fields[key.strip()] = value.strip()
+    try:
+        rounds = int(fields["rounds"]) if "rounds" in fields else (request_rounds or (0,))[0]
+        n1 = int(fields["participants_per_round"])
+        n2 = int(fields["tasks_per_round"]) if "tasks_per_round" in fields else None
+        q2 = float(fields["task_rate"]) if "task_rate" in fields else None
+    except (KeyError, ValueError) as error:
+        raise UsageError(
+            f"--baseline must give participants_per_round and numbers; got {text!r} ({error})"
+        ) from None
+    design: Design = "two_stage_fixed" if n2 is not None else "two_stage_poisson"
+    try:
+        return Candidate(design, n1, rounds, task_rate=q2, tasks_per_round=n2)
+    except ValueError as error:
+        raise UsageError(f"--baseline: {error}") from None
+
+
+def _plan_request(args: argparse.Namespace) -> PlanRequest:
+    counts = _ints("--tasks-per-participant", args.tasks_per_participant)
+    assert counts is not None  # a required flag
+    designs: Any = tuple(d.strip() for d in args.designs.split(",")) if args.designs else DESIGNS
+    rounds = _ints("--rounds", args.rounds)
+    return PlanRequest(
+        budget=PlanBudget(args.epsilon, args.delta, args.neighbouring),
+        federation=Federation(args.participants, counts),
+        compute=ComputeBudget(
+            args.max_tasks_per_round, args.max_task_gradients, args.max_participants_per_round
+        ),
+        rounds=rounds,
+        participants_per_round=_ints("--participants-per-round", args.participants_per_round),
+        designs=designs,  # PlanRequest validates the names
+        clip=args.clip,
+        adaptive_count_noise=args.adaptive_count_noise,
+        baseline=_baseline(args.baseline, rounds),
+    )
+
+
+def _stage2(c: Candidate, min_tasks: int) -> str:
+    if c.tasks_per_round is not None:
+        return f"{c.tasks_per_round} of >= {min_tasks}"
+    return f"q2={c.task_rate:g}" if c.design != "flat_poisson" else f"q={c.task_rate:g}"
+
+
+def _row_json(row: PlanRow, request: PlanRequest, baseline: PlanRow | None) -> dict[str, Any]:
+    c = row.candidate
+    return {
+        "design": c.design,
+        "participants": request.federation.participants,
+        "participants_per_round": c.participants_per_round,
+        "stage2": "fixed" if c.tasks_per_round is not None else "poisson",
+        "task_rate": c.task_rate,
+        "tasks_per_round": c.tasks_per_round,
+        "min_tasks": request.federation.min_tasks,
+        "rounds": c.rounds,
+        "expected_lot": row.expected_lot,
+        "noise_multiplier": row.noise_multiplier,
+        "gradient_noise_multiplier": row.gradient_noise_multiplier,
+        "clip": row.clip,
+        "noise_std": row.noise_std,
+        "proxy": row.proxy,
+        "epsilon": _json_eps(row.epsilon),
+        "task_gradients": row.task_gradients,
+        "noise_vs_baseline": baseline.noise_std / row.noise_std if baseline else None,
+        "event": row.event.to_dict(),
+    }
+
+
+def _print_plan(result: Plan, written: str | None, row: int) -> None:
+    req = result.request
+    b, f, c = req.budget, req.federation, req.compute
+    counts = f.tasks_per_participant
+    tasks = f"{counts[0]} tasks each" if f.uniform else f"{f.min_tasks}..{max(counts)} tasks"
+    caps = ", ".join(
+        f"{name} {value:g}"
+        for name, value in (("lot <=", c.max_tasks_per_round), ("task-gradients <=",
+                            c.max_task_gradients), ("n1 <=", c.max_participants_per_round))
+        if value is not None
+    )  # fmt: skip
+    print(
+        f"budget: epsilon {b.epsilon:g}, delta {b.delta:g}, {b.neighbouring}; federation: "
+        f"{f.participants} participants, {tasks} ({f.total_tasks} in all); compute: "
+        f"{caps or 'no cap'}; clip C={req.clip:g}"
+    )
+    print("ranked by noise std on the averaged gradient z_grad*C/E[lot], divided by sqrt(T)")
+    adaptive = req.adaptive_count_noise is not None
+    head = ["#", "design", "n1/P", "stage 2", "E[lot]", "T", "z"]
+    head += ["z_grad"] if adaptive else []
+    head += ["noise std", "std/sqrtT", "epsilon", "task-grads"]
+    head += ["x less noise"] if result.baseline else []
+    lines = [head]
+    listed = [(str(i), r) for i, r in enumerate(result.rows, 1)]
+    listed += [("base", result.baseline)] if result.baseline else []
+    for rank, r in listed:
+        k = r.candidate
+        cells = [rank, _DESIGN_LABELS[k.design], f"{k.participants_per_round}/{f.participants}",
+                 _stage2(k, f.min_tasks), f"{r.expected_lot:.4g}", str(k.rounds),
+                 f"{r.noise_multiplier:.4f}"]  # fmt: skip
+        cells += [f"{r.gradient_noise_multiplier:.4f}"] if adaptive else []
+        cells += [
+            f"{r.noise_std:.4g}",
+            f"{r.proxy:.3g}",
+            _eps(r.epsilon),
+            f"{r.task_gradients:.0f}",
+        ]
+        if result.baseline:
+            cells.append(f"{result.baseline.noise_std / r.noise_std:.2f}")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(cell.ljust(w) if i < 4 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(line, widths, strict=True))))  # fmt: skip
+    for note in result.notes:
+        print(f"not feasible: {note}")
+    if written:
+        print(f"wrote row {row} to {written}: run it with fedmeta simulate --config {written}")
+
+
+def _cmd_plan(args: argparse.Namespace, writer: ConfigWriter | None) -> int:
+    if args.base_config and not args.write_config:
+        raise UsageError("--base-config must come with --write-config")
+    if args.write_config and writer is None:
+        raise UsageError("--write-config must be run as `fedmeta privacy plan` (needs fedmeta)")
+    request = _plan_request(args)
+    result = plan(request, top=args.top, workers=args.jobs)
+    written = None
+    if args.write_config:
+        if not 1 <= args.row <= len(result.rows):
+            raise UsageError(f"--row must be in [1, {len(result.rows)}]; got {args.row}")
+        assert writer is not None
+        written = writer(args.write_config, result.rows[args.row - 1], request, args.base_config)
+    if args.json:
+        payload = {
+            "budget": vars(request.budget),
+            "federation": {
+                "participants": request.federation.participants,
+                "tasks_per_participant": list(request.federation.tasks_per_participant),
+                "total_tasks": request.federation.total_tasks,
+            },  # fmt: skip
+            "compute": vars(request.compute),
+            "clip": request.clip,
+            "adaptive_count_noise": request.adaptive_count_noise,
+            "proxy": "noise_std / sqrt(rounds), noise_std = gradient_noise_multiplier * clip / "
+            "expected_lot",
+            "rows": [_row_json(r, request, result.baseline) for r in result.rows],
+            "baseline": _row_json(result.baseline, request, result.baseline)
+            if result.baseline
+            else None,
+            "notes": list(result.notes),
+            "config_written": written,
+        }
+        print(json.dumps(payload, indent=2, sort_keys=True))
+    else:
+        _print_plan(result, written, args.row)
+    return 0
+
+
+def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
+    p = psub.add_parser(
+        "plan",
+        help="search sampling, rounds and noise for the least noise per averaged gradient",
+        description="Search participants per round, the stage-2 rate or size, rounds and the "
+        "noise multiplier; rank the configurations that meet the budget and the compute caps by "
+        "the noise std on the averaged gradient over sqrt(rounds) (docs/privacy.md, 'Planning "
+        "a run').",
+    )
+    p.add_argument("--epsilon", type=float, required=True, help="epsilon budget (task level)")
+    p.add_argument("--delta", type=float, default=DEFAULT_DELTA,
+                   help=f"delta (default {DEFAULT_DELTA:g}, as privacy.delta)")  # fmt: skip
+    p.add_argument("--neighbouring", choices=NEIGHBOURING_RELATIONS, default=ADD_REMOVE)
+    p.add_argument("--participants", type=int, required=True, help="P, registered participants")
+    p.add_argument(
+        "--tasks-per-participant", required=True, metavar="N[,N...]",
+        help="every participant's task count (one number), or one count per participant",
+    )  # fmt: skip
+    p.add_argument("--max-tasks-per-round", type=float, help="cap on the expected lot")
+    p.add_argument("--max-task-gradients", type=float, help="cap on rounds * expected lot")
+    p.add_argument("--max-participants-per-round", type=int, help="cap on n1 (communication)")
+    p.add_argument("--rounds", metavar="T[,T...]",
+                   help="candidate rounds (default: a grid around max-task-gradients / "
+                   "max-tasks-per-round)")  # fmt: skip
+    p.add_argument("--participants-per-round", metavar="N1[,N1...]",
+                   help="candidate n1 (default P, then halving to 1)")  # fmt: skip
+    p.add_argument("--designs", help=f"comma-separated subset of {','.join(DESIGNS)}")
+    p.add_argument("--clip", type=float, default=1.0, help="clip bound C (default 1.0)")
+    p.add_argument("--adaptive-count-noise", type=float,
+                   help="adaptive clipping's count noise sigma_b (shows its cost)")  # fmt: skip
+    p.add_argument("--baseline", metavar="KEY=VALUE,...",
+                   help="a configuration to compare, e.g. participants_per_round=5,task_rate=0.05,"
+                   "rounds=400")  # fmt: skip
+    p.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                   help="processes for the calibrations (default: up to 4 cores)")  # fmt: skip
+    p.add_argument(
+        "--write-config",
+        metavar="PATH",
+        help="write the chosen row as a configuration for fedmeta simulate --config",
+    )
+    p.add_argument("--row", type=int, default=1, help="which row --write-config writes")
+    p.add_argument("--base-config", metavar="PATH",
+                   help="TOML configuration whose other keys the written one keeps")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("privacy plan", lambda args: _cmd_plan(args, writer), _PLAN_FLAGS))
+
+
 # ------------------------------------------------------------------------------------ register
 
 
-def register(subparsers: Any) -> None:
-    """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser."""
+def register(subparsers: Any, *, config_writer: ConfigWriter | None = None) -> None:
+    """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser.
+
+    ``config_writer`` lets ``privacy plan --write-config`` write a run configuration; the fedmeta
+    command line passes one (``fedmeta.plan_config``), since ``accounting`` knows no configuration.
+    """
     privacy = subparsers.add_parser("privacy", help="privacy accounting and planning")
     psub = privacy.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND")
     psub.required = True
@@ -605,6 +880,8 @@ def register(subparsers: Any) -> None:
     p = psub.add_parser("compare", help="compare sampling designs at the same expected lot size")
     _add_scheme_args(p)
     p.set_defaults(func=_run("privacy compare", _cmd_compare))
+
+    _add_plan_parser(psub, config_writer)
 
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 # (module, attribute): each attribute is ``register(subparsers) -> None``.
 _COMMAND_MODULES: tuple[tuple[str, str], ...] = (
-    ("accounting.cli", "register"),
+    # accounting's privacy and ledger commands, handed the configuration writer of `privacy plan`.
+    ("fedmeta.plan_config", "register"),
     ("simulation.simulate", "register"),
     ("server.exporter", "register"),
     ("fedmeta.evaluate", "register"),

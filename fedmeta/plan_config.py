@@ -1,0 +1,142 @@
+"""``fedmeta privacy plan --write-config``: a plan row as a configuration for ``fedmeta simulate``.
+
+``accounting`` knows no configuration, so the fedmeta command line registers the ``privacy``
+commands through :func:`register`, handing them :func:`write_config`. The file holds only the keys
+the plan decides (rounds, participants, sampling, the privacy budget, noise, clip and normaliser,
+and the task count the plan assumed), on top of an optional base configuration; it is validated
+with the configuration schema before it is written and read back after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import tomllib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from accounting import cli as accounting_cli
+from accounting.planner import PlanRequest, PlanRow
+
+
+def register(subparsers: Any) -> None:
+    """Add ``privacy`` and ``ledger`` (accounting's commands) with the configuration writer."""
+    accounting_cli.register(subparsers, config_writer=write_config)
+
+
+def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:
+    """The dotted configuration keys the plan decides, for ``row``."""
+    c, fed, budget = row.candidate, request.federation, request.budget
+    keys: dict[str, Any] = {
+        "rounds": c.rounds,
+        "federation.participants": fed.participants,
+        "sampling.participants_per_round": c.participants_per_round,
+        "privacy.enabled": True,
+        "privacy.epsilon_budget": budget.epsilon,
+        "privacy.delta": budget.delta,
+        "privacy.neighbouring": budget.neighbouring,
+        "privacy.noise_multiplier": row.noise_multiplier,
+        "privacy.clip": row.clip,
+        # The expected lot the plan assumed: a public constant (never the realised count).
+        "privacy.normaliser": row.expected_lot,
+    }
+    if c.tasks_per_round is not None:
+        keys |= {
+            "sampling.stage2": "fixed",
+            "sampling.tasks_per_round": c.tasks_per_round,
+            "sampling.min_tasks": fed.min_tasks,
+        }
+    else:
+        keys |= {"sampling.stage2": "poisson", "sampling.task_rate": c.task_rate}
+    if fed.uniform:
+        keys["dataset.tasks_per_participant"] = fed.min_tasks
+    return keys
+
+
+def _merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(json.dumps(base))
+    # Keys of the base that would contradict the plan: the other stage 2's, a calibration target.
+    out.get("privacy", {}).pop("target_epsilon", None)
+    if keys["sampling.stage2"] == "poisson":
+        for stale in ("tasks_per_round", "min_tasks"):
+            out.get("sampling", {}).pop(stale, None)
+    for dotted, value in keys.items():
+        *sections, last = dotted.split(".")
+        node = out
+        for s in sections:
+            node = node.setdefault(s, {})
+        node[last] = value
+    return out
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"config value must be a TOML scalar or array; got {value!r}")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """TOML text for nested dicts of scalars and arrays (what a configuration holds)."""
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items()
+             if not isinstance(v, dict) and v is not None]  # fmt: skip
+    for key, table in data.items():
+        if isinstance(table, dict):
+            name = f"{prefix}{_toml_key(key)}"
+            lines += ["", f"[{name}]", to_toml(table, name + ".").strip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def _header(row: PlanRow, request: PlanRequest) -> str:
+    c = row.candidate
+    stage2 = f"q2={c.task_rate:g}" if c.task_rate is not None else f"n2={c.tasks_per_round}"
+    return (
+        f"# Written by `fedmeta privacy plan` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.\n"
+        f"# {c.design}: {c.participants_per_round} of {request.federation.participants} "
+        f"participants, {stage2}, {c.rounds} rounds, expected lot {row.expected_lot:.6g}, "
+        f"z={row.noise_multiplier:.6g}\n"
+        f"# epsilon {row.epsilon:.4f} <= {request.budget.epsilon:g} at delta "
+        f"{request.budget.delta:g} ({request.budget.neighbouring}); noise std on the averaged "
+        f"gradient {row.noise_std:.4g}\n"
+    )
+
+
+def write_config(path: str, row: PlanRow, request: PlanRequest, base_config: str | None) -> str:
+    """Write ``row`` over ``base_config`` (or the defaults) to ``path``; return the path written."""
+    from fedmeta.config import config_from_dict, load_config
+
+    if request.adaptive_count_noise is not None:
+        raise ValueError(
+            "adaptive_count_noise must be left out with --write-config: the configuration has no "
+            "adaptive clipping keys yet (the table still shows its cost)"
+        )
+    base: dict[str, Any] = {}
+    if base_config is not None:
+        load_config(base_config)  # the base must be valid itself (one-line error otherwise)
+        base = tomllib.loads(Path(base_config).read_text(encoding="utf-8"))
+    merged = _merge(base, plan_keys(row, request))
+    config_from_dict(merged)  # validate before anything is written
+    target = Path(path)
+    text = _header(row, request) + to_toml(merged)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    load_config(target)  # what fedmeta simulate --config will read
+    return str(target)
