@@ -256,6 +256,16 @@ class PlanRequest:
                            ("compute", ComputeBudget)):  # fmt: skip
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be a {kind.__name__}; got {getattr(self, name)!r}")
+        self._check_search_space()
+        if not self.designs or any(d not in DESIGNS for d in self.designs):
+            raise ValueError(f"designs must be a non-empty subset of {DESIGNS}; got {self.designs}")
+        _number("clip", self.clip, low=0.0, high=1e6)
+        if self.adaptive_count_noise is not None:
+            _number("adaptive_count_noise", self.adaptive_count_noise, low=0.0, high=1e9)
+        if self.baseline is not None and not isinstance(self.baseline, Candidate):
+            raise ValueError(f"baseline must be a Candidate; got {self.baseline!r}")
+
+    def _check_search_space(self) -> None:
         if self.rounds is not None:
             _integers("rounds", self.rounds, minimum=1)
         elif self.compute.max_tasks_per_round is None or self.compute.max_task_gradients is None:
@@ -270,13 +280,6 @@ class PlanRequest:
                         f"participants_per_round must be <= participants "
                         f"({self.federation.participants}); got {n1}"
                     )
-        if not self.designs or any(d not in DESIGNS for d in self.designs):
-            raise ValueError(f"designs must be a non-empty subset of {DESIGNS}; got {self.designs}")
-        _number("clip", self.clip, low=0.0, high=1e6)
-        if self.adaptive_count_noise is not None:
-            _number("adaptive_count_noise", self.adaptive_count_noise, low=0.0, high=1e9)
-        if self.baseline is not None and not isinstance(self.baseline, Candidate):
-            raise ValueError(f"baseline must be a Candidate; got {self.baseline!r}")
 
     def rounds_grid(self) -> tuple[int, ...]:
         """The candidate rounds: as given, or ``T*/4 .. 4 T*`` around the caps' knee ``T*``."""
