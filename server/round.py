@@ -228,6 +228,15 @@ def _spend(session: RoundSession, index: int) -> int | None:
     return session.ledger.position()
 
 
+def centred_count(checked: RoundReplies) -> float:
+    """``sum_i (b_i - 1/2)`` over the accepted tasks: sensitivity 1/2 under add/remove.
+
+    Centring is what makes the count's sensitivity half the clip's share (accounting/adaptive.py);
+    a dropped reply or task contributes 0 to both the count and the sum.
+    """
+    return float(sum(a.under_clip - a.n_tasks / 2 for a in checked.accepted))
+
+
 def _aggregate(
     session: RoundSession, checked: RoundReplies, clip: float | None
 ) -> tuple[Tensor, float | None, float | None]:
@@ -246,9 +255,7 @@ def _aggregate(
     if plan.adaptive is None:
         released = noised_sum(total, clip=clip, event=plan.event, source=session.noise)
         return released.value / plan.normaliser, released.noise_std, None
-    # sum_i (b_i - 1/2) over the accepted tasks: a dropped reply or task contributes 0 to both.
-    centred = sum(a.under_clip - a.n_tasks / 2 for a in checked.accepted)
-    joint = noised_release(total, centred, clip=clip, event=plan.event,
+    joint = noised_release(total, centred_count(checked), clip=clip, event=plan.event,
                            count_noise=plan.adaptive.count_noise, source=session.noise)  # fmt: skip
     return joint.value / plan.normaliser, joint.noise_std, joint.count
 
