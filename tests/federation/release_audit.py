@@ -93,6 +93,23 @@ def adaptive_clipping(event: GaussianRound, count_noise: float) -> AdaptiveClipp
     return AdaptiveClipping(0.5, 1.0, count_noise, z_grad, 1.0, 1e-12, 1e12)
 
 
+def _session(
+    event: GaussianRound,
+    grads: Mapping[str, Sequence[float]],
+    noise: NoiseSource,
+    adaptive: AdaptiveClipping | None,
+    normaliser: float,
+) -> RoundSession:
+    plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, normaliser, False, 1e9,
+                   1e-5, 10**9, adaptive)  # type: ignore[arg-type]  # fmt: skip
+    sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
+    return RoundSession(
+        "audit", "audit", plan, {pid: len(g) for pid, g in grads.items()}, sampler,
+        _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4, False, 0.0, fake_ledger(1e12, 1e-12),
+        noise,
+    )  # fmt: skip
+
+
 def released(
     event: GaussianRound,
     grads: Mapping[str, Sequence[float]],
@@ -103,28 +120,40 @@ def released(
     """What one private round releases, ``trials`` times, through the real pipeline.
 
     The sums ``[trials]``; with ``adaptive``, ``[trials, 2]``: the sum and the noisy centred count,
-    the latter recovered from the next bound ``C_1 = exp(-(count / normaliser + 1/2 - 1/2))``.
+    the latter recovered from the next bound, ``C_1 = C_0 exp(-eta (count / normaliser + 1/2 -
+    gamma))``. Every trial starts from ``C_0``.
     """
-    plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, 1.0, False, 1e9, 1e-5,
-                   10**9, adaptive)  # type: ignore[arg-type]  # fmt: skip
-    counts = {pid: len(g) for pid, g in grads.items()}
-    sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
-    session = RoundSession(
-        "audit", "audit", plan, counts, sampler, _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4,
-        False, 0.0, fake_ledger(1e12, 1e-12), noise,
-    )  # fmt: skip
-    out = _Released(plan.normaliser)
+    session = _session(event, grads, noise, adaptive, 1.0)
+    out = _Released(session.plan.normaliser)
     counts = []
     for index in range(trials):
         out.clip = None if adaptive is None else adaptive.initial_clip
         run_round(session, out, index)  # type: ignore[arg-type]
         if adaptive is not None:
             assert out.clip is not None
-            fraction = adaptive.target_quantile - math.log(out.clip) / adaptive.learning_rate
-            counts.append((fraction - 0.5) * plan.normaliser)
+            step = math.log(out.clip / adaptive.initial_clip) / adaptive.learning_rate
+            counts.append((adaptive.target_quantile - step - 0.5) * session.plan.normaliser)
     if adaptive is None:
         return np.asarray(out.values)
     return np.column_stack([out.values, counts])
+
+
+def clip_trajectory(
+    event: GaussianRound,
+    grads: Mapping[str, Sequence[float]],
+    rounds: int,
+    adaptive: AdaptiveClipping,
+    normaliser: float,
+) -> list[float]:
+    """The bound of each of ``rounds`` consecutive private rounds through the real pipeline."""
+    session = _session(event, grads, NoiseSource.create(), adaptive, normaliser)
+    out = _Released(normaliser)
+    out.clip = adaptive.initial_clip
+    clips = []
+    for index in range(rounds):
+        clips.append(float(out.clip))
+        run_round(session, out, index)  # type: ignore[arg-type]
+    return clips
 
 
 def projection(
