@@ -150,12 +150,13 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
         return None
     received = time.perf_counter()
     update, noise_std, count = _aggregate(session, checked, clip)
-    if plan.adaptive is not None:
-        assert clip is not None and noise_std is not None and count is not None
+    if plan.adaptive is not None:  # the optimizer's noise correction follows the round's C
+        assert noise_std is not None
         state.set_noise_variance((noise_std / plan.normaliser) ** 2)
     state.step(update, index)
     if plan.adaptive is not None:
-        state.clip = _next_clip(session, clip, count)  # type: ignore[arg-type]
+        assert clip is not None and count is not None
+        state.clip = _next_clip(session, clip, count)
     outcome = _outcome(session, index, exchange, checked, position, noise_std, clip)
     _pad(started, session.round_min_seconds)
     if not session.diagnostics:
