@@ -79,7 +79,7 @@ def test_an_infeasible_split_names_the_count_noise() -> None:
 # ----------------------------------------------------------------- the joint release is one round
 
 
-def _grid(std: tuple[float, float], n: int = 1601) -> tuple[np.ndarray, np.ndarray, float]:
+def _grid(std: tuple[float, float], n: int = 1201) -> tuple[np.ndarray, np.ndarray, float]:
     """A 2-D grid over +-9 standard deviations around the means (0..1), and its cell area."""
     xs = np.linspace(-9 * std[0] - 1, 9 * std[0] + 1, n)
     ys = np.linspace(-9 * std[1] - 1, 9 * std[1] + 1, n)
@@ -127,7 +127,8 @@ def test_the_joint_release_is_exactly_the_gaussian_round_at_the_total_z(relation
     for eps in (0.25, 0.75, 1.5):
         accountant = pld_delta([(event, 1)], eps)
         true = _joint_delta(eps, q, (1.0, 0.5), (zg, sb), replace)
-        assert true <= accountant * (1 + 1e-9) + 1e-12, (eps, true, accountant)
+        # Equal to ~1e-10 (the grid quadrature is accurate to ~1e-9 relative at 1201 points).
+        assert true <= accountant * (1 + 1e-8), (eps, true, accountant)
         assert accountant <= true * 1.02 + 1e-6, (eps, true, accountant)
         if not replace:  # sum b_i: the count moves by 1, twice what the split assumes
             assert _joint_delta(eps, q, (1.0, 1.0), (zg, sb), False) > accountant * 1.2
