@@ -5,6 +5,12 @@ and prometheus_client are never loaded). The mathematics is in
 ``docs/privacy.md`` and in the module docstrings (``accounting.composition``).
 """
 
+from accounting.adaptive import (
+    combined_noise_multiplier,
+    gradient_noise_multiplier,
+    next_clip,
+    noisy_fraction,
+)
 from accounting.composition import (
     DEFAULT_DISCRETIZATION,
     RoundModel,
@@ -114,10 +120,13 @@ __all__ = [
     "bernoulli_probability",
     "budgets",
     "calibrate_noise_multiplier",
+    "combined_noise_multiplier",
     "composed_pld",
     "epsilon",
     "gradient_noise_multiplier",
     "max_rounds",
+    "next_clip",
+    "noisy_fraction",
     "participant_level_note",
     "plan",
     "pld_delta",

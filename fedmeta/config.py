@@ -28,6 +28,51 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
+class AdaptiveClippingConfig(_Section):
+    """Accounted adaptive clipping (Andrew et al. 2021): a private quantile estimate of task norms.
+
+    Each round the sampled tasks report whether their norm was under the bound, the server releases
+    the noisy count of those bits together with the gradient sum, both from the one lot and both in
+    the round's accounting event (``privacy.noise_multiplier`` is the *total* z), and moves the
+    bound geometrically toward ``target_quantile`` (docs/privacy.md, "Adaptive clipping").
+    """
+
+    enabled: bool = Field(False, description="adapt the clip bound C every round (off = fixed C)")
+    target_quantile: float = Field(
+        0.5, gt=0, lt=1, description="gamma: the quantile of per-task norms C tracks, (0, 1)"
+    )
+    learning_rate: float = Field(
+        0.2, gt=0, le=10, description="eta_C of the geometric update C *= exp(-eta (b~ - gamma))"
+    )
+    count_noise: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="standard deviation of the noise on the count of tasks under the bound, in "
+        "tasks; must exceed z / 2; None = the public expected lot / 20 (Andrew et al.)",
+    )
+    initial_clip: float | None = Field(
+        None, gt=0, le=1e6, description="C in the first round; None = privacy.clip"
+    )
+    min_clip: float = Field(1e-6, gt=0, le=1e6, description="C never goes below this")
+    max_clip: float = Field(1e6, gt=0, le=1e6, description="C never goes above this")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveClippingConfig:
+        if self.min_clip >= self.max_clip:
+            raise ValueError(
+                "privacy.adaptive_clipping.min_clip must be < privacy.adaptive_clipping.max_clip "
+                f"({self.max_clip:g}); got {self.min_clip:g}"
+            )
+        c = self.initial_clip
+        if c is not None and not self.min_clip <= c <= self.max_clip:
+            raise ValueError(
+                f"privacy.adaptive_clipping.initial_clip must be in [min_clip={self.min_clip:g}, "
+                f"max_clip={self.max_clip:g}]; got {c:g}"
+            )
+        return self
+
+
 class PrivacyConfig(_Section):
     """Task-level (epsilon, delta)-DP: budget, noise, clipping and the durable ledger."""
 
@@ -77,6 +122,32 @@ class PrivacyConfig(_Section):
     insecure_test_seed: int | None = Field(
         None, ge=0, description="TESTS ONLY: seeds noise and sampling reproducibly (not private)"
     )
+    adaptive_clipping: AdaptiveClippingConfig = AdaptiveClippingConfig()
+
+    @model_validator(mode="after")
+    def _adaptive(self) -> PrivacyConfig:
+        adaptive = self.adaptive_clipping
+        if not adaptive.enabled:
+            return self
+        if not self.enabled:
+            raise ValueError(
+                "privacy.adaptive_clipping.enabled must be false when privacy.enabled = false (a "
+                "non-private run clips nothing)"
+            )
+        start = adaptive.initial_clip if adaptive.initial_clip is not None else self.clip
+        if not adaptive.min_clip <= start <= adaptive.max_clip:
+            raise ValueError(
+                "privacy.clip must be in [privacy.adaptive_clipping.min_clip="
+                f"{adaptive.min_clip:g}, max_clip={adaptive.max_clip:g}] when it is the initial "
+                f"clip; got {start:g}"
+            )
+        z, sb = self.noise_multiplier, adaptive.count_noise
+        if z is not None and sb is not None and not 2 * sb > z:
+            raise ValueError(
+                f"privacy.adaptive_clipping.count_noise must be > privacy.noise_multiplier / 2 = "
+                f"{z / 2:g} (the count alone would spend the round's whole noise); got {sb:g}"
+            )
+        return self
 
 
 class SamplingConfig(_Section):
@@ -379,7 +450,8 @@ def _format_error(error: ValidationError) -> str:
             msg = msg[len("Value error, ") :]
         got = e.get("input")
         got_s = "" if isinstance(got, dict) else f"; got {got!r}"
-        prefix = f"{loc} " if loc else ""
+        # A section's own check names the full dotted field already.
+        prefix = f"{loc} " if loc and not msg.startswith(f"{loc}.") else ""
         lines.append(f"{prefix}{msg}{got_s}")
     return "invalid configuration: " + "; ".join(lines)
 

@@ -19,12 +19,17 @@ Gradient request (message type ``train``)::
     client -> server  ArrayRecord  "fedmeta.grads"   {grads: float32 [n_tasks, dim]}  (per_task)
                                                   or {grad_sum: float32 [dim]}    (sum_and_norms)
                       ConfigRecord "fedmeta.reply"   {version, run_id, round_id, participant_id,
-                                                      task_ids, task_norms (sum_and_norms only)}
+                                                      task_ids, task_norms (sum_and_norms only),
+                                                      clip_bits (private runs)}
                       MetricRecord "fedmeta.reply_metrics" {compute_seconds}
 
 ``config`` is the one configuration channel: the validated configuration as JSON, which the client
 turns back into the same typed tree. ``clip`` is a round parameter, not configuration (it is absent
-in a non-private run). Replies never carry pre-clip norms: those never leave the participant. An
+in a non-private run); it is the round's bound, which adaptive clipping changes from round to round.
+Replies never carry pre-clip norms: those never leave the participant. In a private run a reply
+carries ``clip_bits``, one bit per task, ``1`` when the task's pre-clip norm was at most ``clip``
+(``[norm <= C]``): the input of adaptive clipping's noisy count (Andrew et al. 2021), which the
+server releases only with noise and accounts (docs/privacy.md); any value but 0 or 1 is refused. An
 empty ``task_ids`` is a valid request: every participant sampled in stage 1 is contacted, whether or
 not it drew a task, so that contact reveals nothing about stage 2.
 """
@@ -38,7 +43,8 @@ from typing import Any, Final
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, ConfigRecordValues, MetricRecord, RecordDict
 
-PROTOCOL_VERSION: Final = 2
+#: 3: replies carry ``clip_bits`` (adaptive clipping); 2: typed request and reply records.
+PROTOCOL_VERSION: Final = 3
 
 # Flower message types (the ClientApp's handlers are @app.query() and @app.train()).
 MSG_REGISTER: Final = "query"
@@ -131,6 +137,7 @@ class GradientReply:
     grad_sum: np.ndarray | None  # float32 [dim] (sum_and_norms)
     task_norms: tuple[float, ...] | None  # post-clip, one per task (sum_and_norms)
     compute_seconds: float | None = None
+    clip_bits: tuple[int, ...] | None = None  # [pre-clip norm <= C] per task (private runs)
 
     @property
     def reply_format(self) -> str:
@@ -287,6 +294,8 @@ def encode_gradient_reply(reply: GradientReply) -> RecordDict:
         meta["task_norms"] = [float(x) for x in reply.task_norms]
     else:
         raise ValueError("a GradientReply needs grads, or grad_sum with task_norms")
+    if reply.clip_bits is not None:
+        meta["clip_bits"] = [int(b) for b in reply.clip_bits]
     content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
         GRADS_RECORD: ArrayRecord(arrays),
         REPLY_RECORD: ConfigRecord(meta),
@@ -321,7 +330,18 @@ def decode_gradient_reply(content: RecordDict) -> GradientReply:
         grad_sum=grad_sum,
         task_norms=norms,
         compute_seconds=_compute_seconds(content),
+        clip_bits=_clip_bits(meta),
     )
+
+
+def _clip_bits(meta: ConfigRecord) -> tuple[int, ...] | None:
+    """The reply's ``clip_bits``: absent (None), or a list of 0 and 1 (anything else is refused)."""
+    if "clip_bits" not in meta:
+        return None
+    raw = _get(meta, "clip_bits", list)
+    if not all(type(b) is int and b in (0, 1) for b in raw):
+        raise ProtocolError(REASON_BAD_DTYPE, "clip_bits must be a list of 0 and 1")
+    return tuple(raw)
 
 
 def _compute_seconds(content: RecordDict) -> float | None:

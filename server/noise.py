@@ -23,6 +23,11 @@ one draw per coordinate of the flat vector. How the draw is made is part of the 
   and (b) the discreteness of the sampler's 52-bit uniforms. docs/privacy.md states this residual
   and why it is not formally folded into epsilon. The released value also reaches participants only
   through the optimizer step and the float32 model, a further post-processing.
+* **Adaptive clipping.** :func:`noised_release` also releases the centred count of the lot's clip
+  bits with ``N(0, s_b^2)`` and lowers the gradient's multiplier to ``z_grad = (z^-2 -
+  (2 s_b)^-2)^(-1/2)`` (accounting/adaptive.py), so the two releases together are the one Gaussian
+  round at ``z`` that the event records. The count is drawn after the gradient, from the same
+  source, and rounded to its own grid.
 * **Test mode.** :meth:`NoiseSource.insecure_for_tests` derives the keys from a seed, so runs are
   reproducible; it is labelled ``secure=False`` in every output and never spends from a ledger
   that a secure run uses (server/run.py).
@@ -41,7 +46,7 @@ import randomgen
 import torch
 from torch import Tensor
 
-from accounting import GaussianRound
+from accounting import GaussianRound, gradient_noise_multiplier
 
 #: The release grid is 2^-GRID_BITS of the noise standard deviation (to within a factor 2).
 GRID_BITS = 10
@@ -144,3 +149,57 @@ def noised_sum(
     np.rint(released, out=released)
     released *= grid
     return NoisedSum(torch.from_numpy(released).reshape(total.shape), event, std, grid)
+
+
+@dataclass(frozen=True)
+class NoisedRelease:
+    """A round's two releases under adaptive clipping and the one event that accounts for both."""
+
+    value: Tensor  # the noisy gradient sum, float64, on its release grid
+    count: float  # the noisy centred count sum_i (b_i - 1/2) + N(0, s_b^2), on its grid
+    event: GaussianRound  # the total z: covers both releases (accounting/adaptive.py)
+    noise_std: float  # z_grad * C
+    count_std: float  # s_b
+    grid: float
+
+
+def _on_grid(exact: np.ndarray, std: float, source: NoiseSource) -> tuple[np.ndarray, float]:
+    grid = release_grid(std)
+    released = source.standard_normal(exact.size)
+    released *= std
+    released += exact
+    released /= grid
+    np.rint(released, out=released)
+    released *= grid
+    return released, grid
+
+
+def noised_release(
+    total: Tensor,
+    centred_count: float,
+    *,
+    clip: float,
+    event: GaussianRound,
+    count_noise: float,
+    source: NoiseSource,
+) -> NoisedRelease:
+    """Release ``total`` and the centred bit count of the same lot (Andrew et al. 2021, Thm 1).
+
+    ``total`` is a sum of vectors clipped to ``clip``; ``centred_count`` is ``sum_i (b_i - 1/2)``
+    over the same tasks. The gradient gets ``N(0, (z_grad C)^2 I)`` with ``z_grad`` derived from
+    ``event``'s total ``z`` and ``count_noise`` (``s_b``), the count ``N(0, s_b^2)``: the event
+    accounts for both, so noise and event cannot disagree. The caller records the spend first.
+    """
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite number > 0; got {clip}")
+    if not math.isfinite(centred_count):
+        raise ValueError(f"centred_count must be finite; got {centred_count}")
+    z_grad = gradient_noise_multiplier(float(event.noise_multiplier), float(count_noise))
+    std = z_grad * float(clip)
+    exact = total.detach().to(torch.float64).cpu().numpy().reshape(-1)
+    value, grid = _on_grid(exact, std, source)
+    count, _ = _on_grid(np.array([float(centred_count)]), float(count_noise), source)
+    return NoisedRelease(
+        torch.from_numpy(value).reshape(total.shape), float(count[0]), event, std,
+        float(count_noise), grid,
+    )  # fmt: skip

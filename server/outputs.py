@@ -24,7 +24,7 @@ from server.report import RoundOutcome
 
 CSV_FIELDS = [
     "round", "mode", "status", "participants_sampled", "participants_replied",
-    "participants_failed", "epsilon", "epsilon_participant", "loss", "validation_metric",
+    "participants_failed", "epsilon", "epsilon_participant", "loss", "validation_metric", "clip",
 ]  # fmt: skip
 DIAGNOSTIC_FIELDS = [
     "tasks_requested", "tasks_received", "norm_violations", "nonfinite", "clipped_fraction",
@@ -63,6 +63,7 @@ def format_plan(plan: RunPlan, fc: BudgetForecast | None, cfg: Config, participa
         f"budget: epsilon {_e(plan.epsilon_budget, 'g')}, delta {_e(plan.delta, 'g')} | "
         f"clip C = {_e(plan.clip, 'g')}",
         f"noise multiplier z = {_e(plan.noise_multiplier, '.4f')}{calibrated}",
+        *_adaptive_lines(plan),
         f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
         f"ledger before this run: {fc.ledger_records_before} spends, "
         f"epsilon {_e(fc.epsilon_spent_before)}",
@@ -76,6 +77,20 @@ def format_plan(plan: RunPlan, fc: BudgetForecast | None, cfg: Config, participa
         lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
                      "NOT a valid guarantee, not enforced)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _adaptive_lines(plan: RunPlan) -> list[str]:
+    a = plan.adaptive
+    if a is None:
+        return []
+    return [
+        f"adaptive clipping (Andrew et al. 2021): C starts at {_e(a.initial_clip, 'g')}, tracks "
+        f"the {_e(a.target_quantile, 'g')} quantile of task norms (learning rate "
+        f"{_e(a.learning_rate, 'g')}, C in [{_e(a.min_clip, 'g')}, {_e(a.max_clip, 'g')}])",
+        f"  z = {_e(plan.noise_multiplier, '.4f')} covers both releases: gradient noise "
+        f"z_grad = {_e(a.gradient_noise_multiplier, '.4f')}, count noise s_b = "
+        f"{_e(a.count_noise, '.4g')} tasks",
+    ]
 
 
 def build_summary(
@@ -116,6 +131,7 @@ def build_summary(
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.noise_calibrated if private else None,
         "clip": plan.clip,
+        "adaptive_clipping": _adaptive_summary(plan, outcomes),
         "noise_secure": noise_secure if private else None,
         "normaliser": plan.normaliser if private else None,
         "participants_registered": participants,
@@ -132,6 +148,22 @@ def build_summary(
         else {"path": str(ledger.path), "records": ledger.position()},
         "plan": None if fc is None else _forecast_dict(fc),
         "wall_seconds": round(wall_seconds, 1),
+    }
+
+
+def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[str, Any] | None:
+    """Adaptive clipping's constants and the last bound used (a function of released counts)."""
+    a = plan.adaptive
+    if a is None:
+        return None
+    clips = [o.clip for o in outcomes if o.clip is not None]
+    return {
+        "target_quantile": a.target_quantile,
+        "learning_rate": a.learning_rate,
+        "count_noise": a.count_noise,
+        "gradient_noise_multiplier": a.gradient_noise_multiplier,
+        "initial_clip": a.initial_clip,
+        "last_clip": clips[-1] if clips else None,
     }
 
 
@@ -195,6 +227,7 @@ def csv_row(outcome: RoundOutcome, private: bool) -> dict[str, Any]:
         "epsilon_participant": outcome.epsilon_participant,
         "loss": outcome.train_loss,
         "validation_metric": outcome.validation_metric,
+        "clip": outcome.clip,
     }
     if outcome.diagnostics is not None:
         d = outcome.diagnostics

@@ -10,6 +10,10 @@ server uses them to sample task indices and nothing else. The scheme's stage-2 b
 (``min_tasks`` for a fixed-size stage 2) and the normaliser of the noisy sum are public constants
 of the configuration, and participants below the public ``min_tasks`` are refused at registration.
 Under replace-one the counts are public, and the smallest registered count is the accounted bound.
+
+With adaptive clipping (:class:`AdaptiveClipping`) the event's ``z`` is the *total* noise multiplier
+of the round's two releases (the gradient sum and the noisy count of clip bits); the gradient gets
+the smaller ``z_grad`` (accounting/adaptive.py), and ``RunPlan.clip`` is the first round's bound.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from accounting import (
     TwoStagePoissonScheme,
     calibrate_noise_multiplier,
     epsilon,
+    gradient_noise_multiplier,
     participant_level_note,
     tombs2022_published_epsilon,
 )
@@ -31,6 +36,19 @@ from accounting.schemes import Neighbouring
 from fedmeta.config import Config
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """The public constants of adaptive clipping (Andrew et al. 2021), resolved for one run."""
+
+    target_quantile: float
+    learning_rate: float
+    count_noise: float  # s_b, in tasks
+    gradient_noise_multiplier: float  # z_grad = (z^-2 - (2 s_b)^-2)^(-1/2)
+    initial_clip: float
+    min_clip: float
+    max_clip: float
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,14 @@ class RunPlan:
     epsilon_budget: float | None
     delta: float | None
     planned_rounds: int
+    adaptive: AdaptiveClipping | None = None  # None: the clip bound is fixed
+
+    @property
+    def gradient_noise_multiplier(self) -> float | None:
+        """The gradient's own noise multiplier: ``z``, or ``z_grad`` with adaptive clipping."""
+        if self.adaptive is not None:
+            return self.adaptive.gradient_noise_multiplier
+        return self.noise_multiplier
 
     def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
         """The same plan (z, clip, normaliser) for the population eligible in a round."""
@@ -117,18 +143,41 @@ def build_plan(
             neighbouring=cfg.privacy.neighbouring,
         )  # fmt: skip
     event = GaussianRound(scheme, float(noise_multiplier), _cap(scheme), cfg.privacy.neighbouring)
+    adaptive = _adaptive(cfg, float(noise_multiplier), norm)
     return RunPlan(
         private=True,
         neighbouring=cfg.privacy.neighbouring,
         scheme=scheme,
         event=event,
-        clip=cfg.privacy.clip,
+        clip=cfg.privacy.clip if adaptive is None else adaptive.initial_clip,
         normaliser=norm,
         noise_calibrated=calibrated,
         epsilon_budget=cfg.privacy.epsilon_budget,
         delta=cfg.privacy.delta,
         planned_rounds=cfg.rounds,
+        adaptive=adaptive,
     )
+
+
+def _adaptive(cfg: Config, z: float, expected_lot: float) -> AdaptiveClipping | None:
+    """Adaptive clipping's constants, with the gradient's share of ``z`` (None when it is off)."""
+    a = cfg.privacy.adaptive_clipping
+    if not a.enabled:
+        return None
+    count_noise = a.count_noise if a.count_noise is not None else expected_lot / 20.0
+    try:
+        z_grad = gradient_noise_multiplier(z, count_noise)
+    except ValueError:
+        source = (
+            "" if a.count_noise is not None else f" (default: expected lot {expected_lot:g}/20)"
+        )
+        raise ValueError(
+            f"privacy.adaptive_clipping.count_noise must be > z / 2 = {z / 2:g} (z = the total "
+            f"noise multiplier); got {count_noise:g}{source}: raise it, or lower z"
+        ) from None
+    initial = a.initial_clip if a.initial_clip is not None else cfg.privacy.clip
+    return AdaptiveClipping(a.target_quantile, a.learning_rate, count_noise, z_grad, initial,
+                            a.min_clip, a.max_clip)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------- the cost

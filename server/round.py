@@ -10,7 +10,11 @@
 5. **Spend.** ``ledger.spend(event, run_id, round)`` records the round durably *before* anything is
    released; if another run spent the rest meanwhile it raises and nothing is released.
 6. **Noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release grid
-   (server/noise.py), divide by the public normaliser, and take the optimizer step.
+   (server/noise.py), divide by the public normaliser, and take the optimizer step. With adaptive
+   clipping the round's bound ``C_t`` is the training state's, the centred count of the replies'
+   clip bits is released beside the sum (the gradient's noise multiplier lowered so that the two
+   together are the event's ``z``), and the next bound ``C_{t+1}`` is computed from that release
+   alone (accounting/adaptive.py).
 
 A non-private run skips 1, 5 and the noise, and averages over the tasks received. The result is a
 :class:`~server.report.RoundOutcome`; private diagnostics are attached only where allowed.
@@ -27,10 +31,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from accounting import BudgetExhausted, BudgetLedger, TwoStageSampler
+from accounting import BudgetExhausted, BudgetLedger, TwoStageSampler, next_clip, noisy_fraction
 from fedmeta.config import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest
-from server.noise import NoiseSource, noised_sum
+from server.noise import NoiseSource, noised_release, noised_sum
 from server.optimizer import learning_rate, make_optimizer
 from server.plan import RunPlan
 from server.report import RoundDiagnostics, RoundOutcome
@@ -66,7 +70,11 @@ class TrainingDiverged(ValueError):
 
 
 class TrainingState:
-    """The meta-parameters and their optimizer: what a round changes."""
+    """The meta-parameters, their optimizer and the clip bound: what a round changes.
+
+    ``clip`` is the bound of the next round; adaptive clipping updates it every round (it is
+    checkpointed and restored on resume). With a fixed bound it is never read.
+    """
 
     def __init__(
         self,
@@ -76,8 +84,10 @@ class TrainingState:
         noise_variance: float = 0.0,
         planned_rounds: int = 1,
         optimizer_state: dict[str, Any] | None = None,
+        clip: float | None = None,
     ) -> None:
         """The configured meta-optimizer on a flat float32 parameter vector (server/optimizer)."""
+        self.clip = clip
         self.params = params.detach().to(torch.float32).clone().requires_grad_(True)
         self.training = training
         self.planned_rounds = planned_rounds
@@ -102,6 +112,12 @@ class TrainingState:
                 "training.adam_bc_floor); the rounds before it are in the ledger and the last "
                 "checkpoint"
             )
+
+    def set_noise_variance(self, variance: float) -> None:
+        """Tell an optimizer that corrects for the noise (DP-AdamBC's Phi) the round's variance."""
+        for group in self.optimizer.param_groups:
+            if "phi" in group:
+                group["phi"] = float(variance)
 
     def flat(self) -> np.ndarray:
         """The parameters as sent to participants: one float32 vector."""
@@ -134,41 +150,70 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     plan = session.plan
     if plan.private and session.ledger.would_exceed(plan.event):  # type: ignore[union-attr,arg-type]
         return None
+    clip = _round_clip(session, state)
     sample = session.sampler.sample(session.task_counts)
-    requests = _requests(session, state, index, sample)
+    requests = _requests(session, state, index, sample, clip)
     exchange = session.transport(requests)
     checked = validate_round(
         {pid: d.reply for pid, d in exchange.deliveries.items() if d.reply is not None},
-        _expectations(session, index, requests),
+        _expectations(session, index, requests, clip),
     )
     position = _spend(session, index)
     if plan.private and position is None:
         return None
     received = time.perf_counter()
-    update, noise_std = _aggregate(session, checked)
+    update, noise_std, count = _aggregate(session, checked, clip)
+    if plan.adaptive is not None:  # the optimizer's noise correction follows the round's C
+        assert noise_std is not None
+        state.set_noise_variance((noise_std / plan.normaliser) ** 2)
     state.step(update, index)
-    outcome = _outcome(session, index, exchange, checked, position, noise_std)
+    if plan.adaptive is not None:
+        assert clip is not None and count is not None
+        state.clip = _next_clip(session, clip, count)
+    outcome = _outcome(session, index, exchange, checked, position, noise_std, clip)
     _pad(started, session.round_min_seconds)
     if not session.diagnostics:
         return outcome
     return _with_diagnostics(outcome, requests, checked, started, received)
 
 
+def _round_clip(session: RoundSession, state: TrainingState) -> float | None:
+    """This round's bound: the plan's fixed C, or adaptive clipping's current ``C_t``."""
+    plan = session.plan
+    if plan.adaptive is None:
+        return plan.clip
+    return plan.adaptive.initial_clip if state.clip is None else float(state.clip)
+
+
+def _next_clip(session: RoundSession, clip: float, noisy_count: float) -> float:
+    """``C_{t+1}`` from the released noisy count and public constants only (post-processing)."""
+    plan = session.plan
+    a = plan.adaptive
+    assert a is not None
+    fraction = noisy_fraction(noisy_count, plan.normaliser)
+    return next_clip(clip, fraction, a.target_quantile, a.learning_rate, (a.min_clip, a.max_clip))
+
+
 def _requests(
-    session: RoundSession, state: TrainingState, index: int, sample: Mapping[str, list[int]]
+    session: RoundSession,
+    state: TrainingState,
+    index: int,
+    sample: Mapping[str, list[int]],
+    clip: float | None,
 ) -> dict[str, GradientRequest]:
     params = state.flat()
     return {
         pid: GradientRequest(
-            session.run_id, index, tuple(task_ids), session.plan.clip, params, session.config_json
-        )
+            session.run_id, index, tuple(task_ids), clip, params, session.config_json
+        )  # fmt: skip
         for pid, task_ids in sample.items()
     }
 
 
 def _expectations(
-    session: RoundSession, index: int, requests: Mapping[str, GradientRequest]
+    session: RoundSession, index: int, requests: Mapping[str, GradientRequest], clip: float | None
 ) -> dict[str, Expectation]:
+    bits = session.plan.adaptive is not None
     return {
         pid: Expectation(
             session.run_id,
@@ -176,9 +221,10 @@ def _expectations(
             pid,
             req.task_ids,
             session.dim,
-            session.plan.clip,
+            clip,
             session.reply_format,
             session.tolerance,
+            bits,
         )  # fmt: skip
         for pid, req in requests.items()
     }
@@ -196,18 +242,36 @@ def _spend(session: RoundSession, index: int) -> int | None:
     return session.ledger.position()
 
 
-def _aggregate(session: RoundSession, checked: RoundReplies) -> tuple[Tensor, float | None]:
-    """The update: noisy sum over the public normaliser (private), or the plain mean."""
+def centred_count(checked: RoundReplies) -> float:
+    """``sum_i (b_i - 1/2)`` over the accepted tasks: sensitivity 1/2 under add/remove.
+
+    Centring is what makes the count's sensitivity half the clip's share (accounting/adaptive.py);
+    a dropped reply or task contributes 0 to both the count and the sum.
+    """
+    return float(sum(a.under_clip - a.n_tasks / 2 for a in checked.accepted))
+
+
+def _aggregate(
+    session: RoundSession, checked: RoundReplies, clip: float | None
+) -> tuple[Tensor, float | None, float | None]:
+    """The update (noisy sum over the public normaliser, or the plain mean), its noise, the count.
+
+    The count is the released noisy centred count of clip bits (adaptive clipping), else None.
+    """
     total = torch.zeros(session.dim, dtype=torch.float64)
     for accepted in checked.accepted:
         total += accepted.grad_sum
     plan = session.plan
     if not plan.private:
         received = sum(a.n_tasks for a in checked.accepted)
-        return total / max(received, 1), None
-    assert plan.event is not None and plan.clip is not None and session.noise is not None
-    released = noised_sum(total, clip=plan.clip, event=plan.event, source=session.noise)
-    return released.value / plan.normaliser, released.noise_std
+        return total / max(received, 1), None, None
+    assert plan.event is not None and clip is not None and session.noise is not None
+    if plan.adaptive is None:
+        released = noised_sum(total, clip=clip, event=plan.event, source=session.noise)
+        return released.value / plan.normaliser, released.noise_std, None
+    joint = noised_release(total, centred_count(checked), clip=clip, event=plan.event,
+                           count_noise=plan.adaptive.count_noise, source=session.noise)  # fmt: skip
+    return joint.value / plan.normaliser, joint.noise_std, joint.count
 
 
 def _outcome(
@@ -217,6 +281,7 @@ def _outcome(
     checked: RoundReplies,
     position: int | None,
     noise_std: float | None,
+    clip: float | None,
 ) -> RoundOutcome:
     failures: dict[str, int] = {}
     for delivery in exchange.deliveries.values():
@@ -236,7 +301,7 @@ def _outcome(
         stray_replies=dict(exchange.stray_replies),
         ledger_position=position,
         noise_std=noise_std,
-        clip=session.plan.clip,
+        clip=clip,
     )
 
 

@@ -14,7 +14,9 @@ spent, whether or not its update reached a checkpoint. A resumed run continues f
 model; its next round is one past the larger of the checkpoint's last round and the ledger's last
 spend for this run, so a round index is never spent twice, and rounds whose update was lost count
 as completed (their privacy cost is paid) and are reported as lost. Neither the sampler's nor the
-noise's randomness is ever checkpointed: a resumed private run draws fresh secrets.
+noise's randomness is ever checkpointed: a resumed private run draws fresh secrets. Adaptive
+clipping's current bound is training state: it is checkpointed with the model and restored, so a
+resumed run (in the reproducible test mode) goes on exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -273,9 +275,11 @@ def _session(
 def _optimizer_args(cfg: Config, plan: RunPlan) -> dict[str, Any]:
     """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
     phi = 0.0
-    if plan.private and plan.noise_multiplier is not None and plan.clip is not None:
-        phi = (plan.noise_multiplier * plan.clip / plan.normaliser) ** 2
-    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds}
+    z = plan.gradient_noise_multiplier
+    if plan.private and z is not None and plan.clip is not None:
+        phi = (z * plan.clip / plan.normaliser) ** 2
+    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds,
+            "clip": plan.clip if plan.adaptive is not None else None}  # fmt: skip
 
 
 def _initial_state(
@@ -291,6 +295,10 @@ def _initial_state(
         return TrainingState(initial_params(cfg, model), **_optimizer_args(cfg, plan)), [], 0
     state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
                           optimizer_state=ckpt["optimizer"])  # fmt: skip
+    if plan.adaptive is not None and ckpt.get("clip") is not None:
+        state.clip = float(ckpt["clip"])  # adaptive clipping's bound for the next round
+        state.set_noise_variance((plan.adaptive.gradient_noise_multiplier * state.clip
+                                  / plan.normaliser) ** 2)  # fmt: skip
     outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
     next_round = int(ckpt["next_round"])
     if ledger is None:
@@ -443,6 +451,7 @@ def _checkpoint(run: _Run) -> None:
             "config": run.cfg.to_dict(),
             "noise_multiplier": run.plan.noise_multiplier,
             "noise_calibrated": run.plan.noise_calibrated,
+            "clip": run.state.clip,  # adaptive clipping's next bound (None: fixed)
             "outcomes": [o.to_dict() for o in run.outcomes],
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),

@@ -20,6 +20,12 @@ as C; the sum is scaled down, if needed, to ``sum_i min(norm_i, C)``, the larges
 such rows can have; a non-finite sum contributes zero. It cannot check any single task's
 contribution, so in that format the per-task bound rests on the participant's own clipping (see
 docs/federation.md: use ``per_task`` unless bandwidth matters).
+
+With adaptive clipping a reply must carry one ``clip_bits`` entry per task (the protocol already
+refused any value but 0 or 1); a missing or mis-sized list is structural (``bad_shape``). The server
+cannot check a bit against the pre-clip norm it never sees, and does not need to: any 0/1 value
+keeps the count's sensitivity at 1/2 per task, which is all the accounting assumes
+(accounting/adaptive.py).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Expectation:
     clip: float | None  # None: a non-private run, nothing is clipped
     reply_format: str
     tolerance: float = 1e-4  # relative slack before a norm counts as a violation
+    clip_bits: bool = False  # adaptive clipping: the reply must carry one bit per task
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class Accepted:
     nonfinite: int = 0  # rows (or sums) replaced by zero
     post_clip_norms: tuple[float, ...] = ()  # private diagnostic, never exported raw
     compute_seconds: float | None = None  # private diagnostic
+    under_clip: int = 0  # tasks whose reported bit is 1 (adaptive clipping; released only noised)
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,14 @@ def _structure(reply: GradientReply, exp: Expectation) -> Rejected | None:
         return Rejected(pid, REASON_BAD_SHAPE, f"grad_sum {reply.grad_sum.shape}")
     if reply.task_norms is not None and len(reply.task_norms) != n:
         return Rejected(pid, REASON_BAD_SHAPE, f"{len(reply.task_norms)} norms for {n} tasks")
+    if exp.clip_bits and (reply.clip_bits is None or len(reply.clip_bits) != n):
+        got = "none" if reply.clip_bits is None else str(len(reply.clip_bits))
+        return Rejected(pid, REASON_BAD_SHAPE, f"{got} clip bits for {n} tasks")
     return None
+
+
+def _under_clip(reply: GradientReply, exp: Expectation) -> int:
+    return sum(reply.clip_bits) if exp.clip_bits and reply.clip_bits is not None else 0
 
 
 def _per_task(reply: GradientReply, exp: Expectation) -> Accepted:
@@ -141,6 +156,7 @@ def _per_task(reply: GradientReply, exp: Expectation) -> Accepted:
         nonfinite=nonfinite,
         post_clip_norms=tuple(float(x) for x in torch.linalg.vector_norm(clipped, dim=1)),
         compute_seconds=reply.compute_seconds,
+        under_clip=_under_clip(reply, exp),
     )
 
 
@@ -167,6 +183,7 @@ def _sum_and_norms(reply: GradientReply, exp: Expectation) -> Accepted:
         nonfinite=nonfinite,
         post_clip_norms=tuple(min(x, clip) for x in norms),
         compute_seconds=reply.compute_seconds,
+        under_clip=_under_clip(reply, exp),
     )
 
 

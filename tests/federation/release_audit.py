@@ -12,11 +12,19 @@ advance (the release falling in a window), a Clopper-Pearson lower bound on epsi
 
 The bound must stay below the accountant's epsilon, and exceed the epsilon claimed by each negative
 control, which shows the audit has the power to catch a broken mechanism or accountant.
+
+With adaptive clipping on (``adaptive=...``) a round releases two values, the noisy sum and the
+noisy centred count of clip bits. The count is read where it really leaves the server: from the
+next round's clip bound ``C_1`` (which goes to every participant and into ``rounds.csv``), inverted
+through the public update rule. The participants report their bits with the client's own function
+(``client.gradients.clip_bits``), and the adversary's statistic is the likelihood-ratio projection
+of both releases (:func:`projection`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,12 +34,13 @@ import numpy as np
 import torch
 from scipy import stats
 
-from accounting import GaussianRound, SystemRandomSource, TwoStageSampler
+from accounting import GaussianRound, SystemRandomSource, TwoStageSampler, gradient_noise_multiplier
+from client.gradients import clip_bits
 from fedmeta.protocol import REPLY_PER_TASK, GradientReply, GradientRequest
 from server import round as round_mod
 from server import validation as validation_mod
 from server.noise import NoiseSource
-from server.plan import RunPlan
+from server.plan import AdaptiveClipping, RunPlan
 from server.round import Delivery, Exchange, RoundSession, run_round
 
 from .fakes import fake_ledger
@@ -51,6 +60,10 @@ class _Released:
     def __init__(self, normaliser: float) -> None:
         self.normaliser = normaliser
         self.values: list[float] = []
+        self.clip: float | None = None  # adaptive clipping's bound: reset before every trial
+
+    def set_noise_variance(self, variance: float) -> None:
+        pass
 
     def flat(self) -> np.ndarray:
         return np.zeros(1, dtype=np.float32)
@@ -62,35 +75,102 @@ class _Released:
 def _transport(grads: Mapping[str, Sequence[float]]) -> Any:
     table = {pid: np.asarray(g, dtype=np.float32) for pid, g in grads.items()}
 
+    def reply(pid: str, req: GradientRequest) -> GradientReply:
+        rows = table[pid][list(req.task_ids)]
+        bits = None if req.clip is None else clip_bits(np.abs(rows), req.clip)  # 1-D: norm = |g|
+        return GradientReply(req.run_id, req.round_id, pid, req.task_ids, rows[:, None], None,
+                             None, None, bits)  # fmt: skip
+
     def exchange(requests: Mapping[str, GradientRequest]) -> Exchange:
-        return Exchange(
-            {
-                pid: Delivery(GradientReply(req.run_id, req.round_id, pid, req.task_ids,
-                                            table[pid][list(req.task_ids)][:, None], None, None))
-                for pid, req in requests.items()
-            },
-            {},
-        )  # fmt: skip
+        return Exchange({pid: Delivery(reply(pid, req)) for pid, req in requests.items()}, {})
 
     return exchange
 
 
-def released(
-    event: GaussianRound, grads: Mapping[str, Sequence[float]], trials: int, noise: NoiseSource
-) -> np.ndarray:
-    """The sums one private round releases, ``trials`` times, through the real pipeline."""
-    plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, 1.0, False, 1e9, 1e-5,
-                   10**9)  # type: ignore[arg-type]  # fmt: skip
-    counts = {pid: len(g) for pid, g in grads.items()}
+def adaptive_clipping(event: GaussianRound, count_noise: float) -> AdaptiveClipping:
+    """Adaptive clipping for an audit: C_0 = 1, eta = 1, gamma = 1/2, wide bounds (invertible)."""
+    z_grad = gradient_noise_multiplier(event.noise_multiplier, count_noise)
+    return AdaptiveClipping(0.5, 1.0, count_noise, z_grad, 1.0, 1e-12, 1e12)
+
+
+def _session(
+    event: GaussianRound,
+    grads: Mapping[str, Sequence[float]],
+    noise: NoiseSource,
+    adaptive: AdaptiveClipping | None,
+    normaliser: float,
+) -> RoundSession:
+    plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, normaliser, False, 1e9,
+                   1e-5, 10**9, adaptive)  # type: ignore[arg-type]  # fmt: skip
     sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
-    session = RoundSession(
-        "audit", "audit", plan, counts, sampler, _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4,
-        False, 0.0, fake_ledger(1e12, 1e-12), noise,
+    return RoundSession(
+        "audit", "audit", plan, {pid: len(g) for pid, g in grads.items()}, sampler,
+        _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4, False, 0.0, fake_ledger(1e12, 1e-12),
+        noise,
     )  # fmt: skip
-    out = _Released(plan.normaliser)
+
+
+def released(
+    event: GaussianRound,
+    grads: Mapping[str, Sequence[float]],
+    trials: int,
+    noise: NoiseSource,
+    adaptive: AdaptiveClipping | None = None,
+) -> np.ndarray:
+    """What one private round releases, ``trials`` times, through the real pipeline.
+
+    The sums ``[trials]``; with ``adaptive``, ``[trials, 2]``: the sum and the noisy centred count,
+    the latter recovered from the next bound, ``C_1 = C_0 exp(-eta (count / normaliser + 1/2 -
+    gamma))``. Every trial starts from ``C_0``.
+    """
+    session = _session(event, grads, noise, adaptive, 1.0)
+    out = _Released(session.plan.normaliser)
+    counts = []
     for index in range(trials):
+        out.clip = None if adaptive is None else adaptive.initial_clip
         run_round(session, out, index)  # type: ignore[arg-type]
-    return np.asarray(out.values)
+        if adaptive is not None:
+            assert out.clip is not None
+            step = math.log(out.clip / adaptive.initial_clip) / adaptive.learning_rate
+            counts.append((adaptive.target_quantile - step - 0.5) * session.plan.normaliser)
+    if adaptive is None:
+        return np.asarray(out.values)
+    return np.column_stack([out.values, counts])
+
+
+def clip_trajectory(
+    event: GaussianRound,
+    grads: Mapping[str, Sequence[float]],
+    rounds: int,
+    adaptive: AdaptiveClipping,
+    normaliser: float,
+) -> list[float]:
+    """The bound of each of ``rounds`` consecutive private rounds through the real pipeline."""
+    session = _session(event, grads, NoiseSource.create(), adaptive, normaliser)
+    out = _Released(normaliser)
+    out.clip = adaptive.initial_clip
+    clips = []
+    for index in range(rounds):
+        clips.append(float(out.clip))
+        run_round(session, out, index)  # type: ignore[arg-type]
+    return clips
+
+
+def projection(
+    values: np.ndarray, with_target: Sequence[float], without_target: Sequence[float],
+    stds: Sequence[float],
+) -> np.ndarray:  # fmt: skip
+    """The likelihood-ratio statistic of independent Gaussian releases, scaled to means 1 and 0.
+
+    For releases with means ``with_target`` (D) or ``without_target`` (D') and standard deviations
+    ``stds``, the optimal test thresholds ``sum_k d_k x_k / s_k^2`` (``d`` the mean difference).
+    Shifted and scaled, it is ``N(1, zeta^2)`` on D and ``N(0, zeta^2)`` on D', ``zeta = 1 /
+    |d / s|``: the one Gaussian mechanism the pair of releases is (accounting/adaptive.py). The
+    means and scales come from the mechanism's closed form, fixed before any sample is drawn.
+    """
+    a, b, s = (np.asarray(v, dtype=np.float64) for v in (with_target, without_target, stds))
+    weights = (a - b) / s**2
+    return (np.asarray(values, dtype=np.float64) - b) @ weights / float((a - b) @ weights)
 
 
 def lower_bound(positive: np.ndarray, negative: np.ndarray, window: tuple[float, float],
@@ -114,11 +194,18 @@ def audit(
     *,
     noise: type[NoiseSource] | None = None,
     positive_is_without: bool = False,
+    adaptive: AdaptiveClipping | None = None,
+    statistic: Any = None,
 ) -> float:
-    """The lower bound for ``pair`` under the real path (or a control's noise source)."""
+    """The lower bound for ``pair`` under the real path (or a control's noise source).
+
+    With ``adaptive``, ``statistic`` maps the ``[trials, 2]`` releases to the tested scalar.
+    """
     make = (noise or NoiseSource).create
-    d = released(event, pair.with_target, trials, make())
-    d_prime = released(event, pair.without_target, trials, make())
+    d = released(event, pair.with_target, trials, make(), adaptive)
+    d_prime = released(event, pair.without_target, trials, make(), adaptive)
+    if statistic is not None:
+        d, d_prime = statistic(d), statistic(d_prime)
     if positive_is_without:
         d, d_prime = d_prime, d
     return lower_bound(d, d_prime, window, delta)
@@ -150,12 +237,38 @@ def divided_by_realised_count() -> Iterator[None]:
     """Control: the noisy sum divided by the number of tasks received (Opacus issue #571)."""
     real = round_mod._aggregate
 
-    def by_count(session: RoundSession, checked: Any) -> Any:
-        update, std = real(session, checked)
+    def by_count(session: RoundSession, checked: Any, clip: Any) -> Any:
+        update, std, count = real(session, checked, clip)
         received = sum(a.n_tasks for a in checked.accepted)
-        return update * session.plan.normaliser / max(received, 1), std
+        return update * session.plan.normaliser / max(received, 1), std, count
 
     with _patch(round_mod, "_aggregate", by_count):
+        yield
+
+
+@contextlib.contextmanager
+def count_without_noise() -> Iterator[None]:
+    """Control (adaptive clipping): the count of clip bits released exactly, without its noise."""
+    real = round_mod.noised_release
+
+    def exact(total: torch.Tensor, centred_count: float, **kw: Any) -> Any:
+        return dataclasses.replace(real(total, centred_count, **kw), count=float(centred_count))
+
+    with _patch(round_mod, "noised_release", exact):
+        yield
+
+
+@contextlib.contextmanager
+def count_not_centred() -> Iterator[None]:
+    """Control (adaptive clipping): ``sum b_i`` released instead of ``sum (b_i - 1/2)``.
+
+    Under add/remove the count's sensitivity is then 1, twice what the noise split assumes.
+    """
+
+    def uncentred(checked: Any) -> float:
+        return float(sum(a.under_clip for a in checked.accepted))
+
+    with _patch(round_mod, "centred_count", uncentred):
         yield
 
 

@@ -11,6 +11,13 @@ Scenarios (one private round each; gradients are 1-D, C = 1):
   participant sends a canary of 5C. Caught controls: re-clipping disabled, noise halved.
 * **count** (one participant, the target's gradient is 0): only the number of tasks differs.
   Caught control: the noisy sum divided by the realised count.
+* **adaptive clipping** (two participants, everything sampled; the target's gradient has norm
+  exactly C, so its clip bit is 1 and its clipped contribution C): the round also releases the
+  noisy count of clip bits, read back from the next round's bound. The count noise is set so the
+  count carries most of the information (``s_b = 0.51`` at ``z = 1``: the gradient alone is at
+  ``z_grad = 5.07``); the statistic projects both releases. Caught controls: an accountant that
+  sees only the gradient's ``z_grad`` (the count unaccounted), the count released without noise,
+  and (slow only: it needs more trials) the count of bits not centred.
 
 Each check uses the claimed delta of its scenario (the accountant's claim holds for every delta;
 1e-3 gives these trial counts their power). Windows were fixed in advance from the mechanism's
@@ -27,14 +34,19 @@ from accounting import (
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
     epsilon,
+    gradient_noise_multiplier,
     tombs2022_published_epsilon,
 )
 
 from .release_audit import (
     HalvedNoise,
     Neighbours,
+    adaptive_clipping,
     audit,
+    count_not_centred,
+    count_without_noise,
     divided_by_realised_count,
+    projection,
     reclipping_disabled,
 )
 
@@ -50,6 +62,14 @@ LONE = GaussianRound(TwoStagePoissonScheme(2, 2, 1.0), 3.0)
 LONE_CANARY = Neighbours({"t": [5.0], "o": [0.0]}, {"t": [], "o": [0.0]})
 COUNT = GaussianRound(TwoStagePoissonScheme(1, 1, 1.0), 4.0)
 COUNT_PAIR = Neighbours({"t": [0.0, 1.0]}, {"t": [1.0]})
+
+
+ADAPTIVE = GaussianRound(TwoStagePoissonScheme(2, 2, 1.0), 1.0)
+COUNT_NOISE = 0.51
+ADAPTIVE_PAIR = Neighbours({"t": [1.0], "o": [0.0]}, {"t": [], "o": [0.0]})
+Z_GRAD = gradient_noise_multiplier(ADAPTIVE.noise_multiplier, COUNT_NOISE)
+# Means of (sum, centred count) with and without the target: bits 1 and 1, then 1 (C_0 = 1).
+WITH, WITHOUT, STDS = (1.0, 1.0), (0.0, 0.5), (Z_GRAD, COUNT_NOISE)
 
 
 def eps(event: GaussianRound) -> float:
@@ -88,6 +108,49 @@ def check(trials: int, subtle: int) -> dict[str, float]:
     assert bounds["lone canary, no re-clip"] > eps(LONE) + 1.0, bounds
     assert bounds["count, divided by count"] > eps(COUNT) + 1.0, bounds
     return bounds
+
+
+def check_adaptive(trials: int, controls: int, *, slow: bool = False) -> dict[str, float]:
+    """Adaptive clipping on: both releases audited together, and its controls."""
+    on = adaptive_clipping(ADAPTIVE, COUNT_NOISE)
+    both = lambda v: projection(v, WITH, WITHOUT, STDS)  # noqa: E731
+    count_only = lambda v: v[:, 1]  # noqa: E731
+    bounds = {
+        "adaptive, sum and count": audit(ADAPTIVE, ADAPTIVE_PAIR, trials, (2.5, float("inf")),
+                                         DELTA, adaptive=on, statistic=both),
+    }  # fmt: skip
+    with count_without_noise():
+        bounds["adaptive, count without noise"] = audit(
+            ADAPTIVE, ADAPTIVE_PAIR, controls, (0.75, float("inf")), DELTA, adaptive=on,
+            statistic=count_only,
+        )  # fmt: skip
+    if slow:  # sum b_i: means (1, 2) and (0, 1), the same noise
+        uncentred = lambda v: projection(v, (1.0, 2.0), (0.0, 1.0), STDS)  # noqa: E731
+        with count_not_centred():
+            bounds["adaptive, count not centred"] = audit(
+                ADAPTIVE, ADAPTIVE_PAIR, trials, (1.8, float("inf")), DELTA, adaptive=on,
+                statistic=uncentred,
+            )  # fmt: skip
+        assert bounds["adaptive, count not centred"] > eps(ADAPTIVE) + 0.5, bounds
+    # The real path stays within the accountant's epsilon for the total z ...
+    assert bounds["adaptive, sum and count"] < eps(ADAPTIVE), bounds
+    # ... and shows more than the gradient alone could: the count must be accounted.
+    gradient_only = GaussianRound(ADAPTIVE.scheme, Z_GRAD)
+    assert bounds["adaptive, sum and count"] > eps(gradient_only) + 0.5, bounds
+    assert bounds["adaptive, count without noise"] > eps(ADAPTIVE) + 1.0, bounds
+    return bounds
+
+
+@pytest.mark.integration
+def test_release_path_audit_with_adaptive_clipping() -> None:
+    check_adaptive(trials=2_000, controls=1_000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_release_path_audit_with_adaptive_clipping_full() -> None:
+    bounds = check_adaptive(trials=20_000, controls=5_000, slow=True)
+    print({k: round(v, 3) for k, v in bounds.items()})
 
 
 @pytest.mark.integration
