@@ -54,7 +54,6 @@ from accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    gradient_noise_multiplier,
     plan,
 )
 from accounting.randomness import (

@@ -1144,4 +1144,3 @@ def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: fl
                 g_lo /= 2.0
             last = -1
     return lo
-

@@ -65,6 +65,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
+from accounting.adaptive import gradient_noise_multiplier
 from accounting.composition import (
     DEFAULT_DISCRETIZATION,
     MAX_ROUNDS_LIMIT,
@@ -353,20 +354,21 @@ class Plan:
     notes: tuple[str, ...]
 
 
-def gradient_noise_multiplier(z: float, count_noise: float | None) -> float:
-    """``z_grad = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (Andrew et al. 2021, Theorem 1); ``z`` if None.
+def _gradient_share(z: float, count_noise: float | None) -> float:
+    """``z_grad`` left for the gradient (``accounting.adaptive``); ``z`` without adaptive clipping.
 
-    Raises when ``2 sigma_b <= z``: the count alone would spend the whole budget.
+    Raises, naming the planner's field, when ``2 sigma_b <= z``: the count alone would spend the
+    whole budget.
     """
     if count_noise is None:
         return z
-    rest = float(z) ** -2 - (2.0 * float(count_noise)) ** -2
-    if rest <= 0.0:
+    try:
+        return gradient_noise_multiplier(z, count_noise)
+    except ValueError:
         raise ValueError(
             f"adaptive_count_noise must be > z/2 = {z / 2:.4g} (the count's share of the privacy "
             f"would exceed the whole budget); got {count_noise!r}"
-        )
-    return float(rest**-0.5)
+        ) from None
 
 
 def _scheme(c: Candidate, fed: Federation) -> TwoStagePoissonScheme | TwoStageFixedScheme:
@@ -444,7 +446,7 @@ def evaluate(request: PlanRequest, candidate: Candidate, precision: _Precision) 
             neighbouring=budget.neighbouring, method=precision.method,
             relative_tolerance=tolerance, discretization=precision.discretization,
         )  # fmt: skip
-        z_grad = gradient_noise_multiplier(z, request.adaptive_count_noise)
+        z_grad = _gradient_share(z, request.adaptive_count_noise)
     except ValueError as error:
         return str(error)
     # The same event the server records for this configuration (server/plan.py).

@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,9 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
             f"{path}: refused: it holds objects other than tensors and plain data, which a "
             "fedmeta checkpoint never does (loading it could run code)"
         ) from None
-    except (zipfile.BadZipFile, EOFError, RuntimeError, OSError) as error:
+    except Exception as error:  # noqa: BLE001 - random bytes fail in torch's or pickle's own ways
+        # (BadZipFile, EOFError, RuntimeError, ValueError, KeyError, UnicodeDecodeError, ...): any
+        # of them means the file is not a checkpoint this fedmeta wrote.
         raise CheckpointError(
             f"{path}: not a readable fedmeta checkpoint (truncated or corrupted: "
             f"{type(error).__name__})"

@@ -19,9 +19,9 @@ from accounting.planner import (
     Federation,
     PlanBudget,
     PlanRequest,
+    _gradient_share,
     design_candidate,
     expected_lot,
-    gradient_noise_multiplier,
     plan,
 )
 
@@ -47,14 +47,14 @@ def tiny(eps: float = 4.0, **kw: object) -> PlanRequest:
 @pytest.mark.unit
 def test_adaptive_clipping_takes_its_share_of_the_noise() -> None:
     z, sigma_b = 1.0, 2.0
-    z_grad = gradient_noise_multiplier(z, sigma_b)
+    z_grad = _gradient_share(z, sigma_b)
     assert z_grad > z
     # Andrew et al. 2021, Thm 1: gradient at z_grad plus count at sigma_b compose to z.
     assert (z_grad**-2 + (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z, rel=1e-12)
-    assert gradient_noise_multiplier(z, None) == z
-    assert gradient_noise_multiplier(z, 1e6) == pytest.approx(z, rel=1e-9)
+    assert _gradient_share(z, None) == z
+    assert _gradient_share(z, 1e6) == pytest.approx(z, rel=1e-9)
     with pytest.raises(ValueError, match=r"adaptive_count_noise must be > z/2 = 0.5 .*; got 0.5"):
-        gradient_noise_multiplier(z, 0.5)
+        _gradient_share(z, 0.5)
 
 
 @pytest.mark.unit

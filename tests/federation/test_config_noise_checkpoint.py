@@ -217,6 +217,21 @@ def test_a_broken_checkpoint_is_one_line(tmp_path: Path, content: bytes) -> None
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
 
 
+def test_many_random_files_are_each_one_line(tmp_path: Path) -> None:
+    """Random bytes fail inside torch or pickle in many ways; every one is a CheckpointError."""
+    import numpy as np
+
+    rng = np.random.default_rng(20261123)  # test data only
+    for i in range(300):
+        size = int(rng.integers(1, 600))
+        content = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        if i % 3 == 0:  # a pickle opcode first makes torch take its legacy-pickle path
+            content = b"\x80\x02" + content
+        (tmp_path / "checkpoint.pt").write_bytes(content)
+        with pytest.raises(CheckpointError):
+            load_checkpoint(tmp_path)
+
+
 def test_a_checkpoint_of_another_format_says_so(tmp_path: Path) -> None:
     torch.save({"format_version": 1, "params": torch.zeros(2)}, tmp_path / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="format 1, this fedmeta reads format 2"):
