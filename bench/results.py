@@ -53,9 +53,12 @@ def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     }
 
 
-def sinusoid_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[str]]:
+def sinusoid_runs(
+    epsilons: list[float], rounds: int | None, baseline: bool = True
+) -> Iterator[list[str]]:
     base = [] if rounds is None else [f"rounds={rounds}"]
-    yield [*base, "privacy.enabled=false"]
+    if baseline:
+        yield [*base, "privacy.enabled=false"]
     for eps in epsilons:
         yield [*base, f"privacy.epsilon_budget={eps}"]
 
@@ -145,14 +148,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an override applied to every run (repeatable)")  # fmt: skip
+    ap.add_argument("--no-baseline", action="store_true", help="sinusoid: skip the non-private run")
     ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img")
     args = ap.parse_args()
     if args.experiment == "plot":
         plot(args.inputs, args.png)
         return 0
-    runs = sinusoid_runs if args.experiment == "sinusoid" else two_stage_runs
-    plan = ([*args.sets, *sets] for sets in runs(args.epsilons, args.rounds))
+    if args.experiment == "sinusoid":
+        runs = sinusoid_runs(args.epsilons, args.rounds, baseline=not args.no_baseline)
+    else:
+        runs = two_stage_runs(args.epsilons, args.rounds)
+    plan = ([*args.sets, *sets] for sets in runs)
     record(args.experiment, plan, args.config.resolve(), args.out)
     return 0
 
