@@ -37,7 +37,9 @@ class AdaptiveClippingConfig(_Section):
     bound geometrically toward ``target_quantile`` (docs/privacy.md, "Adaptive clipping").
     """
 
-    enabled: bool = Field(False, description="adapt the clip bound C every round (off = fixed C)")
+    # On by default: on the default sinusoid job at epsilon 8 it took the test MSE from 0.44 to 0.32
+    # (non-private 0.28), for 0.03% more gradient noise (docs/results.md).
+    enabled: bool = Field(True, description="adapt the clip bound C every round (off = fixed C)")
     target_quantile: float = Field(
         0.5, gt=0, lt=1, description="gamma: the quantile of per-task norms C tracks, (0, 1)"
     )
@@ -130,6 +132,8 @@ class PrivacyConfig(_Section):
         if not adaptive.enabled:
             return self
         if not self.enabled:
+            if "enabled" not in adaptive.model_fields_set:
+                return self  # on by default, unused by a non-private run (it clips nothing)
             raise ValueError(
                 "privacy.adaptive_clipping.enabled must be false when privacy.enabled = false (a "
                 "non-private run clips nothing)"
