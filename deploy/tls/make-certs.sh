@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Makes what a TLS + node-authenticated fedmeta federation needs, idempotently:
+#   DIR/ca.key, DIR/ca.crt            a private CA (kept by the server operator; ca.crt goes to every node)
+#   DIR/server.key, DIR/server.crt    the SuperLink's certificate, signed by the CA, with SANs for the compose
+#                                     service names, localhost, 127.0.0.1, ::1 and every --san you give
+#   DIR/nodes/NAME.key, NAME.key.pub  one ECDSA P-384 key pair per participant node (OpenSSH format, as
+#                                     flower-supernode --auth-supernode-private-key reads it)
+# and prints, per node, the public key's SHA256 fingerprint and the command that registers it.
+#
+# Usage:
+#   deploy/tls/make-certs.sh [--out DIR] [--nodes N | --node NAME ...] [--san HOST_OR_IP ...] [--days D]
+#   deploy/tls/make-certs.sh --out DIR --no-ca --node NAME    # on a participant's machine: only its key pair
+#
+# Multi-machine: the server operator runs it with --san for the SuperLink's public name(s) and no nodes;
+# each participant makes its own key pair on its own machine (--no-ca --node NAME) and sends only
+# NAME.key.pub; the private key never leaves the participant. Existing files are kept; the server
+# certificate is re-issued (by the same CA) when the requested SANs change. --force re-makes everything.
+set -euo pipefail
+
+out=certs
+days=825
+nodes=()
+sans=()
+force=0
+make_ca=1
+n_nodes=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out=$2; shift 2 ;;
+    --nodes) n_nodes=$2; shift 2 ;;
+    --node) nodes+=("$2"); shift 2 ;;
+    --san) sans+=("$2"); shift 2 ;;
+    --days) days=$2; shift 2 ;;
+    --no-ca) make_ca=0; shift ;;
+    --force) force=1; shift ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "make-certs: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+if [ -n "$n_nodes" ]; then
+  case "$n_nodes" in (*[!0-9]*|'') echo "make-certs: --nodes needs a number; got $n_nodes" >&2; exit 2 ;; esac
+  for ((i = 0; i < n_nodes; i++)); do nodes+=("participant-$i"); done
+fi
+for tool in openssl ssh-keygen; do
+  command -v "$tool" >/dev/null || { echo "make-certs: $tool not found (Debian: apt-get install openssl openssh-client)" >&2; exit 1; }
+done
+for name in "${nodes[@]}"; do
+  case "$name" in (*[!A-Za-z0-9._-]*|'') echo "make-certs: node names are [A-Za-z0-9._-]+; got '$name'" >&2; exit 2 ;; esac
+done
+
+mkdir -p "$out"
+umask 077
+if [ "$force" = 1 ]; then
+  rm -f "$out"/ca.key "$out"/ca.crt "$out"/ca.srl "$out"/server.key "$out"/server.crt "$out"/server.sans
+  for name in "${nodes[@]}"; do rm -f "$out/nodes/$name.key" "$out/nodes/$name.key.pub"; done
+fi
+
+if [ "$make_ca" = 1 ]; then
+  # --- CA ---------------------------------------------------------------------------------------
+  if [ ! -s "$out/ca.key" ] || [ ! -s "$out/ca.crt" ]; then
+    openssl ecparam -name prime256v1 -genkey -noout -out "$out/ca.key"
+    openssl req -x509 -new -key "$out/ca.key" -sha256 -days "$days" -subj "/CN=fedmeta federation CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+      -out "$out/ca.crt" 2>/dev/null
+    rm -f "$out/server.crt"   # a new CA invalidates the old server certificate
+    echo "made CA: $out/ca.crt"
+  fi
+
+  # --- server certificate ------------------------------------------------------------------------
+  # Compose service names first, then loopback, then what the operator asked for.
+  alt="DNS:superlink,DNS:serverapp,DNS:localhost,IP:127.0.0.1,IP:::1"
+  for s in "${sans[@]}"; do
+    if [[ "$s" =~ ^[0-9.]+$ || "$s" == *:* ]]; then alt+=",IP:$s"; else alt+=",DNS:$s"; fi
+  done
+  if [ ! -s "$out/server.key" ] || [ ! -s "$out/server.crt" ] || [ "$(cat "$out/server.sans" 2>/dev/null)" != "$alt" ]; then
+    [ -s "$out/server.key" ] || openssl ecparam -name prime256v1 -genkey -noout -out "$out/server.key"
+    openssl req -new -key "$out/server.key" -subj "/CN=superlink" -out "$out/server.csr"
+    printf 'subjectAltName=%s\nbasicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n' \
+      "$alt" > "$out/server.ext"
+    openssl x509 -req -in "$out/server.csr" -CA "$out/ca.crt" -CAkey "$out/ca.key" -CAcreateserial \
+      -days "$days" -sha256 -extfile "$out/server.ext" -out "$out/server.crt" 2>/dev/null
+    rm -f "$out/server.csr" "$out/server.ext"
+    printf '%s' "$alt" > "$out/server.sans"
+    echo "made server certificate: $out/server.crt ($alt)"
+  fi
+  openssl verify -CAfile "$out/ca.crt" "$out/server.crt" >/dev/null
+  chmod 644 "$out/ca.crt" "$out/server.crt"
+fi
+
+# --- node key pairs ------------------------------------------------------------------------------
+if [ ${#nodes[@]} -gt 0 ]; then
+  mkdir -p "$out/nodes"
+  for name in "${nodes[@]}"; do
+    key="$out/nodes/$name.key"
+    if [ ! -s "$key" ] || [ ! -s "$key.pub" ]; then
+      rm -f "$key" "$key.pub"
+      ssh-keygen -q -t ecdsa -b 384 -N "" -C "$name" -f "$key"
+      echo "made node key pair: $key (+ .pub)"
+    fi
+    chmod 644 "$key.pub"
+  done
+  echo
+  echo "Node public keys (register each with the SuperLink; bind its fingerprint to the participant id"
+  echo "in the server's configuration):"
+  for name in "${nodes[@]}"; do
+    fp=$(ssh-keygen -l -E sha256 -f "$out/nodes/$name.key.pub" | awk '{print $2}')
+    printf '  %-20s %s\n' "$name" "$fp"
+  done
+  echo
+  echo "Register them (CONNECTION: a [superlink.CONNECTION] entry of \$FLWR_HOME/config.toml with"
+  echo "address = \"SUPERLINK_HOST:8000\" and root-certificates = \"$out/ca.crt\"):"
+  for name in "${nodes[@]}"; do
+    echo "  flwr supernode register $out/nodes/$name.key.pub CONNECTION --name $name"
+  done
+  echo "or all at once: deploy/tls/register-nodes.sh CONNECTION $out/nodes/*.key.pub"
+fi
