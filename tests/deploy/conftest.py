@@ -13,7 +13,7 @@ from tests.deploy.netns import Network, netns_unavailable
 
 @pytest.fixture(scope="session")
 def netns_ok() -> None:
-    """Skip (and say why on stderr, so the reason shows even without -ra) when netns are unusable."""
+    """Skip when namespaces are unusable, and say why on stderr (shown even without -ra)."""
     reason = netns_unavailable()
     if reason is not None:
         print(f"\n[deploy] skipping network-namespace tests: {reason}", file=sys.stderr)

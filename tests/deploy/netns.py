@@ -1,23 +1,23 @@
 """Multi-host networks on one machine: Linux network namespaces joined by a bridge.
 
-One *server* host and N *participant* hosts, each a network namespace with one veth link to a bridge
-that itself lives in a separate *switch* namespace, so that no address, link or route is added to the
-machine's own namespace: every address (``10.200.X.0/24`` by default) exists only inside the
-namespaces this module creates. Optional ``tc tbf`` shaping on one participant's link (both
-directions: its egress, and the switch side's egress towards it). The kernel here has no ``netem``;
-``tbf`` shapes bandwidth only.
+One *server* host and N *participant* hosts, each a network namespace with one veth link to a
+bridge that itself lives in a separate *switch* namespace, so that no address, link or route is
+added to the machine's own namespace: every address (``10.200.X.0/24`` by default) exists only
+inside the namespaces this module creates. Optional ``tc tbf`` shaping on one participant's link
+(both directions: its egress, and the switch side's egress towards it). The kernel here has no
+``netem``; ``tbf`` shapes bandwidth only.
 
-Processes run inside a host with :meth:`Host.popen` / :meth:`Host.run` (``nsenter --net=``, which,
-unlike ``ip netns exec``, does not remount /sys). :meth:`Network.close` (also on ``with`` exit and at
-interpreter exit) ends every process this module started, by its process group id, then deletes
-the namespaces: teardown always runs.
+Processes run inside a host with :meth:`Host.popen` / :meth:`Host.run` (``nsenter --net=``,
+which, unlike ``ip netns exec``, does not remount /sys). :meth:`Network.close` (also on ``with``
+exit and at interpreter exit) ends every process this module started, by its process group id,
+then deletes the namespaces: teardown always runs.
 
 Usage::
 
     reason = netns_unavailable()          # None, or why this machine cannot do it
     with Network(participants=3, shaped={2: "8mbit"}) as net:
         net.server.popen(["flower-superlink", ...])
-        net.participants[0].run(["ping", "-c1", net.server.address])
+        net.participants[0].run(["python3", "-c", "..."])
 
 Runs as root only (creating namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN).
 """
@@ -168,7 +168,7 @@ class Network:
         _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
         _ip("link", "set", "br0", "up", ns=self.switch)
         for idx, host in enumerate(self.hosts):
-            # Create the pair inside the switch namespace (names are per namespace), then move one end.
+            # Make the pair in the switch namespace (names are per namespace), then move one end.
             _ip("link", "add", f"v{idx}", "type", "veth", "peer", "name", "eth0", ns=self.switch)
             _ip("link", "set", "eth0", "netns", host.netns, ns=self.switch)
             _ip("link", "set", f"v{idx}", "master", "br0", ns=self.switch)
@@ -178,7 +178,9 @@ class Network:
         for index, rate in self.shaped.items():
             self.shape(index, rate)
 
-    def shape(self, index: int, rate: str, *, burst: str = "32kbit", latency: str = "400ms") -> None:
+    def shape(
+        self, index: int, rate: str, *, burst: str = "32kbit", latency: str = "400ms"
+    ) -> None:
         """Limit participant ``index``'s link to ``rate`` in both directions with ``tc tbf``."""
         host = self.participants[index]
         switch_side = f"v{1 + index}"
