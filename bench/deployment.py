@@ -383,7 +383,7 @@ def _collect(out: Path, work: Path, n: int) -> dict[str, Any]:
     if summary.is_file():
         s = json.loads(summary.read_text())
         res["rounds_completed"] = s.get("rounds_completed")
-        res["stopped"] = s.get("stopped")
+        res["stopped"] = s.get("stopped_reason")
     rows = (
         list(csv.DictReader((out / "rounds.csv").open())) if (out / "rounds.csv").is_file() else []
     )

@@ -127,11 +127,11 @@ services:
   hello:
     image: $base_tag
     pull_policy: never
-    command: ["python3", "-c", "import socket; print('hello from', socket.gethostname())"]
+    command: ["python3", "-c", "import socket; s = socket.create_server(('', 8080)); s.settimeout(60); c, _ = s.accept(); c.sendall(b'hello over the compose network'); c.close()"]
   peer:
     image: $base_tag
     pull_policy: never
-    command: ["python3", "-c", "import socket; print('resolved hello:', socket.gethostbyname('hello'))"]
+    command: ["python3", "-c", "import socket, time\nfor _ in range(100):\n    try:\n        print(socket.create_connection(('hello', 8080), 2).recv(64).decode()); break\n    except OSError:\n        time.sleep(0.3)\nelse:\n    raise SystemExit('hello unreachable')"]
     depends_on: [hello]
 YML
   timeout 120 "$compose" -f "$f" up -d
@@ -139,7 +139,7 @@ YML
   local out; out=$(timeout 60 "$compose" -f "$f" logs --no-color)
   timeout 120 "$compose" -f "$f" down -v --remove-orphans >/dev/null
   echo "$out"
-  grep -q "hello from" <<<"$out" || { echo "podman-setup check: compose service did not run" >&2; exit 1; }
+  grep -q "hello over the compose network" <<<"$out" || { echo "podman-setup check: compose service did not run" >&2; exit 1; }
   echo "docker compose $("$compose" version --short) talks to podman on $DOCKER_HOST"
 }
 

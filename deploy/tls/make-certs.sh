@@ -3,12 +3,15 @@
 #   DIR/ca.key, DIR/ca.crt            a private CA (kept by the server operator; ca.crt goes to every node)
 #   DIR/server.key, DIR/server.crt    the SuperLink's certificate, signed by the CA, with SANs for the compose
 #                                     service names, localhost, 127.0.0.1, ::1 and every --san you give
+#   DIR/superexec.secret              32 random bytes shared by the SuperLink and the ServerApp executor
+#                                     (--superexec-auth-secret-file; with --isolation process only)
 #   DIR/nodes/NAME.key, NAME.key.pub  one ECDSA P-384 key pair per participant node (OpenSSH format, as
 #                                     flower-supernode --auth-supernode-private-key reads it)
 # and prints, per node, the public key's SHA256 fingerprint and the command that registers it.
 #
 # Usage:
 #   deploy/tls/make-certs.sh [--out DIR] [--nodes N | --node NAME ...] [--san HOST_OR_IP ...] [--days D]
+#                            [--owner UID[:GID]]   # owner of the private keys (containers run as 10001)
 #   deploy/tls/make-certs.sh --out DIR --no-ca --node NAME    # on a participant's machine: only its key pair
 #
 # Multi-machine: the server operator runs it with --san for the SuperLink's public name(s) and no nodes;
@@ -23,6 +26,7 @@ nodes=()
 sans=()
 force=0
 make_ca=1
+owner=""
 n_nodes=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,8 +36,9 @@ while [ $# -gt 0 ]; do
     --san) sans+=("$2"); shift 2 ;;
     --days) days=$2; shift 2 ;;
     --no-ca) make_ca=0; shift ;;
+    --owner) owner=$2; shift 2 ;;
     --force) force=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "make-certs: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,7 +56,8 @@ done
 mkdir -p "$out"
 umask 077
 if [ "$force" = 1 ]; then
-  rm -f "$out"/ca.key "$out"/ca.crt "$out"/ca.srl "$out"/server.key "$out"/server.crt "$out"/server.sans
+  rm -f "$out"/ca.key "$out"/ca.crt "$out"/ca.srl "$out"/server.key "$out"/server.crt "$out"/server.sans \
+    "$out"/superexec.secret
   for name in "${nodes[@]}"; do rm -f "$out/nodes/$name.key" "$out/nodes/$name.key.pub"; done
 fi
 
@@ -85,11 +91,17 @@ if [ "$make_ca" = 1 ]; then
   fi
   openssl verify -CAfile "$out/ca.crt" "$out/server.crt" >/dev/null
   chmod 644 "$out/ca.crt" "$out/server.crt"
+  if [ ! -s "$out/superexec.secret" ]; then
+    openssl rand -out "$out/superexec.secret" 32
+    echo "made SuperExec secret: $out/superexec.secret"
+  fi
+  [ -z "$owner" ] || chown "$owner" "$out/server.key" "$out/superexec.secret"
 fi
 
 # --- node key pairs ------------------------------------------------------------------------------
 if [ ${#nodes[@]} -gt 0 ]; then
   mkdir -p "$out/nodes"
+  chmod 755 "$out/nodes"   # the keys inside stay 600
   for name in "${nodes[@]}"; do
     key="$out/nodes/$name.key"
     if [ ! -s "$key" ] || [ ! -s "$key.pub" ]; then
@@ -98,6 +110,7 @@ if [ ${#nodes[@]} -gt 0 ]; then
       echo "made node key pair: $key (+ .pub)"
     fi
     chmod 644 "$key.pub"
+    [ -z "$owner" ] || chown "$owner" "$key"
   done
   echo
   echo "Node public keys (register each with the SuperLink; bind its fingerprint to the participant id"

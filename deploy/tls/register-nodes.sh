@@ -17,7 +17,7 @@ while [ $# -gt 0 ]; do
     --address) address=$2; shift 2 ;;
     --ca) ca=$2; shift 2 ;;
     --connection) connection=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) keys+=("$1"); shift ;;
   esac
 done
