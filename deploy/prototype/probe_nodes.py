@@ -1,5 +1,6 @@
-"""What a ServerApp sees of nodes as they join, die and come back (Flower 1.41, loopback, TLS and
-node authentication). Timeline (seconds after the run started): node 0 up from the start; node 1
+"""What a ServerApp sees of nodes as they join, die and come back.
+
+Flower 1.41, loopback, TLS and node authentication. Timeline (seconds after the run started): node 0 up from the start; node 1
 joins at 10; node 1 is SIGKILLed at 30; node 1 restarts with the same key at 110; node 0 stops
 gracefully (SIGTERM) at 130; the probe ends at 150. Writes the probe's records and prints a summary.
 
@@ -61,14 +62,16 @@ def main() -> None:
     events: list[tuple[float, str]] = []
     try:
         start([str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(certs / "ca.crt"),
-               "--ssl-certfile", str(certs / "server.crt"), "--ssl-keyfile", str(certs / "server.key"),
+               "--ssl-certfile", str(certs / "server.crt"),
+               "--ssl-keyfile", str(certs / "server.key"),
                "--enable-supernode-auth", "--disable-runtime-dependency-installation"],
               "superlink.log")  # fmt: skip
         time.sleep(8)
         for i in range(2):
             subprocess.run(
                 [str(BIN / "flwr"), "supernode", "register",
-                 str(certs / "nodes" / f"participant-{i}.key.pub"), "p", "--name", f"participant-{i}"],
+                 str(certs / "nodes" / f"participant-{i}.key.pub"), "p",
+                 "--name", f"participant-{i}"],
                 env=env, check=True, capture_output=True, timeout=120,
             )  # fmt: skip
         n0 = node(0)

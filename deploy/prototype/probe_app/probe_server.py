@@ -1,6 +1,8 @@
-"""Records what ``Grid.get_nodes()`` tells a ServerApp, once a second: node id, status, the name given
-at registration, the SHA256 fingerprint of the node's authentication key (OpenSSH form, as
-``ssh-keygen -lf`` prints it) and ``online_until``."""
+"""Records what ``Grid.get_nodes()`` tells a ServerApp, once a second.
+
+Node id, status, the name given at registration, the SHA256 fingerprint of the node's
+authentication key (OpenSSH form, as ``ssh-keygen -lf`` prints it) and ``online_until``.
+"""
 
 from __future__ import annotations
 
