@@ -1,8 +1,9 @@
 """What a ServerApp sees of nodes as they join, die and come back.
 
-Flower 1.41, loopback, TLS and node authentication. Timeline (seconds after the run started): node 0 up from the start; node 1
-joins at 10; node 1 is SIGKILLed at 30; node 1 restarts with the same key at 110; node 0 stops
-gracefully (SIGTERM) at 130; the probe ends at 150. Writes the probe's records and prints a summary.
+Flower 1.41, loopback, TLS and node authentication. Timeline (seconds after the run started):
+node 0 up from the start; node 1 joins at 10; node 1 is SIGKILLed at 30; node 1 restarts with the
+same key at 110; node 0 stops gracefully (SIGTERM) at 130; the probe ends at 150. Writes the
+probe's records and prints a summary.
 
     python deploy/prototype/probe_nodes.py --out /tmp/probe
 """
