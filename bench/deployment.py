@@ -80,6 +80,40 @@ class Topology:
     extra: list[Host] = field(default_factory=list)
 
 
+NGINX_CONF = """# Only the Fleet API and /health leave the server host.
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/logs/nginx-error.log warn;
+daemon off;
+events {{ worker_connections 512; }}
+http {{
+  access_log {work}/logs/nginx-access.log;
+  client_body_temp_path {work}/nginx-tmp/body;
+  proxy_temp_path {work}/nginx-tmp/proxy;
+  fastcgi_temp_path {work}/nginx-tmp/fastcgi;
+  uwsgi_temp_path {work}/nginx-tmp/uwsgi;
+  scgi_temp_path {work}/nginx-tmp/scgi;
+  client_max_body_size 0;
+  upstream superlink {{ server 127.0.0.1:8000; keepalive 32; }}
+  server {{
+    listen {port} ssl;
+    ssl_certificate {certs}/server.crt;
+    ssl_certificate_key {certs}/server.key;
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_ssl_trusted_certificate {certs}/ca.crt;
+    proxy_ssl_verify on;
+    proxy_ssl_name localhost;
+    proxy_ssl_session_reuse on;
+    proxy_read_timeout 300s;
+    location /v1/fleet/ {{ proxy_pass https://superlink; }}
+    location = /health {{ proxy_pass https://superlink; }}
+    location / {{ return 403; }}
+  }}
+}}
+"""
+
+
 def _env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -184,7 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--ssl-keyfile", str(certs / "server.key"),
             "--enable-supernode-auth",
             "--disable-runtime-dependency-installation",
-            "--host", "0.0.0.0" if args.net == "netns" else "127.0.0.1",
+            "--host", "0.0.0.0" if args.net == "netns" and not args.fleet_proxy
+            else "127.0.0.1",
         ]  # fmt: skip
         log_dir = work / "logs"
         log_dir.mkdir(exist_ok=True)
@@ -209,6 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lambda: flwr("ls", "fm", "--format", "json").returncode == 0, 120, "the SuperLink"
         )
         result["superlink_start_s"] = round(time.monotonic() - t0, 2)
+        if args.fleet_proxy:
+            # nginx on the server host's address forwards only /v1/fleet/ and /health.
+            (work / "nginx-tmp").mkdir(exist_ok=True)
+            conf = work / "nginx.conf"
+            conf.write_text(NGINX_CONF.format(work=work, certs=certs, port=8443))
+            start(topo.server, ["nginx", "-c", str(conf)], senv, "nginx")
+            topo.superlink_addr = topo.superlink_addr.rsplit(":", 1)[0] + ":8443"
+            time.sleep(1)
 
         # --- register the participants' keys (not the extra node's) -----------------------------
         for name in node_names[: args.participants]:
@@ -275,6 +318,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return sum(n.get("status") == "online" for n in nodes) >= args.participants
 
         _wait_for(online, 180, f"{args.participants} SuperNodes online")
+        if args.fleet_proxy:
+            # The Control and Runtime APIs must not answer a participant host through the proxy.
+            probe = (
+                "import ssl, urllib.error, urllib.request\n"
+                f"ctx = ssl.create_default_context(cafile='{certs / 'ca.crt'}')\n"
+                "for path in ('/v1/control/list-runs', '/v1/runtime/get-nodes', '/health'):\n"
+                f"    url = 'https://{topo.superlink_addr}' + path\n"
+                "    data = None if path == '/health' else b''\n"
+                "    try:\n"
+                "        res = urllib.request.urlopen(url, data=data, timeout=5, context=ctx)\n"
+                "        print(path, res.status)\n"
+                "    except urllib.error.HTTPError as e:\n"
+                "        print(path, e.code)\n"
+            )
+            res = topo.participants[0].run([sys.executable, "-c", probe], timeout=60, check=False)
+            result["proxy_probe_from_participant"] = (res.stdout + res.stderr).strip().splitlines()
         if preset["executor"] == "warm":
             _wait_for(
                 lambda: all("warm worker ready" in (log_dir / f"worker{i}.log").read_text()
@@ -453,6 +512,11 @@ def main() -> None:
     p.add_argument("--kill", action="append", help="IDX@SECONDS after the run started")
     p.add_argument("--unregistered", action="store_true")
     p.add_argument(
+        "--fleet-proxy",
+        action="store_true",
+        help="netns: nodes reach the SuperLink through nginx, which forwards /v1/fleet/ only",
+    )
+    p.add_argument(
         "--node-poll", type=float, default=0.1, help="fast_supernode's active idle poll (s)"
     )
     p.add_argument(
@@ -485,7 +549,14 @@ def main() -> None:
         print(f"  {r['round']:5d} {r['round_s']:8.2f} {r['server_s']:7.2f} {r['sampled']:8d} "
               f"{r['replied']:7d} {r['failed']:6d}")  # fmt: skip
     print("  medians (rounds 2..):", json.dumps(result["median"]))
-    for key in ("cpu_s", "errors", "missing", "killed_at_s", "unregistered_node"):
+    for key in (
+        "cpu_s",
+        "errors",
+        "missing",
+        "killed_at_s",
+        "unregistered_node",
+        "proxy_probe_from_participant",
+    ):
         if result.get(key):
             print(f"  {key}: {json.dumps(result[key])[:600]}")
     print(f"  details: {result['work']}/results.json")
