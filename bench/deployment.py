@@ -54,6 +54,7 @@ from tests.deploy.netns import Host, Network, netns_unavailable  # noqa: E402
 
 BIN = Path(sys.executable).parent
 PROTO = ROOT / "deploy" / "prototype"
+OBJ_CONCURRENCY = ""
 PRESETS: dict[str, dict[str, Any]] = {
     "stock": {"executor": "subprocess", "fast_node": False, "app": "repo"},
     "fastpoll": {"executor": "superexec", "fast_node": True, "app": "proto"},
@@ -116,6 +117,10 @@ http {{
 
 def _env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
+    if OBJ_CONCURRENCY:
+        # Flower's parallel object pushes and pulls per message (default 2).
+        env["FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES"] = OBJ_CONCURRENCY
+        env["FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS"] = OBJ_CONCURRENCY
     env.update(
         FLWR_HOME=str(home),
         FLWR_TELEMETRY_ENABLED="0",
@@ -525,10 +530,18 @@ def main() -> None:
     p.add_argument(
         "--worker-poll", type=float, default=0.05, help="warm worker's AcquireTask poll (s)"
     )
+    p.add_argument(
+        "--obj-concurrency",
+        type=int,
+        default=None,
+        help="FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES/PULLS for every process (Flower: 2)",
+    )
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     args = p.parse_args()
+    global OBJ_CONCURRENCY
+    OBJ_CONCURRENCY = str(args.obj_concurrency or "")
     args.per_round = args.per_round or args.participants
     load0 = os.getloadavg()[0]
     result = run(args)
