@@ -1,8 +1,7 @@
 """Privacy accounting for fedmeta: schemes, per-round events, PLD/RDP composition, planning, ledger.
 
 Imports only the standard library, numpy, scipy and dp-accounting (a test enforces that torch, flwr
-and prometheus_client are never loaded). The mathematics is in
-``../shared/design/privacy-accounting.md`` and ``docs/privacy.md``.
+and prometheus_client are never loaded). The mathematics is in ``docs/privacy.md``.
 """
 
 from accounting.composition import (
@@ -17,11 +16,29 @@ from accounting.composition import (
     tombs2022_published_epsilon,
 )
 from accounting.ledger import (
+    PARTICIPANT_LEVEL_NOT_MEANINGFUL,
+    BackupResult,
     BudgetExhausted,
     BudgetLedger,
+    BudgetRecord,
+    Ledger,
+    LedgerCheckpoint,
     LedgerCorrupted,
     LedgerError,
+    LedgerInfo,
+    LedgerMissing,
+    LedgerMode,
+    LedgerReadOnly,
+    LedgerReplaced,
+    LedgerUnreadable,
+    NotALedger,
     SpendRecord,
+    affordable_rounds,
+    backup,
+    budgets,
+    participant_level_note,
+    resolve_federation,
+    start_new_budget,
 )
 from accounting.sampler import TwoStageSampler
 from accounting.schemes import (
@@ -55,4 +72,23 @@ __all__ = [
     "round_components",
     "round_pld",
     "tombs2022_published_epsilon",
+    # The ledger's identity, read-only access, backups and data-keyed budgets (docs/ledger.md).
+    "PARTICIPANT_LEVEL_NOT_MEANINGFUL",
+    "BackupResult",
+    "BudgetRecord",
+    "Ledger",
+    "LedgerCheckpoint",
+    "LedgerInfo",
+    "LedgerMissing",
+    "LedgerMode",
+    "LedgerReadOnly",
+    "LedgerReplaced",
+    "LedgerUnreadable",
+    "NotALedger",
+    "affordable_rounds",
+    "backup",
+    "budgets",
+    "participant_level_note",
+    "resolve_federation",
+    "start_new_budget",
 ]

@@ -20,7 +20,14 @@ from accounting.composition import (
     max_rounds,
     tombs2022_published_epsilon,
 )
-from accounting.ledger import BudgetLedger, LedgerError
+from accounting.ledger import (
+    BudgetLedger,
+    LedgerError,
+    backup,
+    budgets,
+    participant_level_note,
+    start_new_budget,
+)
 from accounting.schemes import (
     FixedSizeScheme,
     FlatPoissonScheme,
@@ -365,49 +372,104 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_ledger_show(args: argparse.Namespace) -> int:
-    ids = [args.federation] if args.federation else BudgetLedger.federations(args.db)
-    out = []
+def _federation_report(db: str, fid: str) -> dict[str, Any]:
+    """One federation of a ledger, read-only: what ``ledger show`` prints."""
+    with BudgetLedger.open_readonly(db, fid) as ledger:
+        groups = ledger.rounds()
+        runs: dict[str, dict[str, int]] = {}
+        for rec in ledger.records():
+            run = runs.setdefault(
+                rec.run_id,
+                {"spends": 0, "first_round": rec.round_index, "last_round": rec.round_index},
+            )
+            run["spends"] += 1
+            run["first_round"] = min(run["first_round"], rec.round_index)
+            run["last_round"] = max(run["last_round"], rec.round_index)
+        notes = [n for n in (participant_level_note(e) for e, _ in groups) if n is not None]
+        try:
+            # Participant level: RDP, as the run summary reports it (PLD would need gigabytes).
+            eps_part: float | None = ledger.epsilon(unit="participant", method="rdp")
+        except ValueError:  # no participants, or no recorded cap
+            eps_part = None
+        return {
+            "federation_id": fid,
+            "epsilon_budget": ledger.epsilon_budget,
+            "delta": ledger.delta,
+            "unit": ledger.unit,
+            "neighbouring": ledger.neighbouring,
+            "records": ledger.position(),
+            "epsilon": ledger.epsilon(),
+            "epsilon_rdp": ledger.epsilon(method="rdp"),
+            "epsilon_participant": eps_part,
+            "participant_level_note": notes[0] if notes else None,
+            "runs": runs,
+            "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
+        }
+
+
+def _ledger_report(db: str, federation: str | None) -> dict[str, Any]:
+    info = BudgetLedger.describe(db)
+    ids = [federation] if federation else list(info.federations)
+    data: dict[str, list[dict[str, Any]]] = {}
+    budget_of: dict[str, dict[str, Any]] = {}
+    for record in budgets(db):
+        entry = {
+            "number": record.number,
+            "federation_id": record.federation_id,
+            "reason": record.reason,
+            "actor": record.actor,
+            "created_at": record.created_at,
+        }
+        data.setdefault(record.data_key, []).append(entry)
+        budget_of[record.federation_id] = {"data_key": record.data_key, **entry}
+    feds = []
     for fid in ids:
-        with BudgetLedger.open(args.db, fid, create=False) as ledger:
-            groups = ledger.rounds()
-            runs: dict[str, dict[str, int]] = {}
-            for rec in ledger.records():
-                run = runs.setdefault(
-                    rec.run_id,
-                    {"spends": 0, "first_round": rec.round_index, "last_round": rec.round_index},
-                )
-                run["spends"] += 1
-                run["first_round"] = min(run["first_round"], rec.round_index)
-                run["last_round"] = max(run["last_round"], rec.round_index)
-            entry: dict[str, Any] = {
-                "federation_id": fid,
-                "epsilon_budget": ledger.epsilon_budget,
-                "delta": ledger.delta,
-                "unit": ledger.unit,
-                "records": ledger.position(),
-                "epsilon": ledger.epsilon(),
-                "epsilon_rdp": ledger.epsilon(method="rdp"),
-                "runs": runs,
-                "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
-            }
-            try:
-                entry["epsilon_participant"] = ledger.epsilon(unit="participant")
-            except ValueError:
-                entry["epsilon_participant"] = None
-            out.append(entry)
-    if args.json:
-        print(json.dumps({"db": str(args.db), "federations": out}, indent=2, sort_keys=True))
-        return 0
-    if not out:
-        print(f"{args.db}: no federations")
-    for e in out:
-        part = "-" if e["epsilon_participant"] is None else f"{e['epsilon_participant']:.4f}"
+        report = _federation_report(db, fid)
+        report["budget"] = budget_of.get(fid)
+        feds.append(report)
+    return {
+        "db": str(info.path),
+        "ledger_id": info.ledger_id,
+        "schema_version": info.schema_version,
+        "mode": info.mode,
+        "created_at": info.created_at,
+        "data": [
+            {"data_key": key, "current": entries[-1]["federation_id"], "budgets": entries}
+            for key, entries in sorted(data.items())
+            if federation is None or any(e["federation_id"] == federation for e in entries)
+        ],
+        "federations": feds,
+    }
+
+
+def _print_ledger_report(report: dict[str, Any]) -> None:
+    ident = (
+        f"id {report['ledger_id']}, schema {report['schema_version']}, {report['mode']} runs only"
+        if report["ledger_id"]
+        else "legacy, no id (written by an older fedmeta; its next writable open adds one)"
+    )
+    print(f"ledger {report['db']}: {ident}")
+    for d in report["data"]:
+        print(f"data {d['data_key']}: {len(d['budgets'])} budget(s), current {d['current']}")
+        for b in d["budgets"]:
+            print(
+                f"  budget {b['number']} {b['federation_id']}: started {b['created_at']} by "
+                f"{b['actor']}; reason: {b['reason']}"
+            )
+    if not report["federations"]:
+        print("no federations")
+    for e in report["federations"]:
+        part = "-" if e["epsilon_participant"] is None else f"{e['epsilon_participant']:.4g} (RDP)"
+        if e["participant_level_note"]:
+            part = f"{e['participant_level_note']} (valid but vacuous bound: {part})"
         print(
             f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
             f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
-            f"{e['epsilon_budget']:g} at delta {e['delta']:g}; participant level {part}"
+            f"{e['epsilon_budget']:g} at delta {e['delta']:g}; relation {e['neighbouring']}"
         )
+        if e["budget"]:
+            print(f"  budget {e['budget']['number']} of data {e['budget']['data_key']}")
+        print(f"  participant level: {part}")
         for run_id, run in sorted(e["runs"].items()):
             print(
                 f"  run {run_id}: {run['spends']} spends, rounds "
@@ -415,6 +477,41 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
             )
         for g in e["rounds"]:
             print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+
+
+def _cmd_ledger_show(args: argparse.Namespace) -> int:
+    report = _ledger_report(args.db, args.federation)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print_ledger_report(report)
+    return 0
+
+
+def _cmd_ledger_backup(args: argparse.Namespace) -> int:
+    result = backup(args.db, args.to, force=args.force)
+    payload = {
+        "path": str(result.path),
+        "ledger_id": result.ledger_id,
+        "records": result.positions,
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return 0
+    total = sum(result.positions.values())
+    print(
+        f"backed up ledger {result.ledger_id or '(legacy, no id)'} to {result.path}: "
+        f"{len(result.positions)} federation(s), {total} record(s), verified by reopening"
+    )
+    return 0
+
+
+def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
+    new_id = start_new_budget(args.db, args.federation, args.reason, who=args.who)
+    if args.json:
+        print(json.dumps({"previous": args.federation, "federation_id": new_id}, indent=2))
+    else:
+        print(f"new budget {new_id} for the data of {args.federation} (recorded: {args.reason})")
     return 0
 
 
@@ -445,11 +542,36 @@ def register(subparsers: Any) -> None:
     _add_scheme_args(p)
     p.set_defaults(func=_run("privacy compare", _cmd_compare))
 
-    ledger = subparsers.add_parser("ledger", help="inspect a privacy budget ledger")
+    ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     lsub.required = True
-    p = lsub.add_parser("show", help="list runs and spends with the current guarantee")
+    p = lsub.add_parser(
+        "show", help="every federation, budget and run with the current guarantee (read-only)"
+    )
     p.add_argument("--db", required=True, help="path of the ledger (SQLite)")
     p.add_argument("--federation", help="only this federation id")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger show", _cmd_ledger_show))
+    p = lsub.add_parser(
+        "backup",
+        help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",
+    )
+    p.add_argument("--db", required=True, help="the ledger to copy")
+    p.add_argument("--to", required=True, help="the copy (replaced atomically)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --to even if it is another ledger or holds spends --db lacks (forgets them)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger backup", _cmd_ledger_backup))
+    p = lsub.add_parser(
+        "new-budget",
+        help="start a new budget for the data of a federation (recorded with who, when, why)",
+    )
+    p.add_argument("--db", required=True, help="path of the ledger (SQLite)")
+    p.add_argument("--federation", required=True, help="the data's current federation id")
+    p.add_argument("--reason", required=True, help="why a new budget (recorded for good)")
+    p.add_argument("--who", help="who starts it (default user@host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger new-budget", _cmd_ledger_new_budget))

@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 import metalearning as ml  # noqa: E402
-from metalearning.data import Task  # noqa: E402
+from metalearning import Task  # noqa: E402
 
 CLIP = 1.0
 INNER_LR = 0.4

@@ -36,7 +36,7 @@ from compute import synthetic_tasks  # noqa: E402
 
 import metalearning as ml  # noqa: E402
 import metalearning.models as models  # noqa: E402
-from metalearning.data import Task  # noqa: E402
+from metalearning import Task  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 # (module, attribute): each attribute is ``register(subparsers) -> None``.
 _COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("accounting.cli", "register"),
-    ("server.simulate", "register"),
+    ("simulation.simulate", "register"),
     ("server.exporter", "register"),
+    ("fedmeta.evaluate", "register"),
 )
 
 

@@ -57,11 +57,22 @@ class PrivacyConfig(_Section):
         le=1_000_000,
         description="recompute epsilon (PLD, ~0.5 s) every k rounds and at the end",
     )
-    ledger_path: str | None = Field(
-        None, description="SQLite ledger; default <out>/ledger.sqlite (share it to compose runs)"
+    neighbouring: Literal["add_remove", "replace_one"] = Field(
+        "add_remove",
+        description="the relation the guarantee is stated for: add or remove one task (task "
+        "counts stay private), or replace one task by another (task counts are public)",
     )
-    federation_id: str | None = Field(
-        None, description="ledger key; default derived from dataset, participants and seed"
+    normaliser: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="public divisor of the noisy sum; None = the expected number of tasks per "
+        "round computed from this configuration (never from the participants' real counts)",
+    )
+    ledger_path: str | None = Field(
+        None,
+        description="SQLite budget ledger; None = ledger.sqlite in fedmeta's state directory "
+        "($FEDMETA_STATE_DIR, else $XDG_STATE_HOME/fedmeta, else ~/.local/state/fedmeta)",
     )
     insecure_test_seed: int | None = Field(
         None, ge=0, description="TESTS ONLY: seeds noise and sampling reproducibly (not private)"
@@ -76,6 +87,14 @@ class SamplingConfig(_Section):
     task_rate: float = Field(0.1, gt=0, le=1, description="q2 for Poisson stage 2, (0, 1]")
     tasks_per_round: int | None = Field(
         None, ge=1, le=1_000_000, description="n2 for the fixed stage 2 (tasks per participant)"
+    )
+    min_tasks: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="fixed stage 2: public lower bound on every participant's task count (the "
+        "accounted rate is n2 / min_tasks; a participant with fewer is refused at registration); "
+        "None = dataset.tasks_per_participant",
     )
 
     @model_validator(mode="after")
@@ -101,6 +120,13 @@ class FederationConfig(_Section):
         120.0, gt=0, le=86_400, description="per-round reply timeout (s)"
     )
     register_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    round_min_seconds: float = Field(
+        0.0,
+        ge=0,
+        le=86_400,
+        description="pad every round to at least this long, so that when rounds end does not "
+        "depend on how many tasks were sampled (0 = no padding)",
+    )
     reply_format: Literal["per_task", "sum_and_norms"] = "per_task"
     client_num_cpus: float = Field(
         1.0, gt=0, le=1024, description="Ray resources per ClientApp actor"
@@ -153,12 +179,30 @@ class DatasetConfig(_Section):
 
 
 class TrainingConfig(_Section):
-    """MAML inner loop and the meta-optimizer (Adam, as in DP-MAML)."""
+    """MAML inner loop and the server's meta-optimizer (server/optimizer.py)."""
 
     inner_steps: int = Field(1, ge=0, le=1000)
     inner_lr: float = Field(0.01, gt=0, le=10)
     first_order: bool = False
     meta_lr: float = Field(0.01, gt=0, le=10)
+    optimizer: Literal["adam", "adam_bc", "sgd"] = Field(
+        "adam",
+        description="adam (DP-MAML's), adam_bc (DP-AdamBC: Adam corrected for the DP noise "
+        "variance), or sgd with momentum",
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum, [0, 1)")
+    adam_bc_floor: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="adam_bc: floor of the corrected second moment; None = 1% of "
+        "the noise variance",
+    )
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_min_factor: float = Field(
+        0.1, ge=0, le=1, description="cosine: the final rate as a fraction of meta_lr"
+    )
+    warmup_rounds: int = Field(0, ge=0, le=1_000_000, description="linear warm-up rounds")
     eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
     eval_inner_steps: int = Field(10, ge=0, le=1000)
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
@@ -209,28 +253,17 @@ class Config(_Section):
         if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
             raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")
         n2 = self.sampling.tasks_per_round
-        if (
-            self.sampling.stage2 == "fixed"
-            and n2 is not None
-            and n2 > self.dataset.tasks_per_participant
-        ):
+        if self.sampling.stage2 == "fixed" and n2 is not None and n2 > self.min_tasks:
             raise ValueError(
-                "sampling.tasks_per_round must be in [1, dataset.tasks_per_participant="
-                f"{self.dataset.tasks_per_participant}]; got {n2}"
+                f"sampling.tasks_per_round must be in [1, sampling.min_tasks={self.min_tasks}] "
+                f"(the public lower bound on task counts); got {n2}"
             )
         return self
 
     @property
-    def private(self) -> bool:
-        """Whether this run is differentially private."""
-        return self.privacy.enabled
-
-    def expected_tasks_per_round(self, min_tasks: int | None = None) -> float:
-        """The public normaliser: expected number of tasks per round (never the realised count)."""
-        n1 = self.sampling.participants_per_round
-        if self.sampling.stage2 == "fixed":
-            return float(n1 * (self.sampling.tasks_per_round or 1))
-        return n1 * self.sampling.task_rate * float(self.dataset.tasks_per_participant)
+    def min_tasks(self) -> int:
+        """The public lower bound on a participant's task count (fixed-size stage 2)."""
+        return self.sampling.min_tasks or self.dataset.tasks_per_participant
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-compatible dict (for checkpoints and summaries)."""
@@ -331,15 +364,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ConfigError(
+                f"{p}: not UTF-8 text ({error.reason} at byte {error.start})"
+            ) from None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"{p}: not valid TOML: {error}") from None
+        except OSError as error:
+            raise ConfigError(f"{p}: cannot be read ({error.strerror})") from None
     return config_from_dict(apply_overrides(data, overrides))
-
-
-def default_federation_id(cfg: Config) -> str:
-    """The ledger key when none is configured: runs over the same participants compose."""
-    if cfg.privacy.federation_id:
-        return cfg.privacy.federation_id
-    ds = cfg.dataset
-    return f"{ds.name}-P{cfg.federation.participants}-T{ds.tasks_per_participant}-seed{cfg.seed}"

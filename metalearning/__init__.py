@@ -3,23 +3,19 @@
 Plain PyTorch + numpy; imports neither flwr nor prometheus_client. See ``docs/workload.md``.
 """
 
-from metalearning.data import (
-    ChecksumError,
-    ClassDataset,
-    DataError,
-    DataSplits,
+from metalearning.digests import verify_checksum
+from metalearning.errors import ChecksumError, DataError
+from metalearning.federated import (
     FederatedTaskSet,
     ParticipantTasks,
     SinusoidParticipant,
-    SinusoidTasks,
-    Task,
-    download_omniglot,
-    load_image_folder,
-    load_omniglot,
     partition_classes,
-    sample_tasks,
-    stack_tasks,
-    verify_checksum,
+)
+from metalearning.images import (
+    ClassDataset,
+    DataSplits,
+    image_folder_source_digest,
+    load_image_folder,
 )
 from metalearning.maml import (
     EvalResult,
@@ -30,6 +26,7 @@ from metalearning.maml import (
     per_task_grads,
     resolve_device,
     resolve_method,
+    task_scores,
 )
 from metalearning.models import (
     ConvNet4,
@@ -40,6 +37,15 @@ from metalearning.models import (
     param_spec,
     unflatten_params,
 )
+from metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
+from metalearning.oneshot_runs import (
+    OneShotResult,
+    OneShotRun,
+    evaluate_oneshot_runs,
+    load_oneshot_runs,
+)
+from metalearning.sinusoid import SinusoidTasks
+from metalearning.tasks import Task, sample_tasks, stack_tasks
 
 __all__ = [
     "ChecksumError",
@@ -49,6 +55,8 @@ __all__ = [
     "DataSplits",
     "EvalResult",
     "FederatedTaskSet",
+    "OneShotResult",
+    "OneShotRun",
     "ParamSpec",
     "ParticipantTasks",
     "SinusoidMLP",
@@ -58,11 +66,15 @@ __all__ = [
     "clip_by_global_norm",
     "download_omniglot",
     "evaluate",
+    "evaluate_oneshot_runs",
     "flatten_params",
+    "image_folder_source_digest",
     "init_params",
     "load_image_folder",
     "load_omniglot",
+    "load_oneshot_runs",
     "meta_train",
+    "omniglot_source_digest",
     "param_spec",
     "partition_classes",
     "per_task_clipped_grads",
@@ -71,6 +83,7 @@ __all__ = [
     "resolve_method",
     "sample_tasks",
     "stack_tasks",
+    "task_scores",
     "unflatten_params",
     "verify_checksum",
 ]

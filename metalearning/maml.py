@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from metalearning.data import Task, stack_tasks
+from metalearning.tasks import Task, stack_tasks
 
 __all__ = [
     "EvalResult",
@@ -47,6 +47,7 @@ __all__ = [
     "per_task_grads",
     "resolve_device",
     "resolve_method",
+    "task_scores",
 ]
 
 Params = dict[str, Tensor]
@@ -553,6 +554,75 @@ def _adapt_and_score(
         return F.mse_loss(out, task.query_y)
 
 
+def _vmap_scores(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    params: Params,
+    batch: Task,
+    steps: int,
+    lr: float,
+    metric: str,
+) -> Tensor:
+    """The vmap form of :func:`_adapt_and_score`, over a batch of tasks."""
+
+    def one(pp: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
+        fast = pp
+        g_fn = torch.func.grad(lambda q, x, y: loss_fn(functional_call(model, q, (x,)), y))
+        for _ in range(steps):
+            g = g_fn(fast, sx, sy)
+            fast = {n: fast[n] - lr * g[n].detach() for n in fast}
+        out: Tensor = functional_call(model, fast, (qx,))
+        if metric == "accuracy":
+            return (out.argmax(-1) == qy).float().mean()
+        return F.mse_loss(out, qy)
+
+    fn = torch.func.vmap(one, in_dims=(None, 0, 0, 0, 0))
+    return fn(params, batch.support_x, batch.support_y, batch.query_x, batch.query_y).detach()
+
+
+def task_scores(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: Task | Sequence[Task],
+    *,
+    inner_steps: int = 10,
+    inner_lr: float = 0.4,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: str = "auto",
+) -> Tensor:
+    """Each task's query score after ``inner_steps`` SGD steps on its own support set.
+
+    The score is the query accuracy (classification) or MSE (regression). Each task is adapted
+    separately from ``params``, and with ``norm="batch"`` each forward pass normalises with its
+    own batch (the task's support set, then its query set). Returns float64 ``[n_tasks]`` on the
+    CPU; :func:`evaluate` summarises it.
+    """
+    dev = resolve_device(device)
+    meth = resolve_method(model, dev, method, _num_tasks(tasks))
+    chunk = chunk_size or _default_chunk(meth, dev, model, tasks, 0)
+    model = model.to(dev)
+    p = _as_params(model, params, dev)
+    loss_fn = _loss_fn(model)
+    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
+    scores: list[Tensor] = []
+    forward = _loop_forward(model, dev)
+    with _deterministic(dev):
+        for _, batch in _chunks(tasks, chunk):
+            b = batch.to(dev)
+            if meth == "vmap":
+                scores.append(_vmap_scores(model, loss_fn, p, b, inner_steps, inner_lr, metric))
+                continue
+            for i in range(b.support_x.shape[0]):
+                one = _adapt_and_score(
+                    forward, loss_fn, p, b.task(i), inner_steps, inner_lr, metric
+                )
+                scores.append(one.reshape(1))
+    if not scores:
+        raise ValueError("task_scores needs at least one task")
+    return torch.cat(scores).double().cpu()
+
+
 def evaluate(
     model: nn.Module,
     params: Mapping[str, Tensor] | Tensor | None,
@@ -567,57 +637,25 @@ def evaluate(
 ) -> EvalResult:
     """Adapt on each task's support set for ``inner_steps`` SGD steps, then score its query set.
 
-    Returns the mean query accuracy (classification) or MSE (regression) over the tasks with a 95%
-    confidence half-width ``1.96 * std / sqrt(n)`` (MAML's reporting convention). Build the tasks
-    from held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600, seed=...)``. ``mean,
-    ci95 = evaluate(...)`` unpacks.
+    Returns the mean query accuracy (classification) or MSE (regression) over the tasks
+    (:func:`task_scores`) with a 95% confidence half-width ``1.96 * std / sqrt(n)`` (MAML's
+    reporting convention). Build the tasks from held-out classes, e.g. ``sample_tasks(test_split,
+    ..., n_tasks=600, seed=...)``. ``mean, ci95 = evaluate(...)`` unpacks.
     """
-    dev = resolve_device(device)
-    meth = resolve_method(model, dev, method, _num_tasks(tasks))
-    chunk = chunk_size or _default_chunk(meth, dev, model, tasks, 0)
-    model = model.to(dev)
-    p = _as_params(model, params, dev)
-    loss_fn = _loss_fn(model)
-    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
-
-    def score_all(steps: int) -> Tensor:
-        scores: list[Tensor] = []
-        if meth == "vmap":
-
-            def one(pp: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
-                fast = pp
-                g_fn = torch.func.grad(lambda q, x, y: loss_fn(functional_call(model, q, (x,)), y))
-                for _ in range(steps):
-                    g = g_fn(fast, sx, sy)
-                    fast = {n: fast[n] - inner_lr * g[n].detach() for n in fast}
-                out: Tensor = functional_call(model, fast, (qx,))
-                if metric == "accuracy":
-                    return (out.argmax(-1) == qy).float().mean()
-                return F.mse_loss(out, qy)
-
-            fn = torch.func.vmap(one, in_dims=(None, 0, 0, 0, 0))
-            for _, batch in _chunks(tasks, chunk):
-                b = batch.to(dev)
-                scores.append(fn(p, b.support_x, b.support_y, b.query_x, b.query_y).detach())
-        else:
-            forward = _loop_forward(model, dev)
-            for _, batch in _chunks(tasks, chunk):
-                b = batch.to(dev)
-                for i in range(b.support_x.shape[0]):
-                    scores.append(
-                        _adapt_and_score(
-                            forward, loss_fn, p, b.task(i), steps, inner_lr, metric
-                        ).reshape(1)
-                    )
-        return torch.cat(scores).double().cpu()
-
-    with _deterministic(dev):
-        s = score_all(inner_steps)
-        pre = float(score_all(0).mean()) if with_pre_adaptation else None
-    n = s.numel()
-    if n == 0:
+    if _num_tasks(tasks) == 0:
         raise ValueError("evaluate needs at least one task")
+
+    def scores(steps: int) -> Tensor:
+        return task_scores(
+            model, params, tasks, inner_steps=steps, inner_lr=inner_lr, device=device,
+            chunk_size=chunk_size, method=method,
+        )  # fmt: skip
+
+    s = scores(inner_steps)
+    pre = float(scores(0).mean()) if with_pre_adaptation else None
+    n = s.numel()
     ci = 1.96 * float(s.std(unbiased=True)) / math.sqrt(n) if n > 1 else math.nan
+    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
     return EvalResult(float(s.mean()), ci, n, metric, pre)
 
 

@@ -1,9 +1,8 @@
 """The fedmeta ServerApp (Flower Message API) and ``execute``, the run shared by every entry point.
 
 Thin glue: ``@app.main()`` turns Flower's ``context.run_config`` (``config-file``, ``set``, ``out``,
-``resume`` - see pyproject ``[tool.flwr.app.config]``) into the typed configuration once, then calls
-:func:`execute`, which runs :class:`server.round.RoundLoop` over the Grid with the progress bar and
-(optionally) the Prometheus observer, and writes the outputs.
+``resume``; see pyproject ``[tool.flwr.app.config]``) into the typed configuration once, wraps the
+Grid in a :class:`~server.transport.GridTransport` and calls :func:`execute`.
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,35 +20,31 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
+from server.report import RunObserver
+from server.run import RunResult, run_federation
+from server.transport import GridTransport
 
-for _k, _v in (
+for _key, _value in (
     ("FLWR_TELEMETRY_ENABLED", "0"),
     ("FLWR_DISABLE_UPDATE_CHECK", "1"),
     ("RAY_USAGE_STATS_ENABLED", "0"),
 ):
-    os.environ.setdefault(_k, _v)
+    os.environ.setdefault(_key, _value)
 
 log = logging.getLogger("fedmeta.server")
 
 
-def make_observers(cfg: Config, progress: bool | None = None) -> list[Any]:
+def make_observers(cfg: Config, progress: bool | None = None) -> list[RunObserver]:
     """The progress bar, plus the Prometheus observer when ``metrics.port`` is set."""
     from server.progress import ProgressBar
 
-    observers: list[Any] = []
+    observers: list[RunObserver] = []
     if cfg.output.progress if progress is None else progress:
         observers.append(ProgressBar())
     if cfg.metrics.port is not None:
-        import importlib
+        from server.monitoring.live import make_observer  # the only prometheus_client user
 
-        try:
-            metrics = importlib.import_module(
-                "server.monitoring.live"
-            )  # lazy: the only prometheus_client user
-        except ImportError as error:
-            log.warning("metrics.port is set but server.monitoring.live is unavailable: %s", error)
-        else:
-            observers.append(metrics.make_observer(cfg))
+        observers.append(make_observer(cfg))
     return observers
 
 
@@ -57,19 +54,32 @@ def execute(
     *,
     out_dir: str | Path | None = None,
     resume: bool = False,
-    observers: list[Any] | None = None,
+    observers: list[RunObserver] | None = None,
     echo: bool = True,
-) -> Any:
-    """Run the federation over ``grid``; write summary.json, rounds.csv, plots; return RunResult."""
+    open_ledger: Callable[[Config, str], Any] | None = None,
+    stop: threading.Event | None = None,
+) -> RunResult:
+    """Run the federation over ``grid``; write summary.json, rounds.csv and plots."""
     from server.outputs import format_summary, write_all
-    from server.round import RoundLoop
 
     out = Path(out_dir or cfg.output.dir)
-    obs = make_observers(cfg) if observers is None else observers
-    loop = RoundLoop(cfg, grid, out_dir=out, resume=resume, observers=obs)
-    loop.announce = (lambda text: print(text, flush=True)) if echo else (lambda text: None)
-    result = loop.run()
-    write_all(out, result.summary, result.rows, plots=cfg.output.plots)
+    transport = GridTransport(
+        grid,
+        register_timeout_s=cfg.federation.register_timeout_s,
+        round_timeout_s=cfg.federation.round_timeout_s,
+    )
+    result = run_federation(
+        cfg,
+        transport,
+        out_dir=out,
+        resume=resume,
+        observers=make_observers(cfg) if observers is None else observers,
+        announce=(lambda text: print(text, flush=True)) if echo else (lambda text: None),
+        open_ledger=open_ledger,
+        stop=stop,
+    )
+    diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
+    write_all(out, result.summary, result.outcomes, diagnostics=diagnostics, plots=cfg.output.plots)
     if echo:
         print(format_summary(result.summary), flush=True)
         print(f"outputs: {out}/summary.json, rounds.csv, *.png, checkpoint.pt", flush=True)

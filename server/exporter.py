@@ -4,9 +4,11 @@ A run's ServerApp (and its live /metrics) lives only as long as the run; the pri
 runs. This exporter re-reads the SQLite ledger on every scrape (a custom collector in
 ``server.monitoring.ledger``) and serves, per federation: epsilon spent (task and participant
 level), budget, remaining fraction, rounds affordable left, spends recorded, plus the latest run
-records (``summary.json`` under ``--runs-dir``). Why an exporter rather than a Pushgateway: see
-docs/monitoring.md. Registration imports nothing heavy; prometheus_client is imported (through
-``server.monitoring``) only when the command runs.
+records (``summary.json`` under ``--runs-dir``), and ``fedmeta_ledger_readable{db, reason}``, which
+says when the ledger cannot be read and why. The ledger is opened read-only (it works on a read-only
+mount and never writes the file) and followed when it is replaced on disk. Why an exporter rather
+than a Pushgateway: see docs/monitoring.md. Registration imports nothing heavy; prometheus_client is
+imported (through ``server.monitoring``) only when the command runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def register(subparsers: Any) -> None:
             "Prometheus metrics, re-read on every scrape. Binds to localhost by default."
         ),
     )
-    p.add_argument("--db", required=True, help="the SQLite ledger (privacy.ledger_path)")
+    p.add_argument(
+        "--db",
+        required=True,
+        help="the SQLite ledger (privacy.ledger_path); opened read-only, a read-only mount is fine",
+    )
     p.add_argument(
         "--runs-dir",
         action="append",

@@ -1,77 +1,146 @@
 """Gaussian noise for the sum of clipped per-task gradients; the mechanism returns its event.
 
-The release of one round is ``sum_i clip(g_i) + N(0, (z C)^2 I)`` (DP-MAML Algorithm 1; Abadi et al.
-2016), with one noise draw per round over the whole flat vector. Noise comes from a
-``torch.Generator`` seeded with 63 bits from :mod:`secrets` (the operating system's CSPRNG), so
-nobody can regenerate and subtract it from a published model. A reproducible seed exists for tests
-only: it is passed as ``insecure_test_seed`` and the resulting generator is labelled
-``secure=False`` in every output.
+A round releases ``sum_i clip_C(g_i) + N(0, (z C)^2 I)`` (DP-MAML Algorithm 1; Abadi et al. 2016),
+one draw per coordinate of the flat vector. How the draw is made is part of the guarantee:
 
-Caveat (stated, not hidden): torch's CPU generator is a Mersenne Twister; the secret is its seed.
-Opacus's "secure mode" additionally uses a CSPRNG for the draws themselves (torchcsprng); that
-library is unmaintained, so fedmeta relies on the secret seed.
+* **Randomness from a CSPRNG itself.** Each :class:`NoiseSource` holds AES-128 in counter mode
+  (``randomgen.AESCounter``, AES-NI where the CPU has it), keyed with 128 bits from the operating
+  system's CSPRNG when the source is created. The keystream *is* the randomness: no PRNG is seeded
+  from it (torch's Mersenne Twister keeps 32 bits of a seed, and a searched seed lets anyone
+  subtract the noise). The keys live in memory only: never logged, checkpointed, or derivable from
+  anything fedmeta writes. A resumed run draws fresh keys.
+* **A documented transform.** The keystream is turned into standard normals by numpy's
+  ``Generator.standard_normal`` (the ziggurat method of Marsaglia and Tsang 2000, as implemented in
+  numpy >= 1.17), two independent streams filling the two halves of the vector in parallel.
+* **Floating-point attacks (Mironov 2012; Jin et al. 2022; Haney et al. 2022).** They exploit that
+  the *exact* floating-point value of ``x + noise`` reveals which inputs could have produced it.
+  fedmeta releases the noisy sum rounded to a power-of-two grid ``gamma = 2^(floor(log2 sigma) -
+  10)``, i.e. between sigma/2048 and sigma/1024: a post-processing of the ideal Gaussian mechanism,
+  whose accounting is therefore unchanged, and a value whose low-order bits carry no information.
+  What remains is the difference between the implemented and the ideal probability of each grid
+  cell, which comes only from (a) the floating-point error of ``S + sigma Z`` (a few ulps, against a
+  cell of width gamma: under 2^-40 of a cell's mass near its two edges while ``|S| < 2^10 sigma``)
+  and (b) the discreteness of the sampler's 52-bit uniforms. docs/privacy.md states this residual
+  and why it is not formally folded into epsilon. The released value also reaches participants only
+  through the optimizer step and the float32 model, a further post-processing.
+* **Test mode.** :meth:`NoiseSource.insecure_for_tests` derives the keys from a seed, so runs are
+  reproducible; it is labelled ``secure=False`` in every output and never spends from a ledger
+  that a secure run uses (server/run.py).
 """
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+import math
+import os
+import threading
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
+import randomgen
 import torch
 from torch import Tensor
 
+from accounting import GaussianRound
 
-@dataclass
+#: The release grid is 2^-GRID_BITS of the noise standard deviation (to within a factor 2).
+GRID_BITS = 10
+#: Independent keystreams filled in parallel (numpy releases the GIL while it fills an array).
+STREAMS = 2
+_PARALLEL_FROM = 1 << 16  # below this a thread costs more than it saves
+
+
+def _aes_generator(key: bytes) -> np.random.Generator:
+    if len(key) != 16:
+        raise ValueError(f"key must be 16 bytes (AES-128); got {len(key)}")
+    return np.random.Generator(randomgen.AESCounter(key=int.from_bytes(key, "little")))
+
+
 class NoiseSource:
-    """A torch generator for privacy noise and whether its seed is secret."""
+    """Standard normal draws from AES-128-CTR keystreams; ``secure`` says whose keys they are."""
 
-    generator: torch.Generator
-    secure: bool
+    def __init__(self, keys: list[bytes], *, secure: bool) -> None:
+        """Use :meth:`create` (secure) or :meth:`insecure_for_tests`."""
+        if not keys:
+            raise ValueError("keys must hold at least one 16-byte key; got none")
+        self._generators = [_aes_generator(k) for k in keys]
+        self.secure = secure
 
     @classmethod
-    def create(cls, insecure_test_seed: int | None = None) -> NoiseSource:
-        """A secretly seeded generator, or (tests only) a reproducible one labelled insecure."""
-        gen = torch.Generator(device="cpu")
-        if insecure_test_seed is None:
-            gen.manual_seed(secrets.randbits(63))
-            return cls(gen, True)
-        gen.manual_seed(int(insecure_test_seed))
-        return cls(gen, False)
+    def create(cls, streams: int = STREAMS) -> NoiseSource:
+        """A source keyed from the operating system's CSPRNG: the noise is secret."""
+        return cls([os.urandom(16) for _ in range(streams)], secure=True)
+
+    @classmethod
+    def insecure_for_tests(cls, seed: int, stream: int = 0, streams: int = STREAMS) -> NoiseSource:
+        """TESTS ONLY: keys derived from ``(seed, stream)``; anyone with the seed has the noise."""
+        keys = [
+            hashlib.sha256(f"fedmeta-insecure-noise:{seed}:{stream}:{i}".encode()).digest()[:16]
+            for i in range(streams)
+        ]
+        return cls(keys, secure=False)
+
+    def __repr__(self) -> str:
+        kind = "secure" if self.secure else "INSECURE test"
+        return f"NoiseSource({kind}, {len(self._generators)} AES-CTR streams)"
+
+    def standard_normal(self, n: int) -> np.ndarray:
+        """``n`` independent N(0, 1) draws (float64)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an integer >= 0; got {n!r}")
+        out = np.empty(n, dtype=np.float64)
+        parts = np.array_split(out, len(self._generators))
+        if n < _PARALLEL_FROM:
+            for gen, part in zip(self._generators, parts, strict=True):
+                gen.standard_normal(out=part)
+            return out
+        threads = [
+            threading.Thread(target=gen.standard_normal, kwargs={"out": part})
+            for gen, part in zip(self._generators, parts, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+
+def release_grid(std: float) -> float:
+    """The power-of-two grid the noisy sum is rounded to: ``2^(floor(log2 std) - GRID_BITS)``."""
+    if not (math.isfinite(std) and std > 0):
+        raise ValueError(f"std must be a finite number > 0; got {std}")
+    return math.ldexp(1.0, math.floor(math.log2(std)) - GRID_BITS)
 
 
 @dataclass(frozen=True)
 class NoisedSum:
-    """The noised sum and the accounting event of the mechanism that produced it."""
+    """The released noisy sum, the accounting event of the mechanism that produced it, its scale."""
 
-    value: Tensor
-    event: Any  # accounting.GaussianRound
+    value: Tensor  # float64, on the release grid
+    event: GaussianRound
     noise_std: float
+    grid: float
 
 
-def gaussian_noise(dim: int, std: float, source: NoiseSource) -> Tensor:
-    """``N(0, std^2 I_dim)`` in float64 on the CPU (summed in float64, cast by the caller)."""
-    if not std >= 0:
-        raise ValueError(f"std must be >= 0; got {std}")
-    return torch.normal(
-        0.0, float(std), size=(int(dim),), generator=source.generator, dtype=torch.float64
-    )
+def noised_sum(
+    total: Tensor, *, clip: float, event: GaussianRound, source: NoiseSource
+) -> NoisedSum:
+    """Release ``total`` (a sum of vectors clipped to ``clip``) with ``N(0, (z C)^2 I)`` added.
 
-
-def noised_sum(total: Tensor, *, clip: float, event: Any, source: NoiseSource) -> NoisedSum:
-    """Add ``N(0, (z C)^2 I)`` to ``total`` (the sum of clipped gradients), ``z`` from ``event``.
-
-    ``event`` is the accounting ``GaussianRound`` this release is accounted as; the noise multiplier
-    is read from it, so the noise drawn and the event spent cannot disagree. The caller records the
-    spend in the ledger *before* calling this function.
+    ``z`` is read from ``event``, so the noise drawn and the event spent cannot disagree. The caller
+    records the spend in the ledger *before* calling this function.
     """
     z = float(event.noise_multiplier)
-    if not z > 0:
-        raise ValueError(f"noise_multiplier must be > 0; got {z}")
-    if not clip > 0:
-        raise ValueError(f"clip must be > 0; got {clip}")
+    if not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip must be a finite number > 0; got {clip}")
     std = z * float(clip)
-    value = total.to(torch.float64) + gaussian_noise(total.numel(), std, source).reshape(
-        total.shape
-    )
-    return NoisedSum(value, event, std)
+    grid = release_grid(std)
+    exact = total.detach().to(torch.float64).cpu().numpy().reshape(-1)
+    released = source.standard_normal(exact.size)
+    released *= std
+    released += exact
+    # Division and multiplication by a power of two are exact; rint rounds to the nearest cell.
+    released /= grid
+    np.rint(released, out=released)
+    released *= grid
+    return NoisedSum(torch.from_numpy(released).reshape(total.shape), event, std, grid)

@@ -1,6 +1,10 @@
 """Run outputs: the printed plan and summary, ``summary.json``, ``rounds.csv`` and PNG plots.
 
-Non-private runs are labelled NON-PRIVATE in every one of them. Files are written atomically.
+Every file is derived from the run's records (:class:`~server.report.RoundOutcome`, the plan and the
+final evaluation), so they cannot disagree. Non-private runs are labelled NON-PRIVATE in each. In a
+private run the CSV has the private-diagnostic columns only when ``metrics.private_diagnostics`` is
+on; the summary holds no task count and nothing computed from one (docs/privacy.md, "What a run
+releases"). Files are written atomically.
 """
 
 from __future__ import annotations
@@ -9,15 +13,22 @@ import csv
 import io
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from server.checkpoint import atomic_write_bytes
+from fedmeta.checkpoint import atomic_write_bytes
+from fedmeta.config import Config
+from server.plan import BudgetForecast, RunPlan
+from server.report import RoundOutcome
 
 CSV_FIELDS = [
-    "round", "mode", "participants_sampled", "participants_replied", "participants_failed",
-    "tasks_requested", "tasks_received", "norm_violations", "epsilon", "epsilon_participant",
-    "loss", "validation_metric", "round_seconds", "server_overhead_seconds", "lost_on_resume",
+    "round", "mode", "status", "participants_sampled", "participants_replied",
+    "participants_failed", "epsilon", "epsilon_participant", "loss", "validation_metric",
+]  # fmt: skip
+DIAGNOSTIC_FIELDS = [
+    "tasks_requested", "tasks_received", "norm_violations", "nonfinite", "clipped_fraction",
+    "round_seconds", "aggregation_seconds",
 ]  # fmt: skip
 
 
@@ -28,78 +39,135 @@ def _e(x: Any, fmt: str = ".3f") -> str:
 
 
 def _participant_eps(value: Any, note: str | None) -> str:
-    """Participant-level epsilon for humans: the number, or why it is not meaningful."""
-    if note:
-        return f"{note} (valid but vacuous bound: {_e(value, '.3g')})"
-    return f"epsilon {_e(value)}"
+    return note if note else f"epsilon {_e(value)}"
 
 
-def format_plan(plan: dict[str, Any], private: bool, cfg_summary: dict[str, Any]) -> str:
+def format_plan(plan: RunPlan, fc: BudgetForecast | None, cfg: Config, participants: int) -> str:
     """The privacy plan, printed before training."""
-    lines = ["== fedmeta federation plan =="]
-    lines.append(
-        f"dataset {cfg_summary['dataset']} | participants {cfg_summary['participants']} "
-        f"({cfg_summary['participants_per_round']} per round, stage 2 {cfg_summary['stage2']}) | "
-        f"planned rounds {cfg_summary['rounds']}"
-    )
-    if not private:
-        lines.append(
-            "mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
-            "NO privacy guarantee"
-        )
-        return "\n".join(lines)
-    lines += [
-        "mode: private (task-level DP, PLD accounting, enforced by the ledger)",
-        f"budget: epsilon {_e(plan['epsilon_budget'], 'g')}, delta {_e(plan['delta'], 'g')} | "
-        f"clip C = {_e(plan['clip'], 'g')}",
-        f"noise multiplier z = {_e(plan['noise_multiplier'], '.4f')}"
-        + (
-            " (calibrated so the planned rounds spend the budget)"
-            if plan.get("noise_calibrated")
-            else ""
-        ),
-        "expected tasks per round (public normaliser): "
-        f"{_e(plan['expected_tasks_per_round'], '.2f')}",
-        f"ledger before this run: {plan['ledger_records_before']} spends, "
-        f"epsilon {_e(plan['epsilon_spent_before'])}",
-        f"rounds affordable: {plan['rounds_affordable']} | "
-        f"rounds this run will run: {plan['rounds_to_run']}",
-        f"at the planned end: task-level epsilon {_e(plan['epsilon_task_at_end'])} "
-        f"(delta {_e(plan['delta'], 'g')})",
-        "participant-level epsilon at the planned end: "
-        + _participant_eps(plan["epsilon_participant_at_end"], plan.get("participant_level_note")),
+    lines = [
+        "== fedmeta federation plan ==",
+        f"dataset {cfg.dataset.name} | participants {participants} "
+        f"({plan.scheme.participants_per_round} per round, stage 2 {cfg.sampling.stage2}) | "
+        f"planned rounds {plan.planned_rounds}",
     ]
-    pub = plan.get("epsilon_tombs2022_published_at_end_NOT_VALID")
-    if pub is not None:
-        lines.append(
-            f"(Tombs et al. 2022 Thm 3 as published: {_e(pub)} - NOT a valid guarantee, "
-            "not enforced)"
-        )
+    if not plan.private or fc is None:
+        lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
+                     "NO privacy guarantee")  # fmt: skip
+        return "\n".join(lines)
+    calibrated = (
+        " (calibrated so the planned rounds spend the budget)" if plan.noise_calibrated else ""
+    )
+    lines += [
+        f"mode: private (task-level DP, {plan.neighbouring} neighbours, PLD accounting, enforced "
+        "by the ledger)",
+        f"budget: epsilon {_e(plan.epsilon_budget, 'g')}, delta {_e(plan.delta, 'g')} | "
+        f"clip C = {_e(plan.clip, 'g')}",
+        f"noise multiplier z = {_e(plan.noise_multiplier, '.4f')}{calibrated}",
+        f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
+        f"ledger before this run: {fc.ledger_records_before} spends, "
+        f"epsilon {_e(fc.epsilon_spent_before)}",
+        f"rounds affordable: {fc.rounds_affordable} | rounds this run will run: {fc.rounds_to_run}",
+        f"at the planned end: task-level epsilon {_e(fc.epsilon_task_at_end)} "
+        f"(delta {_e(plan.delta, 'g')})",
+        "participant-level epsilon at the planned end: "
+        + _participant_eps(fc.epsilon_participant_at_end, plan.participant_level_note),
+    ]
+    if fc.epsilon_theorem3_at_end is not None:
+        lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
+                     "NOT a valid guarantee, not enforced)")  # fmt: skip
     return "\n".join(lines)
 
 
-def format_summary(s: dict[str, Any]) -> str:
+def build_summary(
+    cfg: Config,
+    plan: RunPlan,
+    fc: BudgetForecast | None,
+    outcomes: Sequence[RoundOutcome],
+    *,
+    run_id: str,
+    federation_id: str,
+    stopped: str,
+    rounds_completed: int,
+    epsilons: Mapping[str, Any],
+    final: Any,
+    untrained: float,
+    participants: int,
+    noise_secure: bool,
+    ledger: Any,
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """``summary.json``: the run's plan, its records' totals and the final evaluation."""
+    private = plan.private
+    return {
+        "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
+        "private": private,
+        "neighbouring": plan.neighbouring if private else None,
+        "run_id": run_id,
+        "federation_id": federation_id,
+        "rounds_planned": plan.planned_rounds,
+        "rounds_completed": rounds_completed,
+        "rounds_lost_on_resume": [o.round for o in outcomes if o.status == "lost_on_resume"],
+        "stopped_reason": stopped,
+        "epsilon_spent": epsilons.get("epsilon_task"),
+        "epsilon_participant_level": epsilons.get("epsilon_participant"),
+        "participant_level_note": plan.participant_level_note,
+        "delta": plan.delta,
+        "epsilon_budget": plan.epsilon_budget,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_calibrated": plan.noise_calibrated if private else None,
+        "clip": plan.clip,
+        "noise_secure": noise_secure if private else None,
+        "normaliser": plan.normaliser if private else None,
+        "participants_registered": participants,
+        "participants_per_round": plan.scheme.participants_per_round,
+        "metric": _metric_name(cfg),
+        "final_metric": final.mean,
+        "final_metric_ci95": [final.mean - final.ci95, final.mean + final.ci95],
+        "final_metric_ci95_halfwidth": final.ci95,
+        "final_metric_pre_adaptation": final.pre_adaptation_mean,
+        "test_tasks": final.n_tasks,
+        "untrained_metric": untrained,
+        "ledger": None
+        if ledger is None
+        else {"path": str(ledger.path), "records": ledger.position()},
+        "plan": None if fc is None else _forecast_dict(fc),
+        "wall_seconds": round(wall_seconds, 1),
+    }
+
+
+def _metric_name(cfg: Config) -> str:
+    return "mse" if cfg.dataset.name == "sinusoid" else "accuracy"
+
+
+def _forecast_dict(fc: BudgetForecast) -> dict[str, Any]:
+    return {
+        "ledger_records_before": fc.ledger_records_before,
+        "epsilon_spent_before": fc.epsilon_spent_before,
+        "rounds_affordable": fc.rounds_affordable,
+        "rounds_to_run": fc.rounds_to_run,
+        "epsilon_task_at_end": fc.epsilon_task_at_end,
+        "epsilon_participant_at_end": fc.epsilon_participant_at_end,
+        "epsilon_tombs2022_published_at_end_NOT_VALID": fc.epsilon_theorem3_at_end,
+    }
+
+
+def format_summary(s: Mapping[str, Any]) -> str:
     """The summary printed at the end."""
-    lines = ["== fedmeta summary ==", f"mode: {s['mode']}"]
-    lines.append(
-        f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | "
-        f"stopped: {s['stopped_reason']}"
-    )
+    lines = ["== fedmeta summary ==", f"mode: {s['mode']}",
+             f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | "
+             f"stopped: {s['stopped_reason']}"]  # fmt: skip
     if s["private"]:
         lines.append(
-            f"epsilon spent (task level) {_e(s['epsilon_spent'])} "
-            f"of budget {_e(s['epsilon_budget'], 'g')} "
-            f"at delta {_e(s['delta'], 'g')}"
+            f"epsilon spent (task level, {s['neighbouring']}) {_e(s['epsilon_spent'])} of "
+            f"budget {_e(s['epsilon_budget'], 'g')} at delta {_e(s['delta'], 'g')}"
         )
         lines.append(
             "participant level: "
-            + _participant_eps(s["epsilon_participant_level"], s.get("participant_level_note"))
+            + _participant_eps(s["epsilon_participant_level"], s["participant_level_note"])
         )
         if s.get("noise_secure") is False:
-            lines.append(
-                "WARNING: insecure_test_seed was set - noise is reproducible, NOT private "
-                "(tests only)"
-            )
+            lines.append("WARNING: insecure_test_seed was set - noise is reproducible, NOT private "
+                         "(tests only)")  # fmt: skip
     else:
         lines.append("NON-PRIVATE: no clipping, no noise, no privacy guarantee")
     ci = s["final_metric_ci95"]
@@ -109,100 +177,114 @@ def format_summary(s: dict[str, Any]) -> str:
         f"untrained meta-model: {_e(s['untrained_metric'], '.4f')}"
     )
     if s.get("rounds_lost_on_resume"):
-        lines.append(
-            "rounds spent but lost before a checkpoint (counted as spent): "
-            f"{s['rounds_lost_on_resume']}"
-        )
+        lines.append("rounds spent but lost before a checkpoint (counted as spent): "
+                     f"{s['rounds_lost_on_resume']}")  # fmt: skip
     return "\n".join(lines)
 
 
-def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
+def csv_row(outcome: RoundOutcome, private: bool) -> dict[str, Any]:
+    """One ``rounds.csv`` row of a round's record."""
+    row: dict[str, Any] = {
+        "round": outcome.round,
+        "mode": "private" if private else "NON-PRIVATE",
+        "status": outcome.status,
+        "participants_sampled": outcome.participants_sampled,
+        "participants_replied": outcome.participants_replied,
+        "participants_failed": outcome.participants_failed,
+        "epsilon": outcome.epsilon_task,
+        "epsilon_participant": outcome.epsilon_participant,
+        "loss": outcome.train_loss,
+        "validation_metric": outcome.validation_metric,
+    }
+    if outcome.diagnostics is not None:
+        d = outcome.diagnostics
+        row.update({name: getattr(d, name) for name in DIAGNOSTIC_FIELDS})
+    return row
+
+
+def write_rounds_csv(
+    out_dir: Path, outcomes: Sequence[RoundOutcome], private: bool, diagnostics: bool
+) -> Path:
+    """``rounds.csv``: one row per round; diagnostic columns only where they are allowed."""
+    buf = io.StringIO()
+    fields = CSV_FIELDS + (DIAGNOSTIC_FIELDS if diagnostics else [])
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    for outcome in outcomes:
+        writer.writerow({k: "" if v is None else v for k, v in csv_row(outcome, private).items()})
+    path = Path(out_dir) / "rounds.csv"
+    atomic_write_bytes(path, buf.getvalue().encode())
+    return path
+
+
+def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:
     """``summary.json``."""
     path = Path(out_dir) / "summary.json"
     atomic_write_bytes(path, (json.dumps(summary, indent=2, default=str) + "\n").encode())
     return path
 
 
-def write_rounds_csv(out_dir: Path, rows: list[dict[str, Any]], private: bool) -> Path:
-    """``rounds.csv``: one row per round (mode column says private / NON-PRIVATE)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
-    w.writeheader()
-    for row in rows:
-        w.writerow(
-            {
-                **{k: "" if v is None else v for k, v in row.items()},
-                "mode": "private" if private else "NON-PRIVATE",
-            }
-        )
-    path = Path(out_dir) / "rounds.csv"
-    atomic_write_bytes(path, buf.getvalue().encode())
-    return path
-
-
-def write_plots(out_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> list[Path]:
-    """PNG plots: epsilon vs round, validation metric vs epsilon (or vs round when non-private)."""
+def write_plots(
+    out_dir: Path, outcomes: Sequence[RoundOutcome], summary: Mapping[str, Any]
+) -> None:
+    """Two PNG plots: epsilon against round, validation metric against epsilon (or round)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out: list[Path] = []
     private = bool(summary["private"])
     tag = "" if private else " [NON-PRIVATE]"
-    rows = [r for r in rows if not r.get("lost_on_resume")]
-    metric = summary.get("metric", "metric")
-
+    done = [o for o in outcomes if o.status == "completed"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if private:
-        pts = [(r["round"], r["epsilon"]) for r in rows if r.get("epsilon") is not None]
+        pts = [(o.round, o.epsilon_task) for o in done if o.epsilon_task is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), label="task-level epsilon (PLD)")
-        if summary.get("epsilon_budget"):
-            ax.axhline(summary["epsilon_budget"], color="red", linestyle="--", label="budget")
+        ax.axhline(summary["epsilon_budget"], color="red", linestyle="--", label="budget")
         ax.set_ylabel("epsilon spent")
         ax.legend()
     else:
-        ax.text(
-            0.5,
-            0.5,
-            "NON-PRIVATE run: no epsilon",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-        )
+        ax.text(0.5, 0.5, "NON-PRIVATE run: no epsilon", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
     ax.set_xlabel("round")
     ax.set_title("privacy spent vs round" + tag)
-    p = Path(out_dir) / "epsilon_vs_round.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(p)
-
+    _save(fig, Path(out_dir) / "epsilon_vs_round.png")
     fig, ax = plt.subplots(figsize=(6, 4))
-    pts = [
-        ((r["epsilon"] if private else r["round"]), r["validation_metric"])
-        for r in rows
-        if r.get("validation_metric") is not None and (not private or r.get("epsilon") is not None)
+    curve = [
+        (float(o.epsilon_task if private else o.round), float(o.validation_metric))  # type: ignore[arg-type]
+        for o in done
+        if o.validation_metric is not None and (not private or o.epsilon_task is not None)
     ]
-    if pts:
-        ax.plot(*zip(*pts, strict=True), marker="o")
+    if curve:
+        ax.plot(*zip(*curve, strict=True), marker="o")
+    metric = summary["metric"]
     ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
     ax.set_ylabel(f"validation {metric}")
     ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag)
-    p = Path(out_dir) / "validation_vs_epsilon.png"
+    _save(fig, Path(out_dir) / "validation_vs_epsilon.png")
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(p, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    out.append(p)
-    return out
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def write_all(
-    out_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], plots: bool = True
+    out_dir: Path,
+    summary: Mapping[str, Any],
+    outcomes: Sequence[RoundOutcome],
+    *,
+    diagnostics: bool,
+    plots: bool = True,
 ) -> None:
     """All files of a finished run."""
     write_summary(out_dir, summary)
-    write_rounds_csv(out_dir, rows, bool(summary["private"]))
+    write_rounds_csv(out_dir, outcomes, bool(summary["private"]), diagnostics)
     if plots:
-        write_plots(out_dir, rows, summary)
+        write_plots(out_dir, outcomes, summary)

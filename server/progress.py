@@ -1,6 +1,8 @@
 """A dependency-free progress bar, a ``RunObserver``: round, eps spent/budget, loss, validation.
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
+Each line is a release: it shows only what a round's record shows (server/report.py), and in a
+private run no rate (a round's duration depends on how many tasks it sampled).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from server.report import RoundReport, RunFinished, RunStarted
+from server.report import RoundOutcome, RunFinished, RunStarted
 
 
 def _f(x: float | None, fmt: str = ".4f") -> str:
@@ -32,6 +34,7 @@ class ProgressBar:
         self.metric = ""
         self.t0 = time.monotonic()
         self.last_eps: float | None = None
+        self.last_val: float | None = None
 
     def run_started(self, event: RunStarted) -> None:  # noqa: D102
         self.planned = max(event.planned_rounds, 1)
@@ -42,11 +45,13 @@ class ProgressBar:
         if self.every is None:
             self.every = max(1, self.planned // 20)
 
-    def round_finished(self, report: RoundReport) -> None:  # noqa: D102
+    def round_finished(self, report: RoundOutcome) -> None:  # noqa: D102
         try:
-            r = report.round_index
-            if report.epsilon_spent_task is not None:
-                self.last_eps = report.epsilon_spent_task
+            r = report.round
+            if report.epsilon_task is not None:
+                self.last_eps = report.epsilon_task
+            if report.validation_metric is not None:
+                self.last_val = report.validation_metric
             frac = min(r / self.planned, 1.0)
             filled = int(round(frac * self.width))
             bar = "#" * filled + "." * (self.width - filled)
@@ -54,13 +59,13 @@ class ProgressBar:
                 eps = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"
             else:
                 eps = "NON-PRIVATE"
-            rate = r / max(time.monotonic() - self.t0, 1e-9)
             line = (
                 f"[{bar}] round {r}/{self.planned} | {eps} | loss {_f(report.train_loss)} | "
-                f"val {self.metric} {_f(report.validation_metric)} | "
-                f"{report.participants_replied}/{report.participants_sampled} replied | "
-                f"{rate:.2f} r/s"
+                f"val {self.metric} {_f(self.last_val)} | "
+                f"{report.participants_replied}/{report.participants_sampled} replied"
             )
+            if not self.private:
+                line += f" | {r / max(time.monotonic() - self.t0, 1e-9):.2f} r/s"
             if self.tty:
                 self.stream.write("\r" + line)
                 self.stream.flush()

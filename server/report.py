@@ -1,21 +1,81 @@
-"""What the round loop tells observers (metrics, progress bar, CSV): plain frozen records, no I/O.
+"""The records a run produces, and the only things observers, ``rounds.csv`` and the summary read.
 
-The round loop builds these records and hands them to every ``RunObserver``; observers never reach
-into the loop's state. Keeping the records plain lets the Prometheus exporter, the progress bar and
-``rounds.csv`` all read the same facts, and lets tests assert on them without any of those sinks.
+A round produces one :class:`RoundOutcome`. ``rounds.csv`` rows, what observers (progress bar,
+Prometheus) receive, and the run summary are all derived from these records, never assembled
+separately, so every output of a run says the same thing.
 
-Privacy note: ``RoundReport`` carries only aggregates over a round, never a participant or task id,
-and never a per-task gradient norm. ``clipped_fraction`` and ``pre_clip_norm_quantiles`` are
-computed from private data and are *not* covered by the (epsilon, delta) guarantee; they are
-``None`` unless the configuration opts in to private diagnostics (always available in non-private
-runs).
+**Everything here is a release.** In a private run a record holds only what the accountant covers
+or what is public: stage-1 facts (how many participants were sampled, which is fixed, and how many
+replied or failed, which depends on availability, not on data), the ledger's epsilon, the noise
+scale, and metrics computed from the noisy model on public held-out tasks. Anything that depends on
+stage-2 outcomes or on private values (realised task counts, clipping statistics, norm violations,
+per-round and per-participant timings) sits in :class:`RoundDiagnostics`, which a private run fills
+only when ``metrics.private_diagnostics`` is on. Never a participant or task id.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+STATUS_COMPLETED = "completed"
+STATUS_LOST_ON_RESUME = "lost_on_resume"
+
+
+@dataclass(frozen=True)
+class RoundDiagnostics:
+    """Facts of a round that depend on stage 2 or on private values: NOT covered by the guarantee.
+
+    Present in non-private runs, and in private runs only with ``metrics.private_diagnostics``.
+    """
+
+    tasks_requested: int
+    tasks_received: int
+    norm_violations: int
+    nonfinite: int
+    clipped_fraction: float | None
+    norm_quantiles: Mapping[float, float] | None
+    round_seconds: float
+    aggregation_seconds: float
+    compute_seconds_per_task: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """One round of a run, as everything downstream sees it (``round`` is 1-based)."""
+
+    run_id: str
+    federation_id: str
+    round: int
+    status: str = STATUS_COMPLETED
+    participants_registered: int = 0
+    participants_sampled: int = 0
+    participants_replied: int = 0
+    participants_failed: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)  # one reason per failed participant
+    stray_replies: Mapping[str, int] = field(default_factory=dict)  # replies matching no request
+    ledger_position: int | None = None
+    noise_std: float | None = None
+    clip: float | None = None
+    # Added by the run after the round: evaluation on public held-out tasks and the accounting.
+    train_loss: float | None = None
+    validation_metric: float | None = None
+    epsilon_task: float | None = None
+    epsilon_participant: float | None = None
+    rounds_affordable: int | None = None
+    diagnostics: RoundDiagnostics | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (checkpoints keep the rounds so far in this form)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RoundOutcome:
+        """Inverse of :meth:`to_dict`."""
+        values = dict(data)
+        diag = values.pop("diagnostics", None)
+        return cls(**values, diagnostics=None if diag is None else RoundDiagnostics(**diag))
 
 
 @dataclass(frozen=True)
@@ -32,38 +92,10 @@ class RunStarted:
     planned_rounds: int
     rounds_affordable: int | None
     epsilon_spent_task: float
-    epsilon_spent_participant: float
+    epsilon_spent_participant: float | None
     participants_registered: int
     metric_name: str
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """The public and aggregate facts of one completed round."""
-
-    run_id: str
-    federation_id: str
-    round_index: int
-    participants_registered: int
-    participants_sampled: int
-    participants_replied: int
-    participants_failed: int
-    tasks_requested: int | None
-    tasks_received: int | None
-    rejected_by_reason: Mapping[str, int] = field(default_factory=dict)
-    train_loss: float | None = None
-    validation_metric: float | None = None
-    epsilon_spent_task: float | None = None
-    epsilon_spent_participant: float | None = None
-    rounds_affordable: int | None = None
-    spends_recorded: int | None = None
-    noise_std: float | None = None
-    clip: float | None = None
-    clipped_fraction: float | None = None
-    pre_clip_norm_quantiles: Mapping[float, float] | None = None
-    round_seconds: float = 0.0
-    aggregation_seconds: float = 0.0
-    client_compute_seconds_per_task: tuple[float, ...] = ()
+    diagnostics: bool  # whether rounds carry RoundDiagnostics
 
 
 @dataclass(frozen=True)
@@ -81,16 +113,16 @@ class RunFinished:
 
 
 class RunObserver(Protocol):
-    """Receives a run's records in order.
+    """Receives a run's records in order: ``run_started``, ``round_finished`` per round, the end.
 
-    ``run_started``, then ``round_finished`` per round, then ``run_finished``. Observers must not
-    raise; a failing sink must never stop a private run halfway through its bookkeeping.
+    Observers must not raise: a failing sink never stops a private run halfway through its
+    bookkeeping (the run logs and ignores any exception).
     """
 
     def run_started(self, event: RunStarted) -> None:
         """Receive the run's start."""
 
-    def round_finished(self, report: RoundReport) -> None:
+    def round_finished(self, outcome: RoundOutcome) -> None:
         """Receive one finished round."""
 
     def run_finished(self, event: RunFinished) -> None:

@@ -13,14 +13,17 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHARED_OMNIGLOT = REPO_ROOT.parent / "shared" / "data" / "omniglot"
+#: The full Omniglot set: $FEDMETA_OMNIGLOT_DIR, else the data folder beside the checkout in CI.
+SHARED_OMNIGLOT = Path(
+    os.environ.get("FEDMETA_OMNIGLOT_DIR") or REPO_ROOT.parent / "shared" / "data" / "omniglot"
+)
 
 
 @pytest.fixture(scope="session")
 def shared_omniglot() -> Path:
-    """The full Omniglot npz set beside the checkout; tests that need it skip when it is absent."""
+    """The full Omniglot npz set; tests that need it skip when it is absent."""
     if not (SHARED_OMNIGLOT / "images_background.npz").is_file():
-        pytest.skip(f"Omniglot npz not found at {SHARED_OMNIGLOT}")
+        pytest.skip(f"Omniglot npz not found at {SHARED_OMNIGLOT} (set FEDMETA_OMNIGLOT_DIR)")
     return SHARED_OMNIGLOT
 
 
@@ -38,3 +41,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated_state_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Every test gets its own fedmeta state directory: the default ledger never leaks between tests
+    (nor into the developer's ~/.local/state)."""
+    state = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(state))
+    return state

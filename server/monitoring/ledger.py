@@ -4,7 +4,25 @@ A run's live metrics (``server/monitoring/live.py``) last only as long as the ru
 budget outlives runs. ``LedgerCollector`` re-reads the SQLite ledger (and the latest
 ``summary.json`` of each federation under the run directories) on every scrape and is served by
 ``fedmeta exporter`` (server/exporter.py). Labels: ``federation`` (and ``run`` on the latest-run
-records).
+records); ``db`` and a bounded ``reason`` on the health series.
+
+It tells the truth or says it cannot:
+
+* **Read-only.** The ledger is opened with ``BudgetLedger.open_readonly``, which writes nothing,
+  so the exporter works on a read-only mount.
+* **Every number is computed for the position it is reported with.** Epsilon is cached by
+  (position, hash of the last record); rounds affordable is ``total - count`` where ``total``, the
+  affordable count of the last recorded kind of round beside the *other* recorded rounds, is
+  a pure function of those (searched in the background, cached by them), and ``count`` is read at
+  the reported position. A search that finishes late can only fill in the ``total`` it was asked
+  for, never a value for another position.
+* **A replaced file is followed.** The file's (device, inode) is compared on every scrape, and the
+  ledger refuses a file whose history no longer contains what it read (overwritten in place):
+  both reopen the file.
+* **Health.** ``fedmeta_ledger_readable{db, reason}`` is 1 when the file opened and every
+  federation verified, else 0 with a reason from ``accounting.ledger.UNREADABLE_REASONS`` (or
+  ``error``): a missing file, a non-SQLite file or a corrupted chain no longer makes the series
+  silently vanish.
 """
 
 from __future__ import annotations
@@ -12,13 +30,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,10 +46,14 @@ from prometheus_client.registry import Collector
 
 from server.monitoring.live import FED_LABELS, _finite, _remaining
 
+if TYPE_CHECKING:
+    from accounting import BudgetLedger, GaussianRound
+
 log = logging.getLogger("fedmeta.metrics")
 
 #: Exporter (ledger) metric names.
 LEDGER_METRICS: tuple[str, ...] = (
+    "fedmeta_ledger_readable",
     "fedmeta_ledger_up",
     "fedmeta_ledger_epsilon_spent_task",
     "fedmeta_ledger_epsilon_spent_participant",
@@ -47,28 +71,60 @@ LEDGER_METRICS: tuple[str, ...] = (
     "fedmeta_last_run_timestamp_seconds",
     "fedmeta_exporter_scrape_duration_seconds",
 )
+#: Values of the ``reason`` label of ``fedmeta_ledger_readable``: ``ok``, accounting's reasons for
+#: an unreadable ledger, and ``error`` for anything unexpected (see the exporter's log).
+READ_REASONS: tuple[str, ...] = (
+    "ok",
+    "missing",
+    "cannot_open",
+    "not_sqlite",
+    "not_ledger",
+    "corrupted",
+    "hot_journal",
+    "legacy_wal",
+    "busy",
+    "error",
+)
+_TOTALS_KEPT = 1024  # affordable totals cached (one per distinct history); cleared beyond
 
 
-class _FederationCache:
-    """What one federation's gauges cost to compute, cached by ledger position."""
+@dataclass(frozen=True)
+class FederationSnapshot:
+    """One federation's numbers at one ledger position, or ``values is None`` when unreadable."""
 
-    def __init__(self) -> None:
-        self.position = -1
-        self.event: Any = None
-        self.values: dict[str, float] = {}
+    federation: str
+    values: dict[str, float] | None
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """What one read of the ledger file found."""
+
+    readable: bool
+    reason: str
+    federations: tuple[FederationSnapshot, ...] = ()
+
+
+def _reason(error: BaseException) -> str:
+    reason = str(getattr(error, "reason", "error"))
+    return reason if reason in READ_REASONS else "error"
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 class LedgerCollector(Collector):
-    """Re-reads the SQLite ledger (and run directories) on every scrape.
+    """Re-reads the SQLite ledger (and run directories) on every scrape, read-only.
 
-    Reads go through accounting's public ``BudgetLedger.federations`` and
-    ``BudgetLedger.open(..., create=False)``. All ledger work runs on one worker thread (SQLite
-    connections belong to the thread that opened them; the HTTP server answers each scrape on a new
-    thread). Epsilon is recomputed only when the ledger's position changed; rounds affordable
-    (a PLD search, seconds) is updated exactly without a search while the new spends repeat the
-    last recorded round (each costs one affordable round), and otherwise recomputed in the
-    background and left out until known. A read slower than ``read_timeout_s`` serves the last
-    snapshot.
+    Ledger reads run on one reader thread (SQLite connections belong to the thread that opened
+    them; the HTTP server answers each scrape on a new thread); rounds-affordable searches (PLD,
+    seconds) on a second thread, so a search never delays a read. A read slower than
+    ``read_timeout_s`` serves the previous snapshot, which is consistent in itself.
     """
 
     def __init__(
@@ -79,127 +135,211 @@ class LedgerCollector(Collector):
         affordable: bool = True,
         read_timeout_s: float = 8.0,
     ) -> None:
-        self.db = Path(db)
+        self.db = Path(db).absolute()
         self.runs_dirs = [Path(d) for d in runs_dirs]
         self.affordable = affordable
         self.read_timeout_s = read_timeout_s
-        self._ledgers: dict[str, Any] = {}
-        self._cache: dict[str, _FederationCache] = {}
-        self._snapshot: list[tuple[str, dict[str, float] | None]] = []
-        self._lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmeta-ledger")
+        self._lock = threading.Lock()  # one scrape at a time
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmeta-ledger-read")
+        self._searcher = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="fedmeta-ledger-search"
+        )
+        self._inflight: Future[LedgerSnapshot] | None = None
+        self._snapshot: LedgerSnapshot | None = None
+        # Reader thread only.
+        self._ledgers: dict[str, BudgetLedger] = {}
+        self._identity: tuple[int, int] | None = None
+        self._eps: dict[str, tuple[int, str | None, float, float]] = {}
+        self._last_problem: dict[str, str] = {}
+        # Shared with the search thread.
+        self._totals_lock = threading.Lock()
+        self._totals: dict[tuple[Any, ...], int | None] = {}
 
     def describe(self) -> list[Metric]:
         """Describe nothing up front (an unchecked collector)."""
         return []  # unchecked collector: the families depend on the ledger's content
 
-    # -------------------------------------------------------------- on the worker thread only
-    def _ledger(self, fed: str) -> Any:
-        from accounting import BudgetLedger  # light: stdlib + numpy/scipy/dp-accounting
-
-        ledger = self._ledgers.get(fed)
-        if ledger is None:
-            ledger = BudgetLedger.open(self.db, fed, create=False)
-            self._ledgers[fed] = ledger
-        return ledger
-
-    def _drop(self, fed: str) -> None:
-        stale = self._ledgers.pop(fed, None)
-        if stale is not None:
+    # ------------------------------------------------------------ on the reader thread only
+    def _close_all(self) -> None:
+        for ledger in self._ledgers.values():
             try:
-                stale.close()
+                ledger.close()
             except Exception:  # noqa: BLE001
                 pass
-        self._cache.pop(fed, None)
+        self._ledgers.clear()
+        self._eps.clear()
 
-    def _federation_values(self, fed: str) -> dict[str, float]:
-        ledger = self._ledger(fed)
-        cache = self._cache.setdefault(fed, _FederationCache())
-        position = int(ledger.position())
-        if position == cache.position:
-            return cache.values
+    def _problem(self, key: str, message: str | None) -> None:
+        """Log a problem when it starts or changes (not on every scrape), and when it ends."""
+        previous = self._last_problem.get(key)
+        if message == previous:
+            return
+        if message is None:
+            log.info("%s: readable again", key)
+            self._last_problem.pop(key, None)
+        else:
+            log.warning("%s: %s", key, message)
+            self._last_problem[key] = message
+
+    def _read(self) -> LedgerSnapshot:
+        from accounting import LedgerReplaced
+
+        try:
+            return self._read_once()
+        except LedgerReplaced as error:  # overwritten in place: follow it
+            log.info("%s", error)
+            self._close_all()
+            return self._read_once()
+
+    def _read_once(self) -> LedgerSnapshot:
+        from accounting import BudgetLedger, LedgerUnreadable
+
+        identity = _file_identity(self.db)
+        if identity != self._identity:  # replaced (a restore), removed or created: reopen
+            self._close_all()
+            self._identity = identity
+        try:
+            info = BudgetLedger.describe(self.db)
+        except LedgerUnreadable as error:
+            self._close_all()
+            self._problem(str(self.db), str(error))
+            return LedgerSnapshot(False, _reason(error))
+        self._problem(str(self.db), None)
+        feds, reasons = [], []
+        for fed in info.federations:
+            values, reason = self._federation(fed)
+            feds.append(FederationSnapshot(fed, values))
+            if values is None:
+                reasons.append(reason)
+        if reasons:
+            return LedgerSnapshot(False, reasons[0], tuple(feds))
+        return LedgerSnapshot(True, "ok", tuple(feds))
+
+    def _federation(self, fed: str) -> tuple[dict[str, float] | None, str]:
+        """One federation's numbers and ``"ok"``, or ``None`` and why it could not be read."""
+        from accounting import BudgetLedger, LedgerReplaced
+
+        try:
+            ledger = self._ledgers.get(fed)
+            if ledger is None:
+                ledger = self._ledgers[fed] = BudgetLedger.open_readonly(self.db, fed)
+            values = self._values(fed, ledger)
+        except LedgerReplaced:
+            raise
+        except Exception as error:  # noqa: BLE001 - e.g. LedgerCorrupted: report down, keep serving
+            self._problem(f"{self.db} federation {fed!r}", str(error))
+            stale = self._ledgers.pop(fed, None)
+            if stale is not None:
+                stale.close()
+            self._eps.pop(fed, None)
+            return None, _reason(error)
+        self._problem(f"{self.db} federation {fed!r}", None)
+        return values, "ok"
+
+    def _values(self, fed: str, ledger: BudgetLedger) -> dict[str, float]:
         records = ledger.records()
+        position = len(records)
         budget = float(ledger.epsilon_budget)
         values: dict[str, float] = {
             "budget": budget,
             "delta": float(ledger.delta),
             "spends": float(position),
         }
-        event = None
+        eps_task = eps_part = 0.0
         if records:
-            # Same methods as the round loop (server/privacy.py): task level PLD (enforced),
-            # participant level RDP (reported).
-            eps_task = float(ledger.epsilon(unit="task", method="pld"))
-            try:
-                eps_part = float(ledger.epsilon(unit="participant", method="rdp"))
-            except Exception:  # noqa: BLE001 - e.g. a scheme without a participant-level bound
-                eps_part = math.nan
-            event = records[-1].event
+            head = records[-1].hash
+            cached = self._eps.get(fed)
+            if cached is not None and cached[:2] == (position, head):
+                eps_task, eps_part = cached[2], cached[3]
+            else:
+                # Same methods as the round loop (server/privacy.py): task level PLD (enforced),
+                # participant level RDP (reported).
+                eps_task = float(ledger.epsilon(unit="task", method="pld"))
+                try:
+                    eps_part = float(ledger.epsilon(unit="participant", method="rdp"))
+                except ValueError:  # no participants, or no recorded cap
+                    eps_part = math.nan
+                self._eps[fed] = (position, head, eps_task, eps_part)
             values["last_ts"] = _parse_ts(records[-1].created_at)
             if self.affordable:
-                previous = cache.values.get("affordable")
-                same = (
-                    previous is not None
-                    and 0 <= cache.position < position
-                    and cache.event == event
-                    and all(r.event == event for r in records[cache.position :])
-                )
-                if same:
-                    values["affordable"] = max(0.0, previous - (position - cache.position))  # type: ignore[operator]
-                else:
-                    self._worker.submit(self._refresh_affordable, fed, position, event)
-        else:
-            eps_task, eps_part = 0.0, 0.0
+                affordable = self._affordable(ledger, records[-1].event)
+                if affordable is not None:
+                    values["affordable"] = affordable
         values["eps_task"] = eps_task
         values["eps_part"] = eps_part
         values["remaining"] = _remaining(eps_task, budget) or 0.0
-        cache.position, cache.event, cache.values = position, event, values
         return values
 
-    def _refresh_affordable(self, fed: str, position: int, event: Any) -> None:
-        try:
-            cache = self._cache.get(fed)
-            if cache is None or cache.position != position:
-                return  # superseded by a newer read
-            value = float(self._ledger(fed).rounds_affordable(event))
-            if cache.position == position:
-                cache.values["affordable"] = value
-        except Exception:  # noqa: BLE001 - never crash the worker
-            log.exception("could not compute rounds affordable for %r", fed)
+    def _affordable(self, ledger: BudgetLedger, event: GaussianRound) -> float | None:
+        """More rounds like ``event`` at the position ``ledger`` was just read at, if known.
 
-    def _read_ledgers(self) -> list[tuple[str, dict[str, float] | None]]:
-        out: list[tuple[str, dict[str, float] | None]] = []
-        if not self.db.is_file():
-            return out
-        try:
-            from accounting import BudgetLedger
+        ``total`` depends only on the other recorded rounds (``base``), so it is cached by them and
+        searched once in the background; ``count`` is read now. Their difference belongs to now.
+        """
+        counts = dict(ledger.rounds())
+        base = tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
+        key = (ledger.epsilon_budget, ledger.delta, ledger.unit, base, event)
+        with self._totals_lock:
+            known = key in self._totals
+            total = self._totals.get(key)
+            if not known:
+                if len(self._totals) >= _TOTALS_KEPT:
+                    self._totals.clear()
+                self._totals[key] = None  # pending: submitted once
+        if not known:
+            self._searcher.submit(self._search, key)
+        if total is None or total < 0:
+            return None
+        return float(max(0, total - counts.get(event, 0)))
 
-            feds = list(BudgetLedger.federations(self.db))
-        except Exception:  # noqa: BLE001 - a scrape never crashes the exporter
-            log.exception("could not list the federations in %s", self.db)
-            return out
-        for fed in feds:
-            try:
-                out.append((fed, dict(self._federation_values(fed))))
-            except Exception:  # noqa: BLE001 - e.g. LedgerCorrupted: report down, keep serving
-                log.exception("could not read federation %r from %s", fed, self.db)
-                self._drop(fed)
-                out.append((fed, None))
-        return out
+    # ------------------------------------------------------------ on the search thread only
+    def _search(self, key: tuple[Any, ...]) -> None:
+        from accounting import affordable_rounds
+
+        budget, delta, unit, base, event = key
+        try:
+            total = int(affordable_rounds(base, event, budget, delta, unit))
+        except Exception:  # noqa: BLE001 - never crash the worker; the gauge stays absent
+            log.exception("could not compute rounds affordable")
+            total = -1
+        with self._totals_lock:
+            self._totals[key] = total
 
     # --------------------------------------------------------------------------- scrape thread
     def collect(self) -> Iterator[Metric]:
         """Read the ledger and run records now (called on every scrape)."""
         t0 = time.perf_counter()
         with self._lock:
-            yield from self._collect()
+            yield from self._ledger_families(self._latest())
+            yield from self._run_records()
         d = GaugeMetricFamily(
             "fedmeta_exporter_scrape_duration_seconds", "Time to read the ledger and run records."
         )
         d.add_metric([], time.perf_counter() - t0)
         yield d
 
-    def _collect(self) -> Iterator[Metric]:
+    def _latest(self) -> LedgerSnapshot | None:
+        """A fresh snapshot, or the previous one when the read is slow (one read in flight)."""
+        if self._inflight is None or self._inflight.done():
+            self._inflight = self._reader.submit(self._read)
+        try:
+            self._snapshot = self._inflight.result(self.read_timeout_s)
+        except FutureTimeout:
+            log.warning(
+                "ledger read slower than %.1fs: serving the last snapshot", self.read_timeout_s
+            )
+        except Exception:  # noqa: BLE001 - a scrape never crashes the exporter
+            log.exception("ledger read failed")
+            self._snapshot = LedgerSnapshot(False, "error")
+        return self._snapshot
+
+    def _ledger_families(self, snapshot: LedgerSnapshot | None) -> Iterator[Metric]:
+        readable = GaugeMetricFamily(
+            "fedmeta_ledger_readable",
+            "1 if the ledger file opened and every federation verified on this scrape, else 0; "
+            "reason says why not.",
+            labels=("db", "reason"),
+        )
         fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "up": GaugeMetricFamily(
                 "fedmeta_ledger_up",
@@ -243,24 +383,15 @@ class LedgerCollector(Collector):
                 labels=FED_LABELS,
             ),
         }
-        try:
-            snapshot = self._worker.submit(self._read_ledgers).result(self.read_timeout_s)
-            self._snapshot = snapshot
-        except FutureTimeout:
-            log.warning(
-                "ledger read slower than %.1fs: serving the last snapshot", self.read_timeout_s
-            )
-            snapshot = self._snapshot
-        except Exception:  # noqa: BLE001
-            log.exception("ledger read failed")
-            snapshot = []
-        for fed, values in snapshot:
-            fams["up"].add_metric([fed], 0 if values is None else 1)
-            for key, value in (values or {}).items():
-                if key in fams and _finite(value):
-                    fams[key].add_metric([fed], value)
+        if snapshot is not None:
+            readable.add_metric([str(self.db), snapshot.reason], 1 if snapshot.readable else 0)
+            for fed in snapshot.federations:
+                fams["up"].add_metric([fed.federation], 0 if fed.values is None else 1)
+                for key, value in (fed.values or {}).items():
+                    if key in fams and _finite(value):
+                        fams[key].add_metric([fed.federation], value)
+        yield readable
         yield from fams.values()
-        yield from self._run_records()
 
     def _run_records(self) -> Iterator[Metric]:
         """Yield the latest ``summary.json`` per federation under the run directories."""
@@ -328,18 +459,14 @@ class LedgerCollector(Collector):
         yield ts
 
     def close(self) -> None:
-        """Close the open ledgers and stop the worker."""
+        """Close the open ledgers and stop the threads."""
         with self._lock:
-
-            def _close_all() -> None:
-                for fed in list(self._ledgers):
-                    self._drop(fed)
-
             try:
-                self._worker.submit(_close_all).result(30)
+                self._reader.submit(self._close_all).result(30)
             except Exception:  # noqa: BLE001
                 log.exception("closing the ledgers failed")
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._reader.shutdown(wait=False, cancel_futures=True)
+            self._searcher.shutdown(wait=False, cancel_futures=True)
 
 
 def _parse_ts(text: str) -> float:

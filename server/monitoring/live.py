@@ -32,7 +32,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from server.report import RoundReport, RunFinished, RunStarted
+from server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 
 log = logging.getLogger("fedmeta.metrics")
 
@@ -102,15 +102,21 @@ class PrometheusRunObserver:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._budget: dict[tuple[str, str], float] = {}
-        r = self.registry
+        self._diagnostics: dict[tuple[str, str], bool] = {}
+        self._declare_progress()
+        self._declare_privacy()
+        self._declare_participation()
+        self._declare_learning()
+        self._declare_timing()
 
-        def g(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+    def _g(self, name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
 
-        def c(name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+    def _c(self, name: str, doc: str, labels: tuple[str, ...] = RUN_LABELS) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
 
-        # progress
+    def _declare_progress(self) -> None:
+        g, c = self._g, self._c
         self.runs_started = c("fedmeta_runs_started", "Runs started in this process.", FED_LABELS)
         self.runs_finished = c(
             "fedmeta_runs_finished", "Runs finished in this process.", FED_LABELS
@@ -129,7 +135,9 @@ class PrometheusRunObserver:
         self.last_round_ts = g(
             "fedmeta_last_round_timestamp_seconds", "Unix time the last round finished."
         )
-        # privacy
+
+    def _declare_privacy(self) -> None:
+        g = self._g
         self.eps_budget = g("fedmeta_epsilon_budget", "Epsilon budget of the federation.")
         self.delta = g("fedmeta_delta", "Delta of the (epsilon, delta) guarantee.")
         self.eps_task = g(
@@ -146,7 +154,9 @@ class PrometheusRunObserver:
             "fedmeta_rounds_affordable", "More rounds like the last one the budget allows."
         )
         self.spends = g("fedmeta_spends_recorded", "Spends recorded in the federation's ledger.")
-        # participation
+
+    def _declare_participation(self) -> None:
+        g, c = self._g, self._c
         self.registered = g("fedmeta_participants_registered", "Participants registered.")
         self.sampled = c(
             "fedmeta_participants_sampled", "Participants sampled, summed over rounds."
@@ -163,7 +173,9 @@ class PrometheusRunObserver:
         self.rejected = c(
             "fedmeta_replies_rejected", "Replies rejected, by reason.", (*RUN_LABELS, "reason")
         )
-        # learning
+
+    def _declare_learning(self) -> None:
+        g = self._g
         self.loss = g("fedmeta_train_loss", "Meta-train loss of the last round.")
         self.validation = g("fedmeta_validation_metric", "Latest validation metric.")
         self.final = g("fedmeta_final_metric", "Final test metric of the run.")
@@ -181,7 +193,10 @@ class PrometheusRunObserver:
             "guarantee; present only in non-private runs or with metrics.private_diagnostics.",
             (*RUN_LABELS, "quantile"),
         )
-        # timing
+
+    def _declare_timing(self) -> None:
+        """Private diagnostics in a private run: observed only when the run provides them."""
+        r = self.registry
         self.round_seconds = Histogram(
             "fedmeta_round_duration_seconds",
             "Wall time of a round.",
@@ -209,7 +224,7 @@ class PrometheusRunObserver:
         """Record the plan of a run."""
         self._guard(self._run_started, event)
 
-    def round_finished(self, report: RoundReport) -> None:
+    def round_finished(self, report: RoundOutcome) -> None:
         """Record one completed round."""
         self._guard(self._round_finished, report)
 
@@ -225,6 +240,7 @@ class PrometheusRunObserver:
 
     def _run_started(self, e: RunStarted) -> None:
         lab = (e.federation_id, e.run_id)
+        self._diagnostics[lab] = e.diagnostics
         self.runs_started.labels(e.federation_id).inc()
         self.run_active.labels(*lab).set(1)
         self.run_private.labels(*lab).set(1 if e.private else 0)
@@ -234,13 +250,10 @@ class PrometheusRunObserver:
         self.rounds_planned.labels(*lab).set(e.planned_rounds)
         self.rounds_completed.labels(*lab).set(0)
         self.registered.labels(*lab).set(e.participants_registered)
-        for counter in (
-            self.sampled,
-            self.replied,
-            self.failed,
-            self.tasks_requested,
-            self.tasks_received,
-        ):
+        counters = [self.sampled, self.replied, self.failed]
+        if e.diagnostics:
+            counters += [self.tasks_requested, self.tasks_received]
+        for counter in counters:
             counter.labels(*lab)  # initialise at 0 so rate() has a start point
         if _finite(e.epsilon_budget):
             self._budget[lab] = float(e.epsilon_budget)  # type: ignore[arg-type]
@@ -265,28 +278,27 @@ class PrometheusRunObserver:
         if _finite(part):
             self.eps_part.labels(*lab).set(float(part))  # type: ignore[arg-type]
 
-    def _round_finished(self, r: RoundReport) -> None:
+    def _round_finished(self, r: RoundOutcome) -> None:
         lab = (r.federation_id, r.run_id)
-        self.rounds_completed.labels(*lab).set(r.round_index)
-        self.round_current.labels(*lab).set(r.round_index)
-        self.last_round_ts.labels(*lab).set(time.time())
+        self.rounds_completed.labels(*lab).set(r.round)
+        self.round_current.labels(*lab).set(r.round)
+        # When a round ended depends on its work (how many tasks it sampled): a private run without
+        # diagnostics publishes it to the minute only, enough for the no-progress alert.
+        now = time.time()
+        diagnostics = self._diagnostics.get(lab, False)
+        self.last_round_ts.labels(*lab).set(now if diagnostics else now - now % 60)
         self.registered.labels(*lab).set(r.participants_registered)
         self.sampled.labels(*lab).inc(max(0, r.participants_sampled))
         self.replied.labels(*lab).inc(max(0, r.participants_replied))
         self.failed.labels(*lab).inc(max(0, r.participants_failed))
-        # None in private runs without the diagnostics opt-in (see server/report.py).
-        if r.tasks_requested is not None:
-            self.tasks_requested.labels(*lab).inc(max(0, r.tasks_requested))
-        if r.tasks_received is not None:
-            self.tasks_received.labels(*lab).inc(max(0, r.tasks_received))
-        for reason, n in (r.rejected_by_reason or {}).items():
+        for reason, n in {**r.failures, **r.stray_replies}.items():
             if n > 0:
                 self.rejected.labels(*lab, str(reason)).inc(n)
-        self._set_eps(lab, r.epsilon_spent_task, r.epsilon_spent_participant)
+        self._set_eps(lab, r.epsilon_task, r.epsilon_participant)
         if r.rounds_affordable is not None:
             self.affordable.labels(*lab).set(r.rounds_affordable)
-        if r.spends_recorded is not None:
-            self.spends.labels(*lab).set(r.spends_recorded)
+        if r.ledger_position is not None:
+            self.spends.labels(*lab).set(r.ledger_position)
         for gauge, value in (
             (self.loss, r.train_loss),
             (self.validation, r.validation_metric),
@@ -295,15 +307,21 @@ class PrometheusRunObserver:
         ):
             if _finite(value):
                 gauge.labels(*lab).set(float(value))  # type: ignore[arg-type]
-        # Private diagnostics: exported only when the round loop provides them.
-        if _finite(r.clipped_fraction):
-            self.clipped.labels(*lab).set(float(r.clipped_fraction))  # type: ignore[arg-type]
-        for q, v in (r.pre_clip_norm_quantiles or {}).items():
+        if r.diagnostics is not None:
+            self._diagnostics_of(lab, r.diagnostics)
+
+    def _diagnostics_of(self, lab: tuple[str, str], d: RoundDiagnostics) -> None:
+        """Private diagnostics: present only in non-private runs or on the explicit opt-in."""
+        self.tasks_requested.labels(*lab).inc(max(0, d.tasks_requested))
+        self.tasks_received.labels(*lab).inc(max(0, d.tasks_received))
+        if _finite(d.clipped_fraction):
+            self.clipped.labels(*lab).set(float(d.clipped_fraction))  # type: ignore[arg-type]
+        for q, v in (d.norm_quantiles or {}).items():
             if _finite(v):
                 self.norms.labels(*lab, f"{float(q):g}").set(float(v))
-        self.round_seconds.labels(*lab).observe(max(0.0, r.round_seconds))
-        self.agg_seconds.labels(*lab).observe(max(0.0, r.aggregation_seconds))
-        for s in r.client_compute_seconds_per_task:
+        self.round_seconds.labels(*lab).observe(max(0.0, d.round_seconds))
+        self.agg_seconds.labels(*lab).observe(max(0.0, d.aggregation_seconds))
+        for s in d.compute_seconds_per_task:
             if _finite(s):
                 self.compute_seconds.labels(*lab).observe(max(0.0, float(s)))
 

@@ -21,6 +21,7 @@ from accounting import (
     GaussianRound,
     LedgerCorrupted,
     LedgerError,
+    NotALedger,
     TwoStagePoissonScheme,
     epsilon,
     max_rounds,
@@ -136,8 +137,10 @@ def test_append_only_triggers_and_garbage_file(tmp_path: Path) -> None:
     conn.close()
     junk = tmp_path / "junk.db"
     junk.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(LedgerCorrupted):
+    with pytest.raises(NotALedger, match="not a SQLite file") as refused:
         BudgetLedger.open(junk, "fed", 2.0, 1e-6)
+    assert refused.value.reason == "not_sqlite"
+    assert junk.read_bytes() == b"this is not a database" * 100  # never reset
 
 
 _WRITER = textwrap.dedent(

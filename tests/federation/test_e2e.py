@@ -20,16 +20,21 @@ import pytest
 from fedmeta.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {
-    **os.environ,
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "PYTHONUNBUFFERED": "1",
-    # Flower's CLI starts flower-superlink and friends by name: the interpreter's bin directory
-    # (a venv used without activation) comes first.
-    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
-}
+
+
+def env() -> dict[str, str]:
+    """The subprocess environment, read when called (the test's own state directory included)."""
+    return {
+        **os.environ,
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONUNBUFFERED": "1",
+        # Flower's CLI starts flower-superlink and friends by name: the interpreter's bin
+        # directory (a venv used without activation) comes first.
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+
 
 TINY = [
     "federation.participants=6",
@@ -48,7 +53,7 @@ TINY = [
 def fedmeta(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fedmeta.cli", *args],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -96,7 +101,8 @@ def test_ray_federation_runs_to_budget_exhaustion(tmp_path: Path) -> None:
         "checkpoint.pt",
     ):
         assert (out / name).is_file(), name
-    db = sqlite3.connect(out / "ledger.sqlite")
+    assert Path(s["ledger"]["path"]).parent == Path(os.environ["FEDMETA_STATE_DIR"])
+    db = sqlite3.connect(s["ledger"]["path"])
     assert db.execute("SELECT count(*) FROM spends").fetchone()[0] == s["rounds_completed"]
 
 
@@ -115,28 +121,29 @@ def _spends(db_path: Path) -> list[tuple[str, int]]:
 @pytest.mark.e2e
 def test_resume_after_sigkill_spends_exactly_once_per_round(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    ledger = tmp_path / "ledger.sqlite"
     args = [
         "simulate", "--out", str(out),
         *sets(*TINY, "rounds=24", "privacy.noise_multiplier=1.0", "federation.backend=inprocess",
-              "training.checkpoint_every=4", "output.plots=false"),
+              "training.checkpoint_every=4", "output.plots=false", f"privacy.ledger_path={ledger}"),
     ]  # fmt: skip
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedmeta.cli", *args], cwd=REPO, env=ENV,
+        [sys.executable, "-m", "fedmeta.cli", *args], cwd=REPO, env=env(),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 180
     try:
-        while len(_spends(out / "ledger.sqlite")) < 10 and time.monotonic() < deadline:
+        while len(_spends(ledger)) < 10 and time.monotonic() < deadline:
             assert proc.poll() is None, "the run ended before it could be killed"
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    killed_at = len(_spends(out / "ledger.sqlite"))
+    killed_at = len(_spends(ledger))
     assert 10 <= killed_at < 24
     res = fedmeta("simulate", "--resume", "--out", str(out), timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    spends = _spends(out / "ledger.sqlite")
+    spends = _spends(ledger)
     assert len({run for run, _ in spends}) == 1
     assert sorted(i for _, i in spends) == list(range(24))  # exactly one spend per round
     s = json.loads((out / "summary.json").read_text())
@@ -155,6 +162,7 @@ def _learn(tmp_path: Path, rounds: int, *extra: str) -> tuple[dict[str, object],
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_private_sinusoid_learns_and_non_private_learns_more(tmp_path: Path) -> None:
     """eps = 8 over 200 rounds (the default's size, fewer rounds): post-adaptation test MSE."""
     p, n = _learn(tmp_path, 200)
@@ -225,7 +233,7 @@ def test_flwr_run_dot(tmp_path: Path) -> None:
             # ~/.flwr simulates only 2.
             [flwr, "run", ".", "--federation-config", "num-supernodes=20",
              "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
-            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
+            cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:
         for pid in _superlink_pids() - before:  # only the SuperLink this test started

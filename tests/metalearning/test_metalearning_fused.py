@@ -11,7 +11,7 @@ from test_metalearning_maml import _tiny_conv_tasks
 from torch.func import functional_call
 
 import metalearning as ml
-from metalearning.data import Task
+from metalearning import Task
 from metalearning.models import _BatchNormNHWC, to_channels_last
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from torch.func import functional_call
 
 import metalearning as ml
-from metalearning.data import Task
+from metalearning import Task
 
 pytestmark = pytest.mark.unit
 
@@ -236,6 +236,28 @@ def test_evaluate_reports_mean_and_ci() -> None:
         method="loop",
     )
     assert r_loop.mean == pytest.approx(mean, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["vmap", "loop"])
+def test_task_scores_are_per_task_and_behind_evaluate(method: str) -> None:
+    model = ml.ConvNet4(3, hidden=8)
+    params = ml.init_params(model, 1)
+    tasks = _tiny_conv_tasks(4, seed=5, dtype=torch.float64, binary=True)
+    model = model.double()
+    params = {k: v.double() for k, v in params.items()}
+    kw = {"inner_steps": 3, "inner_lr": 0.4, "device": "cpu", "method": method}
+    s = ml.task_scores(model, params, tasks, **kw)
+    assert s.shape == (4,) and s.dtype == torch.float64
+    # a task's score depends on that task alone, and accuracies are counts of 6 queries
+    alone = torch.cat([ml.task_scores(model, params, [tasks.task(i)], **kw) for i in (2, 0)])
+    assert torch.equal(alone, s[[2, 0]])
+    assert float((s * 6 - (s * 6).round()).abs().max()) < 1e-6
+    r = ml.evaluate(model, params, tasks, **kw, with_pre_adaptation=True)
+    assert r.mean == pytest.approx(float(s.mean()), abs=1e-12) and r.n_tasks == 4
+    pre = ml.task_scores(model, params, tasks, **{**kw, "inner_steps": 0})
+    assert r.pre_adaptation_mean == pytest.approx(float(pre.mean()), abs=1e-12)
+    with pytest.raises(ValueError, match="at least one task"):
+        ml.task_scores(model, params, [], **kw)
 
 
 @pytest.mark.gpu

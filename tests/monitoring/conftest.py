@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from server.report import RoundReport, RunFinished, RunStarted
+from server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 
 FED = "sinusoid-test"
 BUDGET = 8.0
@@ -54,34 +54,34 @@ def synthetic_run(
             epsilon_spent_participant=0.0,
             participants_registered=20,
             metric_name="mse",
+            diagnostics=diagnostics,
         )
     )
     for r in range(1, rounds + 1):
+        diag = RoundDiagnostics(
+            tasks_requested=12, tasks_received=9, norm_violations=0, nonfinite=0,
+            clipped_fraction=0.25, norm_quantiles={0.5: 0.8, 0.9: 1.2}, round_seconds=0.2,
+            aggregation_seconds=0.01, compute_seconds_per_task=(0.02, 0.03),
+        )  # fmt: skip
         observer.round_finished(
-            RoundReport(
+            RoundOutcome(
                 run_id=run_id,
                 federation_id=FED,
-                round_index=r,
+                round=r,
                 participants_registered=20,
                 participants_sampled=4,
                 participants_replied=3,
                 participants_failed=1,
-                tasks_requested=12,
-                tasks_received=9,
-                rejected_by_reason={"norm_exceeded": 1},
+                failures={"timeout": 1},
                 train_loss=1.0 / r,
                 validation_metric=0.5,
-                epsilon_spent_task=eps[0] * r / rounds,
-                epsilon_spent_participant=eps[1] * r / rounds,
+                epsilon_task=eps[0] * r / rounds,
+                epsilon_participant=eps[1] * r / rounds,
                 rounds_affordable=100 - r,
-                spends_recorded=r,
+                ledger_position=r,
                 noise_std=2.0,
                 clip=1.0,
-                clipped_fraction=0.25 if diagnostics else None,
-                pre_clip_norm_quantiles={0.5: 0.8, 0.9: 1.2} if diagnostics else None,
-                round_seconds=0.2,
-                aggregation_seconds=0.01,
-                client_compute_seconds_per_task=(0.02, 0.03),
+                diagnostics=diag if diagnostics else None,
             )
         )
     observer.run_finished(

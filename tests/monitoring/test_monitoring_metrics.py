@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.report import RoundReport
+from server.report import RoundDiagnostics, RoundOutcome
 from tests.monitoring.conftest import FED, spend, synthetic_run, write_summary
 from tests.monitoring.helpers import exposed_names, free_port, http_get
 
 pytestmark = pytest.mark.unit
 
-ALLOWED_LABELS = {"federation", "run", "reason", "quantile", "le"}
+ALLOWED_LABELS = {"federation", "run", "reason", "quantile", "le", "db"}
 
 
 def _families(text: str) -> dict[str, str]:
@@ -75,20 +75,18 @@ def test_observer_never_raises_on_garbage() -> None:
     obs = PrometheusRunObserver()
     obs.run_started(object())  # type: ignore[arg-type]
     obs.round_finished(
-        RoundReport(
+        RoundOutcome(
             run_id="r",
             federation_id=FED,
-            round_index=1,
+            round=1,
             participants_registered=1,
             participants_sampled=1,
-            participants_replied=0,
             participants_failed=1,
-            tasks_requested=1,
-            tasks_received=0,
             train_loss=float("nan"),
-            epsilon_spent_task=float("inf"),
-            pre_clip_norm_quantiles={0.5: float("nan")},
-            client_compute_seconds_per_task=(float("nan"),),
+            epsilon_task=float("inf"),
+            diagnostics=RoundDiagnostics(
+                1, 0, 0, 0, None, {0.5: float("nan")}, 0.1, 0.0, (float("nan"),)
+            ),  # fmt: skip
         )
     )
     obs.run_finished(None)  # type: ignore[arg-type]

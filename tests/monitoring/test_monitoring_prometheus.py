@@ -1,5 +1,5 @@
 """A real Prometheus (Debian's package) on loopback scraping fedmeta: the exporter (ledger) and the
-live metrics of a run -- synthetic RoundReports (fast) and a live `fedmeta simulate` (e2e)."""
+live metrics of a run -- synthetic round records (fast) and a live `fedmeta simulate` (e2e)."""
 
 from __future__ import annotations
 

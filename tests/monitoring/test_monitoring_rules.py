@@ -19,7 +19,7 @@ def test_alert_rules_are_valid() -> None:
     promtool = need("promtool")
     result = run([promtool, "check", "rules", str(RULES)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 7 rules found" in result.stdout
 
 
 def test_alert_rule_unit_tests_pass_and_cover_every_alert() -> None:

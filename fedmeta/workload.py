@@ -1,15 +1,24 @@
 """Adapter from the fedmeta configuration to the workload package (``metalearning``).
 
-Shared by the ClientApp (participant task lists, per-task clipped gradients) and the server
-(model, initial parameters, held-out validation / test / probe tasks). Everything here is a pure
-function of the public configuration (dataset, seed, participants): a participant rebuilds exactly
-its own numbered tasks in any process, so task ids are stable across rounds and restarts.
+Shared by the client (participant task lists, per-task clipped gradients) and the server (model,
+initial parameters, held-out validation / test / probe tasks, the data's identity). Everything here
+is a pure function of the configuration and the data: a participant rebuilds exactly its own
+numbered tasks in any process, so task ids are stable across rounds and restarts.
+
+**The data's identity** keys the privacy budget: runs over the same data spend from one budget,
+whatever their seed, output directory or training settings. It names the *source* of the tasks:
+for Omniglot and image folders a SHA-256 over the source files (independent of split, partition,
+seed and number of participants, so every run that reads those images composes); for the synthetic
+sinusoid the generator's specification, because there the seed and sizes *are* the data.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,3 +146,36 @@ def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
     return sample_tasks(
         split, n_way=ds.ways, k_shot=ds.shots, q_query=ds.query, n_tasks=n_tasks, seed=seed
     )
+
+
+def check_data(cfg: Config) -> None:
+    """Read the data once, so a missing or malformed source is one ``DataError`` at the start.
+
+    In simulation every participant's tasks come from the same source; checking it here, before
+    any participant starts, replaces thousands of lines of tracebacks from participant processes.
+    """
+    workload(cfg)
+    held_out_tasks(cfg, "validation", 1)
+
+
+SINUSOID_GENERATOR = "sinusoid-v1"
+
+
+def data_fingerprint(cfg: Config) -> str:
+    """What a participant's tasks are drawn from (see the module docstring)."""
+    ds = cfg.dataset
+    if ds.name == "sinusoid":
+        spec = {
+            "generator": SINUSOID_GENERATOR,
+            "seed": cfg.seed,
+            "participants": cfg.federation.participants,
+            "tasks_per_participant": ds.tasks_per_participant,
+            "support": ds.shots,
+            "query": ds.query,
+        }
+        return "sinusoid:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    assert ds.path is not None  # the configuration requires it
+    from metalearning import image_folder_source_digest, omniglot_source_digest
+
+    digest = omniglot_source_digest if ds.name == "omniglot" else image_folder_source_digest
+    return f"{ds.name}:{digest(Path(ds.path).expanduser())}"

@@ -1,9 +1,9 @@
 """An in-process Flower ``Grid``: the same ClientApp called directly, no Ray, no SuperLink.
 
-Used by the unit tests (the round loop is tested against it, with handlers that misbehave on
-purpose) and by ``federation.backend = "inprocess"`` (benchmarks of the server's own overhead). Each
-node gets its own ``Context`` with ``partition-id`` in its node config, as in Flower's simulation.
-A handler may return ``None`` (no reply: a timeout) or a list of messages (duplicates).
+Used by the tests (runs are tested against it, with handlers that misbehave on purpose) and by
+``federation.backend = "inprocess"`` (benchmarks of the server's own overhead). Each node gets its
+own ``Context`` with ``partition-id`` in its node config, as in Flower's simulation. A handler may
+return ``None`` (no reply: a timeout) or a list of messages (duplicates).
 """
 
 from __future__ import annotations
@@ -21,12 +21,23 @@ from fedmeta import protocol as P
 Handler = Callable[[Message, Context], Any]
 
 
+def ensure_task_identity() -> None:
+    """Set the task identity Flower's Message constructor reads (its runtimes set it themselves)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        if getattr(TaskIdentity, name) is None:
+            setattr(TaskIdentity, name, 0)
+
+
 class InProcessGrid(Grid):
     """Routes each message to ``handler(message, context)`` of its destination, synchronously."""
 
     def __init__(
         self, num_nodes: int, handler: Handler | None = None, *, first_node_id: int = 1000
     ) -> None:
+        """``num_nodes`` nodes answering with ``handler`` (default: fedmeta's ClientApp)."""
+        ensure_task_identity()
         if handler is None:
             from client.app import app as client_app
 
@@ -37,7 +48,7 @@ class InProcessGrid(Grid):
             nid: Context(
                 run_id=1,
                 node_id=nid,
-                node_config={P.NODE_PARTITION_ID: i, P.NODE_NUM_PARTITIONS: num_nodes},
+                node_config={P.NODE_PARTITION_ID: i, "num-partitions": num_nodes},
                 state=RecordDict(),
                 run_config={},
             )

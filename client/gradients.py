@@ -1,0 +1,65 @@
+"""A participant's work, free of Flower: registration facts and one round's clipped gradients.
+
+Called by the thin ClientApp (client/app.py) with decoded requests (fedmeta.protocol). The
+participant computes the MAML query gradient of exactly the requested tasks, clips each to the
+round's bound C, and returns them (or their sum and post-clip norms). Pre-clip norms never leave
+the participant.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from fedmeta.config import Config
+from fedmeta.protocol import (
+    REPLY_SUM_AND_NORMS,
+    GradientReply,
+    GradientRequest,
+    RegisterRequest,
+    Registration,
+)
+from fedmeta.workload import data_fingerprint, workload
+
+
+def registration(request: RegisterRequest, participant_id: str) -> Registration:
+    """This participant's id, task count and data fingerprint (for the trusted server only)."""
+    cfg = Config.model_validate_json(request.config_json)
+    tasks = workload(cfg).task_set.participant(participant_id)
+    return Registration(participant_id, int(tasks.num_tasks), data_fingerprint(cfg))
+
+
+def gradient_reply(request: GradientRequest, participant_id: str) -> GradientReply:
+    """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
+    from metalearning import per_task_clipped_grads
+
+    cfg = Config.model_validate_json(request.config_json)
+    dim = int(request.params.shape[0])
+    started = time.perf_counter()
+    if request.task_ids:
+        wl = workload(cfg)
+        grads, _pre_clip_norms = per_task_clipped_grads(
+            wl.model,
+            torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32)),
+            wl.task_set.participant(participant_id).tasks(list(request.task_ids)),
+            inner_steps=cfg.training.inner_steps,
+            inner_lr=cfg.training.inner_lr,
+            first_order=cfg.training.first_order,
+            clip=math.inf if request.clip is None else request.clip,
+            device=cfg.federation.client_device,
+            chunk_size=cfg.training.chunk_size,
+            nonfinite="zero",
+        )
+        rows = grads.detach().to("cpu", torch.float32).numpy()
+    else:
+        rows = np.zeros((0, dim), dtype=np.float32)  # sampled in stage 1, drew no task
+    seconds = time.perf_counter() - started
+    if cfg.federation.reply_format == REPLY_SUM_AND_NORMS:
+        norms = tuple(float(x) for x in np.linalg.norm(rows.astype(np.float64), axis=1))
+        return GradientReply(request.run_id, request.round_id, participant_id, request.task_ids,
+                             None, rows.sum(0, dtype=np.float32), norms, seconds)  # fmt: skip
+    return GradientReply(request.run_id, request.round_id, participant_id, request.task_ids,
+                         rows, None, None, seconds)  # fmt: skip

@@ -1,0 +1,36 @@
+"""Where fedmeta keeps state that outlives a run: the default budget ledger.
+
+The privacy budget belongs to the data, not to a run's output directory, so by default every run
+spends from one ledger in fedmeta's state directory: ``$FEDMETA_STATE_DIR`` if set, else
+``$XDG_STATE_HOME/fedmeta``, else ``~/.local/state/fedmeta`` (the XDG Base Directory default).
+Runs in the reproducible test mode (noise not private) use a separate ledger file, so they never
+spend from the ledger a secure run uses.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATE_DIR_ENV = "FEDMETA_STATE_DIR"
+LEDGER_NAME = "ledger.sqlite"
+INSECURE_LEDGER_NAME = "insecure-test-ledger.sqlite"
+
+
+def state_dir() -> Path:
+    """Fedmeta's state directory (not created here)."""
+    explicit = os.environ.get(STATE_DIR_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = (
+        Path(xdg).expanduser()
+        if xdg and Path(xdg).is_absolute()
+        else Path.home() / ".local" / "state"
+    )
+    return (base / "fedmeta").resolve()
+
+
+def default_ledger_path(*, secure: bool) -> Path:
+    """The default ledger: one per state directory for secure runs, another for test-mode runs."""
+    return state_dir() / (LEDGER_NAME if secure else INSECURE_LEDGER_NAME)

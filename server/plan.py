@@ -1,0 +1,187 @@
+"""A run's privacy plan: the accounted sampling scheme, its event, the noise, and what it will cost.
+
+:class:`RunPlan` is fixed once participants have registered and the noise multiplier is known; the
+round pipeline (server/round.py) reads everything privacy-relevant from it, so the sampler that runs
+and the event the ledger records come from the same scheme object. :class:`BudgetForecast` is what
+the plan will cost against the ledger, printed before the first round.
+
+Under the add/remove relation (the default) the participants' task counts are private: the trusted
+server uses them to sample task indices and nothing else. The scheme's stage-2 bound
+(``min_tasks`` for a fixed-size stage 2) and the normaliser of the noisy sum are public constants
+of the configuration, and participants below the public ``min_tasks`` are refused at registration.
+Under replace-one the counts are public, and the smallest registered count is the accounted bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from accounting import (
+    BudgetLedger,
+    GaussianRound,
+    TwoStageFixedScheme,
+    TwoStagePoissonScheme,
+    calibrate_noise_multiplier,
+    epsilon,
+    participant_level_note,
+    tombs2022_published_epsilon,
+)
+from fedmeta.config import Config
+
+TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything privacy-relevant about a run's rounds, fixed before the first one."""
+
+    private: bool
+    neighbouring: str
+    scheme: TwoStageScheme
+    event: GaussianRound | None  # None in a non-private run
+    clip: float | None  # None in a non-private run
+    normaliser: float  # public divisor of the noisy sum
+    noise_calibrated: bool
+    epsilon_budget: float | None
+    delta: float | None
+    planned_rounds: int
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """``z``, or None in a non-private run."""
+        return None if self.event is None else self.event.noise_multiplier
+
+    @property
+    def participant_level_note(self) -> str | None:
+        """Why the participant-level epsilon is not meaningful, or None when it is."""
+        return None if self.event is None else participant_level_note(self.event)
+
+
+def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
+    """The two-stage scheme over the registered participants (their number is public)."""
+    participants = len(task_counts)
+    n1 = min(cfg.sampling.participants_per_round, participants)
+    if cfg.sampling.stage2 == "poisson":
+        return TwoStagePoissonScheme(participants, n1, cfg.sampling.task_rate)
+    assert cfg.sampling.tasks_per_round is not None  # the configuration requires it
+    public = cfg.privacy.neighbouring == "replace_one"
+    min_tasks = min(task_counts.values()) if public else cfg.min_tasks
+    return TwoStageFixedScheme(participants, n1, cfg.sampling.tasks_per_round, min_tasks)
+
+
+def expected_tasks_per_round(scheme: TwoStageScheme, tasks_per_participant: int) -> float:
+    """Expected tasks in a round when every participant holds ``tasks_per_participant`` tasks."""
+    if isinstance(scheme, TwoStageFixedScheme):
+        return float(scheme.participants_per_round * scheme.tasks_per_round)
+    return scheme.participants_per_round * scheme.task_rate * tasks_per_participant
+
+
+def normaliser(cfg: Config, scheme: TwoStageScheme) -> float:
+    """The public divisor: configured, or the expected lot computed from the configuration alone."""
+    if cfg.privacy.normaliser is not None:
+        return float(cfg.privacy.normaliser)
+    return expected_tasks_per_round(scheme, cfg.dataset.tasks_per_participant)
+
+
+def build_plan(
+    cfg: Config, task_counts: Mapping[str, int], *, noise_multiplier: float | None = None
+) -> RunPlan:
+    """The plan for the registered participants; ``noise_multiplier`` keeps a resumed run's z."""
+    scheme = build_scheme(cfg, task_counts)
+    norm = normaliser(cfg, scheme)
+    if not cfg.privacy.enabled:
+        return RunPlan(False, cfg.privacy.neighbouring, scheme, None, None, norm, False, None,
+                       None, cfg.rounds)  # fmt: skip
+    calibrated = noise_multiplier is None and cfg.privacy.noise_multiplier is None
+    if noise_multiplier is None:
+        noise_multiplier = cfg.privacy.noise_multiplier
+    if noise_multiplier is None:
+        target = cfg.privacy.target_epsilon or cfg.privacy.epsilon_budget
+        noise_multiplier = calibrate_noise_multiplier(
+            scheme, cfg.rounds, float(target), cfg.privacy.delta
+        )
+    cap = scheme.tasks_per_round if isinstance(scheme, TwoStageFixedScheme) else None
+    event = GaussianRound(scheme, float(noise_multiplier), cap, cfg.privacy.neighbouring)
+    return RunPlan(
+        private=True,
+        neighbouring=cfg.privacy.neighbouring,
+        scheme=scheme,
+        event=event,
+        clip=cfg.privacy.clip,
+        normaliser=norm,
+        noise_calibrated=calibrated,
+        epsilon_budget=cfg.privacy.epsilon_budget,
+        delta=cfg.privacy.delta,
+        planned_rounds=cfg.rounds,
+    )
+
+
+# ------------------------------------------------------------------------------------- the cost
+
+
+#: Which accountant reports which unit. Task level: PLD, the enforced value. Participant level:
+#: RDP, an upper bound on the PLD value that costs milliseconds where a PLD grid at the
+#: participant-level sensitivity (up to hundreds of C) needs gigabytes; reported, never enforced.
+REPORTING_METHOD = {"task": "pld", "participant": "rdp"}
+
+
+def reported_epsilon(
+    groups: Sequence[tuple[GaussianRound, int]], delta: float, unit: str = "task"
+) -> float | None:
+    """Epsilon of ``groups`` as fedmeta reports it; None where the unit has no meaningful bound."""
+    groups = [(e, int(n)) for e, n in groups if n > 0]
+    if not groups:
+        return 0.0
+    if unit == "participant" and any(e.participant_cap is None for e, _ in groups):
+        return None
+    return float(epsilon(groups, delta, unit, REPORTING_METHOD[unit]))
+
+
+def ledger_epsilons(ledger: BudgetLedger, event: GaussianRound) -> dict[str, float | int | None]:
+    """What the ledger holds, as reported: task and participant epsilon and rounds affordable."""
+    participant = None
+    if all(e.participant_cap is not None for e, _ in ledger.rounds()):
+        unit = "participant"
+        participant = ledger.epsilon(unit=unit, method=REPORTING_METHOD[unit])
+    return {
+        "epsilon_task": ledger.epsilon(unit="task", method=REPORTING_METHOD["task"]),
+        "epsilon_participant": participant,
+        "rounds_affordable": ledger.rounds_affordable(event),
+    }
+
+
+@dataclass(frozen=True)
+class BudgetForecast:
+    """What the plan costs against the ledger, before the run's first round."""
+
+    ledger_records_before: int
+    epsilon_spent_before: float
+    rounds_affordable: int
+    rounds_to_run: int
+    epsilon_task_at_end: float
+    epsilon_participant_at_end: float | None
+    epsilon_theorem3_at_end: float | None  # Tombs et al. 2022 Thm 3: NOT a valid guarantee
+
+
+def forecast(plan: RunPlan, ledger: BudgetLedger, rounds_left: int) -> BudgetForecast:
+    """The budget before the run, what it affords, and epsilon if the run goes to its end."""
+    assert plan.event is not None and plan.delta is not None
+    before = ledger.rounds()
+    affordable = ledger.rounds_affordable(plan.event)
+    to_run = max(0, min(rounds_left, affordable))
+    after = [*before, (plan.event, to_run)]
+    published = (
+        tombs2022_published_epsilon(plan.event, to_run, plan.delta)
+        if to_run and plan.neighbouring == "add_remove"
+        else None
+    )
+    return BudgetForecast(
+        ledger_records_before=ledger.position(),
+        epsilon_spent_before=reported_epsilon(before, plan.delta) or 0.0,
+        rounds_affordable=affordable,
+        rounds_to_run=to_run,
+        epsilon_task_at_end=reported_epsilon(after, plan.delta) or 0.0,
+        epsilon_participant_at_end=reported_epsilon(after, plan.delta, "participant"),
+        epsilon_theorem3_at_end=published,
+    )

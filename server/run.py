@@ -1,0 +1,463 @@
+"""A federation run: start or resume, register, plan, rounds, evaluation, checkpoints, summary.
+
+``run_federation(cfg, transport, ...)`` is what every entry point runs (``fedmeta simulate``, the
+Flower ServerApp, tests). Flower stays behind the transport (server/transport.py); one round is
+``server.round.run_round``; this module strings rounds together.
+
+**The budget belongs to the data.** A private run spends from the ledger in fedmeta's state
+directory (or ``privacy.ledger_path``), in the federation of its data's identity
+(fedmeta/workload.py): runs over the same data compose, whatever their seed or output directory.
+Runs in the reproducible test mode (``privacy.insecure_test_seed``) use a separate ledger.
+
+**Resume** (the ledger is the source of truth for spends): a round whose spend is in the ledger is
+spent, whether or not its update reached a checkpoint. A resumed run continues from its checkpoint's
+model; its next round is one past the larger of the checkpoint's last round and the ledger's last
+spend for this run, so a round index is never spent twice, and rounds whose update was lost count
+as completed (their privacy cost is paid) and are reported as lost. Neither the sampler's nor the
+noise's randomness is ever checkpointed: a resumed private run draws fresh secrets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from accounting import BudgetLedger, LedgerCheckpoint, TwoStageSampler, resolve_federation
+from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from fedmeta.config import Config
+from fedmeta.paths import default_ledger_path
+from fedmeta.protocol import RegisterRequest
+from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
+from server.noise import NoiseSource
+from server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
+from server.report import (
+    STATUS_LOST_ON_RESUME,
+    RoundOutcome,
+    RunFinished,
+    RunObserver,
+    RunStarted,
+)
+from server.round import STOP_BUDGET, STOP_PLANNED, RoundSession, TrainingState, run_round
+from server.rundir import exclusive_run_directory
+from server.transport import GridTransport, Registered, RegistrationError
+
+log = logging.getLogger("fedmeta.server")
+
+STOP_INTERRUPTED = "interrupted"
+
+
+class FederationError(RuntimeError):
+    """The federation cannot start or go on; the message says why and what to do."""
+
+
+class PlanError(ValueError):
+    """The privacy plan cannot be made from this configuration (a one-line reason)."""
+
+
+@dataclass
+class RunResult:
+    """What ``run_federation`` returns: the summary (``summary.json``) and every round's record."""
+
+    summary: dict[str, Any]
+    outcomes: list[RoundOutcome]
+    out_dir: Path
+    rounds_run: int = 0  # by this invocation (a resumed run counts only its own)
+
+
+def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | None:
+    """The checkpoint to resume from (or None for a fresh run), refusing what would lose a run."""
+    existing = Path(out_dir) / CHECKPOINT_NAME
+    if not resume and existing.is_file():
+        raise FederationError(
+            f"{out_dir} already holds a run's checkpoint ({existing.name}); continue that run with "
+            "--resume, or give a new output directory with --out"
+        )
+    if resume and not existing.is_file():
+        raise FederationError(
+            f"--resume: no checkpoint in {out_dir}; start a new run without --resume, or point "
+            "--out at the run to continue"
+        )
+    return load_checkpoint(Path(out_dir)) if resume else None
+
+
+# ---------------------------------------------------------------------------------- the budget
+
+
+def data_identity(cfg: Config, registered: Sequence[Registered]) -> str:
+    """The identity of the data the participants hold (the budget's key); see fedmeta/workload."""
+    fingerprints = sorted({r.data_fingerprint for r in registered})
+    return "\n".join(fingerprints) if fingerprints else data_fingerprint(cfg)
+
+
+def open_budget(cfg: Config, identity: str) -> BudgetLedger:
+    """The current budget of this data in the ledger (created on first use).
+
+    The federation id is an HMAC of the data's identity under the ledger's secret salt
+    (``accounting.resolve_federation``): it names the budget without revealing the data. A test-mode
+    run needs an insecure ledger; the ledger refuses the other mode.
+    """
+    mode: Literal["secure", "insecure"] = (
+        "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
+    )
+    path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
+    path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
+    return BudgetLedger.open(
+        path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
+        neighbouring=cfg.privacy.neighbouring, mode=mode,
+    )  # fmt: skip
+
+
+def run_spends(ledger: BudgetLedger, run_id: str) -> list[int]:
+    """Round indices this run has spent, from the ledger (the source of truth)."""
+    return sorted(r.round_index for r in ledger.records() if r.run_id == run_id)
+
+
+# ---------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Run:
+    """One run's context, built by :func:`_start` and carried through its rounds."""
+
+    cfg: Config
+    out: Path
+    run_id: str
+    federation_id: str
+    plan: RunPlan
+    registered: list[Registered]
+    session: RoundSession
+    state: TrainingState
+    outcomes: list[RoundOutcome]
+    next_round: int
+    observers: list[RunObserver]
+    forecast: BudgetForecast | None
+    model: Any
+    ledger: BudgetLedger | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def run_federation(
+    cfg: Config,
+    transport: GridTransport,
+    *,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    observers: Iterable[RunObserver] = (),
+    announce: Callable[[str], None] = lambda text: log.info("%s", text),
+    open_ledger: Callable[[Config, str], BudgetLedger] | None = None,
+    stop: threading.Event | None = None,
+) -> RunResult:
+    """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
+
+    ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`). Setting
+    ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
+    output directory is held exclusively for the whole run (server/rundir.py).
+    """
+    out = Path(out_dir or cfg.output.dir)
+    with exclusive_run_directory(out):
+        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
+        from server.outputs import format_plan
+
+        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
+        _notify(run.observers, "run_started", _run_started(run))
+        _checkpoint(run)  # the run id is recoverable from the first moment
+        first = run.next_round
+        stopped = _rounds(run, stop or threading.Event())
+        result = _finish(run, stopped)
+        result.rounds_run = run.next_round - first
+        return result
+
+
+def _start(
+    cfg: Config,
+    transport: GridTransport,
+    out: Path,
+    resume: bool,
+    observers: list[RunObserver],
+    open_ledger: Callable[[Config, str], BudgetLedger],
+) -> _Run:
+    ckpt = refuse_to_overwrite_run(out, resume)
+    run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
+    registered = _register(cfg, transport, run_id)
+    task_counts = {r.participant_id: r.task_count for r in registered}
+    z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
+    try:
+        plan = build_plan(cfg, task_counts, noise_multiplier=z)
+    except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
+        raise PlanError(f"cannot plan the private run: {error}") from None
+    ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
+    federation_id = ledger.federation_id if ledger is not None else "non-private"
+    model = build_model(cfg)
+    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
+    session = _session(cfg, run_id, federation_id, plan, task_counts, transport, state, ledger)
+    spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
+    predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
+    return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
+                next_round, observers, predicted, model, ledger)  # fmt: skip
+
+
+def _register(cfg: Config, transport: GridTransport, run_id: str) -> list[Registered]:
+    """Registered participants, refusing those the accounted scheme cannot cover."""
+    request = RegisterRequest(run_id, cfg.model_dump_json())
+    registered = transport.register(request, cfg.federation.participants)
+    if cfg.sampling.stage2 == "fixed":
+        small = [r.participant_id for r in registered if r.task_count < cfg.min_tasks]
+        if small:
+            log.warning("refused %d participant(s) holding fewer than sampling.min_tasks=%d tasks",
+                        len(small), cfg.min_tasks)  # fmt: skip
+        registered = [r for r in registered if r.task_count >= cfg.min_tasks]
+    if len(registered) < cfg.sampling.participants_per_round:
+        raise RegistrationError(
+            f"{len(registered)} participants registered; sampling.participants_per_round needs "
+            f">= {cfg.sampling.participants_per_round}"
+        )
+    return registered
+
+
+def _session(
+    cfg: Config,
+    run_id: str,
+    federation_id: str,
+    plan: RunPlan,
+    task_counts: Mapping[str, int],
+    transport: GridTransport,
+    state: TrainingState,
+    ledger: BudgetLedger | None,
+) -> RoundSession:
+    seed = cfg.privacy.insecure_test_seed
+    if seed is not None:
+        log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
+    sampler = TwoStageSampler(plan.scheme)
+    sampler.check_task_counts(task_counts)
+    return RoundSession(
+        run_id=run_id,
+        federation_id=federation_id,
+        plan=plan,
+        task_counts=task_counts,
+        sampler=sampler,
+        transport=transport,
+        config_json=cfg.model_dump_json(),
+        dim=int(state.params.numel()),
+        reply_format=cfg.federation.reply_format,
+        tolerance=cfg.privacy.clip_tolerance,
+        diagnostics=not plan.private or cfg.metrics.private_diagnostics,
+        round_min_seconds=cfg.federation.round_min_seconds,
+        ledger=ledger,
+        noise=NoiseSource.create() if seed is None else None,
+    )
+
+
+def _optimizer_args(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+    """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
+    phi = 0.0
+    if plan.private and plan.noise_multiplier is not None and plan.clip is not None:
+        phi = (plan.noise_multiplier * plan.clip / plan.normaliser) ** 2
+    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds}
+
+
+def _initial_state(
+    cfg: Config,
+    plan: RunPlan,
+    ckpt: dict[str, Any] | None,
+    ledger: BudgetLedger | None,
+    run_id: str,
+    model: Any,
+) -> tuple[TrainingState, list[RoundOutcome], int]:
+    """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
+    if ckpt is None:
+        return TrainingState(initial_params(cfg, model), **_optimizer_args(cfg, plan)), [], 0
+    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
+                          optimizer_state=ckpt["optimizer"])  # fmt: skip
+    outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
+    next_round = int(ckpt["next_round"])
+    if ledger is None:
+        return state, outcomes, next_round
+    _check_ledger_binding(ckpt, ledger)
+    lost = [i for i in run_spends(ledger, run_id) if i >= next_round]
+    if lost:
+        log.warning("resume: rounds %s were spent but their update was not checkpointed; they "
+                    "count as spent and are not run again", [i + 1 for i in lost])  # fmt: skip
+        outcomes += [
+            RoundOutcome(run_id, ledger.federation_id, i + 1, STATUS_LOST_ON_RESUME) for i in lost
+        ]
+        next_round = max(lost) + 1
+    return state, outcomes, next_round
+
+
+def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None:
+    """Refuse a ledger that is not the one the run spent from, or that lost records since.
+
+    The run recorded the ledger's identity, path, position and last record before its first spend
+    and in every checkpoint; a resume that opened another, emptier or diverged ledger (a relative
+    path from another directory, a restored backup, a copy without its journal) stops here.
+    """
+    bound = ckpt.get("ledger")
+    if bound is None:
+        raise FederationError("the checkpoint records no ledger: it is not a private run's")
+    saved = LedgerCheckpoint.from_dict(bound)
+    if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
+        raise FederationError(
+            f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
+            f"resume with --set privacy.ledger_path={saved.path}"
+        )
+    ledger.check_resume(saved)
+
+
+# ---------------------------------------------------------------------------------- the rounds
+
+
+def _rounds(run: _Run, stop: threading.Event) -> str:
+    """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
+    cfg = run.cfg
+    for index in range(run.next_round, cfg.rounds):
+        if stop.is_set():
+            log.info("stopping before round %d: interrupted", index + 1)
+            return STOP_INTERRUPTED
+        _prepare_round_randomness(run, index)
+        outcome = run_round(run.session, run.state, index)
+        if outcome is None:
+            log.info("round %d not run: budget exhausted", index + 1)
+            return STOP_BUDGET
+        outcome = _evaluate_round(run, outcome)
+        run.outcomes.append(outcome)
+        run.next_round = index + 1
+        _notify(run.observers, "round_finished", outcome)
+        if run.next_round % cfg.training.checkpoint_every == 0:
+            _checkpoint(run)
+    return STOP_PLANNED
+
+
+def _prepare_round_randomness(run: _Run, index: int) -> None:
+    """Test mode only: sampling and noise re-derived from (seed, round), so resumes reproduce."""
+    seed = run.cfg.privacy.insecure_test_seed
+    if seed is None:
+        return
+    rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
+    run.session.sampler = TwoStageSampler(run.plan.scheme, rng)
+    run.session.noise = NoiseSource.insecure_for_tests(seed, index)
+
+
+def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
+    """Add the public evaluation (held-out tasks, noisy model) and, on report rounds, epsilon."""
+    cfg, r = run.cfg, outcome.round
+    probe = _held_out(run, "probe", cfg.dataset.probe_tasks) if cfg.dataset.probe_tasks else None
+    loss = _evaluate(run, probe).mean if probe is not None else None
+    validation = None
+    if r % cfg.training.eval_every == 0 or r == cfg.rounds:
+        validation = _evaluate(run, _held_out(run, "validation", cfg.dataset.validation_tasks)).mean
+    report = r % cfg.privacy.report_every == 0 or r % cfg.training.eval_every == 0
+    eps: dict[str, Any] = {}
+    if run.ledger is not None and (report or r == cfg.rounds):
+        eps = _epsilons(run)
+    return replace(outcome, train_loss=loss, validation_metric=validation, **eps)
+
+
+def _epsilons(run: _Run) -> dict[str, Any]:
+    assert run.ledger is not None and run.plan.event is not None
+    return ledger_epsilons(run.ledger, run.plan.event)
+
+
+def _held_out(run: _Run, which: str, n_tasks: int) -> Any:
+    return held_out_tasks(run.cfg, which, n_tasks)
+
+
+def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
+    from metalearning import evaluate
+
+    cfg = run.cfg
+    return evaluate(
+        run.model,
+        (run.state.params if params is None else params).detach(),
+        tasks,
+        inner_steps=cfg.training.eval_inner_steps,
+        inner_lr=cfg.training.inner_lr,
+        device="cpu",
+        chunk_size=cfg.training.chunk_size,
+        with_pre_adaptation=pre,
+    )
+
+
+def _notify(observers: Sequence[RunObserver], method: str, record: Any) -> None:
+    for observer in observers:
+        try:
+            getattr(observer, method)(record)
+        except Exception:  # noqa: BLE001 - a failing sink must never stop a private run
+            log.exception("observer %r failed in %s", observer, method)
+
+
+def _checkpoint(run: _Run) -> None:
+    ledger = run.ledger
+    save_checkpoint(
+        run.out,
+        {
+            "run_id": run.run_id,
+            "federation_id": run.federation_id,
+            "params": run.state.params.detach().clone(),
+            "optimizer": run.state.optimizer.state_dict(),
+            "next_round": run.next_round,
+            "config": run.cfg.to_dict(),
+            "noise_multiplier": run.plan.noise_multiplier,
+            "noise_calibrated": run.plan.noise_calibrated,
+            "outcomes": [o.to_dict() for o in run.outcomes],
+            "private": run.plan.private,
+            "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------- the end
+
+
+def _run_started(run: _Run) -> RunStarted:
+    plan, fc = run.plan, run.forecast
+    return RunStarted(
+        run_id=run.run_id,
+        federation_id=run.federation_id,
+        private=plan.private,
+        epsilon_budget=plan.epsilon_budget,
+        delta=plan.delta,
+        noise_multiplier=plan.noise_multiplier,
+        clip=plan.clip,
+        planned_rounds=plan.planned_rounds,
+        rounds_affordable=fc.rounds_affordable if fc else None,
+        epsilon_spent_task=fc.epsilon_spent_before if fc else 0.0,
+        epsilon_spent_participant=None,
+        participants_registered=len(run.registered),
+        metric_name=workload(run.cfg).metric,
+        diagnostics=run.session.diagnostics,
+    )
+
+
+def _finish(run: _Run, stopped: str) -> RunResult:
+    _checkpoint(run)
+    test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
+    final = _evaluate(run, test_tasks, pre=True)
+    untrained = _evaluate(run, test_tasks, params=initial_params(run.cfg, run.model)).mean
+    eps = _epsilons(run) if run.ledger is not None else {}
+    completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
+    ci = (final.mean - final.ci95, final.mean + final.ci95)
+    _notify(run.observers, "run_finished", RunFinished(
+        run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
+        eps.get("epsilon_participant"), final.mean, ci,
+    ))  # fmt: skip
+    from server.outputs import build_summary
+
+    summary = build_summary(
+        run.cfg, run.plan, run.forecast, run.outcomes,
+        run_id=run.run_id, federation_id=run.federation_id, stopped=stopped,
+        rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
+        participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
+        ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
+    )  # fmt: skip
+    return RunResult(summary, run.outcomes, run.out)

@@ -1,0 +1,230 @@
+"""``fedmeta simulate``: the main job - a federation run locally in Flower's simulation engine.
+
+``fedmeta simulate [--config FILE] [--set key=value ...] [--out DIR] [--resume]``. With no arguments
+it runs a private sinusoid federation on the embedded default configuration. ``register`` imports
+nothing heavy; torch, Flower and Ray are imported inside the handler.
+
+``main(config, out_dir=None, resume=False) -> RunResult`` is the programmatic entry point (smoke
+tests). This harness wires the server and the client together in one process; it lives outside
+``server/`` so that nothing in the server imports the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+_QUIET_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``simulate`` sub-command."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="run a federation locally (Flower simulation engine)",
+        description="Run a differentially private federated meta-learning job locally. With no "
+        "arguments: a private sinusoid federation on the embedded default configuration.",
+    )
+    p.add_argument("--config", type=Path, default=None, help="TOML configuration file")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one key, e.g. --set privacy.epsilon_budget=4 (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, help="output directory (default output.dir)")
+    p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.set_defaults(func=_handle)
+
+
+def _handle(args: argparse.Namespace) -> int:
+    for k, v in _QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    from fedmeta import exitcodes
+    from fedmeta.config import load_config
+
+    stop = threading.Event()
+    restore = _stop_on_signals(stop)
+    try:
+        cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
+        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop)
+    except KeyboardInterrupt:
+        print("fedmeta simulate: aborted; the ledger holds every spent round: --resume continues",
+              file=sys.stderr)  # fmt: skip
+        return exitcodes.INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - every failure becomes one line and an exit status
+        return _report(error)
+    finally:
+        restore()
+    summary = result.summary
+    if summary["stopped_reason"] == "interrupted":
+        print(f"interrupted: checkpoint written; continue with --resume --out {result.out_dir}",
+              file=sys.stderr)  # fmt: skip
+        return exitcodes.INTERRUPTED
+    if summary["stopped_reason"] == "budget_exhausted" and result.rounds_run == 0:
+        return exitcodes.BUDGET_EXHAUSTED
+    return exitcodes.OK
+
+
+def _report(error: Exception) -> int:
+    """One line on stderr and the exit status that says what kind of failure it was."""
+    from accounting import LedgerError
+    from fedmeta import exitcodes
+    from fedmeta.checkpoint import CheckpointError
+    from fedmeta.config import ConfigError
+    from metalearning import DataError
+    from server.run import FederationError, PlanError
+    from server.rundir import RunDirectoryBusy
+    from server.transport import RegistrationError
+
+    bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError)
+    if isinstance(error, bad_input):
+        status, text = exitcodes.BAD_INPUT, str(error)
+    elif isinstance(error, RegistrationError | RunDirectoryBusy):
+        status, text = exitcodes.UNAVAILABLE, str(error)
+    elif isinstance(error, OSError):
+        where = f" {error.filename}" if error.filename else ""
+        status, text = exitcodes.BAD_INPUT, f"cannot write{where}: {error.strerror or error}"
+    else:
+        status, text = exitcodes.INTERNAL_ERROR, f"internal error: {type(error).__name__}: {error}"
+        if os.environ.get("FEDMETA_DEBUG"):
+            traceback.print_exception(error)
+        else:
+            text += " (set FEDMETA_DEBUG=1 for the traceback)"
+    print(f"fedmeta simulate: {text}", file=sys.stderr)
+    return status
+
+
+def _stop_on_signals(stop: threading.Event) -> Any:
+    """First SIGINT/SIGTERM: finish the round in progress, checkpoint, stop. Second: abort."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nstopping after the current round (signal again to abort at once)", file=sys.stderr)
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
+
+
+#: Keys a resumed run may change: they do not touch what is accounted or how the model learns.
+RESUMABLE_KEYS = ("rounds", "output.", "metrics.", "federation.round_timeout_s",
+                  "federation.register_timeout_s", "federation.backend")  # fmt: skip
+
+
+def _resume_config(args: argparse.Namespace) -> Any:
+    """The configuration of a resumed run: the checkpoint's, with only harmless keys changed.
+
+    A different ``--config`` or ``--set`` on anything else is refused with the keys that differ,
+    so a resumed run can never silently change its privacy parameters.
+    """
+    from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
+
+    given = load_config(args.config, args.overrides)
+    out = Path(args.out or given.output.dir)
+    from server.run import refuse_to_overwrite_run
+
+    ckpt = refuse_to_overwrite_run(out, resume=True)
+    assert ckpt is not None
+    resumed = config_from_dict(apply_overrides(ckpt["config"], args.overrides))
+    changed = _differences(ckpt["config"], given.to_dict()) if args.config else []
+    changed += [o.split("=", 1)[0].strip() for o in args.overrides]
+    refused = sorted({k for k in changed if not k.startswith(RESUMABLE_KEYS)})
+    if refused:
+        raise ConfigError(
+            f"--resume continues the run in {out} with the configuration it started with; these "
+            f"keys differ and cannot change on resume: {', '.join(refused)} (start a new run "
+            "with --out instead)"
+        )
+    return resumed
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return [] if a == b else [prefix.rstrip(".")]
+    keys = set(a) | set(b)
+    return [
+        k for key in sorted(keys) for k in _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+    ]
+
+
+def main(
+    config: Any = None,
+    *,
+    out_dir: str | Path | None = None,
+    resume: bool = False,
+    stop: threading.Event | None = None,
+) -> Any:
+    """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
+    for k, v in _QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    from fedmeta.config import Config
+    from fedmeta.workload import check_data
+    from server.run import refuse_to_overwrite_run
+    from server.rundir import exclusive_run_directory
+
+    cfg = config if config is not None else Config()
+    out = Path(out_dir or cfg.output.dir)
+    # Everything that can be refused is refused here, once, before Ray or any participant starts.
+    with exclusive_run_directory(out):
+        refuse_to_overwrite_run(out, resume)
+    check_data(cfg)
+    if cfg.federation.backend == "inprocess":
+        from server.app import execute
+        from simulation.local_grid import InProcessGrid
+
+        grid = InProcessGrid(cfg.federation.participants)
+        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
+    return _run_ray(cfg, out, resume, stop)
+
+
+def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
+    import logging
+
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from client.app import app as client_app
+    from server.app import execute
+
+    holder: dict[str, Any] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*run_simulation.*deprecated.*")
+    backend_config = {
+        "client_resources": {
+            "num_cpus": cfg.federation.client_num_cpus,
+            "num_gpus": cfg.federation.client_num_gpus,
+        },
+        "init_args": {"logging_level": "ERROR", "log_to_driver": False},
+    }
+    run_simulation(
+        server_app=server_app,
+        client_app=client_app,
+        num_supernodes=cfg.federation.participants,
+        backend_config=backend_config,
+    )
+    return holder.get("result")

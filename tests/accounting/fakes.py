@@ -1,0 +1,126 @@
+"""``LinearLedger``: an in-memory ``accounting.Ledger`` with a linear epsilon, for tests.
+
+epsilon = ``eps_per_round`` x spends at task level, twice that at participant level: no PLD, so
+tests of code that *uses* a ledger (the server's round loop) run in milliseconds. It passes the
+same contract suite as ``BudgetLedger`` (tests/accounting/test_accounting_ledger_contract.py), so
+what a test learns from it holds for the real ledger. Import it as
+``from tests.accounting.fakes import LinearLedger``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from accounting import BudgetExhausted, GaussianRound, LedgerCheckpoint, LedgerError, SpendRecord
+
+
+@dataclass
+class LinearLedger:
+    """A federation's budget where every round costs ``eps_per_round`` (participant level: 2x)."""
+
+    epsilon_budget: float = 1.0
+    delta: float = 1e-6
+    eps_per_round: float = 0.25
+    federation_id: str = "fake-federation"
+    unit: str = "task"
+    neighbouring: str = "add_remove"
+    path: Path = Path("/nonexistent/fake-ledger.sqlite")
+    ledger_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    spend_calls: int = 0
+    _records: list[SpendRecord] = field(default_factory=list)
+    _closed: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.eps_per_round) and self.eps_per_round > 0):
+            raise ValueError(f"eps_per_round must be a finite number > 0; got {self.eps_per_round}")
+
+    def _rounds_in_budget(self) -> int:
+        # A tolerance, so 4 x 0.25 fits a budget of 1.0 despite rounding.
+        return int(math.floor(self.epsilon_budget / self.eps_per_round + 1e-9))
+
+    def position(self) -> int:
+        """Number of records."""
+        return len(self._records)
+
+    def records(self) -> list[SpendRecord]:
+        """All records, oldest first."""
+        return list(self._records)
+
+    def rounds(self) -> list[tuple[GaussianRound, int]]:
+        """Records grouped by identical event, first seen first."""
+        groups: dict[GaussianRound, int] = {}
+        for record in self._records:
+            groups[record.event] = groups.get(record.event, 0) + 1
+        return list(groups.items())
+
+    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
+        """``eps_per_round`` x spends; twice that at participant level. ``method`` is ignored."""
+        factor = 2.0 if (unit or self.unit) == "participant" else 1.0
+        return factor * self.eps_per_round * len(self._records)
+
+    def rounds_affordable(self, event: GaussianRound) -> int:
+        """Rounds left in the budget (every kind of round costs the same)."""
+        if not isinstance(event, GaussianRound):
+            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        return max(0, self._rounds_in_budget() - len(self._records))
+
+    def would_exceed(self, event: GaussianRound) -> bool:
+        """Dry run of ``spend``."""
+        return self.rounds_affordable(event) < 1
+
+    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+        """Record one round, or raise having recorded nothing (the real ledger's checks)."""
+        self.spend_calls += 1
+        if not isinstance(event, GaussianRound):
+            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run_id must be a non-empty string; got {run_id!r}")
+        if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
+            raise ValueError(f"round_index must be an integer >= 0; got {round_index!r}")
+        if event.neighbouring != self.neighbouring:
+            raise LedgerError(
+                f"neighbouring must match the federation's: {self.neighbouring!r}, this round is "
+                f"{event.neighbouring!r}"
+            )
+        if self.would_exceed(event):
+            after = self.eps_per_round * (len(self._records) + 1)
+            raise BudgetExhausted(
+                f"budget exhausted: epsilon would be {after:g} > {self.epsilon_budget:g}",
+                epsilon_after=after,
+                epsilon_budget=self.epsilon_budget,
+            )
+        position = len(self._records)
+        record = SpendRecord(
+            self.federation_id,
+            position,
+            run_id,
+            round_index,
+            event,
+            datetime.now(UTC).isoformat(),
+            f"fake-hash-{position}",
+        )
+        self._records.append(record)
+        return record
+
+    def checkpoint(self) -> LedgerCheckpoint:
+        """Where the fake stands (same fields as the real ledger's)."""
+        head = self._records[-1].hash if self._records else None
+        return LedgerCheckpoint(self.ledger_id, str(self.path), self.federation_id,
+                                len(self._records), head)  # fmt: skip
+
+    def check_resume(self, saved: LedgerCheckpoint) -> None:
+        """The real ledger's refusals: another ledger, a ledger behind, a diverged history."""
+        if saved.ledger_id is not None and saved.ledger_id != self.ledger_id:
+            raise LedgerError(f"a different ledger ({saved.ledger_id}, this is {self.ledger_id})")
+        if len(self._records) < saved.position:
+            raise LedgerError(f"the ledger is behind: {len(self._records)} < {saved.position}")
+        if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
+            raise LedgerError("the ledger's history diverged")
+
+    def close(self) -> None:
+        """Nothing to release."""
+        self._closed = True

@@ -1,0 +1,76 @@
+"""The meta-optimizers: DP-AdamBC's correction, the schedules, state through a checkpoint."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from fedmeta.config import load_config
+from server.optimizer import AdamBC, learning_rate
+from server.round import TrainingState
+
+pytestmark = pytest.mark.unit
+
+
+def test_adam_bc_removes_the_noise_variance_from_the_second_moment() -> None:
+    """Pure noise (no signal): DP-Adam's steps shrink to ~lr*m/sigma; a signal with the same noise
+    keeps Adam's sign-like step only with the correction (Tang et al. 2024)."""
+    gen = torch.Generator().manual_seed(0)  # test data only
+    signal, sigma, steps = 0.05, 1.0, 3000
+    moves = {}
+    for name in ("adam", "adam_bc"):
+        p = torch.zeros(200, requires_grad=True)
+        opt = (torch.optim.Adam([p], lr=1e-3) if name == "adam"
+               else AdamBC([p], lr=1e-3, phi=sigma**2, floor=1e-4))  # fmt: skip
+        for _ in range(steps):
+            p.grad = signal + sigma * torch.randn(200, generator=gen)
+            opt.step()
+        moves[name] = float(-p.detach().mean())
+    # Adam's effective step is ~ lr * signal / sigma; corrected, ~ lr * signal / |signal|.
+    assert moves["adam"] == pytest.approx(steps * 1e-3 * signal / sigma, rel=0.35)
+    assert moves["adam_bc"] > 3 * moves["adam"]
+
+
+def test_adam_bc_equals_adam_without_noise_and_validates() -> None:
+    a = torch.ones(5, requires_grad=True)
+    b = torch.ones(5, requires_grad=True)
+    adam = torch.optim.Adam([a], lr=0.1, eps=0.0)
+    bc = AdamBC([b], lr=0.1, phi=0.0, floor=1e-30)
+    for g in (torch.tensor([1.0, -2, 3, 0.5, 4]), torch.tensor([0.3, 2, -1, 1, 1])):
+        a.grad, b.grad = g.clone(), g.clone()
+        adam.step()
+        bc.step()
+    assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match="floor > 0"):
+        AdamBC([b], lr=0.1, phi=1.0, floor=0.0)
+
+
+def test_schedules() -> None:
+    sets = ["training.meta_lr=1.0", "training.lr_schedule=cosine", "training.warmup_rounds=4",
+            "training.lr_min_factor=0.1"]  # fmt: skip
+    cfg = load_config(None, sets).training
+    rates = [learning_rate(cfg, t, 104) for t in range(104)]
+    assert rates[:4] == [0.2, 0.4, 0.6, 0.8] and rates[4] == pytest.approx(1.0)
+    assert rates[-1] == pytest.approx(0.1, abs=1e-3) and all(
+        x >= y for x, y in zip(rates[4:], rates[5:], strict=False)
+    )
+    constant = load_config(None, ["training.meta_lr=0.5"]).training
+    assert {learning_rate(constant, t, 10) for t in range(10)} == {0.5}
+
+
+@pytest.mark.parametrize("name", ["adam", "adam_bc", "sgd"])
+def test_state_survives_a_checkpoint(name: str) -> None:
+    cfg = load_config(None, [f"training.optimizer={name}"]).training
+    one = TrainingState(torch.zeros(4), cfg, noise_variance=0.01, planned_rounds=10)
+    for i in range(3):
+        one.step(torch.full((4,), 0.1 * (i + 1)), i)
+    buf = io.BytesIO()
+    torch.save(one.optimizer.state_dict(), buf)
+    buf.seek(0)
+    two = TrainingState(one.params.detach(), cfg, noise_variance=0.01, planned_rounds=10,
+                        optimizer_state=torch.load(buf, weights_only=True))  # fmt: skip
+    one.step(torch.full((4,), 0.5), 3)
+    two.step(torch.full((4,), 0.5), 3)
+    assert torch.equal(one.params, two.params)
