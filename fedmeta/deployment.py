@@ -73,6 +73,9 @@ def register(subparsers: Any) -> None:
     sub.required = True
     _register_run(sub)
     _register_participant(sub)
+    from fedmeta import deploy_local
+
+    deploy_local.register(sub)
 
 
 # ------------------------------------------------------------------------------------ connection
