@@ -14,6 +14,7 @@ Needs a checkout (it calls deploy/tls/make-certs.sh, which needs openssl and ssh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -145,6 +146,10 @@ http {{
   uwsgi_temp_path {work}/nginx-tmp/uwsgi;
   scgi_temp_path {work}/nginx-tmp/scgi;
   client_max_body_size 0;
+  # Stream bodies both ways instead of spooling them to temporary files (which the unprivileged
+  # worker processes may not be allowed to write).
+  proxy_request_buffering off;
+  proxy_buffering off;
   upstream superlink {{ server 127.0.0.1:{upstream}; keepalive 32; }}
   server {{
     listen {listen} ssl;
@@ -162,6 +167,23 @@ http {{
   }}
 }}
 """
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child process id -> command line, from /proc (Linux)."""
+    out: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out[int(entry.name)] = (
+                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 class LocalFederation:
@@ -304,6 +326,26 @@ class LocalFederation:
         except ValueError:
             return 0
         return sum(n.get("status") == "online" for n in nodes)
+
+    def kill_node(self, node: Node, settle_s: float = 2.0) -> None:
+        """SIGKILL a participant: supervisor, worker, then (``settle_s`` later) its SuperNode.
+
+        The worker goes first so that the SuperNode dies waiting for a reply rather than between
+        sending a reply's message and its objects: Flower 1.41's ServerApp would then wait for
+        those objects inside ``Grid.pull_messages`` (for up to two hours), beyond any round
+        timeout of fedmeta's (docs/deploy.md, "Failure behaviour").
+        """
+        assert node.proc is not None
+        children = _children(node.proc.pid)
+        os.kill(node.proc.pid, signal.SIGKILL)  # the supervisor: it must not stop the others
+        for pid, args in children.items():
+            if "client.worker" in args:
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(settle_s)
+        node.host.kill(node.proc, signal.SIGKILL)  # everything left in its process group
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def workers_ready(self, nodes: Sequence[Node]) -> bool:
         """Whether each node's worker has finished its imports and warm-up."""

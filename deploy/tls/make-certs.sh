@@ -7,11 +7,17 @@
 #                                     (--superexec-auth-secret-file; with --isolation process only)
 #   DIR/nodes/NAME.key, NAME.key.pub  one ECDSA P-384 key pair per participant node (OpenSSH format, as
 #                                     flower-supernode --auth-supernode-private-key reads it)
-# and prints, per node, the public key's SHA256 fingerprint and the command that registers it.
+#   DIR/node-keys.toml                the server's binding of participant ids to node keys,
+#                                     [federation.node_keys] "ID" = "SHA256:...", for every key in
+#                                     DIR/nodes (`fedmeta deploy run --node-keys DIR/node-keys.toml`)
+# and prints the mapping. A node named participant-ID is bound to participant id ID; any other NAME to
+# the id NAME. With --register ADDRESS it also registers the node keys with the SuperLink at ADDRESS
+# (its Control API: run it on the server host; deploy/tls/register-nodes.sh).
 #
 # Usage:
 #   deploy/tls/make-certs.sh [--out DIR] [--nodes N | --node NAME ...] [--san HOST_OR_IP ...] [--days D]
 #                            [--owner UID[:GID]]   # owner of the private keys (containers run as 10001)
+#                            [--register HOST:PORT]
 #   deploy/tls/make-certs.sh --out DIR --no-ca --node NAME    # on a participant's machine: only its key pair
 #
 # Multi-machine: the server operator runs it with --san for the SuperLink's public name(s) and no nodes;
@@ -27,6 +33,7 @@ sans=()
 force=0
 make_ca=1
 owner=""
+register=""
 n_nodes=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,6 +44,7 @@ while [ $# -gt 0 ]; do
     --days) days=$2; shift 2 ;;
     --no-ca) make_ca=0; shift ;;
     --owner) owner=$2; shift 2 ;;
+    --register) register=$2; shift 2 ;;
     --force) force=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
     *) echo "make-certs: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -112,18 +120,31 @@ if [ ${#nodes[@]} -gt 0 ]; then
     chmod 644 "$key.pub"
     [ -z "$owner" ] || chown "$owner" "$key"
   done
+fi
+
+# --- the participant id <-> key binding ---------------------------------------------------------
+if [ "$make_ca" = 1 ] && compgen -G "$out/nodes/*.key.pub" >/dev/null; then
+  {
+    echo "# participant id = node public-key fingerprint (deploy/tls/make-certs.sh); give it to"
+    echo "# \`fedmeta deploy run --node-keys\` or copy the table into the server's configuration."
+    echo "[federation.node_keys]"
+    for pub in "$out"/nodes/*.key.pub; do
+      name=$(basename "$pub" .key.pub); id=${name#participant-}
+      printf '"%s" = "%s"\n' "$id" "$(ssh-keygen -l -E sha256 -f "$pub" | awk '{print $2}')"
+    done
+  } > "$out/node-keys.toml.tmp"
+  chmod 644 "$out/node-keys.toml.tmp"
+  mv "$out/node-keys.toml.tmp" "$out/node-keys.toml"
   echo
-  echo "Node public keys (register each with the SuperLink; bind its fingerprint to the participant id"
-  echo "in the server's configuration):"
-  for name in "${nodes[@]}"; do
-    fp=$(ssh-keygen -l -E sha256 -f "$out/nodes/$name.key.pub" | awk '{print $2}')
-    printf '  %-20s %s\n' "$name" "$fp"
-  done
+  echo "federation.node_keys ($out/node-keys.toml: bind each participant id to its node's key):"
+  sed -n 's/^"/  "/p' "$out/node-keys.toml"
+fi
+if [ ${#nodes[@]} -gt 0 ] && [ -z "$register" ]; then
   echo
-  echo "Register them (CONNECTION: a [superlink.CONNECTION] entry of \$FLWR_HOME/config.toml with"
-  echo "address = \"SUPERLINK_HOST:8000\" and root-certificates = \"$out/ca.crt\"):"
-  for name in "${nodes[@]}"; do
-    echo "  flwr supernode register $out/nodes/$name.key.pub CONNECTION --name $name"
-  done
-  echo "or all at once: deploy/tls/register-nodes.sh CONNECTION $out/nodes/*.key.pub"
+  echo "Register the keys with the SuperLink (on the server host, whose Control API it is):"
+  echo "  deploy/tls/register-nodes.sh --address 127.0.0.1:8000 --ca $out/ca.crt $out/nodes/*.key.pub"
+fi
+if [ -n "$register" ]; then
+  [ "$make_ca" = 1 ] || { echo "make-certs: --register needs the CA (not --no-ca)" >&2; exit 2; }
+  bash "$(dirname "$0")/register-nodes.sh" --address "$register" --ca "$out/ca.crt" "$out"/nodes/*.key.pub
 fi
