@@ -157,12 +157,18 @@ def _task_client(options: WorkerOptions, token: str) -> Any:
     )
 
 
-def _heartbeat_fn(client: Any, refused: threading.Event) -> Callable[[], bool]:
-    """Flower's task heartbeat, minus its SIGINT to this process when the task was dropped."""
+def _heartbeat_fn(
+    client: Any, refused: threading.Event, alive: Callable[[], None]
+) -> Callable[[], bool]:
+    """Flower's task heartbeat, minus its SIGINT to this process when the task was dropped.
+
+    ``alive`` is called with every beat: a long task keeps the worker's liveness file fresh.
+    """
     import httpx
     from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
 
     def beat() -> bool:
+        alive()
         try:
             res = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
         except httpx.TransportError:
@@ -307,7 +313,7 @@ class Worker:
             idle = time.monotonic() - last_task > self.options.idle_after_s
             stop.wait(self.options.idle_poll_s if idle else self.options.poll_s)
 
-    def _touch_alive(self) -> None:
+    def _touch_alive(self) -> None:  # also called from the task heartbeat's thread
         """Touch the liveness file at most every 5 s (the container healthcheck reads its age)."""
         path, now = self.options.alive_file, time.monotonic()
         if path is not None and now - self._alive_at > 5:
@@ -323,7 +329,7 @@ class Worker:
         t0 = time.perf_counter()
         client = _task_client(self.options, token)
         refused = threading.Event()
-        heartbeat = HeartbeatSender(_heartbeat_fn(client, refused))
+        heartbeat = HeartbeatSender(_heartbeat_fn(client, refused, self._touch_alive))
         heartbeat.start()
         watchdog = Watchdog(self.options.task_timeout_s, f"task {self.tasks + 1}")
         context = reply = None

@@ -4,7 +4,10 @@
     fedmeta-healthcheck superlink      GET /health on the SuperLink's port (HTTPS when
                                        FEDMETA_TLS_CA names the CA file, else HTTP)
     fedmeta-healthcheck participant    GET /health on the SuperNode's local Runtime API, and the
-                                       warm worker's liveness file is fresh
+                                       warm worker's liveness file is fresh (it is touched every 5 s
+                                       while the worker polls, and with every task heartbeat)
+    fedmeta-healthcheck exporter       GET /metrics of the ledger exporter (port 9464, or
+                                       FEDMETA_EXPORTER_PORT)
 
 Environment: FEDMETA_SUPERLINK_PORT (8000), FEDMETA_RUNTIME_PORT (9094), FEDMETA_TLS_CA,
 FEDMETA_WORKER_ALIVE (/tmp/fedmeta-worker.alive), FEDMETA_WORKER_ALIVE_MAX_AGE_S (60).
@@ -53,7 +56,10 @@ def main() -> int:
             print(f"worker liveness file {alive} is {age:.0f} s old", file=sys.stderr)
             return 1
         return 0
-    print("usage: fedmeta-healthcheck superlink|participant", file=sys.stderr)
+    if role == "exporter":
+        port = os.environ.get("FEDMETA_EXPORTER_PORT", "9464")
+        return 0 if _get(f"http://127.0.0.1:{port}/metrics", None) else 1
+    print("usage: fedmeta-healthcheck superlink|participant|exporter", file=sys.stderr)
     return 2
 
 
