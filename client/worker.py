@@ -248,11 +248,18 @@ def _error_reply(message: Any, reason: str) -> Any:
 
 @dataclass
 class TaskResult:
-    """What happened to one task (logged and, with ``--timings``, written as one JSON line)."""
+    """What happened to one task (with ``--timings``, written as one JSON line).
+
+    ``times``: seconds since the task was acquired at wall-clock ``started``; ``kind`` and
+    ``group``: the message's type and group (the round, for gradient requests).
+    """
 
     status: str
     details: str
     times: dict[str, float]
+    started: float = 0.0
+    kind: str = ""
+    group: str = ""
 
 
 class Watchdog:
@@ -326,7 +333,7 @@ class Worker:
         from flwr.supercore.heartbeat import HeartbeatSender
         from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         client = _task_client(self.options, token)
         refused = threading.Event()
         heartbeat = HeartbeatSender(_heartbeat_fn(client, refused, self._touch_alive))
@@ -338,6 +345,7 @@ class Worker:
             message, context, run = pull_task_input(client, self.options)
             result.times["input"] = time.perf_counter() - t0
             reply, result = self._call_app(message, context, run, result)
+            result.kind, result.group = message.metadata.message_type, message.metadata.group_id
             result.times["app"] = time.perf_counter() - t0
             if reply is not None:
                 push_message(client, reply, context)
@@ -353,6 +361,7 @@ class Worker:
         if refused.is_set():
             log.warning("the SuperNode dropped task %d while it ran", self.tasks + 1)
         self.tasks += 1
+        result.started = started
         self._record(result)
         return result
 
@@ -375,8 +384,9 @@ class Worker:
     def _record(self, result: TaskResult) -> None:
         if self.options.timings is None:
             return
-        line = {"wall": time.time(), "status": result.status,
-                **{k: round(v, 4) for k, v in result.times.items()}}  # fmt: skip
+        times = {k: round(v, 4) for k, v in result.times.items()}
+        line = {"started": round(result.started, 4), "status": result.status, "kind": result.kind,
+                "group": result.group, **times}  # fmt: skip
         with self.options.timings.open("a") as fh:
             fh.write(json.dumps(line) + "\n")
 
