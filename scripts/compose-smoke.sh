@@ -26,7 +26,7 @@ if [ "$build" = 1 ]; then
   build_args=(--build-arg BASE_IMAGE="${FEDMETA_BASE_IMAGE:-localhost/fedmeta-base:bookworm}")
   if [ -d .whl ]; then build_args+=(--build-arg WHEELHOUSE=.whl --build-arg TORCH_INDEX_URL=); fi
   for target in server participant; do
-    timeout 2400 podman build --network=host -q -f deploy/images/Dockerfile --target "$target" \
+    timeout 2400 podman build --format docker --network=host -q -f deploy/images/Dockerfile --target "$target" \
       "${build_args[@]}" -t "localhost/fedmeta-$target:dev" . >/dev/null
   done
 fi
