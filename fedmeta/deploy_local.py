@@ -132,7 +132,8 @@ def key_fingerprint(public_key_file: Path) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-FLEET_PROXY_CONF = """# Only the Fleet API and /health leave the server host (docs/deploy.md).
+PROXY_TEMPLATE = REPO / "deploy" / "proxy" / "fleet-only.conf.template"
+NGINX_MAIN = """# fedmeta deploy local: nginx in the foreground, its files under the work directory.
 worker_processes 1;
 pid {work}/nginx.pid;
 error_log {work}/logs/nginx-error.log warn;
@@ -145,28 +146,22 @@ http {{
   fastcgi_temp_path {work}/nginx-tmp/fastcgi;
   uwsgi_temp_path {work}/nginx-tmp/uwsgi;
   scgi_temp_path {work}/nginx-tmp/scgi;
-  client_max_body_size 0;
-  # Stream bodies both ways instead of spooling them to temporary files (which the unprivileged
-  # worker processes may not be allowed to write).
-  proxy_request_buffering off;
-  proxy_buffering off;
-  upstream superlink {{ server 127.0.0.1:{upstream}; keepalive 32; }}
-  server {{
-    listen {listen} ssl;
-    ssl_certificate {certs}/server.crt;
-    ssl_certificate_key {certs}/server.key;
-    proxy_http_version 1.1;
-    proxy_set_header Connection "";
-    proxy_ssl_trusted_certificate {certs}/ca.crt;
-    proxy_ssl_verify on;
-    proxy_ssl_name localhost;
-    proxy_read_timeout 300s;
-    location /v1/fleet/ {{ proxy_pass https://superlink; }}
-    location = /health {{ proxy_pass https://superlink; }}
-    location / {{ return 403; }}
-  }}
+{server}
 }}
 """
+
+
+def proxy_config(work: Path, certs: Path, listen: str, upstream: str) -> str:
+    """nginx.conf around deploy/proxy/fleet-only.conf.template (the one proxy configuration)."""
+    values = {
+        "FEDMETA_PROXY_LISTEN": listen, "FEDMETA_SUPERLINK_UPSTREAM": upstream,
+        "FEDMETA_SUPERLINK_NAME": "localhost", "FEDMETA_PROXY_CERT": str(certs / "server.crt"),
+        "FEDMETA_PROXY_KEY": str(certs / "server.key"), "FEDMETA_PROXY_CA": str(certs / "ca.crt"),
+    }  # fmt: skip
+    server = PROXY_TEMPLATE.read_text()
+    for key, value in values.items():
+        server = server.replace("${" + key + "}", value)
+    return NGINX_MAIN.format(work=work, server=server)
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -275,10 +270,8 @@ class LocalFederation:
         for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.work / "nginx-tmp" / sub).mkdir(parents=True, exist_ok=True)
         conf = self.work / "nginx.conf"
-        conf.write_text(FLEET_PROXY_CONF.format(
-            work=self.work, certs=self.certs, upstream=self.port,
-            listen=f"{self.server.address}:{self.proxy_port}",
-        ))  # fmt: skip
+        conf.write_text(proxy_config(self.work, self.certs, self.fleet_address,
+                                     f"127.0.0.1:{self.port}"))  # fmt: skip
         self.start(self.server, "nginx", [nginx, "-c", str(conf)])
 
     def register(self, key_names: Sequence[str]) -> None:

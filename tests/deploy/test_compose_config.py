@@ -104,3 +104,21 @@ def test_participants_script_is_the_one_change(tmp_path: Path) -> None:
     assert isinstance(services, dict)
     assert _participants(services) == [f"participant-{i}" for i in range(5)]
     assert "participants = 5" in (copy / "deploy/compose/federation.toml").read_text()
+
+
+def test_fleet_proxy_overlay_opens_only_the_fleet_port() -> None:
+    services = _config("-f", "deploy/compose/tls.yml", "-f", "deploy/compose/fleet-proxy.yml")[
+        "services"
+    ]
+    assert isinstance(services, dict)
+    proxy = services["fleet-proxy"]
+    public = [p for p in proxy["ports"] if p.get("host_ip") in (None, "", "0.0.0.0")]
+    assert [p["target"] for p in public] == [443]
+    for name, svc in services.items():
+        if name != "fleet-proxy":
+            assert all(p["host_ip"] == "127.0.0.1" for p in svc.get("ports", [])), name
+    template = [v for v in proxy["volumes"] if v["target"].startswith("/etc/nginx/templates/")]
+    assert template and Path(template[0]["source"]).name == "fleet-only.conf.template"
+    text = (ROOT / "deploy/proxy/fleet-only.conf.template").read_text()
+    assert "location /v1/fleet/" in text and "location / { return 403; }" in text
+    assert "/v1/control" not in text.split("upstream", 1)[1]  # forwarded nowhere
