@@ -31,11 +31,27 @@ if [ "$build" = 1 ]; then
   done
 fi
 
+# podman runs healthchecks from systemd timers; without systemd (this VM) nothing runs them, and
+# `depends_on: service_healthy` would wait forever. Run them every 5 s ourselves.
+tick() {
+  while sleep 5; do
+    for c in $(podman ps --filter label=com.docker.compose.project=fedmeta-smoke --format '{{.Names}}'); do
+      timeout 30 podman healthcheck run "$c" >/dev/null 2>&1 || true
+    done
+  done
+}
+ticker=""
+if ! command -v systemctl >/dev/null || ! systemctl is-system-running >/dev/null 2>&1; then
+  tick & ticker=$!
+fi
+
 cleanup() {
+  [ -z "$ticker" ] || kill "$ticker" 2>/dev/null || true
   timeout 300 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 bash deploy/tls/make-certs.sh --out "$work/certs" --nodes 3 --owner 10001 >/dev/null
 t0=$(date +%s)
