@@ -57,11 +57,16 @@ PRESETS = ("warm", "warm-stockpoll", "cold", "stock")
 
 
 def settings(args: argparse.Namespace, work: Path) -> list[str]:
-    """A private sinusoid federation of ``--rounds`` rounds that the budget does not stop."""
+    """A private sinusoid federation of ``--rounds`` rounds.
+
+    The budget (default 10: 48 rounds of 4 of 4 participants at z = 1) is kept small on purpose:
+    the ServerApp's forecast searches the affordable rounds before round 1, and for a budget of
+    1000 that search alone takes some 40 s.
+    """
     return [
         f"rounds={args.rounds}", f"federation.participants={args.participants}",
         f"sampling.participants_per_round={args.per_round}", "sampling.task_rate=0.2",
-        "dataset.tasks_per_participant=20", "privacy.epsilon_budget=1000",
+        "dataset.tasks_per_participant=20", f"privacy.epsilon_budget={args.epsilon_budget}",
         "privacy.noise_multiplier=1.0", "training.eval_every=1000000",
         "training.checkpoint_every=1000000", "privacy.report_every=1000000",
         "dataset.test_tasks=8", "dataset.validation_tasks=8", "dataset.probe_tasks=0",
@@ -99,6 +104,25 @@ def hosts(args: argparse.Namespace) -> tuple[Any, list[Any], Network | None]:
     shaped = dict((int(i), r) for i, r in (s.split(":") for s in args.shape or []))
     net = Network(participants=args.participants, shaped=shaped)
     return net.server, net.participants, net
+
+
+SERVER_SHIM = """# bench/deployment.py --server-pull-backoff: in every Python process of the
+# SuperLink's tree (the ServerApp's included), retry a reply's missing objects after
+# {backoff} s instead of Flower's 1 s.
+import functools
+import flwr.superlink.grid.http_grid as _grid
+_grid.pull_objects = functools.partial(
+    _grid.pull_objects, initial_backoff={backoff}, backoff_cap=1.0
+)
+"""
+
+
+def server_shim(fed: LocalFederation, backoff: float) -> None:
+    """An experiment: what Flower's 1 s first retry of a reply's objects costs the ServerApp."""
+    shim = fed.work / "server-shim"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "sitecustomize.py").write_text(SERVER_SHIM.format(backoff=backoff))
+    fed.extra_env["superlink"] = {"PYTHONPATH": str(shim)}
 
 
 def bring_up(fed: LocalFederation, args: argparse.Namespace, participant_hosts: list[Any]) -> float:
@@ -197,6 +221,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "participants": args.participants,
         "per_round": args.per_round,
     }
+    if args.server_pull_backoff is not None:
+        server_shim(fed, args.server_pull_backoff)
+        result["server_pull_backoff_s"] = args.server_pull_backoff
     try:
         result["ready_s"] = round(bring_up(fed, args, participant_hosts), 1)
         cpu0 = {f"{h.name}:{Path(str(p.args[0])).name}:{p.pid}": (p.pid, _cpu(p.pid))
@@ -223,6 +250,10 @@ def main() -> None:
     p.add_argument("--per-round", type=int, default=None)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--round-timeout", type=float, default=120)
+    p.add_argument("--epsilon-budget", type=float, default=10.0)
+    p.add_argument("--server-pull-backoff", type=float, default=None,
+                   help="experiment: the ServerApp retries a reply's missing objects after this "
+                   "many seconds (Flower: 1 s)")  # fmt: skip
     p.add_argument("--shape", action="append", help="IDX:RATE, e.g. 1:8mbit (netns only)")
     p.add_argument(
         "--fleet-proxy", action="store_true", help="participants dial nginx (Fleet only)"

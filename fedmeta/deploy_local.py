@@ -201,6 +201,7 @@ class LocalFederation:
         self.proxy_port = free_port() if fleet_proxy else self.port
         self.nodes: list[Node] = []
         self.procs: list[tuple[Host, subprocess.Popen[Any]]] = []
+        self.extra_env: dict[str, dict[str, str]] = {}  # process name -> variables (benchmarks)
 
     @property
     def fleet_address(self) -> str:
@@ -218,7 +219,8 @@ class LocalFederation:
         home.mkdir(parents=True, exist_ok=True)
         return dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0",
                     FLWR_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1",
-                    PATH=f"{BIN}:{os.environ.get('PATH', '')}")  # fmt: skip
+                    PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+                    **self.extra_env.get(name, {}))  # fmt: skip
 
     def start(self, host: Host, name: str, cmd: Sequence[str]) -> subprocess.Popen[Any]:
         """Start ``cmd`` on ``host``, logging to logs/NAME.log."""
