@@ -117,12 +117,51 @@ _grid.pull_objects = functools.partial(
 """
 
 
-def server_shim(fed: LocalFederation, backoff: float) -> None:
-    """An experiment: what Flower's 1 s first retry of a reply's objects costs the ServerApp."""
+SERVER_TRACE = """# bench/deployment.py --trace: the ServerApp's pushes and pulls.
+import json, os, time
+import flwr.superlink.grid.http_grid as _grid
+_path = os.environ["FEDMETA_BENCH_TRACE"]
+_push, _pull = _grid.HttpGrid.push_messages, _grid.HttpGrid.pull_messages
+
+
+def _log(**line):
+    with open(_path, "a") as fh:
+        fh.write(json.dumps(line) + "\\n")
+
+
+def push_messages(self, messages):
+    messages = list(messages)
+    t0 = time.time()
+    ids = list(_push(self, messages))
+    _log(op="push", t0=t0, t1=time.time(), n=len(messages),
+         groups=sorted({m.metadata.group_id for m in messages}))
+    return ids
+
+
+def pull_messages(self, message_ids):
+    t0 = time.time()
+    out = list(_pull(self, message_ids))
+    if out:
+        _log(op="pull", t0=t0, t1=time.time(), n=len(out))
+    return out
+
+
+_grid.HttpGrid.push_messages, _grid.HttpGrid.pull_messages = push_messages, pull_messages
+"""
+
+
+def server_shim(fed: LocalFederation, backoff: float | None, trace: bool) -> None:
+    """Experiments in the ServerApp's process (through ``sitecustomize``): Flower's 1 s first
+    retry of a reply's objects shortened to ``backoff``; a trace of the Grid's pushes and pulls."""
     shim = fed.work / "server-shim"
     shim.mkdir(parents=True, exist_ok=True)
-    (shim / "sitecustomize.py").write_text(SERVER_SHIM.format(backoff=backoff))
-    fed.extra_env["superlink"] = {"PYTHONPATH": str(shim)}
+    code = SERVER_SHIM.format(backoff=backoff) if backoff is not None else ""
+    code += SERVER_TRACE if trace else ""
+    (shim / "sitecustomize.py").write_text(code)
+    fed.extra_env["superlink"] = {
+        "PYTHONPATH": str(shim),
+        "FEDMETA_BENCH_TRACE": str(fed.logs / "server-trace.jsonl"),
+    }
 
 
 def bring_up(fed: LocalFederation, args: argparse.Namespace, participant_hosts: list[Any]) -> float:
@@ -193,7 +232,34 @@ def collect(fed: LocalFederation, out: Path) -> dict[str, Any]:
             "push_s": _med([t["pushed"] - t["app"] for t in steady]),
         },
         "worker_start": _worker_start(fed),
+        "timeline": timeline(fed, train),
     }  # fmt: skip
+
+
+def timeline(fed: LocalFederation, train: list[dict[str, Any]]) -> dict[str, float | None]:
+    """A round's timeline (medians, seconds after the ServerApp started pushing its requests)."""
+    path = fed.logs / "server-trace.jsonl"
+    if not path.is_file():
+        return {}
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    pushes = [e for e in events if e["op"] == "push" and e["groups"] != ["register"]]
+    rows = []
+    for k, push in enumerate(pushes[1:-1], start=1):  # steady rounds
+        end = pushes[k + 1]["t0"]
+        pulls = [e for e in events if e["op"] == "pull" and push["t0"] <= e["t0"] < end]
+        tasks = [t for t in train if t["group"] in push["groups"]]
+        if not pulls or not tasks:
+            continue
+        t0 = push["t0"]
+        rows.append({
+            "push_s": push["t1"] - t0,
+            "first_task_s": min(t["started"] for t in tasks) - t0,
+            "last_task_s": max(t["started"] for t in tasks) - t0,
+            "last_handed_back_s": max(t["started"] + t["pushed"] for t in tasks) - t0,
+            "last_reply_s": max(e["t1"] for e in pulls) - t0,
+            "pull_objects_s": max(e["t1"] - e["t0"] for e in pulls),
+        })  # fmt: skip
+    return {k: _med([r[k] for r in rows]) for k in rows[0]} if rows else {}
 
 
 def _worker_start(fed: LocalFederation) -> dict[str, float | None]:
@@ -221,8 +287,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "participants": args.participants,
         "per_round": args.per_round,
     }
-    if args.server_pull_backoff is not None:
-        server_shim(fed, args.server_pull_backoff)
+    if args.server_pull_backoff is not None or args.trace:
+        server_shim(fed, args.server_pull_backoff, args.trace)
         result["server_pull_backoff_s"] = args.server_pull_backoff
     try:
         result["ready_s"] = round(bring_up(fed, args, participant_hosts), 1)
@@ -251,6 +317,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--round-timeout", type=float, default=120)
     p.add_argument("--epsilon-budget", type=float, default=10.0)
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="record when the ServerApp pushes and pulls (the round's timeline)",
+    )
     p.add_argument("--server-pull-backoff", type=float, default=None,
                    help="experiment: the ServerApp retries a reply's missing objects after this "
                    "many seconds (Flower: 1 s)")  # fmt: skip
@@ -275,6 +346,8 @@ def main() -> None:
         + ", ".join(f"{k} {v}" for k, v in m.items())
     )
     print(f"  worker start: {result['worker_start']}; round_s {result['round_s']}")
+    if result.get("timeline"):
+        print(f"  timeline (medians, s after the requests' push began): {result['timeline']}")
     print(f"  cpu_s: {result['cpu_s']}")
     print(f"  details: {result['work']}/results.json")
 
