@@ -1,11 +1,13 @@
 """Privacy accounting for fedmeta: schemes, per-round events, PLD/RDP composition, planning, ledger.
 
 Imports only the standard library, numpy, scipy and dp-accounting (a test enforces that torch, flwr
-and prometheus_client are never loaded). The mathematics is in ``docs/privacy.md``.
+and prometheus_client are never loaded). The mathematics is in
+``docs/privacy.md`` and in the module docstrings (``accounting.composition``).
 """
 
 from accounting.composition import (
     DEFAULT_DISCRETIZATION,
+    RoundModel,
     calibrate_noise_multiplier,
     composed_pld,
     epsilon,
@@ -16,7 +18,6 @@ from accounting.composition import (
     tombs2022_published_epsilon,
 )
 from accounting.ledger import (
-    PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     BackupResult,
     BudgetExhausted,
     BudgetLedger,
@@ -36,48 +37,43 @@ from accounting.ledger import (
     affordable_rounds,
     backup,
     budgets,
-    participant_level_note,
     resolve_federation,
     start_new_budget,
 )
+from accounting.randomness import (
+    InsecureSeededSource,
+    RandomSource,
+    SystemRandomSource,
+    bernoulli,
+    bernoulli_probability,
+    sample_without_replacement,
+)
 from accounting.sampler import TwoStageSampler
 from accounting.schemes import (
+    PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
     Scheme,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
+    participant_level_note,
 )
 
 __all__ = [
-    "DEFAULT_DISCRETIZATION",
+    "BackupResult",
     "BudgetExhausted",
     "BudgetLedger",
+    "BudgetRecord",
+    "DEFAULT_DISCRETIZATION",
     "FixedSizeScheme",
     "FlatPoissonScheme",
     "GaussianRound",
-    "LedgerCorrupted",
-    "LedgerError",
-    "Scheme",
-    "SpendRecord",
-    "TwoStageFixedScheme",
-    "TwoStagePoissonScheme",
-    "TwoStageSampler",
-    "calibrate_noise_multiplier",
-    "composed_pld",
-    "epsilon",
-    "max_rounds",
-    "pld_delta",
-    "round_components",
-    "round_pld",
-    "tombs2022_published_epsilon",
-    # The ledger's identity, read-only access, backups and data-keyed budgets (docs/ledger.md).
-    "PARTICIPANT_LEVEL_NOT_MEANINGFUL",
-    "BackupResult",
-    "BudgetRecord",
+    "InsecureSeededSource",
     "Ledger",
     "LedgerCheckpoint",
+    "LedgerCorrupted",
+    "LedgerError",
     "LedgerInfo",
     "LedgerMissing",
     "LedgerMode",
@@ -85,10 +81,30 @@ __all__ = [
     "LedgerReplaced",
     "LedgerUnreadable",
     "NotALedger",
+    "PARTICIPANT_LEVEL_NOT_MEANINGFUL",
+    "RandomSource",
+    "RoundModel",
+    "Scheme",
+    "SpendRecord",
+    "SystemRandomSource",
+    "TwoStageFixedScheme",
+    "TwoStagePoissonScheme",
+    "TwoStageSampler",
     "affordable_rounds",
     "backup",
+    "bernoulli",
+    "bernoulli_probability",
     "budgets",
+    "calibrate_noise_multiplier",
+    "composed_pld",
+    "epsilon",
+    "max_rounds",
     "participant_level_note",
+    "pld_delta",
     "resolve_federation",
+    "round_components",
+    "round_pld",
+    "sample_without_replacement",
     "start_new_budget",
+    "tombs2022_published_epsilon",
 ]

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from accounting.composition import (
+    MAX_ROUNDS_LIMIT,
     calibrate_noise_multiplier,
     epsilon,
     max_rounds,
@@ -25,19 +27,24 @@ from accounting.ledger import (
     LedgerError,
     backup,
     budgets,
-    participant_level_note,
     start_new_budget,
 )
 from accounting.schemes import (
+    ADD_REMOVE,
+    NEIGHBOURING_RELATIONS,
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
     Scheme,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
+    participant_level_note,
 )
 
 PUBLISHED_LABEL = "as published, not a valid guarantee"
+#: The CLI's default delta: the configuration's default (``privacy.delta``), so a plan printed here
+#: matches what a run with the default configuration enforces (a test keeps them equal).
+DEFAULT_DELTA = 1e-5
 
 # Dataclass field / argument name -> the flag a user should fix.
 _FLAGS = {
@@ -57,6 +64,7 @@ _FLAGS = {
     "target_epsilon": "--target-epsilon",
     "epsilon_budget": "--epsilon",
     "unit": "--unit",
+    "neighbouring": "--neighbouring",
 }
 
 
@@ -121,7 +129,19 @@ def _add_scheme_args(
         parser.add_argument("--noise-multiplier", type=float, required=True, help="z (std / clip)")
     if rounds:
         parser.add_argument("--rounds", type=int, required=True, help="T, number of rounds")
-    parser.add_argument("--delta", type=float, default=1e-6, help="target delta (default 1e-6)")
+    parser.add_argument(
+        "--delta",
+        type=float,
+        default=DEFAULT_DELTA,
+        help=f"target delta (default {DEFAULT_DELTA:g}, as privacy.delta)",
+    )
+    parser.add_argument(
+        "--neighbouring",
+        choices=NEIGHBOURING_RELATIONS,
+        default=ADD_REMOVE,
+        help="neighbouring relation of the task-level guarantee: add or remove one task "
+        "(default), or replace one task by another (task counts public)",
+    )
     parser.add_argument(
         "--unit",
         choices=("task", "participant"),
@@ -184,41 +204,68 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any], rows: list[tuple[st
 
 
 def _check_rounds(value: int) -> None:
-    if value < 1:
-        raise UsageError(f"--rounds must be an integer >= 1; got {value}")
+    if not 1 <= value <= MAX_ROUNDS_LIMIT:
+        raise UsageError(
+            f"--rounds must be an integer in [1, {MAX_ROUNDS_LIMIT}] (the accountant's range); "
+            f"got {value}"
+        )
+
+
+def _eps(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if math.isfinite(value) else "inf (no finite bound)"
+
+
+def _json_eps(value: float) -> float | None:
+    # JSON has no infinity: an unbounded epsilon is null.
+    return value if math.isfinite(value) else None
 
 
 # ------------------------------------------------------------------------------------ commands
 
 
+def _event(args: argparse.Namespace, scheme: Scheme, z: float) -> GaussianRound:
+    return GaussianRound(scheme, z, args.max_tasks_per_participant, args.neighbouring)
+
+
 def _cmd_epsilon(args: argparse.Namespace) -> int:
     scheme = _scheme_from_args(args)
     _check_rounds(args.rounds)
-    event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
+    event = _event(args, scheme, args.noise_multiplier)
     groups = [(event, args.rounds)]
+    eps = epsilon(groups, args.delta, args.unit, "pld")
+    eps_rdp = epsilon(groups, args.delta, args.unit, "rdp")
     payload: dict[str, Any] = {
         "scheme": _describe(scheme),
         "unit": args.unit,
+        "neighbouring": args.neighbouring,
         "rounds": args.rounds,
         "noise_multiplier": args.noise_multiplier,
         "delta": args.delta,
-        "epsilon": epsilon(groups, args.delta, args.unit, "pld"),
-        "epsilon_rdp": epsilon(groups, args.delta, args.unit, "rdp"),
+        "epsilon": _json_eps(eps),
+        "epsilon_rdp": _json_eps(eps_rdp),
     }
     rows = [
         ("scheme", payload["scheme"]),
         ("unit", args.unit),
+        ("neighbouring", args.neighbouring),
         ("rounds", str(args.rounds)),
         ("noise multiplier", f"{args.noise_multiplier:g}"),
         ("delta", f"{args.delta:g}"),
-        ("epsilon (PLD, enforced)", f"{payload['epsilon']:.4f}"),
-        ("epsilon (RDP cross-check)", f"{payload['epsilon_rdp']:.4f}"),
+        ("epsilon (PLD, enforced)", _eps(eps)),
+        ("epsilon (RDP cross-check)", _eps(eps_rdp)),
     ]
-    if args.unit == "task" and isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
+    if (
+        args.unit == "task"
+        and args.neighbouring == ADD_REMOVE
+        and isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme)
+    ):
+        # Theorem 3 is an add/remove statement: shown only beside an add/remove guarantee.
         published = tombs2022_published_epsilon(event, args.rounds, args.delta)
-        payload["epsilon_tombs2022_published"] = published
+        payload["epsilon_tombs2022_published"] = _json_eps(published)
         payload["epsilon_tombs2022_published_note"] = PUBLISHED_LABEL
-        rows.append((f"Tombs et al. 2022 Thm 3 ({PUBLISHED_LABEL})", f"{published:.4f}"))
+        rows.append((f"Tombs et al. 2022 Thm 3 ({PUBLISHED_LABEL})", _eps(published)))
     _emit(args, payload, rows)
     return 0
 
@@ -233,12 +280,13 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         args.delta,
         args.unit,
         max_tasks_per_participant=args.max_tasks_per_participant,
+        neighbouring=args.neighbouring,
     )
-    event = GaussianRound(scheme, z, args.max_tasks_per_participant)
-    eps = epsilon([(event, args.rounds)], args.delta, args.unit)
+    eps = epsilon([(_event(args, scheme, z), args.rounds)], args.delta, args.unit)
     payload = {
         "scheme": _describe(scheme),
         "unit": args.unit,
+        "neighbouring": args.neighbouring,
         "rounds": args.rounds,
         "delta": args.delta,
         "target_epsilon": args.target_epsilon,
@@ -251,11 +299,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         [
             ("scheme", payload["scheme"]),
             ("unit", args.unit),
+            ("neighbouring", args.neighbouring),
             ("rounds", str(args.rounds)),
             ("delta", f"{args.delta:g}"),
             ("target epsilon", f"{args.target_epsilon:g}"),
             ("noise multiplier", f"{z:.4f}"),
-            ("epsilon (PLD) at it", f"{eps:.4f}"),
+            ("epsilon (PLD) at it", _eps(eps)),
         ],
     )
     return 0
@@ -263,29 +312,38 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _cmd_max_rounds(args: argparse.Namespace) -> int:
     scheme = _scheme_from_args(args)
-    event = GaussianRound(scheme, args.noise_multiplier, args.max_tasks_per_participant)
+    event = _event(args, scheme, args.noise_multiplier)
     rounds = max_rounds(event, args.epsilon, args.delta, args.unit)
     eps = epsilon([(event, rounds)], args.delta, args.unit) if rounds else 0.0
+    capped = rounds >= MAX_ROUNDS_LIMIT
     payload = {
         "scheme": _describe(scheme),
         "unit": args.unit,
+        "neighbouring": args.neighbouring,
         "delta": args.delta,
         "epsilon_budget": args.epsilon,
         "noise_multiplier": args.noise_multiplier,
         "rounds": rounds,
+        "rounds_at_limit": capped,
         "epsilon": eps,
     }
+    shown = (
+        f"{rounds} or more (the accountant's range ends at {MAX_ROUNDS_LIMIT})"
+        if capped
+        else str(rounds)
+    )
     _emit(
         args,
         payload,
         [
             ("scheme", payload["scheme"]),
             ("unit", args.unit),
+            ("neighbouring", args.neighbouring),
             ("noise multiplier", f"{args.noise_multiplier:g}"),
             ("delta", f"{args.delta:g}"),
             ("epsilon budget", f"{args.epsilon:g}"),
-            ("max rounds (PLD, exact)", str(rounds)),
-            ("epsilon (PLD) after them", f"{eps:.4f}"),
+            ("max rounds (PLD, exact)", shown),
+            ("epsilon (PLD) after them", _eps(eps)),
         ],
     )
     return 0
@@ -309,7 +367,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 f"--task-rate must make --min-tasks * rate a whole number of tasks for the "
                 f"without-replacement row; got {q2} * {args.min_tasks}"
             )
-    z, t, d = args.noise_multiplier, args.rounds, args.delta
+    z, t, d, rel = args.noise_multiplier, args.rounds, args.delta, args.neighbouring
     fixed = TwoStageFixedScheme(args.participants, args.participants_per_round, n2, args.min_tasks)
     poisson = TwoStagePoissonScheme(args.participants, args.participants_per_round, q2)
     eta = fixed.largest_inclusion_probability
@@ -317,14 +375,18 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     designs: list[tuple[str, GaussianRound, str]] = [
         (
             f"flat Poisson over all tasks, q={eta:g}",
-            GaussianRound(FlatPoissonScheme(eta), z),
+            GaussianRound(FlatPoissonScheme(eta), z, None, rel),
             "task",
         ),
-        (f"two-stage, Poisson q2={q2:g}", GaussianRound(poisson, z), "task"),
-        (f"two-stage, {n2} of {args.min_tasks} w/o replacement", GaussianRound(fixed, z), "task"),
+        (f"two-stage, Poisson q2={q2:g}", GaussianRound(poisson, z, None, rel), "task"),
+        (
+            f"two-stage, {n2} of {args.min_tasks} w/o replacement",
+            GaussianRound(fixed, z, None, rel),
+            "task",
+        ),
         (
             f"participant-level (two-stage, cap {cap} tasks)",
-            GaussianRound(fixed, z, cap),
+            GaussianRound(fixed, z, cap, rel),
             "participant",
         ),
     ]
@@ -336,24 +398,26 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 "design": label,
                 "unit": unit,
                 "valid": True,
-                "epsilon": epsilon(groups, d, unit, "pld"),
-                "epsilon_rdp": epsilon(groups, d, unit, "rdp"),
+                "epsilon": _json_eps(epsilon(groups, d, unit, "pld")),
+                "epsilon_rdp": _json_eps(epsilon(groups, d, unit, "rdp")),
             }
         )
-    published = tombs2022_published_epsilon(GaussianRound(fixed, z), t, d)
-    rows_json.append(
-        {
-            "design": f"Tombs et al. 2022 Thm 3, eta={eta:g} ({PUBLISHED_LABEL})",
-            "unit": "task",
-            "valid": False,
-            "epsilon": published,
-            "epsilon_rdp": None,
-        }
-    )
+    if rel == ADD_REMOVE:  # Theorem 3 is an add/remove statement
+        published = tombs2022_published_epsilon(GaussianRound(fixed, z), t, d)
+        rows_json.append(
+            {
+                "design": f"Tombs et al. 2022 Thm 3, eta={eta:g} ({PUBLISHED_LABEL})",
+                "unit": "task",
+                "valid": False,
+                "epsilon": _json_eps(published),
+                "epsilon_rdp": None,
+            }
+        )
     payload = {
         "noise_multiplier": z,
         "rounds": t,
         "delta": d,
+        "neighbouring": rel,
         "expected_tasks_per_round": args.participants_per_round * n2,
         "designs": rows_json,
     }
@@ -361,14 +425,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2, sort_keys=True))
         return 0
     print(
-        f"z={z:g}, T={t}, delta={d:g}, expected tasks per round "
+        f"z={z:g}, T={t}, delta={d:g}, neighbouring {rel}, expected tasks per round "
         f"{payload['expected_tasks_per_round']} (flat rate = eta = {eta:g})"
     )
     width = max(len(str(r["design"])) for r in rows_json)
     print(f"{'design'.ljust(width)}  {'unit':11}  {'eps (PLD)':>10}  {'eps (RDP)':>10}")
     for r in rows_json:
-        rdp = "-" if r["epsilon_rdp"] is None else f"{r['epsilon_rdp']:.3f}"
-        print(f"{str(r['design']).ljust(width)}  {r['unit']:11}  {r['epsilon']:10.3f}  {rdp:>10}")
+        cells = ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("epsilon", "epsilon_rdp")]
+        print(f"{str(r['design']).ljust(width)}  {r['unit']:11}  {cells[0]:>10}  {cells[1]:>10}")
     return 0
 
 

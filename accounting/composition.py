@@ -1,34 +1,94 @@
 """Per-round privacy loss of a ``GaussianRound``, composition over rounds, and planning.
 
-Two accountants, both from dp-accounting:
+Accountants
+-----------
+* **PLD** (privacy loss distributions; Koskela et al. 2020; Doroshenko, Ghazi, Kamath, Kumar,
+  Manurangsi 2022 "Connect the dots", Algorithm 1): each round's dominating pair is discretised with
+  dp-accounting's pessimistic connect-the-dots construction, whose hockey-stick curve lies on or
+  above the exact one at every epsilon, so the reported epsilon errs on the safe (too large) side.
+* **RDP** (Mironov 2017; Mironov, Talwar, Zhang 2019; Wang, Balle, Kasiviswanathan 2019): an
+  independent, looser upper bound, reported as a cross-check.
 
-* **PLD** (privacy loss distributions; Koskela et al. 2020, Doroshenko et al. 2022 "connect the
-  dots"): tight up to discretisation. dp-accounting's ``pessimistic_estimate=True`` rounds every
-  privacy loss *up* to the grid, so the reported epsilon errs on the safe (too large) side. This is
-  the value that is enforced.
-* **RDP** (Mironov 2017; Mironov, Talwar, Zhang 2019 for the Poisson-subsampled Gaussian): an
-  independent, looser upper bound, reported as a cross-check. Converting RDP to (eps, delta) is
-  always pessimistic.
+The enforced value (``method="pld"``) is the *minimum* of the PLD and RDP epsilons: both are valid
+upper bounds, so their minimum is one. Where the PLD is cheap it is the smaller; where the grid must
+be coarsened (below) RDP may take over.
 
-Per-round dominating pairs (privacy-accounting note, section 2):
+Dominating pairs per round (privacy-accounting note, section 2; docs/privacy.md)
+---------------------------------------------------------------------------------
+Notation: ``PG(q, s)`` is the Poisson-subsampled Gaussian pair at rate ``q`` and noise ``s`` (in
+units of the sensitivity), ``MIX(w, X)`` the pair ``(1 - w) * [no loss] + w * X`` (same law under
+both datasets on the first branch). Zhu, Dong, Wang (2022, "Optimal accounting of differential
+privacy via characteristic function", Definition 7 and the composition theorem for dominating
+pairs) make a pair that dominates every round *for every order* composable by product; every pair
+below is of that kind.
 
-* two-stage schemes, task level: by joint convexity of the hockey-stick divergence over the common
-  "participant not sampled" part, one round's PLD is the mixture
-  ``(1 - q1) * (point mass at loss 0) + q1 * PLD_stage2``, where ``PLD_stage2`` is the
-  Poisson-subsampled Gaussian at the stage-2 rate (``z/2`` if stage 2 has a fixed size). This holds
-  in both the remove and the add direction: the unsampled branch has the same law under both
-  datasets and is distinguishable (by the siblings) from the sampled branch, so its privacy loss is
-  exactly 0. Only the innermost stage amplifies epsilon; the outer rate only scales delta within a
-  round.
-* two-stage schemes, participant level: Poisson-subsampled Gaussian at rate ``q1`` with the
-  substitution form for a fixed-size stage 1, i.e. noise multiplier ``z / (2 k)`` for a cap of ``k``
-  tasks per participant per round (sensitivity ``k C``, doubled by substitution).
-* flat Poisson: the Poisson-subsampled Gaussian (rate ``q``, ``z``); fixed-size single stage: the
-  same at rate ``m/n`` and ``z/2``.
+``add_remove`` (add or remove one task; the default):
 
-Rounds are composed *by count*: each distinct round's PLD is built once and self-composed (an FFT
-power, cost ~ independent of the count), groups of different rounds are composed together. Composing
-one round at a time is quadratic and is never done.
+* two-stage, Poisson stage 2: ``MIX(q1, PG(q2, z))``; fixed stage 2: ``MIX(q1, PG(n2/min_tasks,
+  z/2))`` (adding a task to a fixed-size sample is a substitution inside it: the clipped sum moves
+  by ``2C``); flat Poisson ``PG(q, z)``; fixed-size ``PG(m/n, z/2)``. The mixture is joint
+  convexity of the hockey-stick divergence over the common "participant not sampled" branch. The
+  direction of a neighbouring pair (add or remove) is the same in every round, so the remove and
+  add PLDs are composed separately and the larger epsilon is taken (dp-accounting's convention).
+
+``replace_one`` (one task replaced by another; counts public). Write ``E_a = exp(a.Z - |a|^2/2)``
+with ``Z`` standard normal; for any ``alpha >= 0`` and reference ``N(h)``,
+``H_alpha((1-w)N(h) + wN(g) || (1-w)N(h) + wN(g')) = E[((1-w)(1-alpha) + w E_a - alpha w E_b)_+]``
+with ``a = (g-h)/s``, ``b = (g'-h)/s``. ``E_a`` grows in convex order with ``|a|`` (a lognormal
+martingale), and a sum is largest in convex order when its terms are comonotone (Dhaene et al.
+2002, "The concept of comonotonicity in actuarial science and finance: theory", Theorem 7). Hence:
+
+* Poisson sampling (flat, or stage 2): the other tasks' inclusions are independent of the replaced
+  task's, so after joint convexity over them ``h = 0``, ``|g|, |g'| <= C`` and the supremum over
+  every pair and every ``alpha`` is at ``g = -g'``, ``|g| = C``: dp-accounting's REPLACE pair
+  ``(1-q) N(0) + q N(C)`` vs ``(1-q) N(0) + q N(-C)`` (``privacy_loss_mechanism``'s
+  ``AdditiveNoisePrivacyLoss``), at noise ``z``. It is symmetric, so one PMF serves both orders.
+  Two-stage: ``MIX(q1, REPLACE(q2, z))``; flat: ``REPLACE(q, z)``.
+* Sampling without replacement (fixed-size, or fixed stage 2), sampling ``m`` of ``n``, ``gamma =
+  m/n``: couple a sample without the replaced task as ``R + {y}`` and one with it as ``R + {x}``
+  (Balle, Barthe, Gaboardi 2018, "Privacy amplification by subsampling", proof of Theorem 9). Then
+  ``h`` is another *sampled* task's gradient and ``|g - h|`` reaches ``2C``: the realisable pairs
+  include ``((1-gamma)N(0) + gamma N(2C), N(0))``, the remove pair of ``PG(gamma, z/2)``, which the
+  pair ``REPLACE(gamma, z)`` does not dominate (it is too small by 65x at epsilon 3 for m=1, n=2,
+  z=1). Conversely advanced joint convexity (Balle et al. 2018, Theorem 2) bounds every realisable
+  pair by that remove pair for ``alpha >= 1``. The tight pair valid for *every* order is the
+  symmetrisation ``min(f, f^-1)**`` of its trade-off function ``f`` (Dong, Roth, Su 2022, Theorem
+  4.2 for sampling without replacement; its hockey-stick curve is ``delta(eps) = delta_remove(eps)``
+  for ``eps >= 0`` and ``1 - e^eps + e^eps delta_remove(-eps)`` below 0). Composing the remove and
+  add PLDs separately would not be a valid bound here: under replacement a round's pair can lie
+  between the two (e.g. ``g = -g' = C``, ``h = 0``). Two-stage: ``MIX(q1, SYM(n2/min_tasks,
+  z/2))``; fixed-size: ``SYM(m/n, z/2)``.
+
+Participant level (either relation): ``PG(q1, z / (2k))`` for a cap of ``k`` tasks per participant
+per round (substitution of a participant inside the fixed-size stage 1).
+
+RDP cross-check: ``add_remove`` uses dp-accounting's Poisson-subsampled Gaussian RDP; replace-one
+with Poisson sampling uses Mironov (2017), Proposition 11 (weak triangle inequality, p = q = 2)
+through the removal of the task: ``R(alpha) <= (alpha - 1/2)/(alpha - 1) * R_ar(2 alpha) +
+R_ar(2 alpha - 1)`` (dp-accounting has no Poisson replace-one RDP); replace-one without replacement
+uses dp-accounting's ``SampledWithoutReplacementDpEvent`` (Wang, Balle, Kasiviswanathan 2019,
+Theorem 27) with the noise relative to ``2C`` (dp-accounting issue #378). The mixture with the
+unsampled branch is exact for disjoint branches and an upper bound otherwise (joint convexity of
+``x^alpha``). A negative RDP value (numerical trouble) drops that order instead of reading as 0.
+
+Ranges and bounded cost
+-----------------------
+Accepted: ``1 <= rounds <= MAX_ROUNDS_LIMIT`` (1e9) in any query; noise multiplier in
+``NOISE_MULTIPLIER_RANGE`` ([1e-4, 1e6]); delta in (0, 1). Every query (``epsilon``,
+``calibrate_noise_multiplier``, ``max_rounds``, both units, both relations) takes seconds and well
+under 1 GB for rounds up to 1e9, epsilon up to 1e3 and noise multipliers 0.1 to 100 (see
+docs/benchmarks.md). How, erring only on the safe side:
+
+* A PLD never holds more than ``MAX_ROUND_BINS`` points for one round nor ``MAX_PLD_BINS`` for a
+  composition. The grid starts at ``discretization`` (1e-4) and doubles until both fit, the
+  composed size being computed *before* any allocation. A coarser pessimistic grid is still an upper
+  bound, only a looser one.
+* If even a grid of ``MAX_GRID`` does not fit (tiny noise, huge counts), the PLD is skipped and the
+  RDP bound, always cheap, is the answer.
+* The tails that a self-composition cuts off (a Chernoff bound, at most ``TAIL_MASS`` in all) are
+  added to the probability of an infinite loss, as dp-accounting does.
+* ``max_rounds`` starts from the RDP answer (feasible by construction) and is exact to the round
+  under the enforced accountant; ``calibrate_noise_multiplier`` brackets with RDP, then refines.
 """
 
 from __future__ import annotations
@@ -36,19 +96,27 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal, TypeAlias
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 from dp_accounting import dp_event
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism as plm
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from scipy import fft, signal
 
 from accounting.schemes import (
+    ADD_REMOVE,
+    REPLACE_ONE,
     UNITS,
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
+    Neighbouring,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
 )
@@ -56,13 +124,27 @@ from accounting.schemes import (
 Method: TypeAlias = Literal["pld", "rdp"]
 METHODS: tuple[str, ...] = ("pld", "rdp")
 RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
+#: ``add_remove``: Poisson-subsampled Gaussian pair, remove and add PLDs; ``replace``: the symmetric
+#: REPLACE pair of Poisson sampling; ``wor_replace``: the symmetrised pair of sampling without
+#: replacement under replace-one.
+Pair: TypeAlias = Literal["add_remove", "replace", "wor_replace"]
+_Floats: TypeAlias = npt.NDArray[np.float64]
 
-#: PLD grid (the note's reference numbers use 1e-4). Finer is slower and only slightly smaller.
+#: Finest PLD grid (the note's reference numbers use 1e-4).
 DEFAULT_DISCRETIZATION = 1e-4
 #: RDP orders: dp-accounting's default grid, which the reference RDP numbers use.
-RDP_ORDERS: tuple[float, ...] = tuple(rdp_lib.RdpAccountant().orders)
-#: Upper limit of the round search in ``max_rounds`` (a guard, not a modelling assumption).
-MAX_ROUNDS_LIMIT = 10**8
+RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.RdpAccountant().orders)
+#: Most rounds in one query (a range of the accountant, see the module docstring).
+MAX_ROUNDS_LIMIT = 10**9
+#: Accepted noise multipliers (a range of the accountant).
+NOISE_MULTIPLIER_RANGE: tuple[float, float] = (1e-4, 1e6)
+#: Most grid points of one round's PLD, and of a composed PLD (about 8 B each, a few copies live).
+MAX_ROUND_BINS = 2**18
+MAX_PLD_BINS = 2**22
+#: Coarsest PLD grid tried; beyond it the RDP bound alone is used.
+MAX_GRID = 1.0
+#: Probability mass a self-composition may cut from the tails (moved to an infinite loss).
+TAIL_MASS = 1e-15
 
 _PLD: TypeAlias = pld_lib.PrivacyLossDistribution
 
@@ -87,8 +169,20 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
 
 
+def _check_rounds(name: str, value: object, *, minimum: int) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not (minimum <= value <= MAX_ROUNDS_LIMIT)
+    ):
+        raise ValueError(
+            f"{name} must be an integer in [{minimum}, {MAX_ROUNDS_LIMIT}]; got {value!r}"
+        )
+    return value
+
+
 def _check_groups(rounds: RoundGroups) -> list[tuple[GaussianRound, int]]:
-    """Merge identical rounds (so they compose by count) and validate the counts."""
+    """Merge identical rounds (so they compose by count) and validate counts and relation."""
     merged: dict[GaussianRound, int] = {}
     for item in rounds:
         if not (isinstance(item, tuple) and len(item) == 2):
@@ -100,26 +194,50 @@ def _check_groups(rounds: RoundGroups) -> list[tuple[GaussianRound, int]]:
             raise ValueError(f"round count must be an integer >= 0; got {count!r}")
         if count:
             merged[event] = merged.get(event, 0) + count
+    total = sum(merged.values())
+    if total > MAX_ROUNDS_LIMIT:
+        raise ValueError(f"round count must be at most {MAX_ROUNDS_LIMIT} in all; got {total}")
+    relations = sorted({event.neighbouring for event in merged})
+    if len(relations) > 1:
+        # A guarantee is stated for one relation; composing rounds of two would state neither.
+        raise ValueError(f"neighbouring must be the same for all rounds; got {relations}")
     return sorted(merged.items(), key=lambda kv: repr(kv[0]))
 
 
 # --------------------------------------------------------------------------------------------------
-# Per-round mechanism: (mixture weight, stage rate, effective noise multiplier)
+# Per-round dominating pair
 # --------------------------------------------------------------------------------------------------
 
 
-def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, float, float]:
-    """Return ``(w, q, sigma)``: one round is ``(1-w) * [no loss] + w * PoissonGaussian(q, sigma)``.
+@dataclass(frozen=True)
+class RoundModel:
+    """One round's dominating pair: ``(1 - weight) * [no loss] + weight * pair(rate, sigma)``.
 
-    ``sigma`` is the noise standard deviation in units of the (add/remove) sensitivity. See the
-    module docstring and the privacy-accounting note, section 2, for the derivation of each case.
+    ``sigma`` is the noise standard deviation in units of the pair's sensitivity (``C`` for the
+    Poisson pairs, ``2C`` for the substitution inside a fixed-size sample). ``sample_size`` and
+    ``population`` are the integer sizes of a without-replacement stage (its RDP needs them).
     """
+
+    weight: float
+    rate: float
+    sigma: float
+    pair: Pair
+    sample_size: int | None = None
+    population: int | None = None
+
+
+def _check_noise(z: float) -> None:
+    low, high = NOISE_MULTIPLIER_RANGE
+    if not low <= z <= high:
+        raise ValueError(f"noise_multiplier must be in [{low:g}, {high:g}]; got {z!r}")
+
+
+def round_components(event: GaussianRound, unit: str = "task") -> RoundModel:
+    """Return the dominating pair of one round of ``event`` (derived in the module docstring)."""
     _check_unit(unit)
-    if event.neighbouring != "add_remove":
-        # Never account a relation this module does not model as if it were add/remove.
-        raise ValueError(f"neighbouring must be 'add_remove' here; got {event.neighbouring!r}")
     scheme = event.scheme
     z = float(event.noise_multiplier)
+    _check_noise(z)
     if unit == "participant":
         if not isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
             raise ValueError(
@@ -133,111 +251,435 @@ def round_components(event: GaussianRound, unit: str = "task") -> tuple[float, f
                 "Poisson stage 2 (the server's cap on one participant's tasks per round); got None"
             )
         # Fixed-size stage 1: substitution of a participant moves the sum by up to 2 * cap * C.
-        return 1.0, scheme.participant_rate, z / (2.0 * cap)
+        return RoundModel(1.0, scheme.participant_rate, z / (2.0 * cap), "add_remove")
+    replace = event.neighbouring == REPLACE_ONE
+    poisson_pair: Pair = "replace" if replace else "add_remove"
     if isinstance(scheme, TwoStagePoissonScheme):
-        return scheme.participant_rate, float(scheme.task_rate), z
-    if isinstance(scheme, TwoStageFixedScheme):
-        return scheme.participant_rate, scheme.task_rate, z / 2.0
+        return RoundModel(scheme.participant_rate, float(scheme.task_rate), z, poisson_pair)
     if isinstance(scheme, FlatPoissonScheme):
-        return 1.0, float(scheme.rate), z
-    if isinstance(scheme, FixedSizeScheme):
-        return 1.0, scheme.rate, z / 2.0
-    raise AssertionError(f"unreachable scheme {scheme!r}")  # pragma: no cover
+        return RoundModel(1.0, float(scheme.rate), z, poisson_pair)
+    if isinstance(scheme, TwoStageFixedScheme):
+        weight, m, n = scheme.participant_rate, scheme.tasks_per_round, scheme.min_tasks
+    elif isinstance(scheme, FixedSizeScheme):
+        weight, m, n = 1.0, scheme.sample_size, scheme.population
+    else:  # pragma: no cover - GaussianRound validates the scheme type
+        raise AssertionError(f"unreachable scheme {scheme!r}")
+    if replace:
+        return RoundModel(weight, m / n, z / 2.0, "wor_replace", m, n)
+    return RoundModel(weight, m / n, z / 2.0, "add_remove")
 
 
 # --------------------------------------------------------------------------------------------------
-# PLD
+# Hockey-stick curves of the pairs, vectorised
 # --------------------------------------------------------------------------------------------------
 
+_Direction: TypeAlias = Literal["remove", "add", "replace"]
+_ADJACENCY = {
+    "remove": plm.AdjacencyType.REMOVE,
+    "add": plm.AdjacencyType.ADD,
+    "replace": plm.AdjacencyType.REPLACE,
+}
 
-#: Below this noise (in sensitivity units) the PLD grid is coarsened (see ``_grid``).
-_SMALL_SIGMA = 0.5
+
+@functools.lru_cache(maxsize=512)
+def _mechanism(direction: _Direction, sigma: float, rate: float) -> plm.GaussianPrivacyLoss:
+    return plm.GaussianPrivacyLoss(
+        sigma, sensitivity=1.0, sampling_prob=rate, adjacency_type=_ADJACENCY[direction]
+    )
 
 
-def _grid(sigma: float, discretization: float) -> float:
-    """Grid for a stage with noise ``sigma``.
+def _inverse_loss(direction: _Direction, sigma: float, q: float, eps: _Floats) -> _Floats:
+    """The output ``x`` at which the privacy loss equals ``eps`` (dp-accounting's conventions).
 
-    The privacy-loss range grows like ``1 / sigma^2``, so at a fixed grid a tiny ``sigma`` (e.g.
-    participant level, ``z / (2 k)``) needs millions of bins and minutes per composition. Below
-    ``sigma = 0.5`` the grid is scaled by ``(0.5 / sigma)^2``: dp-accounting's pessimistic rounding
-    keeps every grid an upper bound, so this errs only on the safe (larger epsilon) side. The
-    reference numbers (sigma >= 0.5) use the base grid unchanged.
+    Closed forms of ``GaussianPrivacyLoss.inverse_privacy_loss`` (sensitivity 1), vectorised:
+    dp-accounting evaluates them one epsilon at a time, which dominated the cost of a PLD.
     """
-    if sigma >= _SMALL_SIGMA:
-        return discretization
-    return discretization * (_SMALL_SIGMA / sigma) ** 2
+    s2 = sigma * sigma
+    if direction == "replace":
+        if q == 1.0:
+            return -eps * s2 / 2.0
+        log_alpha = 0.5 / s2 + math.log1p(-q) - math.log(q)
+        half = np.abs(eps) / 2.0
+        log_sinh = half + np.log1p(-np.exp(-2.0 * half)) - math.log(2.0)
+        la = log_alpha + log_sinh
+        asinh = -np.sign(eps) * np.logaddexp(0.5 * np.logaddexp(0.0, 2.0 * la), la)
+        return np.where(eps == 0.0, 0.0, s2 * (asinh - eps / 2.0))
+    signed = eps if direction == "remove" else -eps
+    # Loss without subsampling: log(1 + (e^eps - 1) / q) = eps + log(1 - (1 - q) e^-eps) - log q.
+    plain = signed if q == 1.0 else signed + np.log1p(-(1.0 - q) * np.exp(-signed)) - math.log(q)
+    if direction == "remove":
+        return -0.5 - plain * s2
+    return 0.5 + plain * s2
+
+
+def _stage_deltas(direction: _Direction, sigma: float, q: float, eps: _Floats) -> _Floats:
+    """Exact ``delta(eps)`` of one Gaussian pair (``GaussianPrivacyLoss.get_delta_for_epsilon``)."""
+    mech = _mechanism(direction, sigma, q)
+    out = np.zeros_like(eps)
+    if q == 1.0 or direction == "replace":
+        inside = np.ones(eps.shape, dtype=bool)
+    elif direction == "add":
+        inside = eps < -math.log1p(-q)  # above -log(1 - q) the add pair has delta 0
+    else:
+        inside = eps > math.log1p(-q)
+        out[~inside] = -np.expm1(eps[~inside])  # below log(1 - q) the remove pair has 1 - e^eps
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        x = _inverse_loss(direction, sigma, q, eps[inside])
+        upper = np.asarray(mech.mu_upper_cdf(x), dtype=np.float64)
+        lower = np.asarray(mech.mu_lower_log_cdf(x), dtype=np.float64)
+        out[inside] = upper - np.exp(eps[inside] + lower)
+    return np.clip(out, 0.0, 1.0)
+
+
+def _no_loss_deltas(eps: _Floats) -> _Floats:
+    """``delta(eps)`` of a point mass at loss 0 (the unsampled branch): ``(1 - e^eps)_+``."""
+    return -np.expm1(np.minimum(eps, 0.0))
+
+
+def _pair_curves(model: RoundModel) -> list[tuple[Callable[[_Floats], _Floats], float, float]]:
+    """``[(delta(eps), lowest, highest loss)]``: one entry per PMF (two for add/remove)."""
+    sigma, q, w = model.sigma, model.rate, model.weight
+
+    def mixed(stage: Callable[[_Floats], _Floats]) -> Callable[[_Floats], _Floats]:
+        if w >= 1.0:
+            return stage
+        return lambda eps: w * stage(eps) + (1.0 - w) * _no_loss_deltas(eps)
+
+    def bounds(direction: _Direction) -> tuple[float, float]:
+        b = _mechanism(direction, sigma, q).connect_dots_bounds()
+        return float(b.epsilon_lower), float(b.epsilon_upper)
+
+    if model.pair == "replace":
+        lo, hi = bounds("replace")
+        return [(mixed(lambda e: _stage_deltas("replace", sigma, q, e)), lo, hi)]
+    if model.pair == "wor_replace":
+        lo, hi = bounds("remove")
+        top = max(hi, -lo)
+
+        def symmetric(eps: _Floats) -> _Floats:
+            # delta_remove above 0; the mirror image 1 - e^eps + e^eps delta_remove(-eps) below.
+            pos = _stage_deltas("remove", sigma, q, np.abs(eps))
+            neg = np.minimum(eps, 0.0)
+            return np.where(eps >= 0.0, pos, -np.expm1(neg) + np.exp(neg) * pos)
+
+        return [(mixed(symmetric), -top, top)]
+    lo, hi = bounds("remove")
+    curves = [(mixed(lambda e: _stage_deltas("remove", sigma, q, e)), lo, hi)]
+    if q < 1.0:  # at q = 1 the add and remove PLDs of the Gaussian coincide
+        lo, hi = bounds("add")
+        curves.append((mixed(lambda e: _stage_deltas("add", sigma, q, e)), lo, hi))
+    return curves
+
+
+# --------------------------------------------------------------------------------------------------
+# PLD: discretisation, self-composition with a size known in advance, grid planning
+# --------------------------------------------------------------------------------------------------
+
+
+class _Pmf(NamedTuple):
+    """A PLD probability mass function: ``probs[i]`` at loss ``(lower + i) * grid``."""
+
+    lower: int
+    probs: _Floats
+    infinity_mass: float
+
+
+#: dp-accounting's tolerance for a hockey-stick curve that rises by rounding error.
+_DELTA_DIFF_TOLERANCE = 1e-12
+
+
+def _connect_dots(grid: float, k_lo: int, deltas: _Floats) -> _Pmf:
+    """The pessimistic connect-the-dots PMF with ``delta(k * grid) = deltas[k - k_lo]``.
+
+    Doroshenko et al. (2022), Algorithm 1, for equally spaced epsilons, exactly as dp-accounting's
+    ``create_pmf_pessimistic_connect_dots_fixed_gap`` (a test checks they agree bit for bit),
+    without its detour through a dictionary. ``delta`` is convex in ``e^eps``, so the PMF's curve,
+    linear in ``e^eps`` between grid points, lies above the exact one; ``delta`` at the last point
+    becomes the probability of an infinite loss.
+    """
+    if np.any(deltas < 0.0) or np.any(deltas > 1.0):
+        raise ValueError("deltas must lie in [0, 1] (a bug in a hockey-stick curve)")
+    if deltas.size == 1:
+        return _Pmf(k_lo, np.array([1.0 - deltas[0]]), float(deltas[0]))
+    if np.any(np.diff(deltas) > _DELTA_DIFF_TOLERANCE):
+        raise ValueError("deltas must be non-increasing (a bug in a hockey-stick curve)")
+    deltas = np.minimum.accumulate(deltas)
+    diffs = np.diff(deltas)
+    probs = np.empty_like(deltas)
+    probs[0] = 1.0 - deltas[0] + diffs[0] / math.expm1(grid)
+    probs[1:-1] = (diffs[1:] - diffs[:-1] * math.exp(grid)) / math.expm1(grid)
+    probs[-1] = diffs[-1] / math.expm1(-grid)
+    return _Pmf(k_lo, np.maximum(0.0, probs), float(deltas[-1]))
+
+
+def _grid_range(lo: float, hi: float, grid: float) -> tuple[int, int]:
+    # The point 0 must be on the grid: it carries the unsampled branch of a mixture.
+    return math.floor(min(lo, 0.0) / grid), math.ceil(max(hi, 0.0) / grid)
+
+
+@functools.lru_cache(maxsize=64)
+def _span(model: RoundModel) -> float:
+    """Widest loss range of the model's PMFs (sets the number of grid points of one round)."""
+    return max(max(hi, 0.0) - min(lo, 0.0) for _, lo, hi in _pair_curves(model))
+
+
+@functools.lru_cache(maxsize=16)
+def _round_pmfs(model: RoundModel, grid: float) -> tuple[_Pmf, ...]:
+    """Connect-the-dots PMFs of one round on ``grid`` (remove[, add] or the symmetric one)."""
+    out = []
+    for curve, lo, hi in _pair_curves(model):
+        k_lo, k_hi = _grid_range(lo, hi, grid)
+        eps = np.arange(k_lo, k_hi + 1, dtype=np.float64) * grid
+        out.append(_connect_dots(grid, k_lo, curve(eps)))
+    return tuple(out)
+
+
+def _log_mgf(log_probs: _Floats, index: _Floats, theta: float) -> float:
+    """``log sum_k p_k e^(theta k)`` from ``log p``: the moment generating function of the index."""
+    exponent = log_probs + theta * index
+    top = float(exponent.max())
+    # Terms below e^-700 of the largest are raised to it: no subnormal arithmetic (very slow), and
+    # the sum can only grow, so the window can only widen, which is safe.
+    return top + math.log(float(np.exp(np.maximum(exponent - top, -700.0)).sum()))
+
+
+def _tail_window(probs: _Floats, count: int) -> tuple[int, int]:
+    """Indices ``[lo, hi]`` of the ``count``-fold sum outside which at most ``TAIL_MASS`` lies.
+
+    Chernoff: ``P(S >= t) <= exp(count * log M(theta) - theta t)`` for ``theta > 0`` (and the mirror
+    for the lower tail), ``M`` the moment generating function of one round's index: dp-accounting's
+    bound, at orders around the Gaussian optimum as well as two of dp-accounting's, so the window is
+    rarely wider than dp-accounting's. Each tail is cut at ``TAIL_MASS / 2``.
+    """
+    support = np.flatnonzero(probs > 0.0)
+    if support.size == 0:
+        return 0, 0
+    lo, hi = count * int(support[0]), count * int(support[-1])
+    if count == 1 or lo == hi:
+        return lo, hi
+    index = support.astype(np.float64)
+    weights = probs[support]
+    log_probs = np.log(weights)
+    mass = float(weights.sum())
+    mean = float(index @ weights) / mass
+    var = float(((index - mean) ** 2) @ weights) / mass
+    log_2_over_tail = math.log(2.0 / TAIL_MASS)
+    scale = math.sqrt(2.0 * log_2_over_tail / (count * var)) if var > 0 else 1.0 / probs.size
+    thetas = [scale * f for f in (0.5, 0.8, 1.0, 1.25, 2.0)] + [1 / probs.size, 20 / probs.size]
+    for theta in thetas:
+        for sign in (1.0, -1.0):
+            log_mgf = _log_mgf(log_probs, index, sign * theta)
+            bound = (count * log_mgf + log_2_over_tail) / (sign * theta)
+            if not math.isfinite(bound):
+                continue
+            if sign > 0:
+                hi = min(hi, math.ceil(bound))
+            else:
+                lo = max(lo, math.floor(bound))
+    return lo, max(lo, hi)
 
 
 @functools.lru_cache(maxsize=256)
-def _pld_one_round(weight: float, rate: float, sigma: float, discretization: float) -> _PLD:
-    stage = pld_lib.from_gaussian_mechanism(
-        standard_deviation=sigma,
-        sensitivity=1.0,
-        pessimistic_estimate=True,
-        value_discretization_interval=_grid(sigma, discretization),
-        sampling_prob=rate,
-    )
-    if weight >= 1.0:
-        return stage
-    # (1 - w) * delta_0 + w * PLD_stage: dp-accounting's mixture of PMFs, in both directions. The
-    # point mass at loss 0 lies exactly on the grid, so the mixture adds no discretisation error.
-    identity = pld_lib.identity(value_discretization_interval=_grid(sigma, discretization))
-    return stage.compute_mixture(identity, weight)
+def _window(model: RoundModel, grid: float, direction: int, count: int) -> tuple[int, int]:
+    return _tail_window(_round_pmfs(model, grid)[direction].probs, count)
+
+
+def _self_compose(pmf: _Pmf, count: int, window: tuple[int, int]) -> _Pmf:
+    """``count``-fold composition by one FFT power (cost independent of ``count``).
+
+    The ``window`` comes from ``_tail_window`` before anything is allocated; the cyclic FFT folds
+    the (at most ``TAIL_MASS``) mass outside it back in, and ``TAIL_MASS`` is added to the infinite
+    loss to cover both: the result errs on the safe side, as dp-accounting's ``self_compose``.
+    """
+    if count == 1:
+        return pmf
+    lo, hi = window
+    length = fft.next_fast_len(max(hi - lo + 1, pmf.probs.size), real=True)
+    spectrum = fft.rfft(pmf.probs, length)
+    # z**count in polar form, several times faster than complex power and as accurate: both carry
+    # a relative error of about count * 1e-16 (far below the grid's pessimism up to 1e9 rounds).
+    with np.errstate(divide="ignore"):
+        log_magnitude = np.log(np.abs(spectrum))
+    spectrum = np.exp(count * log_magnitude + 1j * (count * np.angle(spectrum)))
+    del log_magnitude
+    full = fft.irfft(spectrum, length)
+    del spectrum
+    probs = np.take(full, np.arange(lo, hi + 1) % length)
+    infinity = TAIL_MASS - math.expm1(count * math.log1p(-pmf.infinity_mass))
+    return _Pmf(count * pmf.lower + lo, probs, min(1.0, infinity))
+
+
+def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
+    """Two different PMFs composed (convolution), tails cut as dp-accounting's ``compose``.
+
+    At most ``TAIL_MASS / 2`` is cut from each end: the low end's mass moves up onto the first kept
+    point and the high end's to an infinite loss, both on the safe side.
+    """
+    probs = signal.fftconvolve(a.probs, b.probs)
+    infinity = a.infinity_mass + b.infinity_mass - a.infinity_mass * b.infinity_mass
+    head = np.cumsum(probs)
+    tail = np.cumsum(probs[::-1])
+    left = int(np.argmax(head > TAIL_MASS / 2)) if head[-1] > TAIL_MASS / 2 else probs.size
+    right = probs.size - (int(np.argmax(tail > TAIL_MASS / 2)) if tail[-1] > TAIL_MASS / 2 else 0)
+    right = max(right, left + 1)
+    kept = probs[left:right].copy()
+    kept[0] += probs[:left].sum()
+    return _Pmf(a.lower + b.lower + left, kept, min(1.0, infinity + float(probs[right:].sum())))
+
+
+def _epsilon_for_delta(pmf: _Pmf, grid: float, delta: float) -> float:
+    """Smallest epsilon >= 0 with ``delta(epsilon) <= delta`` for one PMF, vectorised and stable.
+
+    Between two grid losses ``delta(eps) = P(inf) + U - e^eps L`` with ``U`` and ``L`` the sums of
+    ``P`` and ``e^-loss P`` over the losses above ``eps``: the root in the first interval where
+    ``delta`` drops below the target is ``log(P(inf) + U - delta) - log(L)`` (dp-accounting's
+    ``_get_epsilon_for_delta``, which walks down the losses one at a time). ``log L`` is formed as
+    ``-loss_k + log(P_k + S_k)`` with ``S`` a discounted suffix sum (a first-order filter), so no
+    ``e^-loss`` is ever formed: losses above 709 would overflow it, and dp-accounting then answers
+    infinity. Negative probabilities (FFT rounding) count as 0, which can only raise delta.
+    """
+    if pmf.infinity_mass > delta:
+        return math.inf
+    probs = np.maximum(pmf.probs, 0.0)
+    size = probs.size
+    losses = (pmf.lower + np.arange(size)) * grid
+    # above[k] = sum of P over losses > loss_k; tilt[k] = sum_{j > k} P_j e^-(loss_j - loss_k).
+    above = np.concatenate((np.cumsum(probs[::-1])[::-1][1:], [0.0]))
+    shifted = np.concatenate((probs[1:], [0.0]))
+    tilt = signal.lfilter([math.exp(-grid)], [1.0, -math.exp(-grid)], shifted[::-1])[::-1]
+    deltas = pmf.infinity_mass + above - tilt  # delta(loss_k), exact on the grid
+    below = np.flatnonzero(deltas <= delta)
+    k = int(below[0]) if below.size else size - 1
+    # Root in [loss_(k-1), loss_k): the losses above it are loss_k, loss_(k+1), ...
+    mass_upper = pmf.infinity_mass + probs[k] + above[k]
+    log_mass_lower = -float(losses[k]) + math.log(max(probs[k] + tilt[k], 1e-300))
+    if mass_upper <= delta:
+        return 0.0
+    return max(0.0, math.log(mass_upper - delta) - log_mass_lower)
+
+
+def _delta_for_epsilon(pmf: _Pmf, grid: float, epsilon_value: float) -> float:
+    """``delta(epsilon) = P(inf) + sum over losses above epsilon of (1 - e^(eps - loss)) P``."""
+    losses = (pmf.lower + np.arange(pmf.probs.size)) * grid
+    above = losses > epsilon_value
+    probs = np.maximum(pmf.probs[above], 0.0)  # FFT noise below 0 counts as 0: only raises delta
+    return pmf.infinity_mass + float(-np.expm1(epsilon_value - losses[above]) @ probs)
+
+
+ModelGroups: TypeAlias = tuple[tuple[RoundModel, int], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _window_size(model: RoundModel, grid: float, count: int) -> int:
+    """Grid points of the composed PMFs of ``count`` rounds of ``model`` (all directions)."""
+    sizes = []
+    for direction in range(len(_round_pmfs(model, grid))):
+        lo, hi = _window(model, grid, direction, count)
+        sizes.append(hi - lo + 1)
+    return sum(sizes)
+
+
+def _plan_grid(groups: ModelGroups, base: float) -> float | None:
+    """The finest grid ``base * 2**k`` on which every PLD fits the size limits, or None.
+
+    Sizes scale like ``1 / grid``, so one jump by the measured excess usually suffices.
+    """
+    k = 0
+    for model, _ in groups:
+        excess = _span(model) / (base * MAX_ROUND_BINS)
+        if excess > 1.0:
+            k = max(k, math.ceil(math.log2(excess)))
+    while True:
+        grid = base * 2.0**k
+        if grid > MAX_GRID:
+            return None
+        # Composing two groups convolves them: the result has the sum of their sizes.
+        total = sum(_window_size(model, grid, count) for model, count in groups)
+        if total <= MAX_PLD_BINS:
+            return grid
+        k += max(1, math.ceil(math.log2(total / MAX_PLD_BINS)))
+
+
+@functools.lru_cache(maxsize=4)
+def _composed_on(groups: ModelGroups, grid: float) -> tuple[_Pmf, ...]:
+    """The composed PMFs on ``grid``: one (symmetric) or two (remove, add)."""
+    result: tuple[_Pmf, ...] = ()
+    for model, count in groups:
+        parts = tuple(
+            _self_compose(pmf, count, _window(model, grid, direction, count))
+            for direction, pmf in enumerate(_round_pmfs(model, grid))
+        )
+        if not result:
+            result = parts
+        elif len(result) == 1 and len(parts) == 1:
+            result = (_compose(result[0], parts[0]),)
+        else:  # a symmetric PMF serves as both directions
+            result = (
+                _compose(result[0], parts[0]),
+                _compose(result[-1], parts[-1]),
+            )
+    return result
+
+
+def _model_groups(rounds: RoundGroups, unit: str) -> ModelGroups:
+    """Validated groups as ``(RoundModel, count)``, rounds with the same pair merged."""
+    merged: dict[RoundModel, int] = {}
+    for event, count in _check_groups(rounds):
+        model = round_components(event, unit)
+        merged[model] = merged.get(model, 0) + count
+    return tuple(sorted(merged.items(), key=lambda kv: repr(kv[0])))
+
+
+def _pld_parts(groups: ModelGroups, discretization: float) -> tuple[tuple[_Pmf, ...], float] | None:
+    """The composed PMFs and their grid (the finest that fits), or None when none fits."""
+    grid = _plan_grid(groups, discretization)
+    return None if grid is None else (_composed_on(groups, grid), grid)
+
+
+def _check_discretization(discretization: float) -> None:
+    if not (isinstance(discretization, float) and 0.0 < discretization <= MAX_GRID):
+        raise ValueError(
+            f"discretization must be a float in (0, {MAX_GRID}]; got {discretization!r}"
+        )
 
 
 def round_pld(
     event: GaussianRound, unit: str = "task", *, discretization: float = DEFAULT_DISCRETIZATION
 ) -> _PLD:
-    """Return the (pessimistic) PLD of one round, cached per distinct round."""
-    w, q, sigma = round_components(event, unit)
-    return _pld_one_round(w, q, sigma, discretization)
+    """The pessimistic PLD of one round, on ``discretization`` or the finest coarser grid that fits.
 
-
-# Composed PMFs can hold millions of probabilities: keep only a few.
-@functools.lru_cache(maxsize=8)
-def _composed_group(
-    weight: float, rate: float, sigma: float, count: int, discretization: float
-) -> _PLD:
-    base = _pld_one_round(weight, rate, sigma, discretization)
-    return base if count == 1 else base.self_compose(count)
+    Raises ValueError when no grid up to ``MAX_GRID`` fits (tiny noise): use ``epsilon``.
+    """
+    return _require(composed_pld([(event, 1)], unit, discretization=discretization))
 
 
 def composed_pld(
     rounds: RoundGroups, unit: str = "task", *, discretization: float = DEFAULT_DISCRETIZATION
 ) -> _PLD | None:
-    """PLD of all rounds: identical rounds self-composed by count, then the groups composed.
+    """PLD of all rounds (identical rounds self-composed by count), or None for no rounds.
 
-    Returns ``None`` when there are no rounds (epsilon 0). Each group's composition is cached, so a
-    ledger that keeps spending one kind of round recomputes only that group.
+    A dp-accounting ``PrivacyLossDistribution`` (pessimistic). Raises ValueError when no grid up to
+    ``MAX_GRID`` fits the size limits (use ``epsilon``, which then answers with RDP).
     """
-    groups = _check_groups(rounds)
-    result: _PLD | None = None
-    for event, count in groups:
-        w, q, sigma = round_components(event, unit)
-        part = _composed_group(w, q, sigma, count, discretization)
-        result = part if result is None else result.compose(part)
-    return result
+    _check_discretization(discretization)
+    groups = _model_groups(rounds, unit)
+    if not groups:
+        return None
+    found = _pld_parts(groups, discretization)
+    if found is None:
+        return _require(None)
+    parts, grid = found
+    pmfs = [pld_pmf.DensePLDPmf(grid, p.lower, p.probs, p.infinity_mass, True) for p in parts]
+    return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1] if len(pmfs) > 1 else None)
 
 
-def _pld_epsilon(rounds: RoundGroups, delta: float, unit: str, discretization: float) -> float:
-    pld = composed_pld(rounds, unit, discretization=discretization)
+def _require(pld: _PLD | None) -> _PLD:
     if pld is None:
-        return 0.0
-    return max(0.0, float(pld.get_epsilon_for_delta(delta)))
-
-
-def pld_delta(
-    rounds: RoundGroups,
-    epsilon_value: float,
-    unit: str = "task",
-    *,
-    discretization: float = DEFAULT_DISCRETIZATION,
-) -> float:
-    """Smallest delta (pessimistic PLD) such that the composed rounds are (epsilon, delta)-DP."""
-    pld = composed_pld(rounds, unit, discretization=discretization)
-    if pld is None:
-        return 0.0
-    return float(pld.get_delta_for_epsilon(epsilon_value))
+        raise ValueError(
+            f"rounds need a PLD grid coarser than {MAX_GRID} to stay within {MAX_PLD_BINS} points "
+            "(tiny noise or very many rounds); epsilon() answers with the RDP bound instead"
+        )
+    return pld
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,56 +687,120 @@ def pld_delta(
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
-def _rdp_one_round(weight: float, rate: float, sigma: float) -> tuple[float, ...]:
-    """RDP curve of one round over ``RDP_ORDERS``.
+def _sanitize(values: npt.ArrayLike) -> _Floats:
+    # dp-accounting turns a negative RDP value (numerical trouble) into epsilon 0: optimistic. An
+    # order with a negative or NaN value is dropped instead (its bound becomes infinite).
+    arr = np.asarray(values, dtype=np.float64)
+    return np.where(np.isnan(arr) | (arr < 0.0), np.inf, arr)
 
-    Stage: dp-accounting's Poisson-subsampled Gaussian RDP (Mironov, Talwar, Zhang 2019), valid in
-    both directions. Mixture with a point mass (disjoint, equal under both datasets): for any pair,
-    ``E_Q[(P/Q)^a] = (1 - w) + w E_Q2[(P2/Q2)^a]``, hence
-    ``RDP(a) = log(1 - w + w exp((a - 1) RDP2(a))) / (a - 1)`` -- exact, and monotone in ``RDP2``,
-    so an upper bound on ``RDP2`` gives an upper bound.
-    """
-    accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS))
+
+def _rdp_of(event: dp_event.DpEvent, orders: Sequence[float], *, replace: bool = False) -> _Floats:
+    relation = rdp_lib.NeighborRel.REPLACE_ONE if replace else rdp_lib.NeighborRel.ADD_OR_REMOVE_ONE
+    accountant = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
     # dp-accounting logs (via absl) when a fractional order's series does not converge and then sets
     # that order to inf, i.e. drops it: conservative, so the warning is only noise for our users.
     absl_logger = logging.getLogger("absl")
     previous = absl_logger.level
     absl_logger.setLevel(logging.ERROR)
     try:
-        accountant.compose(dp_event.PoissonSampledDpEvent(rate, dp_event.GaussianDpEvent(sigma)))
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            accountant.compose(event)
+        return _sanitize(accountant._rdp)  # noqa: SLF001 - the curve, not only its epsilon
+    except (OverflowError, FloatingPointError):
+        return np.full(len(orders), np.inf)  # extreme noise: no finite bound, never a wrong one
     finally:
         absl_logger.setLevel(previous)
-    stage = np.asarray(accountant.rdp, dtype=np.float64)
-    if weight >= 1.0:
+
+
+#: Orders for the without-replacement RDP bound (Wang et al. 2019, Theorem 27, computed exactly up
+#: to order 256 at a cost growing like order^2; above 256 dp-accounting switches to a Stirling
+#: approximation whose direction is not documented, so those orders are not used). The other
+#: orders of RDP_ORDERS are dropped (set to infinity), which only loosens the bound.
+_WOR_ORDERS = frozenset(
+    a for a in RDP_ORDERS if a < 2 or (a.is_integer() and (a <= 64 or a == 128))
+)
+
+
+def _stage_rdp(model: RoundModel) -> _Floats:
+    orders = np.asarray(RDP_ORDERS)
+    gaussian = dp_event.GaussianDpEvent(model.sigma)
+    if model.pair == "add_remove":
+        return _rdp_of(dp_event.PoissonSampledDpEvent(model.rate, gaussian), RDP_ORDERS)
+    if model.pair == "replace":
+        # Mironov (2017), Proposition 11 with p = q = 2, through the dataset without the task.
+        poisson = dp_event.PoissonSampledDpEvent(model.rate, gaussian)
+        at_2a = _rdp_of(poisson, tuple(2.0 * orders))
+        at_2a_1 = _rdp_of(poisson, tuple(2.0 * orders - 1.0))
+        return np.asarray((orders - 0.5) / (orders - 1.0) * at_2a + at_2a_1, dtype=np.float64)
+    assert model.sample_size is not None and model.population is not None
+    kept = [a for a in RDP_ORDERS if a in _WOR_ORDERS]
+    wor = dp_event.SampledWithoutReplacementDpEvent(model.population, model.sample_size, gaussian)
+    values = dict(zip(kept, _rdp_of(wor, kept, replace=True), strict=True))
+    return np.asarray([values.get(a, np.inf) for a in RDP_ORDERS], dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_curve(model: RoundModel) -> tuple[float, ...]:
+    """RDP of one round over ``RDP_ORDERS`` (module docstring: RDP cross-check).
+
+    Mixture with the unsampled branch: ``E_Q[(P/Q)^a] <= (1 - w) + w E_Q2[(P2/Q2)^a]`` (joint
+    convexity of ``x^a``; equality for disjoint branches), so
+    ``RDP(a) <= log(1 - w + w exp((a - 1) RDP2(a))) / (a - 1)``, monotone in ``RDP2``.
+    """
+    stage = _stage_rdp(model)
+    w = model.weight
+    if w >= 1.0:
         return tuple(float(x) for x in stage)
-    orders = np.asarray(RDP_ORDERS, dtype=np.float64)
-    out = []
-    for order, value in zip(orders, stage, strict=True):
-        if math.isinf(value):
-            out.append(math.inf)
-            continue
-        # log(1 - w + w e^x) computed stably: logaddexp(log(1 - w), log(w) + x).
-        x = (order - 1.0) * value
-        out.append(float(np.logaddexp(math.log1p(-weight), math.log(weight) + x) / (order - 1.0)))
-    return tuple(out)
+    orders = np.asarray(RDP_ORDERS)
+    with np.errstate(over="ignore", invalid="ignore"):
+        mixed = np.logaddexp(math.log1p(-w), math.log(w) + (orders - 1.0) * stage) / (orders - 1.0)
+    return tuple(float(x) for x in np.where(np.isinf(stage), np.inf, mixed))
 
 
-def _rdp_epsilon(rounds: RoundGroups, delta: float, unit: str) -> float:
-    groups = _check_groups(rounds)
+def _rdp_total(groups: ModelGroups) -> _Floats:
+    total = np.zeros(len(RDP_ORDERS))
+    for model, count in groups:
+        total = total + count * np.asarray(_rdp_curve(model))
+    return total
+
+
+def _rdp_epsilon(groups: ModelGroups, delta: float) -> float:
     if not groups:
         return 0.0
-    total = np.zeros(len(RDP_ORDERS))
-    for event, count in groups:
-        w, q, sigma = round_components(event, unit)
-        total = total + count * np.asarray(_rdp_one_round(w, q, sigma))
+    total = _rdp_total(groups)
+    if np.all(np.isinf(total)):
+        return math.inf
     eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), total, delta)
     return float(eps)
 
 
+def _rdp_delta(groups: ModelGroups, epsilon_value: float) -> float:
+    if not groups:
+        return 0.0
+    total = _rdp_total(groups)
+    if np.all(np.isinf(total)):
+        return 1.0
+    delta, _ = rdp_lib.compute_delta(np.asarray(RDP_ORDERS), total, epsilon_value)
+    return float(delta)
+
+
 # --------------------------------------------------------------------------------------------------
-# Public: epsilon
+# Public: epsilon and delta
 # --------------------------------------------------------------------------------------------------
+
+
+def _groups_epsilon(groups: ModelGroups, delta: float, method: str, discretization: float) -> float:
+    if not groups:
+        return 0.0
+    rdp = _rdp_epsilon(groups, delta)
+    if method == "rdp":
+        return rdp
+    found = _pld_parts(groups, discretization)
+    if found is None:
+        return rdp
+    parts, grid = found
+    pld_eps = max(_epsilon_for_delta(part, grid, delta) for part in parts)
+    return min(max(0.0, pld_eps), rdp)
 
 
 def epsilon(
@@ -307,15 +813,39 @@ def epsilon(
 ) -> float:
     """Return epsilon at ``delta`` after ``rounds``, a list of ``(GaussianRound, count)``.
 
-    ``method="pld"`` is the tight value fedmeta enforces (pessimistic discretisation: never below
-    the exact value of the dominating pair); ``method="rdp"`` is the looser independent cross-check.
+    ``method="pld"`` is the value fedmeta enforces: the pessimistic PLD on the finest grid within
+    the size limits, or the RDP bound where that is smaller (both are upper bounds).
+    ``method="rdp"`` is the RDP bound alone, the looser independent cross-check. May be ``inf``
+    (no finite bound).
     """
     _check_delta(delta)
     _check_unit(unit)
     _check_method(method)
-    if method == "rdp":
-        return _rdp_epsilon(rounds, delta, unit)
-    return _pld_epsilon(rounds, delta, unit, discretization)
+    _check_discretization(discretization)
+    return _groups_epsilon(_model_groups(rounds, unit), delta, method, discretization)
+
+
+def pld_delta(
+    rounds: RoundGroups,
+    epsilon_value: float,
+    unit: str = "task",
+    *,
+    discretization: float = DEFAULT_DISCRETIZATION,
+) -> float:
+    """Smallest delta (pessimistic PLD, or RDP where smaller) with the rounds (eps, delta)-DP."""
+    _check_unit(unit)
+    _check_discretization(discretization)
+    if not (isinstance(epsilon_value, int | float) and epsilon_value >= 0):
+        raise ValueError(f"epsilon_value must be a number >= 0; got {epsilon_value!r}")
+    groups = _model_groups(rounds, unit)
+    if not groups:
+        return 0.0
+    rdp = _rdp_delta(groups, float(epsilon_value))
+    found = _pld_parts(groups, discretization)
+    if found is None:
+        return rdp
+    parts, grid = found
+    return min(rdp, max(_delta_for_epsilon(part, grid, float(epsilon_value)) for part in parts))
 
 
 def tombs2022_published_epsilon(
@@ -331,7 +861,8 @@ def tombs2022_published_epsilon(
     inclusion probability of a task (``eta = q1 * n2 / min_i |T_i|`` or ``q1 * q2``), with the
     Gaussian's sensitivity ``C`` (``z`` unhalved). The privacy-accounting note (section 1) gives a
     one-round dataset where the true delta is ~1e4 times larger. This number is reported beside the
-    valid one for comparison and is never used to enforce a budget.
+    valid one for comparison and is never used to enforce a budget (add/remove form, whatever the
+    event's relation: it is the published statement).
     """
     _check_delta(delta)
     scheme = event.scheme
@@ -340,23 +871,29 @@ def tombs2022_published_epsilon(
             "scheme must be two-stage for the Tombs et al. (2022) Theorem-3 value; "
             f"got {type(scheme).__name__}"
         )
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ValueError(f"rounds must be an integer >= 0; got {rounds!r}")
+    rounds = _check_rounds("rounds", rounds, minimum=0)
     if rounds == 0:
         return 0.0
-    pld = _composed_group(
-        1.0,
-        scheme.largest_inclusion_probability,
-        float(event.noise_multiplier),
-        rounds,
-        discretization,
+    _check_noise(float(event.noise_multiplier))
+    model = RoundModel(
+        1.0, scheme.largest_inclusion_probability, float(event.noise_multiplier), "add_remove"
     )
-    return max(0.0, float(pld.get_epsilon_for_delta(delta)))
+    return _groups_epsilon(((model, rounds),), delta, "pld", discretization)
 
 
 # --------------------------------------------------------------------------------------------------
 # Planning
 # --------------------------------------------------------------------------------------------------
+
+
+def _check_target(name: str, value: object, *, allow_zero: bool) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok and not (value >= 0.0 if allow_zero else value > 0.0):  # type: ignore[operator]
+        ok = False
+    if not ok or math.isnan(float(value)):  # type: ignore[arg-type]
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a number {bound}; got {value!r}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def calibrate_noise_multiplier(
@@ -367,56 +904,121 @@ def calibrate_noise_multiplier(
     unit: str = "task",
     *,
     max_tasks_per_participant: int | None = None,
+    neighbouring: Neighbouring = ADD_REMOVE,
     method: str = "pld",
     relative_tolerance: float = 1e-3,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
     """Smallest noise multiplier ``z`` (to ``relative_tolerance``, rounded up) with eps <= target.
 
-    Bisection that always returns the upper, *feasible* end of the bracket: the result meets the
-    target under the chosen accountant, and ``z * (1 - relative_tolerance)`` may not.
+    Returns the upper, *feasible* end of the final bracket: the result meets the target under the
+    chosen accountant, and ``z * (1 - relative_tolerance)`` may not. Searches
+    ``NOISE_MULTIPLIER_RANGE`` and says so when the answer lies outside it.
     """
     _check_delta(delta)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an integer >= 1; got {rounds!r}")
-    if not (
-        isinstance(target_epsilon, int | float)
-        and math.isfinite(target_epsilon)
-        and target_epsilon > 0
-    ):
+    _check_unit(unit)
+    _check_method(method)
+    rounds = _check_rounds("rounds", rounds, minimum=1)
+    target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
+    if not math.isfinite(target):
         raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
-    if not 0 < relative_tolerance < 1:
-        raise ValueError(f"relative_tolerance must be in (0, 1); got {relative_tolerance!r}")
+    if not (isinstance(relative_tolerance, float) and 1e-9 <= relative_tolerance < 1.0):
+        raise ValueError(f"relative_tolerance must be in [1e-9, 1); got {relative_tolerance!r}")
 
     def eps_at(z: float, how: str) -> float:
-        event = GaussianRound(scheme, z, max_tasks_per_participant)
+        event = GaussianRound(scheme, z, max_tasks_per_participant, neighbouring)
         return epsilon([(event, rounds)], delta, unit, how, discretization=discretization)
 
-    # Bracket with the cheap RDP accountant first (PLD <= RDP, so an RDP-feasible z is a good upper
-    # end), then refine with the requested accountant. Every bracket end is *checked*, never
-    # assumed.
-    lo, hi = 1e-3, 1.0
-    while eps_at(hi, "rdp") > target_epsilon:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e6:
-            raise ValueError(
-                f"target_epsilon {target_epsilon} is not reachable with noise multiplier <= 1e6"
-            )
-    if method == "pld":
-        # The PLD-feasible z is at most the RDP-feasible one; find a PLD-infeasible lower end.
-        lo = hi / 2.0
-        while lo > 1e-3 and eps_at(lo, "pld") <= target_epsilon:
-            hi, lo = lo, lo / 2.0
-        if eps_at(hi, "pld") > target_epsilon:  # only if PLD exceeded RDP; keep searching upwards
-            while eps_at(hi, "pld") > target_epsilon:
-                lo, hi = hi, hi * 2.0
-    while (hi - lo) > relative_tolerance * hi:
-        mid = 0.5 * (lo + hi)
-        if eps_at(mid, method) <= target_epsilon:
-            hi = mid
+    low, high = NOISE_MULTIPLIER_RANGE
+    if eps_at(high, method) > target:
+        raise ValueError(
+            f"target_epsilon must be reachable with a noise multiplier <= {high:g} (the "
+            f"accountant's range); got {target:g}"
+        )
+    if eps_at(low, method) <= target:
+        raise ValueError(
+            f"target_epsilon must be below the epsilon of the smallest supported noise multiplier "
+            f"{low:g}, which already meets it; got {target:g}"
+        )
+    # 1. Cheap RDP bracket, bisected in log z: an RDP-feasible z is feasible under either method
+    #    (the enforced epsilon is never above RDP), and eps_rdp(low) > target as checked above.
+    lo, hi = low, high
+    e_rdp = {lo: math.inf, hi: 0.0}
+    stop = relative_tolerance if method == "rdp" else 0.2
+    while hi - lo > stop * hi:
+        mid = math.sqrt(lo * hi)
+        e_rdp[mid] = eps_at(mid, "rdp")
+        lo, hi = (lo, mid) if e_rdp[mid] <= target else (mid, hi)
+    if method == "rdp":
+        return hi
+    # 2. The PLD answer is at most hi. First guess: move from hi along the RDP curve's log-log
+    #    slope to where the PLD value would reach the target; then refine.
+    e_hi = eps_at(hi, method)
+    slope = -1.0
+    if 0.0 < e_rdp[hi] < math.inf and 0.0 < e_rdp[lo] < math.inf and e_rdp[lo] > e_rdp[hi]:
+        slope = math.log(e_rdp[lo] / e_rdp[hi]) / math.log(lo / hi)
+    guess = hi * math.exp(math.log(target / max(e_hi, 1e-300)) / slope) if e_hi > 0 else low
+    guess = max(low, min(guess, hi * (1.0 - relative_tolerance)))
+    return _refine_noise(
+        lambda z: eps_at(z, method), target, guess, hi, e_hi, low, relative_tolerance
+    )
+
+
+def _refine_noise(
+    eps_at: Callable[[float], float],
+    target: float,
+    lo: float,
+    hi: float,
+    e_hi: float,
+    floor: float,
+    tolerance: float,
+) -> float:
+    """Smallest feasible ``z`` to ``tolerance``, given eps(hi) <= target < eps(floor).
+
+    Works on ``g(z) = log(eps(z) / target)``, decreasing in ``log z``. While ``lo`` is feasible the
+    bracket is extended downwards along the secant; then Illinois-modified regula falsi (a secant
+    step that never leaves the bracket and halves a stale end's weight), which converges
+    superlinearly on these smooth curves. When the secant predicts the root within ``tolerance`` of
+    ``hi``, one probe just below ``hi`` closes the bracket. Returns ``hi``, always feasible.
+    """
+
+    def g(z: float) -> float:
+        e = eps_at(z)
+        return math.inf if e == math.inf else math.log(max(e, 1e-300) / target)
+
+    g_hi = math.log(max(e_hi, 1e-300) / target) if e_hi < math.inf else math.inf
+    g_lo = g(lo)
+    while g_lo <= 0.0:  # lo is feasible too: step down along the secant, by 10% up to 16x
+        flat = not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo <= g_hi
+        guess = lo / 2.0 if flat else math.exp(_secant(math.log(lo), math.log(hi), g_lo, g_hi))
+        new = max(floor, lo / 16.0, min(guess * (1.0 - tolerance), lo * 0.9))
+        hi, g_hi, lo = lo, g_lo, new
+        g_lo = g(lo)
+    last = 0  # +1 if the last step moved hi, -1 if it moved lo (Illinois bookkeeping)
+    while hi - lo > tolerance * hi:
+        u = _secant(math.log(lo), math.log(hi), g_lo, g_hi)
+        z = min(max(math.exp(u), lo + 0.01 * (hi - lo)), hi - 0.01 * (hi - lo))
+        if z > hi * (1.0 - tolerance):  # the root is within tolerance of hi: try to close
+            z = max(hi * (1.0 - 0.99 * tolerance), lo + 0.5 * (hi - lo))
+        gz = g(z)
+        if gz <= 0.0:
+            hi, g_hi = z, gz
+            if last == 1:
+                g_lo /= 2.0  # lo kept twice: pull the secant towards it
+            last = 1
         else:
-            lo = mid
+            lo, g_lo = z, gz
+            if last == -1:
+                g_hi /= 2.0
+            last = -1
     return hi
+
+
+def _secant(u_lo: float, u_hi: float, g_lo: float, g_hi: float) -> float:
+    """Zero of the line through ``(u_lo, g_lo)`` and ``(u_hi, g_hi)``; the midpoint if undefined."""
+    if not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo == g_hi:
+        return 0.5 * (u_lo + u_hi)
+    return u_hi - g_hi * (u_hi - u_lo) / (g_hi - g_lo)
 
 
 def max_rounds(
@@ -432,92 +1034,107 @@ def max_rounds(
 ) -> int:
     """Largest ``T`` such that ``prior`` plus ``T`` copies of ``event`` stays within the budget.
 
-    Exact to the round under the chosen accountant: a galloping search then a bisection that keeps
-    the last *feasible* value (the DP-MAML line's off-by-one kept the last probe). Assumes epsilon
-    is non-decreasing in ``T``, which holds for these accountants. Returns 0 if not even one round
-    fits, and ``limit`` if ``limit`` rounds fit.
+    Exact to the round under the chosen accountant: the result is a *feasible* value whose
+    successor was checked infeasible (never the last probe). The cheap RDP answer is the starting
+    point (feasible under the enforced accountant, which is never above RDP); then a galloping
+    search and a safeguarded interpolation. Returns 0 if not even one round fits, and ``limit`` if
+    ``limit`` rounds fit.
     """
     _check_delta(delta)
-    if not (isinstance(epsilon_budget, int | float) and epsilon_budget >= 0):
-        raise ValueError(f"epsilon_budget must be a number >= 0; got {epsilon_budget!r}")
-    prior_groups = _check_groups(prior)
-    other = [(e, c) for e, c in prior_groups if e != event]
-    already = sum(c for e, c in prior_groups if e == event)
+    _check_unit(unit)
+    _check_method(method)
+    _check_discretization(discretization)
+    budget = _check_target("epsilon_budget", epsilon_budget, allow_zero=True)
+    if not isinstance(event, GaussianRound):
+        raise ValueError(f"event must be a GaussianRound; got {event!r}")
+    limit = _check_rounds("limit", limit, minimum=0)
+    base = _model_groups([*prior, (event, 1)], unit)  # validates prior, relation and the event
+    model = round_components(event, unit)
+    already = sum(c for m, c in base) - 1
+    limit = min(limit, MAX_ROUNDS_LIMIT - already)
 
-    cache: dict[int, float] = {}
+    def groups_at(extra: int) -> ModelGroups:
+        merged = dict(base)
+        merged[model] -= 1
+        merged[model] += extra
+        return tuple(sorted(((m, c) for m, c in merged.items() if c), key=lambda kv: repr(kv[0])))
 
-    def eps_of(extra: int) -> float:
-        if extra not in cache:
-            groups = [*other, (event, already + extra)] if already + extra else other
-            cache[extra] = epsilon(groups, delta, unit, method, discretization=discretization)
-        return cache[extra]
+    cache: dict[tuple[int, str], float] = {}
 
-    def feasible(extra: int) -> bool:
-        return eps_of(extra) <= epsilon_budget
+    def eps_of(extra: int, how: str) -> float:
+        if (extra, how) not in cache:
+            cache[(extra, how)] = _groups_epsilon(groups_at(extra), delta, how, discretization)
+        return cache[(extra, how)]
 
-    if not feasible(0):
+    if eps_of(0, method) > budget:
         return 0
-    # 1. A feasible lower end: the cheap RDP answer (PLD <= RDP, so it is PLD-feasible in practice;
-    #    it is checked, not assumed).
-    lo = 0
-    if method == "pld":
-        guess = max_rounds(
-            event,
-            epsilon_budget,
-            delta,
-            unit,
-            prior=prior,
-            method="rdp",
-            limit=limit,
-        )
-        if guess >= 1 and feasible(guess):
-            lo = guess
+    # 1. RDP (cheap at any T): largest feasible count by galloping then bisection.
+    lo, hi = 0, 1
+    while hi <= limit and eps_of(hi, "rdp") <= budget:
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if eps_of(mid, "rdp") <= budget else (lo, mid)
+    if method == "rdp" or lo >= limit or eps_of(lo + 1, method) > budget:
+        return lo
+    return _gallop_and_interpolate(lambda t: eps_of(t, method), budget, lo + 1, limit)
 
-    # 2. An infeasible upper end. Epsilon grows at least like sqrt(T) once it is non-trivial, so
-    #    scaling by (budget / eps)^2 usually overshoots in one step; otherwise keep galloping.
-    def extrapolate(t: int) -> int:
-        eps_now = eps_of(t)
-        factor = (epsilon_budget / eps_now) ** 2 if eps_now > 0 else 4.0
-        return min(limit, max(t + 1, int(math.ceil(t * min(max(factor, 1.1), 4.0)))))
 
-    hi = extrapolate(lo) if lo else 1
-    while feasible(hi):
-        lo = hi
+def _gallop_and_interpolate(
+    eps_of: Callable[[int], float], budget: float, lo: int, limit: int
+) -> int:
+    """Largest feasible count at or above the feasible ``lo``, up to ``limit``.
+
+    Epsilon grows like a power of T (between sqrt(T) and T), so the search works in
+    ``(log T, log eps)``: a gallop along the secant (slope 1/2 until two points are known) until
+    infeasible, then Illinois-modified regula falsi on the integers, which converges superlinearly
+    and never leaves the bracket. Invariant: ``lo`` feasible, ``hi`` infeasible; the result is
+    ``lo`` with ``hi == lo + 1``.
+    """
+
+    def g(t: int) -> float:
+        e = eps_of(t)
+        return math.inf if e == math.inf else math.log(max(e, 1e-300) / budget)
+
+    g_lo, prev = g(lo), None
+    while True:  # gallop
+        if prev is not None and prev[1] < g_lo < 0.0:
+            slope = (g_lo - prev[1]) / math.log(lo / prev[0])
+        else:
+            slope = 0.5
+        step = math.exp(-g_lo / max(slope, 0.05)) * 1.05 if g_lo < 0.0 else 2.0
+        hi = min(limit, max(lo + 1, math.ceil(lo * min(max(step, 1.01), 16.0))))
+        g_hi = g(hi)
+        if g_hi > 0.0:
+            break
         if hi >= limit:
             return limit
-        hi = extrapolate(hi)
-    # 3. Invariant: lo feasible, hi infeasible. Interpolate (regula falsi) and probe the neighbour
-    #    of each interpolated point, which ends the search in a few evaluations when the curve is
-    #    smooth; after two interpolations that failed to halve the bracket, bisect, so the worst
-    #    case stays logarithmic.
-    slow_steps = 0
+        prev, lo, g_lo = (lo, g_lo), hi, g_hi
+    last = 0
     while hi - lo > 1:
-        bisect_next = slow_steps >= 2
-        width = hi - lo
-        if bisect_next:
+        if hi - lo <= 4 or not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo == g_hi:
             mid = (lo + hi) // 2
         else:
-            e_lo, e_hi = eps_of(lo), eps_of(hi)
-            frac = (epsilon_budget - e_lo) / (e_hi - e_lo) if e_hi > e_lo else 0.5
-            mid = lo + int(round(frac * (hi - lo)))
+            u_lo, u_hi = math.log(lo), math.log(hi)
+            mid = round(math.exp(u_lo + g_lo * (u_hi - u_lo) / (g_lo - g_hi)))
         mid = min(max(mid, lo + 1), hi - 1)
-        if feasible(mid):
-            lo = mid
-            if mid + 1 < hi and not feasible(mid + 1):
-                hi = mid + 1
+        g_mid = g(mid)
+        if g_mid <= 0.0:
+            lo, g_lo = mid, g_mid
+            if last == 1:
+                g_hi /= 2.0  # hi kept twice: pull the secant towards it (Illinois)
+            last = 1
         else:
-            hi = mid
-            if mid - 1 > lo:
-                if feasible(mid - 1):
-                    lo = mid - 1
-                else:
-                    hi = mid - 1
-        slow_steps = 0 if (bisect_next or (hi - lo) * 2 <= width) else slow_steps + 1
+            hi, g_hi = mid, g_mid
+            if last == -1:
+                g_lo /= 2.0
+            last = -1
     return lo
 
 
 def epsilon_curve(
     event: GaussianRound, rounds: Iterable[int], delta: float, unit: str = "task"
 ) -> list[tuple[int, float]]:
-    """``[(T, eps_PLD(T))]`` for a few ``T`` (each a single self-composition)."""
+    """``[(T, eps(T))]`` for a few ``T`` (each a single self-composition)."""
     return [(t, epsilon([(event, t)], delta, unit)) for t in rounds]

@@ -51,7 +51,6 @@ import json
 import math
 import os
 import re
-import secrets
 import socket
 import sqlite3
 import urllib.parse
@@ -65,13 +64,11 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 from accounting.composition import MAX_ROUNDS_LIMIT, _check_delta, _check_unit, epsilon, max_rounds
+from accounting.randomness import SystemRandomSource
 from accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
-    FixedSizeScheme,
-    FlatPoissonScheme,
     GaussianRound,
-    TwoStagePoissonScheme,
 )
 
 #: Schema 1: no meta table, WAL journal (fedmeta before the ledger had an identity). Schema 2: this.
@@ -99,14 +96,6 @@ _SWITCH_TIMEOUT_S = 5.0
 #: The reason recorded for the first budget of a data set.
 FIRST_BUDGET_REASON = "first budget for this data"
 
-#: Printed instead of the participant-level epsilon when it is not a meaningful guarantee (the run
-#: summary and ``fedmeta ledger show`` use this one text).
-PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
-    "not meaningful: no per-participant cap with Poisson stage 2 (a participant may send all its "
-    "tasks in a round); use sampling.stage2=fixed for a participant-level guarantee"
-)
-#: Printed instead of the participant-level epsilon of single-stage sampling.
-PARTICIPANT_LEVEL_UNDEFINED = "not defined: single-stage sampling has no participants"
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _LEDGER_TABLES = frozenset({"federations", "spends", "heads"})
@@ -317,24 +306,6 @@ class BackupResult:
     path: Path
     ledger_id: str | None
     positions: dict[str, int] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------- participant-level note
-
-
-def participant_level_note(event: GaussianRound) -> str | None:
-    """Why the participant-level epsilon of rounds like ``event`` is not meaningful, or ``None``.
-
-    Poisson stage 2 caps nothing (fedmeta offers no truncated Poisson), so the only sound
-    participant-level sensitivity is a participant's whole task count times C (or none at all when
-    the event records no cap): a valid but vacuous bound. A fixed-size stage 2 caps it at
-    ``tasks_per_round``. Single-stage sampling has no participants.
-    """
-    if isinstance(event.scheme, TwoStagePoissonScheme):
-        return PARTICIPANT_LEVEL_NOT_MEANINGFUL
-    if isinstance(event.scheme, FlatPoissonScheme | FixedSizeScheme):
-        return PARTICIPANT_LEVEL_UNDEFINED
-    return None
 
 
 # --------------------------------------------------------------------------------- affordable
@@ -666,7 +637,7 @@ def _new_meta(mode: LedgerMode, *, migrated: bool) -> dict[str, str]:
         "schema_version": str(SCHEMA_VERSION),
         "mode": mode,
         # Drawn from the OS CSPRNG: with it, a federation id reveals nothing about the data.
-        "salt": secrets.token_hex(32),
+        "salt": SystemRandomSource().random_bytes(32).hex(),
         "created_at": datetime.now(UTC).isoformat(),
     }
     if migrated:

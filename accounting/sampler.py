@@ -1,18 +1,25 @@
 """``TwoStageSampler``: executes exactly the sampling scheme that the accountant models.
 
 The scheme object that builds the ``GaussianRound`` event is the one this sampler runs, so the two
-cannot drift apart (conventions, item 5). Sampling must be random and secret for amplification to
-hold: the generator is seeded from ``secrets`` unless a test passes a seed explicitly.
+cannot drift apart (conventions, item 5). Amplification by subsampling needs the sample to be random
+and secret, so every random bit is *drawn* from a ``RandomSource`` (``accounting.randomness``): the
+OS CSPRNG in a private run, a seeded keystream only in tests. The sampler has no generator state of
+its own, so there is nothing secret to checkpoint; a reproducible (insecure) run re-creates
+``InsecureSeededSource(seed, stream=round_index)`` for each round instead.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
+from accounting.randomness import (
+    RandomSource,
+    _bernoulli,
+    _check_source,
+    _sample_without_replacement,
+)
 from accounting.schemes import TwoStageFixedScheme, TwoStagePoissonScheme
 
 
@@ -22,40 +29,38 @@ class TwoStageSampler:
     ``sample(task_counts)`` takes the *available* participants this round (id -> number of tasks,
     public metadata) and returns ``{participant id: sorted task ids}`` for the sampled ones. Stage 1
     draws ``participants_per_round`` of the available participants uniformly without replacement;
-    fewer available than that is an error (the accounted rate would be wrong). Stage 2 is Poisson
-    with ``task_rate`` or ``tasks_per_round`` without replacement (a participant with fewer tasks
-    than that, or fewer than the scheme's ``min_tasks``, is an error: the accountant's worst case
+    fewer available than that is an error (the accounted rate would be wrong). Stage 2 includes each
+    task independently with probability ``floor(task_rate * 2**64) / 2**64 <= task_rate`` (Poisson;
+    see ``accounting.randomness.bernoulli``) or draws ``tasks_per_round`` uniformly without
+    replacement (a participant with fewer tasks than that is an error: the accountant's worst case
     assumed more).
 
-    A sampled participant may receive an empty task list under Poisson stage 2: it is still part of
-    the round (skipping it would change the mechanism).
+    Every stage-1 participant appears in the result; under Poisson stage 2 its task list may be
+    empty. It is still part of the round (skipping it would change the mechanism).
     """
 
     def __init__(
-        self,
-        scheme: TwoStagePoissonScheme | TwoStageFixedScheme,
-        rng: np.random.Generator | None = None,
-        *,
-        seed: int | None = None,
+        self, scheme: TwoStagePoissonScheme | TwoStageFixedScheme, source: RandomSource
     ) -> None:
-        """Create a sampler; ``seed`` is for tests only (a known seed makes sampling public)."""
+        """Create a sampler drawing from ``source`` (``SystemRandomSource()`` in a private run)."""
         if not isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
             raise ValueError(f"scheme must be a two-stage scheme; got {type(scheme).__name__}")
-        if rng is not None and seed is not None:
-            raise ValueError("seed must be None when rng is given; got both")
         self.scheme = scheme
-        if rng is None:
-            # 128 bits from the OS CSPRNG: the sample is secret from anyone who reads the config.
-            rng = np.random.Generator(
-                np.random.PCG64(secrets.randbits(128) if seed is None else seed)
-            )
-        self._rng = rng
+        self._source = _check_source(source)
+
+    @property
+    def secure(self) -> bool:
+        """Whether the samples are secret (the source is a CSPRNG, not a known seed)."""
+        return bool(self._source.secure)
+
+    def __repr__(self) -> str:
+        return f"TwoStageSampler({self.scheme!r}, {self._source!r})"
 
     def sample(self, task_counts: Mapping[str, int]) -> dict[str, list[int]]:
         """Run one round of two-stage sampling over the available participants."""
         scheme = self.scheme
         n1 = scheme.participants_per_round
-        # Sorted ids: the result depends only on the RNG and the set of ids, not on dict order.
+        # Sorted ids: the result depends only on the source and the set of ids, not on dict order.
         ids = sorted(task_counts)
         if len(ids) < n1:
             raise ValueError(
@@ -74,17 +79,23 @@ class TwoStageSampler:
                     f"task_counts[{pid!r}] must be >= tasks_per_round ({scheme.tasks_per_round}); "
                     f"got {count}"
                 )
-        chosen = self._rng.choice(len(ids), size=n1, replace=False)
+        # The source was checked once, in __init__; the helpers' own checks would cost more than
+        # the draws (a runtime Protocol check is slow).
+        chosen = _sample_without_replacement(self._source, len(ids), n1)
         out: dict[str, list[int]] = {}
-        for index in sorted(int(i) for i in chosen):
+        for index in sorted(chosen):
             pid = ids[index]
             count = int(task_counts[pid])
             if isinstance(scheme, TwoStagePoissonScheme):
-                mask = self._rng.random(count) < scheme.task_rate
-                tasks = np.flatnonzero(mask)
+                tasks = [
+                    int(t)
+                    for t in np.flatnonzero(_bernoulli(self._source, count, scheme.task_rate))
+                ]
             else:
-                tasks = np.sort(self._rng.choice(count, size=scheme.tasks_per_round, replace=False))
-            out[pid] = [int(t) for t in tasks]
+                tasks = sorted(
+                    _sample_without_replacement(self._source, count, scheme.tasks_per_round)
+                )
+            out[pid] = tasks
         return out
 
     def check_task_counts(self, task_counts: Mapping[str, int]) -> None:
@@ -101,23 +112,3 @@ class TwoStageSampler:
                         f"task_counts[{pid!r}] must be >= min_tasks ({self.scheme.min_tasks}) of "
                         f"the accounted scheme; got {count}"
                     )
-
-    def state(self) -> dict[str, Any]:
-        """Return the generator's state, for checkpoints (keep it as secret as the noise)."""
-        return {"bit_generator": self._rng.bit_generator.state}
-
-    @classmethod
-    def from_state(
-        cls, scheme: TwoStagePoissonScheme | TwoStageFixedScheme, state: Mapping[str, Any]
-    ) -> TwoStageSampler:
-        """Restore a sampler from ``state()`` so a resumed run continues the same stream."""
-        bit_state = state["bit_generator"]
-        name = bit_state.get("bit_generator")
-        bit_type = getattr(np.random, str(name), None)
-        if bit_type is None:
-            raise ValueError(
-                f"state['bit_generator'] must name a numpy bit generator; got {name!r}"
-            )
-        bit_generator = bit_type()
-        bit_generator.state = bit_state
-        return cls(scheme, np.random.Generator(bit_generator))

@@ -70,7 +70,9 @@ class TwoStagePoissonScheme:
     Task-level privacy loss per round (privacy-accounting note, section 2): the mixture
     ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate q2, noise z)`` with
     ``q1 = n1 / P``. Tight: the worst case (a participant whose other tasks reveal whether it was
-    sampled) attains it.
+    sampled) attains it. Under ``replace_one`` the stage-2 pair is the symmetric REPLACE pair
+    ``(1-q2) N(0) + q2 N(C)`` vs ``(1-q2) N(0) + q2 N(-C)`` at noise ``z`` (see
+    ``accounting.composition``).
     """
 
     participants: int
@@ -104,6 +106,8 @@ class TwoStageFixedScheme:
     ``(1 - q1) * [no loss] + q1 * PLD(Poisson-subsampled Gaussian, rate n2/min_tasks, noise z/2)``.
     The ``z/2`` is because adding a task to a fixed-size sample is a substitution inside the sample
     and a sum of vectors clipped to ``C`` moves by up to ``2C`` (dp-accounting issue #378). Tight.
+    Under ``replace_one`` the stage-2 pair is the symmetrisation of that remove pair (still ``z/2``:
+    the replaced task's gradient can differ from a co-sampled task's by ``2C``).
     """
 
     participants: int
@@ -142,7 +146,8 @@ class FlatPoissonScheme:
     """Single stage: every task is included independently with probability ``rate``.
 
     Privacy loss per round: the Poisson-subsampled Gaussian (Abadi et al. 2016; tight PLD by
-    Koskela et al. 2020 / dp-accounting). There are no participants, so no participant-level unit.
+    Koskela et al. 2020 / dp-accounting); under ``replace_one`` its symmetric REPLACE pair. There
+    are no participants, so no participant-level unit.
     """
 
     rate: float
@@ -157,7 +162,8 @@ class FixedSizeScheme:
 
     Privacy loss per round: the Poisson-subsampled Gaussian at rate ``sample_size / population`` and
     noise multiplier ``z/2`` (substitution inside the sample moves the clipped sum by ``2C``;
-    privacy-accounting note, section 2). This is the dominating pair the note calls tight.
+    privacy-accounting note, section 2). This is the dominating pair the note calls tight. Under
+    ``replace_one``: the symmetrisation of that pair's remove direction, also at ``z/2``.
     """
 
     sample_size: int
@@ -203,7 +209,8 @@ class GaussianRound:
     but vacuous).
 
     ``neighbouring`` is the relation the task-level guarantee is stated for (``add_remove`` or
-    ``replace_one``); a ledger composes only rounds of one relation.
+    ``replace_one``); the accountant composes only rounds of one relation. The participant-level
+    guarantee is the same under both (substitution of a participant inside the fixed-size stage 1).
 
     This is the event the server's noise step returns and the ledger records; once recorded it is
     never reinterpreted.
@@ -273,3 +280,34 @@ class GaussianRound:
             # Records written before the relation was recorded were all add/remove.
             neighbouring=data.get("neighbouring", ADD_REMOVE),
         )
+
+
+#: The caveat printed instead of a participant-level epsilon with a Poisson stage 2.
+PARTICIPANT_LEVEL_NOT_MEANINGFUL = (
+    "not meaningful: no per-participant cap with Poisson stage 2 (the bound assumes a participant "
+    "may send all its tasks in a round); use sampling.stage2=fixed for a participant-level "
+    "guarantee"
+)
+#: The caveat for single-stage schemes, which have no participants.
+PARTICIPANT_LEVEL_UNDEFINED = (
+    "not defined: a single-stage scheme has no participants (task level only)"
+)
+
+
+def participant_level_note(event: GaussianRound) -> str | None:
+    """Why the participant-level epsilon of ``event`` is not meaningful, or None when it is.
+
+    The one definition of this caveat (the plan, the run summary and ``ledger show`` print it).
+    A Poisson stage 2 never caps how many tasks a participant sends in a round, so the only sound
+    participant-level sensitivity is a participant's whole task count times ``C``: without
+    ``max_tasks_per_participant`` there is no bound at all, and with it (the server passes the
+    largest participant's task count) the bound is valid but vacuous (~1e7 in the default run). A
+    fixed-size stage 2 caps it at ``tasks_per_round``: meaningful, None.
+    """
+    if not isinstance(event, GaussianRound):
+        raise ValueError(f"event must be a GaussianRound; got {event!r}")
+    if isinstance(event.scheme, TwoStagePoissonScheme):
+        return PARTICIPANT_LEVEL_NOT_MEANINGFUL
+    if isinstance(event.scheme, TwoStageFixedScheme):
+        return None
+    return PARTICIPANT_LEVEL_UNDEFINED

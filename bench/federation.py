@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # bench/ holds scripts named like packages (bench/accounting.py): keep them off the import path.
 _HERE = Path(__file__).resolve().parent
@@ -52,6 +53,8 @@ def _cfg_args(participants: int, backend: str, rounds: int) -> list[str]:
         "dataset.probe_tasks=0",
         "output.progress=false",
         "output.plots=false",
+        # Round timings are private diagnostics (they depend on how many tasks were sampled).
+        "metrics.private_diagnostics=true",
     ]
 
 
@@ -61,9 +64,9 @@ def _child(participants: int, backend: str, rounds: int) -> dict[str, object]:
 
     logging.disable(logging.WARNING)
     from fedmeta.config import load_config
-    from server.local_grid import InProcessGrid
-    from server.round import RoundLoop
-    from server.simulate import main
+    from server.app import execute
+    from simulation.local_grid import InProcessGrid
+    from simulation.simulate import main
 
     cfg = load_config(None, _cfg_args(participants, backend, rounds))
     out = Path(tempfile.mkdtemp(prefix="fedmeta-bench-"))
@@ -78,31 +81,28 @@ def _child(participants: int, backend: str, rounds: int) -> dict[str, object]:
             def run_started(self, e: object) -> None:
                 Obs.last = grid.client_seconds
 
-            def round_finished(self, r: object) -> None:
+            def round_finished(self, r: Any) -> None:
                 client = grid.client_seconds - Obs.last
                 Obs.last = grid.client_seconds
-                per_round.append((r.round_seconds, client, r.aggregation_seconds))  # type: ignore[attr-defined]
+                d = r.diagnostics
+                per_round.append((d.round_seconds, client, d.aggregation_seconds))
 
             def run_finished(self, e: object) -> None: ...
 
-        loop = RoundLoop(cfg, grid, out_dir=out, observers=[Obs()])
-        loop.announce = lambda text: None
-        result = loop.run()
-        rows = result.rows
+        result = execute(cfg, grid, out_dir=out, observers=[Obs()], echo=False)
     else:
         result = main(cfg, out_dir=out)
-        rows = result.rows
     wall = time.perf_counter() - t0
     rss_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    round_s = [float(r["round_seconds"]) for r in rows]
+    round_s = [o.diagnostics.round_seconds for o in result.outcomes]
     # Skip the first round (lazy imports, allocator warm-up).
     steady = round_s[1:] if len(round_s) > 1 else round_s
     rec: dict[str, object] = {
         "backend": backend,
         "participants": participants,
         "participants_per_round": cfg.sampling.participants_per_round,
-        "rounds": len(rows),
+        "rounds": len(result.outcomes),
         "rounds_per_s": len(steady) / sum(steady),
         "round_s_mean": sum(steady) / len(steady),
         "peak_rss_mib": round(rss_self, 1),
@@ -117,8 +117,8 @@ def _child(participants: int, backend: str, rounds: int) -> dict[str, object]:
         rec["client_compute_s_mean"] = sum(c for _, c, _ in pr) / len(pr)
         rec["aggregation_s_mean"] = sum(a for _, _, a in pr) / len(pr)
     else:
-        over = [float(r["server_overhead_seconds"]) for r in rows[1:]]
-        rec["non_transport_s_mean"] = sum(over) / max(len(over), 1)
+        agg = [o.diagnostics.aggregation_seconds for o in result.outcomes[1:]]
+        rec["aggregation_s_mean"] = sum(agg) / max(len(agg), 1)
     return rec
 
 

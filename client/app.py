@@ -17,6 +17,12 @@ from fedmeta import protocol as P
 app = ClientApp()
 
 
+def data_path(context: Context) -> str | None:
+    """The node's own data folder (node config ``data-path``); None in simulation."""
+    value = context.node_config.get(P.NODE_DATA_PATH)
+    return None if value in (None, "") else str(value)
+
+
 def participant_id(context: Context) -> str:
     """This node's participant id, from its node config."""
     node_config = context.node_config
@@ -33,7 +39,7 @@ def participant_id(context: Context) -> str:
 def query(message: Message, context: Context) -> Message:
     """Registration: who this participant is and how many tasks it holds."""
     request = P.decode_register_request(message.content)
-    reply = registration(request, participant_id(context))
+    reply = registration(request, participant_id(context), data_path(context))
     return Message(P.encode_registration(reply), reply_to=message)
 
 
@@ -42,5 +48,5 @@ def train(message: Message, context: Context) -> Message:
     """One round's work: the clipped per-task query gradients of the requested tasks."""
     torch.set_num_threads(1)  # one participant per core in simulation
     request = P.decode_gradient_request(message.content)
-    reply = gradient_reply(request, participant_id(context))
+    reply = gradient_reply(request, participant_id(context), data_path(context))
     return Message(P.encode_gradient_reply(reply), reply_to=message)

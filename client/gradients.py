@@ -22,17 +22,23 @@ from fedmeta.protocol import (
     RegisterRequest,
     Registration,
 )
-from fedmeta.workload import data_fingerprint, workload
+from fedmeta.workload import data_fingerprint, own_data, participant_tasks, workload
 
 
-def registration(request: RegisterRequest, participant_id: str) -> Registration:
+def registration(
+    request: RegisterRequest, participant_id: str, data_path: str | None = None
+) -> Registration:
     """This participant's id, task count and data fingerprint (for the trusted server only)."""
     cfg = Config.model_validate_json(request.config_json)
-    tasks = workload(cfg).task_set.participant(participant_id)
-    return Registration(participant_id, int(tasks.num_tasks), data_fingerprint(cfg))
+    tasks = participant_tasks(cfg, participant_id, data_path)
+    return Registration(
+        participant_id, int(tasks.num_tasks), data_fingerprint(own_data(cfg, data_path))
+    )
 
 
-def gradient_reply(request: GradientRequest, participant_id: str) -> GradientReply:
+def gradient_reply(
+    request: GradientRequest, participant_id: str, data_path: str | None = None
+) -> GradientReply:
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
     from metalearning import per_task_clipped_grads
 
@@ -40,11 +46,10 @@ def gradient_reply(request: GradientRequest, participant_id: str) -> GradientRep
     dim = int(request.params.shape[0])
     started = time.perf_counter()
     if request.task_ids:
-        wl = workload(cfg)
         grads, _pre_clip_norms = per_task_clipped_grads(
-            wl.model,
+            workload(cfg).model,
             torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32)),
-            wl.task_set.participant(participant_id).tasks(list(request.task_ids)),
+            participant_tasks(cfg, participant_id, data_path).tasks(list(request.task_ids)),
             inner_steps=cfg.training.inner_steps,
             inner_lr=cfg.training.inner_lr,
             first_order=cfg.training.first_order,

@@ -40,7 +40,7 @@ class PrivacyConfig(_Section):
     delta: float = Field(1e-5, gt=0, lt=1, description="delta, (0, 1)")
     noise_multiplier: float | None = Field(
         None,
-        gt=0,
+        ge=1e-4,
         le=1000,
         description="z; None = calibrate z so that `rounds` rounds spend the budget",
     )
@@ -119,7 +119,28 @@ class FederationConfig(_Section):
     round_timeout_s: float = Field(
         120.0, gt=0, le=86_400, description="per-round reply timeout (s)"
     )
-    register_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    register_timeout_s: float = Field(
+        120.0, gt=0, le=86_400, description="longest wait for min_participants at the start (s)"
+    )
+    min_participants: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="start once this many participants registered (None = "
+        "sampling.participants_per_round); later joiners are sampled from their next round",
+    )
+    node_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="participant id -> node public-key fingerprint (SHA256:...); when set, only "
+        "nodes with a bound key are admitted, and only as their bound participant",
+    )
+    max_consecutive_failures: int = Field(
+        3,
+        ge=1,
+        le=1_000_000,
+        description="suspend a participant after this many consecutive timeouts or unavailable "
+        "replies, until its node reconnects",
+    )
     round_min_seconds: float = Field(
         0.0,
         ge=0,

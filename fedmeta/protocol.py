@@ -59,6 +59,7 @@ REPLY_SUM_AND_NORMS: Final = "sum_and_norms"
 # Flower node_config keys: simulation sets partition-id; a deployed SuperNode sets participant-id.
 NODE_PARTITION_ID: Final = "partition-id"
 NODE_PARTICIPANT_ID: Final = "participant-id"
+NODE_DATA_PATH: Final = "data-path"  # a deployed participant's own data (overrides dataset.path)
 
 # Flower run_config keys read by server/app.py (`flwr run .`, pyproject [tool.flwr.app.config]).
 RUN_CONFIG_FILE: Final = "config-file"

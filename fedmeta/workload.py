@@ -122,6 +122,30 @@ def workload(cfg: Config) -> Workload:
     return _workload(cfg.model_dump_json())
 
 
+def own_data(cfg: Config, data_path: str | None) -> Config:
+    """The configuration a participant computes with: its own data when its node names one.
+
+    In a deployment every participant owns its data (node config ``data-path``): all of its tasks
+    come from that folder, which it alone holds (one participant, no partition), never from the
+    server's ``dataset.path``. In simulation the participants share one source and each takes its
+    partition. The synthetic sinusoid has no files: its tasks come from the specification.
+    """
+    if data_path is None or cfg.dataset.name == "sinusoid":
+        return cfg
+    dataset = cfg.dataset.model_copy(update={"path": data_path})
+    federation = cfg.federation.model_copy(update={"participants": 1})
+    sampling = cfg.sampling.model_copy(update={"participants_per_round": 1})
+    return cfg.model_copy(update={"dataset": dataset, "federation": federation,
+                                  "sampling": sampling})  # fmt: skip
+
+
+def participant_tasks(cfg: Config, participant_id: str, data_path: str | None = None) -> Any:
+    """The numbered tasks of one participant (its own data when ``data_path`` is given)."""
+    if data_path is None or cfg.dataset.name == "sinusoid":
+        return workload(cfg).task_set.participant(participant_id)
+    return workload(own_data(cfg, data_path)).task_set.participant("0")
+
+
 def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
     """Server-side held-out tasks (batched ``Task``).
 

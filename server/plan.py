@@ -15,7 +15,7 @@ Under replace-one the counts are public, and the smallest registered count is th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from accounting import (
     BudgetLedger,
@@ -27,6 +27,7 @@ from accounting import (
     participant_level_note,
     tombs2022_published_epsilon,
 )
+from accounting.schemes import Neighbouring
 from fedmeta.config import Config
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
@@ -37,7 +38,7 @@ class RunPlan:
     """Everything privacy-relevant about a run's rounds, fixed before the first one."""
 
     private: bool
-    neighbouring: str
+    neighbouring: Neighbouring
     scheme: TwoStageScheme
     event: GaussianRound | None  # None in a non-private run
     clip: float | None  # None in a non-private run
@@ -46,6 +47,14 @@ class RunPlan:
     epsilon_budget: float | None
     delta: float | None
     planned_rounds: int
+
+    def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
+        """The same plan (z, clip, normaliser) for the population eligible in a round."""
+        scheme = build_scheme(cfg, task_counts)
+        if self.event is None:
+            return replace(self, scheme=scheme)
+        event = GaussianRound(scheme, self.event.noise_multiplier, _cap(scheme), self.neighbouring)
+        return replace(self, scheme=scheme, event=event)
 
     @property
     def noise_multiplier(self) -> float | None:
@@ -70,18 +79,23 @@ def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
     return TwoStageFixedScheme(participants, n1, cfg.sampling.tasks_per_round, min_tasks)
 
 
-def expected_tasks_per_round(scheme: TwoStageScheme, tasks_per_participant: int) -> float:
-    """Expected tasks in a round when every participant holds ``tasks_per_participant`` tasks."""
-    if isinstance(scheme, TwoStageFixedScheme):
-        return float(scheme.participants_per_round * scheme.tasks_per_round)
-    return scheme.participants_per_round * scheme.task_rate * tasks_per_participant
+def _cap(scheme: TwoStageScheme) -> int | None:
+    """The most tasks a participant sends per round: known only for a fixed-size stage 2."""
+    return scheme.tasks_per_round if isinstance(scheme, TwoStageFixedScheme) else None
 
 
-def normaliser(cfg: Config, scheme: TwoStageScheme) -> float:
-    """The public divisor: configured, or the expected lot computed from the configuration alone."""
+def normaliser(cfg: Config) -> float:
+    """The public divisor: configured, or the expected lot computed from the configuration alone.
+
+    Neither the registered population nor any task count enters it, so it stays one constant for
+    the whole run, however the population changes.
+    """
     if cfg.privacy.normaliser is not None:
         return float(cfg.privacy.normaliser)
-    return expected_tasks_per_round(scheme, cfg.dataset.tasks_per_participant)
+    n1 = cfg.sampling.participants_per_round
+    if cfg.sampling.stage2 == "fixed":
+        return float(n1 * (cfg.sampling.tasks_per_round or 1))
+    return n1 * cfg.sampling.task_rate * cfg.dataset.tasks_per_participant
 
 
 def build_plan(
@@ -89,7 +103,7 @@ def build_plan(
 ) -> RunPlan:
     """The plan for the registered participants; ``noise_multiplier`` keeps a resumed run's z."""
     scheme = build_scheme(cfg, task_counts)
-    norm = normaliser(cfg, scheme)
+    norm = normaliser(cfg)
     if not cfg.privacy.enabled:
         return RunPlan(False, cfg.privacy.neighbouring, scheme, None, None, norm, False, None,
                        None, cfg.rounds)  # fmt: skip
@@ -101,8 +115,7 @@ def build_plan(
         noise_multiplier = calibrate_noise_multiplier(
             scheme, cfg.rounds, float(target), cfg.privacy.delta
         )
-    cap = scheme.tasks_per_round if isinstance(scheme, TwoStageFixedScheme) else None
-    event = GaussianRound(scheme, float(noise_multiplier), cap, cfg.privacy.neighbouring)
+    event = GaussianRound(scheme, float(noise_multiplier), _cap(scheme), cfg.privacy.neighbouring)
     return RunPlan(
         private=True,
         neighbouring=cfg.privacy.neighbouring,

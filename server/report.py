@@ -55,6 +55,8 @@ class RoundOutcome:
     participants_failed: int = 0
     failures: Mapping[str, int] = field(default_factory=dict)  # one reason per failed participant
     stray_replies: Mapping[str, int] = field(default_factory=dict)  # replies matching no request
+    participants_suspended: int = 0  # not sampled after repeated timeouts or unavailability
+    nodes_refused: Mapping[str, int] = field(default_factory=dict)  # new registrations refused
     ledger_position: int | None = None
     noise_std: float | None = None
     clip: float | None = None

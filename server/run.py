@@ -28,15 +28,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
-from accounting import BudgetLedger, LedgerCheckpoint, TwoStageSampler, resolve_federation
+from accounting import (
+    BudgetLedger,
+    InsecureSeededSource,
+    LedgerCheckpoint,
+    SystemRandomSource,
+    TwoStageSampler,
+    resolve_federation,
+)
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
-from fedmeta.protocol import RegisterRequest
+from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
+from server.membership import Membership
 from server.noise import NoiseSource
 from server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
 from server.report import (
@@ -46,13 +53,14 @@ from server.report import (
     RunObserver,
     RunStarted,
 )
-from server.round import STOP_BUDGET, STOP_PLANNED, RoundSession, TrainingState, run_round
+from server.round import STOP_BUDGET, STOP_PLANNED, Exchange, RoundSession, TrainingState, run_round
 from server.rundir import exclusive_run_directory
 from server.transport import GridTransport, Registered, RegistrationError
 
 log = logging.getLogger("fedmeta.server")
 
 STOP_INTERRUPTED = "interrupted"
+STOP_NO_PARTICIPANTS = "no_participants"
 
 
 class FederationError(RuntimeError):
@@ -143,8 +151,10 @@ class _Run:
     observers: list[RunObserver]
     forecast: BudgetForecast | None
     model: Any
+    membership: Membership
     ledger: BudgetLedger | None = None
     started_at: float = field(default_factory=time.monotonic)
+    refused_since_last: dict[str, int] = field(default_factory=dict)
 
 
 def run_federation(
@@ -189,8 +199,9 @@ def _start(
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
-    registered = _register(cfg, transport, run_id)
-    task_counts = {r.participant_id: r.task_count for r in registered}
+    membership = _register(cfg, transport, run_id)
+    registered = list(membership.members.values())
+    task_counts = membership.eligible()
     z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
     try:
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
@@ -200,29 +211,26 @@ def _start(
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     model = build_model(cfg)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
-    session = _session(cfg, run_id, federation_id, plan, task_counts, transport, state, ledger)
+    session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
-                next_round, observers, predicted, model, ledger)  # fmt: skip
+                next_round, observers, predicted, model, membership, ledger)  # fmt: skip
 
 
-def _register(cfg: Config, transport: GridTransport, run_id: str) -> list[Registered]:
-    """Registered participants, refusing those the accounted scheme cannot cover."""
-    request = RegisterRequest(run_id, cfg.model_dump_json())
-    registered = transport.register(request, cfg.federation.participants)
-    if cfg.sampling.stage2 == "fixed":
-        small = [r.participant_id for r in registered if r.task_count < cfg.min_tasks]
-        if small:
-            log.warning("refused %d participant(s) holding fewer than sampling.min_tasks=%d tasks",
-                        len(small), cfg.min_tasks)  # fmt: skip
-        registered = [r for r in registered if r.task_count >= cfg.min_tasks]
-    if len(registered) < cfg.sampling.participants_per_round:
+def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
+    """The run's membership once enough participants registered (server/membership.py)."""
+    membership = Membership(cfg, transport, RegisterRequest(run_id, cfg.model_dump_json()))
+    membership.start()
+    want = cfg.federation.min_participants or cfg.sampling.participants_per_round
+    if len(membership.members) < want:
+        refused = f" (refused: {membership.refused})" if membership.refused else ""
         raise RegistrationError(
-            f"{len(registered)} participants registered; sampling.participants_per_round needs "
-            f">= {cfg.sampling.participants_per_round}"
+            f"{len(membership.members)} participants registered within "
+            f"federation.register_timeout_s={cfg.federation.register_timeout_s:g}; the run needs "
+            f">= {want} (federation.min_participants){refused}"
         )
-    return registered
+    return membership
 
 
 def _session(
@@ -230,23 +238,27 @@ def _session(
     run_id: str,
     federation_id: str,
     plan: RunPlan,
-    task_counts: Mapping[str, int],
-    transport: GridTransport,
+    membership: Membership,
     state: TrainingState,
     ledger: BudgetLedger | None,
 ) -> RoundSession:
     seed = cfg.privacy.insecure_test_seed
     if seed is not None:
         log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
-    sampler = TwoStageSampler(plan.scheme)
-    sampler.check_task_counts(task_counts)
+
+    def exchange(requests: Mapping[str, GradientRequest]) -> Exchange:
+        result = membership.transport.exchange(requests, membership.nodes())
+        failed = {pid: d.failure for pid, d in result.deliveries.items() if d.failure}
+        membership.record(requests, failed)
+        return result
+
     return RoundSession(
         run_id=run_id,
         federation_id=federation_id,
         plan=plan,
-        task_counts=task_counts,
-        sampler=sampler,
-        transport=transport,
+        task_counts=membership.eligible(),
+        sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
+        transport=exchange,
         config_json=cfg.model_dump_json(),
         dim=int(state.params.numel()),
         reply_format=cfg.federation.reply_format,
@@ -324,7 +336,8 @@ def _rounds(run: _Run, stop: threading.Event) -> str:
         if stop.is_set():
             log.info("stopping before round %d: interrupted", index + 1)
             return STOP_INTERRUPTED
-        _prepare_round_randomness(run, index)
+        if not _prepare_round(run, index):
+            return STOP_NO_PARTICIPANTS
         outcome = run_round(run.session, run.state, index)
         if outcome is None:
             log.info("round %d not run: budget exhausted", index + 1)
@@ -338,14 +351,28 @@ def _rounds(run: _Run, stop: threading.Event) -> str:
     return STOP_PLANNED
 
 
-def _prepare_round_randomness(run: _Run, index: int) -> None:
-    """Test mode only: sampling and noise re-derived from (seed, round), so resumes reproduce."""
+def _prepare_round(run: _Run, index: int) -> bool:
+    """The round's population, its privacy event and sampler; False if nobody can be sampled."""
+    session, membership = run.session, run.membership
+    before = dict(membership.refused)
+    membership.refresh()
+    eligible = membership.eligible()
+    if not eligible:
+        log.warning("round %d not run: no participant is connected and unsuspended", index + 1)
+        return False
+    run.refused_since_last = {k: v - before.get(k, 0) for k, v in membership.refused.items()
+                              if v > before.get(k, 0)}  # fmt: skip
+    session.task_counts = eligible
+    session.plan = run.plan.for_population(run.cfg, eligible)
     seed = run.cfg.privacy.insecure_test_seed
     if seed is None:
-        return
-    rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-    run.session.sampler = TwoStageSampler(run.plan.scheme, rng)
-    run.session.noise = NoiseSource.insecure_for_tests(seed, index)
+        session.sampler = TwoStageSampler(session.plan.scheme, SystemRandomSource())
+    else:  # test mode: sampling and noise re-derived from (seed, round), so resumes reproduce
+        source = InsecureSeededSource(seed, stream=index)
+        session.sampler = TwoStageSampler(session.plan.scheme, source)
+        session.noise = NoiseSource.insecure_for_tests(seed, index)
+    session.sampler.check_task_counts(eligible)
+    return True
 
 
 def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
@@ -360,7 +387,14 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     eps: dict[str, Any] = {}
     if run.ledger is not None and (report or r == cfg.rounds):
         eps = _epsilons(run)
-    return replace(outcome, train_loss=loss, validation_metric=validation, **eps)
+    return replace(
+        outcome,
+        train_loss=loss,
+        validation_metric=validation,
+        participants_suspended=len(run.membership.suspended),
+        nodes_refused=run.refused_since_last,
+        **eps,
+    )
 
 
 def _epsilons(run: _Run) -> dict[str, Any]:

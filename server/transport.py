@@ -10,12 +10,15 @@ node id), and that must count once, as ``node_unavailable``, not as a stray repl
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
 from flwr.app import Message
 
 from fedmeta import protocol as P
@@ -44,6 +47,22 @@ class Registered:
     node_id: int
     task_count: int
     data_fingerprint: str
+    node_key: str = ""  # the node's authentication-key fingerprint; "" without node auth
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """``SHA256:...`` of a node's PEM public key, as ``ssh-keygen -l`` prints it.
+
+    "" when the node has no authentication key: Flower's simulation engine, and a SuperLink without
+    node authentication, give each node random bytes instead of a PEM key. "" never matches a
+    configured key, so an unauthenticated node cannot take a bound participant's place.
+    """
+    if not public_key.startswith(b"-----BEGIN"):
+        return ""
+    key = serialization.load_pem_public_key(public_key)
+    blob = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    digest = hashlib.sha256(base64.b64decode(blob.split()[1])).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
 class GridTransport:
@@ -54,40 +73,34 @@ class GridTransport:
         self.grid = grid
         self.register_timeout_s = register_timeout_s
         self.round_timeout_s = round_timeout_s
-        self._nodes: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ registration
 
-    def _wait_for_nodes(self, want: int) -> list[int]:
-        deadline = time.monotonic() + self.register_timeout_s
-        nodes = list(self.grid.get_node_ids())
-        while len(nodes) < want and time.monotonic() < deadline:
-            time.sleep(0.2)
-            nodes = list(self.grid.get_node_ids())
-        return nodes
+    def connected(self) -> list[int]:
+        """The node ids Flower reports connected now."""
+        return [int(n) for n in self.grid.get_node_ids()]
 
-    def register(self, request: P.RegisterRequest, want: int) -> list[Registered]:
-        """Ask every connected node who it is; the valid registrations, in participant-id order."""
-        nodes = self._wait_for_nodes(want)
+    def _keys(self) -> dict[int, str]:
+        """Each connected node's authentication-key fingerprint ("" without node authentication)."""
+        return {int(n.node_id): key_fingerprint(n.public_key) for n in self.grid.get_nodes()}
+
+    def query(self, request: P.RegisterRequest, nodes: Iterable[int]) -> list[Registered]:
+        """Ask ``nodes`` who they are; their valid registration replies (one bounded wait)."""
         content = P.encode_register_request(request)
         messages = [Message(content, int(n), P.MSG_REGISTER, group_id="register") for n in nodes]
+        if not messages:
+            return []
         replies = self.grid.send_and_receive(messages, timeout=self.register_timeout_s)
-        out: dict[str, Registered] = {}
+        keys = self._keys()
+        out = []
         for reply in replies:
-            registered = self._registration(reply)
-            if registered is None:
-                continue
-            if registered.participant_id in out:
-                log.warning("participant id %r claimed twice; keeping the first node",
-                            registered.participant_id)  # fmt: skip
-                continue
-            out[registered.participant_id] = registered
-        self._nodes = {pid: r.node_id for pid, r in out.items()}
-        order = sorted(out, key=lambda s: (0, int(s), s) if s.isdigit() else (1, 0, s))
-        return [out[pid] for pid in order]
+            registered = self._registration(reply, keys)
+            if registered is not None:
+                out.append(registered)
+        return out
 
     @staticmethod
-    def _registration(reply: Message) -> Registered | None:
+    def _registration(reply: Message, keys: Mapping[int, str]) -> Registered | None:
         node = int(reply.metadata.src_node_id)
         if reply.has_error():
             log.warning("registration error from node %s: %s", node, reply.error.reason)
@@ -97,20 +110,22 @@ class GridTransport:
         except P.ProtocolError as error:
             log.warning("registration refused from node %s: %s", node, error)
             return None
-        return Registered(reg.participant_id, node, reg.task_count, reg.data_fingerprint)
+        return Registered(reg.participant_id, node, reg.task_count, reg.data_fingerprint,
+                          keys.get(node, ""))  # fmt: skip
 
     # ------------------------------------------------------------------------------ a round
 
-    def __call__(self, requests: Mapping[str, P.GradientRequest]) -> Exchange:
-        """Send each participant its request; one delivery per participant, strays counted."""
+    def exchange(
+        self, requests: Mapping[str, P.GradientRequest], nodes: Mapping[str, int]
+    ) -> Exchange:
+        """Send each participant (at ``nodes[pid]``) its request; one delivery per participant."""
         if not requests:
             return Exchange({}, {})
         group = str(next(iter(requests.values())).round_id)
-        pending: dict[str, str] = {}  # message id -> participant id
         messages = []
         for pid, request in requests.items():
             content = P.encode_gradient_request(request)
-            messages.append(Message(content, self._nodes[pid], P.MSG_TRAIN, group_id=group))
+            messages.append(Message(content, nodes[pid], P.MSG_TRAIN, group_id=group))
         ids = list(self.grid.push_messages(messages))
         pending = dict(zip(ids, requests, strict=True))
         replies = self._pull(pending)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 
 from fedmeta import protocol as P
@@ -57,6 +58,10 @@ class InProcessGrid(Grid):
         self._replies: dict[str, list[Message]] = {}
         self.client_seconds = 0.0  # time spent inside handlers (client compute)
         self._run: Any = None
+        #: Nodes connected now (tests take nodes away and bring them back, as a deployment does).
+        self.online: set[int] = set(self.node_ids)
+        #: Node id -> PEM public key, as a SuperLink with node authentication reports it.
+        self.public_keys: dict[int, bytes] = {}
 
     def set_run(self, run: Any) -> None:  # noqa: D102
         self._run = run
@@ -76,7 +81,13 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return list(self.node_ids)
+        return [n for n in self.node_ids if n in self.online]
+
+    def get_nodes(self) -> Iterable[NodeInfo]:  # noqa: D102
+        return [
+            NodeInfo(node_id=n, public_key=self.public_keys.get(n, b""))
+            for n in self.get_node_ids()
+        ]
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:  # noqa: D102
         ids = []
@@ -87,6 +98,11 @@ class InProcessGrid(Grid):
             dst = msg.metadata.dst_node_id
             ctx = self.contexts.get(dst)
             if ctx is None:
+                continue
+            if dst not in self.online:  # what the SuperLink answers for a node it lost
+                gone = Message(Error(code=5, reason="node unavailable"), reply_to=msg)
+                gone.metadata.__dict__["_src_node_id"] = 1
+                self._replies[mid] = [gone]
                 continue
             t0 = time.perf_counter()
             try:

@@ -72,6 +72,8 @@ LIVE_METRICS: tuple[str, ...] = (
     "fedmeta_tasks_requested_total",
     "fedmeta_tasks_received_total",
     "fedmeta_replies_rejected_total",
+    "fedmeta_participants_suspended",
+    "fedmeta_nodes_refused_total",
     "fedmeta_train_loss",
     "fedmeta_validation_metric",
     "fedmeta_final_metric",
@@ -172,6 +174,15 @@ class PrometheusRunObserver:
         self.tasks_received = c("fedmeta_tasks_received", "Task gradients received, over rounds.")
         self.rejected = c(
             "fedmeta_replies_rejected", "Replies rejected, by reason.", (*RUN_LABELS, "reason")
+        )
+        self.suspended = g(
+            "fedmeta_participants_suspended",
+            "Participants not sampled after repeated timeouts or unavailability.",
+        )
+        self.refused = c(
+            "fedmeta_nodes_refused",
+            "Node registrations refused (unbound or wrong key, duplicate id, too few tasks).",
+            (*RUN_LABELS, "reason"),
         )
 
     def _declare_learning(self) -> None:
@@ -294,6 +305,10 @@ class PrometheusRunObserver:
         for reason, n in {**r.failures, **r.stray_replies}.items():
             if n > 0:
                 self.rejected.labels(*lab, str(reason)).inc(n)
+        for reason, n in r.nodes_refused.items():
+            if n > 0:
+                self.refused.labels(*lab, str(reason)).inc(n)
+        self.suspended.labels(*lab).set(r.participants_suspended)
         self._set_eps(lab, r.epsilon_task, r.epsilon_participant)
         if r.rounds_affordable is not None:
             self.affordable.labels(*lab).set(r.rounds_affordable)

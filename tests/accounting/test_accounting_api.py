@@ -9,7 +9,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from accounting import (
@@ -17,6 +16,7 @@ from accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
+    InsecureSeededSource,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
     TwoStageSampler,
@@ -78,7 +78,7 @@ def test_sampler_runs_the_scheme() -> None:
         participants=5, participants_per_round=2, tasks_per_round=3, min_tasks=4
     )
     counts = {f"p{i}": 4 + i for i in range(5)}
-    sampler = TwoStageSampler(scheme, seed=1)  # test seed
+    sampler = TwoStageSampler(scheme, InsecureSeededSource(1))  # test seed
     seen: Counter[str] = Counter()
     for _ in range(2000):
         out = sampler.sample(counts)
@@ -96,30 +96,20 @@ def test_sampler_runs_the_scheme() -> None:
 
 
 @pytest.mark.unit
-def test_sampler_poisson_rate_and_checkpoint() -> None:
+def test_sampler_poisson_rate() -> None:
     scheme = TwoStagePoissonScheme(participants=3, participants_per_round=3, task_rate=0.3)
-    sampler = TwoStageSampler(scheme, seed=7)
+    sampler = TwoStageSampler(scheme, InsecureSeededSource(7))  # test seed
     total = sum(
         len(t) for _ in range(500) for t in sampler.sample({"a": 10, "b": 10, "c": 10}).values()
     )
     assert total / (500 * 30) == pytest.approx(0.3, abs=0.02)
-    state = sampler.state()
-    resumed = TwoStageSampler.from_state(scheme, json.loads(json.dumps(state)))
-    assert [sampler.sample({"a": 10, "b": 10, "c": 10}) for _ in range(5)] == [
-        resumed.sample({"a": 10, "b": 10, "c": 10}) for _ in range(5)
-    ]
-    # Without a seed the generator is seeded from `secrets`: two samplers differ.
-    s1, s2 = TwoStageSampler(scheme), TwoStageSampler(scheme)
-    assert [s1.sample({"a": 50}) if False else s1._rng.random() for _ in range(3)] != [  # noqa: SLF001
-        s2._rng.random() for _ in range(3)
-    ]  # noqa: SLF001
-    assert isinstance(s1._rng, np.random.Generator)  # noqa: SLF001
 
 
 @pytest.mark.integration
 def test_import_loads_no_torch_flwr_or_prometheus() -> None:
     code = (
         "import sys, accounting, accounting.cli, accounting.ledger, accounting.sampler\n"
+        "import accounting.randomness\n"
         "bad = [m for m in ('torch', 'flwr', 'prometheus_client') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -233,6 +223,44 @@ def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.unit
+def test_cli_neighbouring_is_a_flag_and_printed(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["privacy", "epsilon", *TWO_STAGE, "--tasks-per-round", "5", "--min-tasks", "50"]
+    assert _cli([*base, "--neighbouring", "replace_one", "--json"]) == 0
+    replace = json.loads(capsys.readouterr().out)
+    assert replace["neighbouring"] == "replace_one"
+    assert "epsilon_tombs2022_published" not in replace  # an add/remove statement
+    assert _cli([*base, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["neighbouring"] == "add_remove"
+    assert replace["epsilon"] > default["epsilon"]
+    assert _cli([*base, "--neighbouring", "replace_one"]) == 0
+    assert "replace_one" in capsys.readouterr().out
+    compare = ["privacy", "compare", *TWO_STAGE, "--tasks-per-round", "5", "--min-tasks", "50"]
+    assert _cli([*compare, "--rounds", "50", "--neighbouring", "replace_one", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["neighbouring"] == "replace_one" and all(d["valid"] for d in out["designs"])
+
+
+@pytest.mark.unit
+def test_cli_default_delta_is_the_configurations(capsys: pytest.CaptureFixture[str]) -> None:
+    from fedmeta.config import PrivacyConfig
+
+    assert accounting_cli.DEFAULT_DELTA == PrivacyConfig().delta
+    argv = ["privacy", "epsilon", "--flat-poisson-rate", "0.01", "--noise-multiplier", "1"]
+    assert _cli([*argv, "--rounds", "10", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["delta"] == PrivacyConfig().delta
+
+
+@pytest.mark.unit
+def test_cli_max_rounds_says_where_the_range_ends(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["privacy", "max-rounds", "--flat-poisson-rate", "0.0001", "--noise-multiplier", "50"]
+    assert _cli([*argv, "--epsilon", "1000"]) == 0
+    assert "1000000000 or more (the accountant's range ends at 1000000000)" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -268,6 +296,21 @@ def test_cli_compare_table(capsys: pytest.CaptureFixture[str]) -> None:
             "--delta",
         ),
         (["ledger", "show", "--db", "/nonexistent/ledger.db"], "no ledger"),
+        (
+            ["privacy", "epsilon", "--flat-poisson-rate", "0.1", "--noise-multiplier", "1"]
+            + ["--rounds", "2000000000"],
+            "--rounds must be an integer in [1, 1000000000]",
+        ),
+        (
+            ["privacy", "epsilon", "--flat-poisson-rate", "0.1", "--noise-multiplier", "1e-5"]
+            + ["--rounds", "3"],
+            "--noise-multiplier: noise_multiplier must be in [0.0001, 1e+06]",
+        ),
+        (
+            ["privacy", "calibrate", "--flat-poisson-rate", "1", "--rounds", "1000000000"]
+            + ["--target-epsilon", "0.001"],
+            "--target-epsilon: target_epsilon must be reachable",
+        ),
     ],
 )
 def test_cli_bad_input_exit_2_names_the_flag(

@@ -13,6 +13,7 @@ from scipy import stats
 from accounting import (
     FixedSizeScheme,
     GaussianRound,
+    InsecureSeededSource,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
     TwoStageSampler,
@@ -93,11 +94,12 @@ def clip(g: np.ndarray) -> np.ndarray:
 def run_rounds(
     scheme: TwoStageFixedScheme, grads: dict[str, np.ndarray], trials: int, seed: int
 ) -> np.ndarray:
-    sampler = TwoStageSampler(scheme, seed=seed)  # fixed test seed
     clipped = {pid: clip(g) for pid, g in grads.items()}
     counts = {pid: len(g) for pid, g in grads.items()}
     sums = np.empty(trials)
     for i in range(trials):
+        # As a test-mode run does: a fresh seeded (insecure) source per round, no saved state.
+        sampler = TwoStageSampler(scheme, InsecureSeededSource(seed, stream=i))
         picked = sampler.sample(counts)
         sums[i] = sum(float(clipped[pid][tasks].sum()) for pid, tasks in picked.items())
     noise = np.random.default_rng(seed + 1).normal(0.0, Z * C, size=trials)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from accounting import GaussianRound, TwoStageSampler
+from accounting import GaussianRound, SystemRandomSource, TwoStageSampler
 from fedmeta.protocol import REPLY_PER_TASK, GradientReply, GradientRequest
 from server import round as round_mod
 from server import validation as validation_mod
@@ -82,9 +82,10 @@ def released(
     plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, 1.0, False, 1e9, 1e-5,
                    10**9)  # type: ignore[arg-type]  # fmt: skip
     counts = {pid: len(g) for pid, g in grads.items()}
+    sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
     session = RoundSession(
-        "audit", "audit", plan, counts, TwoStageSampler(plan.scheme), _transport(grads), "{}", 1,
-        REPLY_PER_TASK, 1e-4, False, 0.0, fake_ledger(1e12, 1e-12), noise,
+        "audit", "audit", plan, counts, sampler, _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4,
+        False, 0.0, fake_ledger(1e12, 1e-12), noise,
     )  # fmt: skip
     out = _Released(plan.normaliser)
     for index in range(trials):

@@ -57,7 +57,7 @@ def test_add_remove_keeps_task_counts_private_and_replace_one_uses_them() -> Non
     poisson = build_plan(load_config(None, ["dataset.tasks_per_participant=50",
                                             "privacy.noise_multiplier=1.0"]), counts)  # fmt: skip
     assert isinstance(poisson.scheme, TwoStagePoissonScheme)
-    assert poisson.normaliser == pytest.approx(3 * 0.1 * 50)  # n1 = min(4, 3 registered)
+    assert poisson.normaliser == pytest.approx(4 * 0.1 * 50)  # configured n1, not registered
     assert poisson.event is not None and poisson.event.participant_cap is None
     assert poisson.participant_level_note == PARTICIPANT_LEVEL_NOT_MEANINGFUL
 

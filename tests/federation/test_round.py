@@ -29,6 +29,7 @@ pytestmark = pytest.mark.integration
 SMALL = [
     "federation.backend=inprocess",
     "federation.participants=6",
+    "federation.round_timeout_s=2",  # in-process replies are immediate: only timeouts wait
     "sampling.participants_per_round=3",
     "sampling.task_rate=0.3",
     "dataset.tasks_per_participant=20",
