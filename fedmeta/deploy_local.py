@@ -347,17 +347,6 @@ class LocalFederation:
         logs = [self.logs / f"node-{n.key_name}.log" for n in nodes]
         return all(p.is_file() and "warm worker ready" in p.read_text() for p in logs)
 
-    @staticmethod
-    def binds_keys() -> bool:
-        """Whether this fedmeta's server binds node keys (``federation.node_keys``).
-
-        Until the server's membership work lands, a run cannot carry the mapping; nodes are then
-        authenticated by Flower alone (registered keys) and name themselves.
-        """
-        from fedmeta.config import FederationConfig
-
-        return "node_keys" in FederationConfig.model_fields
-
     def deploy_run(
         self, out: Path, *, config: Path | None = None, sets: Sequence[str] = (),
         timeout: float = 1800,
@@ -366,8 +355,7 @@ class LocalFederation:
         cmd = [str(BIN / "fedmeta"), "deploy", "run", "--superlink", self.control_address,
                "--root-certificates", str(self.certs / "ca.crt"), "--out", str(out),
                "--poll", "0.5", "--timeout", str(timeout)]  # fmt: skip
-        if self.binds_keys():
-            cmd += ["--node-keys", str(self.node_keys_file())]
+        cmd += ["--node-keys", str(self.node_keys_file())]
         if config is not None:
             cmd += ["--config", str(config)]
         cmd += [a for s in sets for a in ("--set", s)]

@@ -71,10 +71,8 @@ def _settings(fed: LocalFederation) -> list[str]:
         "privacy.report_every=1000000", "output.plots=false", "output.progress=false",
         "federation.round_timeout_s=5", "federation.register_timeout_s=180",
         f"privacy.ledger_path={fed.work / 'state' / 'ledger.sqlite'}",
+        "federation.min_participants=3", f"federation.max_consecutive_failures={MAX_FAILURES}",
     ]  # fmt: skip
-    if fed.binds_keys():
-        sets += ["federation.min_participants=3",
-                 f"federation.max_consecutive_failures={MAX_FAILURES}"]  # fmt: skip
     return sets
 
 
@@ -84,9 +82,8 @@ def _start(fed: LocalFederation, net: Network) -> tuple[list[Node], list[Node]]:
     members = [Node(p[i], str(i), f"participant-{i}") for i in range(3)]
     # Refused by Flower: a key the SuperLink never saw. Refused by fedmeta: a registered key
     # bound to no participant (it claims participant 1's id). Both on participant 0's host.
-    strangers = [Node(p[0], "0", "intruder", registered=False, bound=False, runtime_port=9095)]
-    if fed.binds_keys():
-        strangers.append(Node(p[0], "1", "unbound", bound=False, runtime_port=9096))
+    strangers = [Node(p[0], "0", "intruder", registered=False, bound=False, runtime_port=9095),
+                 Node(p[0], "1", "unbound", bound=False, runtime_port=9096)]  # fmt: skip
     fed.nodes = members + strangers
     fed.make_certs([n.key_name for n in fed.nodes], sans=[net.server.address])
     fed.start_superlink()
@@ -124,7 +121,7 @@ def test_private_federation_across_hosts(federation: tuple[LocalFederation, Netw
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_reason"] == "budget_exhausted", summary
     assert summary["rounds_completed"] >= 3
-    _check_rounds(out, summary, fed.binds_keys())
+    _check_rounds(out, summary)
     _check_ledger(fed, summary)
     _check_refused(fed, strangers, server_log)
     _check_shaped_participant(fed, net, members[1])
@@ -138,7 +135,7 @@ def _server_log(fed: LocalFederation, run_log: str) -> str:
     return fed.flwr("log", match.group(1), "local", "--show", timeout=120).stdout
 
 
-def _check_rounds(out: Path, summary: dict[str, Any], membership: bool) -> None:
+def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
     """Each failure counted once with one reason; the killed node stops being asked."""
     from fedmeta.checkpoint import load_checkpoint
 
@@ -154,8 +151,8 @@ def _check_rounds(out: Path, summary: dict[str, Any], membership: bool) -> None:
         assert not o["stray_replies"], o
         failures += o["participants_failed"]
     assert failures >= 1, "the killed participant was never asked again"
-    if membership:  # suspended after MAX_FAILURES in a row, or dropped when its node went away
-        assert failures <= MAX_FAILURES, [o["failures"] for o in outcomes]
+    # Suspended after MAX_FAILURES in a row, or dropped when its node went away.
+    assert failures <= MAX_FAILURES, [o["failures"] for o in outcomes]
 
 
 def _check_ledger(fed: LocalFederation, summary: dict[str, Any]) -> None:
@@ -177,8 +174,8 @@ def _check_refused(fed: LocalFederation, strangers: list[Node], server_log: str)
     assert intruder.proc.wait(timeout=120) != 0
     text = (fed.logs / f"node-{intruder.key_name}.log").read_text()
     assert "2004" in text or "412" in text, text[-2000:]
-    if len(strangers) > 1:  # the server binds keys: the registered but unbound node is refused
-        assert "unbound_node" in server_log, server_log[-3000:]
+    # The server binds keys: the registered but unbound node is refused by fedmeta.
+    assert "unbound_node" in server_log, server_log[-3000:]
 
 
 def _check_shaped_participant(fed: LocalFederation, net: Network, node: Node) -> None:
