@@ -58,12 +58,7 @@ t0=$(date +%s)
 timeout 600 "${compose[@]}" up -d --no-build --wait --wait-timeout 540 "${services[@]}"
 echo "compose-smoke: federation up and healthy in $(( $(date +%s) - t0 )) s"
 
-# The installed fedmeta binds node keys only once the server supports federation.node_keys.
-keys=()
-if ! .venv/bin/python -c 'from fedmeta.config import FederationConfig as F; assert "node_keys" in F.model_fields' 2>/dev/null; then
-  keys=(-e FEDMETA_NODE_KEYS=)
-fi
-run() { timeout 1200 "${compose[@]}" exec -T "${keys[@]}" serverapp fedmeta deploy run --poll 1 "$@"; }
+run() { timeout 1200 "${compose[@]}" exec -T serverapp fedmeta deploy run --poll 1 "$@"; }
 
 t0=$(date +%s)
 out=$(run --set privacy.epsilon_budget=2.5) || { echo "$out"; echo "compose-smoke: run failed" >&2; exit 1; }
