@@ -28,6 +28,7 @@ def test_compose_federation_through_podman() -> None:
     args = ["--no-build"] if os.environ.get("FEDMETA_SMOKE_NO_BUILD") == "1" else []
     res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=3600, check=False)  # fmt: skip
+    print(res.stdout)  # the run's record (pytest -s or -rP shows it)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "compose-smoke: ok" in res.stdout
     assert "stopped: budget_exhausted" in res.stdout
