@@ -13,8 +13,9 @@ participants as ``fedmeta deploy participant`` (SuperNode + warm worker); the ru
 * with the server's key binding (``federation.node_keys``), a node whose key is registered with
   the SuperLink but bound to no participant is refused by fedmeta (``unbound_node``).
 
-Checked afterwards: the command's exit status, the summary, every round's failures, and the
-ledger (one spend per completed round, epsilon within the budget). About 2-3 minutes on 2 cores.
+Checked afterwards: the command's exit status, the summary, every round's failures, the ledger
+(one spend per completed round, epsilon within the budget), and that nothing the server side printed
+or wrote carries per-round sample sizes or timings. About 2-3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def test_private_federation_across_hosts(federation: tuple[LocalFederation, Netw
     _check_rounds(out, summary)
     _check_ledger(fed, summary)
     _check_refused(fed, strangers, server_log)
+    _check_no_private_diagnostics(out, [log, server_log])
     _check_shaped_participant(fed, net, members[1])
     if fed.fleet_proxy:
         _check_proxy_blocks_control(fed, net)
@@ -166,6 +168,18 @@ def _check_ledger(fed: LocalFederation, summary: dict[str, Any]) -> None:
     assert {r.run_id for r in records} == {summary["run_id"]}
     assert [r.round_index for r in records] == list(range(len(records)))
     assert ledger.epsilon() <= BUDGET
+
+
+def _check_no_private_diagnostics(out: Path, printed: list[str]) -> None:
+    """What the server side of a private run prints and writes carries no per-round sample sizes
+    or timings (docs/privacy.md): not in the command's output, the ServerApp's log or the files."""
+    from server.outputs import DIAGNOSTIC_FIELDS
+
+    header = (out / "rounds.csv").read_text().splitlines()[0].split(",")
+    assert not set(header) & set(DIAGNOSTIC_FIELDS), header
+    for text in [*printed, (out / "summary.json").read_text()]:
+        found = [f for f in DIAGNOSTIC_FIELDS if f in text]
+        assert not found, (found, text[-2000:])
 
 
 def _check_refused(fed: LocalFederation, strangers: list[Node], server_log: str) -> None:
