@@ -139,10 +139,14 @@ if [ "$make_ca" = 1 ] && compgen -G "$out/nodes/*.key.pub" >/dev/null; then
   echo "federation.node_keys ($out/node-keys.toml: bind each participant id to its node's key):"
   sed -n 's/^"/  "/p' "$out/node-keys.toml"
 fi
-if [ ${#nodes[@]} -gt 0 ] && [ -z "$register" ]; then
+if [ ${#nodes[@]} -gt 0 ] && [ "$make_ca" = 0 ]; then
+  echo
+  echo "Send only the public key(s) to the federation's operator (the private key stays here):"
+  for name in "${nodes[@]}"; do echo "  $out/nodes/$name.key.pub"; done
+elif [ ${#nodes[@]} -gt 0 ] && [ -z "$register" ]; then
   echo
   echo "Register the keys with the SuperLink (on the server host, whose Control API it is):"
-  echo "  deploy/tls/register-nodes.sh --address 127.0.0.1:8000 --ca $out/ca.crt $out/nodes/*.key.pub"
+  echo "  fedmeta deploy register --superlink 127.0.0.1:8000 --root-certificates $out/ca.crt $out/nodes"
 fi
 if [ -n "$register" ]; then
   [ "$make_ca" = 1 ] || { echo "make-certs: --register needs the CA (not --no-ca)" >&2; exit 2; }
