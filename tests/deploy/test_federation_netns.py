@@ -188,8 +188,12 @@ def _check_refused(fed: LocalFederation, strangers: list[Node], server_log: str)
     assert intruder.proc.wait(timeout=120) != 0
     text = (fed.logs / f"node-{intruder.key_name}.log").read_text()
     assert "2004" in text or "412" in text, text[-2000:]
-    # The server binds keys: the registered but unbound node is refused by fedmeta.
+    # The server binds keys: the registered but unbound node is refused by fedmeta, once (it is
+    # not asked to register again before every round).
     assert "unbound_node" in server_log, server_log[-3000:]
+    unbound = fed.logs / f"node-{strangers[1].key_name}.timings.jsonl"
+    asked = [json.loads(line)["kind"] for line in unbound.read_text().splitlines()]
+    assert asked == ["query"], asked
 
 
 def _check_shaped_participant(fed: LocalFederation, net: Network, node: Node) -> None:
