@@ -96,7 +96,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeAlias
 
@@ -1097,8 +1097,17 @@ def _gallop_and_interpolate(
         e = eps_of(t)
         return math.inf if e == math.inf else math.log(max(e, 1e-300) / budget)
 
+    bracket = _gallop(g, lo, limit)
+    return limit if bracket is None else _illinois(g, *bracket)
+
+
+_Bracket = tuple[int, float, int, float]
+
+
+def _gallop(g: Callable[[int], float], lo: int, limit: int) -> _Bracket | None:
+    """``(lo, g(lo), hi, g(hi))`` with ``g(lo) <= 0 < g(hi)``; None if ``limit`` is feasible."""
     g_lo, prev = g(lo), None
-    while True:  # gallop
+    while True:
         if prev is not None and prev[1] < g_lo < 0.0:
             slope = (g_lo - prev[1]) / math.log(lo / prev[0])
         else:
@@ -1107,10 +1116,14 @@ def _gallop_and_interpolate(
         hi = min(limit, max(lo + 1, math.ceil(lo * min(max(step, 1.01), 16.0))))
         g_hi = g(hi)
         if g_hi > 0.0:
-            break
+            return lo, g_lo, hi, g_hi
         if hi >= limit:
-            return limit
+            return None
         prev, lo, g_lo = (lo, g_lo), hi, g_hi
+
+
+def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: float) -> int:
+    """Shrink the integer bracket to ``hi == lo + 1`` (regula falsi in ``log T``, Illinois rule)."""
     last = 0
     while hi - lo > 1:
         if hi - lo <= 4 or not (math.isfinite(g_lo) and math.isfinite(g_hi)) or g_lo == g_hi:
@@ -1132,9 +1145,3 @@ def _gallop_and_interpolate(
             last = -1
     return lo
 
-
-def epsilon_curve(
-    event: GaussianRound, rounds: Iterable[int], delta: float, unit: str = "task"
-) -> list[tuple[int, float]]:
-    """``[(T, eps(T))]`` for a few ``T`` (each a single self-composition)."""
-    return [(t, epsilon([(event, t)], delta, unit)) for t in rounds]

@@ -523,8 +523,8 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
-    """A writer's connection: rollback journal, ``synchronous=EXTRA``, integrity checked."""
+def _check_writable_location(path: Path, *, create: bool) -> None:
+    """Refuse, with the reason, a path a writer cannot use: not SQLite, missing, read-only."""
     if path.exists():
         header = _read_header(path)
         if header:  # an empty file is an empty SQLite database
@@ -543,6 +543,11 @@ def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
                 f"ledger {path} is read-only here ({needed} is not writable: file, directory or "
                 "mount); spending needs write access, reading works with open_readonly"
             )
+
+
+def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
+    """A writer's connection: rollback journal, ``synchronous=EXTRA``, integrity checked."""
+    _check_writable_location(path, create=create)
     try:
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)

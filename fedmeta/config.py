@@ -216,7 +216,7 @@ class TrainingConfig(_Section):
         None,
         gt=0,
         le=1,
-        description="adam_bc: floor of the corrected second moment; None = 1% of "
+        description="adam_bc: floor of the corrected second moment; None = "
         "the noise variance",
     )
     lr_schedule: Literal["constant", "cosine"] = "constant"

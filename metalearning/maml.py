@@ -373,6 +373,43 @@ def _make_func_grad(
     return flat
 
 
+def _chunk_gradient_fn(
+    model: nn.Module,
+    p: dict[str, Tensor],
+    dev: torch.device,
+    meth: str,
+    inner_steps: int,
+    inner_lr: float,
+    first_order: bool,
+) -> Callable[[Task, ThreadPoolExecutor | None], Tensor]:
+    """``chunk_grads(batch, pool)``: a chunk's per-task gradients, by ``vmap`` or a task loop."""
+    loss_fn = _loss_fn(model)
+    if meth == "vmap":
+        batched = torch.func.vmap(
+            _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
+            in_dims=(None, 0, 0, 0, 0),
+        )
+
+        def vmapped(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
+            return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
+
+        return vmapped
+    forward = _loop_forward(model, dev)
+
+    def one_task(b: Task, i: int) -> Tensor:
+        return _task_grad_autograd(
+            forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
+        )
+
+    def looped(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
+        ids = range(b.support_x.shape[0])
+        if pool is None:
+            return torch.stack([one_task(b, i) for i in ids])
+        return torch.stack(list(pool.map(lambda i: one_task(b, i), ids)))
+
+    return looped
+
+
 def per_task_grads(
     model: nn.Module,
     params: Mapping[str, Tensor] | Tensor | None,
@@ -408,31 +445,8 @@ def per_task_grads(
     dtype = next(iter(p.values())).dtype
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
-    loss_fn = _loss_fn(model)
     workers = _task_threads(model, dev, n) if meth == "loop" else 1
-    if meth == "vmap":
-        batched = torch.func.vmap(
-            _make_func_grad(model, loss_fn, inner_steps, inner_lr, first_order),
-            in_dims=(None, 0, 0, 0, 0),
-        )
-
-        def chunk_grads(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
-            return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
-
-    else:
-        forward = _loop_forward(model, dev)
-
-        def one_task(b: Task, i: int) -> Tensor:
-            return _task_grad_autograd(
-                forward, loss_fn, p, b.task(i), inner_steps, inner_lr, first_order
-            )
-
-        def chunk_grads(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
-            ids = range(b.support_x.shape[0])
-            if pool is None:
-                return torch.stack([one_task(b, i) for i in ids])
-            return torch.stack(list(pool.map(lambda i: one_task(b, i), ids)))
-
+    chunk_grads = _chunk_gradient_fn(model, p, dev, meth, inner_steps, inner_lr, first_order)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(_one_thread_workers(workers)) if workers > 1 else None
         stack.enter_context(_deterministic(dev, deterministic))

@@ -89,6 +89,6 @@ def make_optimizer(
     if cfg.optimizer == "sgd":
         return torch.optim.SGD([params], lr=cfg.meta_lr, momentum=cfg.momentum)
     floor = (
-        cfg.adam_bc_floor if cfg.adam_bc_floor is not None else max(noise_variance, 1e-12) * 1e-2
+        cfg.adam_bc_floor if cfg.adam_bc_floor is not None else max(noise_variance, 1e-12)
     )
     return AdamBC([params], lr=cfg.meta_lr, phi=noise_variance, floor=floor)

@@ -61,6 +61,10 @@ class Exchange:
 Transport = Callable[[Mapping[str, GradientRequest]], Exchange]
 
 
+class TrainingDiverged(ValueError):
+    """The meta-model left the finite floats: a step size the configuration must change."""
+
+
 class TrainingState:
     """The meta-parameters and their optimizer: what a round changes."""
 
@@ -89,6 +93,15 @@ class TrainingState:
         self.optimizer.zero_grad(set_to_none=True)
         self.params.grad = update.to(self.params.dtype).reshape(self.params.shape)
         self.optimizer.step()
+        # Stop here rather than send participants a model they can only answer with NaN: the round's
+        # spend is recorded, the last checkpoint holds the finite model before it.
+        if not bool(torch.isfinite(self.params).all()):
+            raise TrainingDiverged(
+                f"the meta-model became non-finite at round {index + 1}: the step is too large; "
+                "lower training.meta_lr (or, with training.optimizer=adam_bc, raise "
+                "training.adam_bc_floor); the rounds before it are in the ledger and the last "
+                "checkpoint"
+            )
 
     def flat(self) -> np.ndarray:
         """The parameters as sent to participants: one float32 vector."""

@@ -84,11 +84,13 @@ def _report(error: Exception) -> int:
     from fedmeta.checkpoint import CheckpointError
     from fedmeta.config import ConfigError
     from metalearning import DataError
+    from server.round import TrainingDiverged
     from server.run import FederationError, PlanError
     from server.rundir import RunDirectoryBusy
     from server.transport import RegistrationError
 
-    bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError)
+    bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError,
+                 TrainingDiverged)  # fmt: skip
     if isinstance(error, bad_input):
         status, text = exitcodes.BAD_INPUT, str(error)
     elif isinstance(error, RegistrationError | RunDirectoryBusy):

@@ -74,3 +74,32 @@ def test_state_survives_a_checkpoint(name: str) -> None:
     one.step(torch.full((4,), 0.5), 3)
     two.step(torch.full((4,), 0.5), 3)
     assert torch.equal(one.params, two.params)
+
+
+def test_a_non_finite_model_stops_the_run_with_the_fix_named() -> None:
+    from server.round import TrainingDiverged
+
+    cfg = load_config(None, ["training.optimizer=sgd", "training.meta_lr=1.0",
+                             "training.momentum=0"]).training  # fmt: skip
+    state = TrainingState(torch.zeros(4), cfg, planned_rounds=10)
+    state.step(torch.full((4,), 3e38), 0)  # finite
+    with pytest.raises(TrainingDiverged, match="round 2: .*training.meta_lr"):
+        state.step(torch.full((4,), 3e38), 1)  # -3e38 - 3e38 overflows float32
+
+
+def test_adam_bc_steps_at_most_sqrt2_times_adams_by_default() -> None:
+    """With the default floor (Phi), a noise-only coordinate does not get a huge step."""
+    torch.manual_seed(0)  # test data only
+    phi = 1e-4
+    cfg_bc = load_config(None, ["training.optimizer=adam_bc", "training.meta_lr=0.01"]).training
+    cfg_adam = load_config(None, ["training.optimizer=adam", "training.meta_lr=0.01"]).training
+    bc = TrainingState(torch.zeros(1000), cfg_bc, noise_variance=phi, planned_rounds=100)
+    adam = TrainingState(torch.zeros(1000), cfg_adam, noise_variance=phi, planned_rounds=100)
+    for t in range(50):
+        noise = torch.randn(1000) * phi**0.5
+        before_bc, before_adam = bc.params.detach().clone(), adam.params.detach().clone()
+        bc.step(noise, t)
+        adam.step(noise, t)
+        step_bc = (bc.params.detach() - before_bc).abs()
+        step_adam = (adam.params.detach() - before_adam).abs()
+        assert bool((step_bc <= 2**0.5 * step_adam + 1e-7).all())

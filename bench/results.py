@@ -1,0 +1,157 @@
+"""Privacy-utility results (docs/results.md): every number there comes from one of these commands.
+
+    python bench/results.py sinusoid  --out results/sinusoid.jsonl     # MSE against epsilon
+    python bench/results.py two-stage --out results/two-stage.jsonl    # sampler trade-off
+    python bench/results.py plot results/sinusoid.jsonl results/two-stage.jsonl --png docs/img
+
+``sinusoid`` runs ``configs/sinusoid.toml`` (the default main job) privately at each ``--epsilons``
+value and once without privacy, all for the same number of rounds, and records the post-adaptation
+test MSE over the held-out test tasks with its 95% confidence interval. ``two-stage`` runs the same
+federation under three samplers at equal expected lot: every participant every round (flat Poisson),
+two-stage with Poisson stage 2, and two-stage with fixed-size stage 2, each calibrated by the
+accountant to the target epsilon. Each run has its own ledger (runs on the same data would otherwise
+compose against one budget, as they must in production). Output: one JSON object per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+# bench/accounting.py would shadow the accounting package when run from bench/.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+REPO = _HERE.parent
+
+QUIET = ["federation.backend=inprocess", "output.progress=false", "output.plots=false"]
+
+
+def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
+    """One simulated federation; its summary's result fields and wall time."""
+    from fedmeta.config import load_config
+    from simulation.simulate import main
+
+    tag = f"run-{len(list(work.iterdir()))}"
+    sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]
+    t0 = time.perf_counter()
+    s = main(load_config(config, sets), out_dir=work / tag).summary
+    keep = ("metric", "final_metric", "final_metric_ci95", "untrained_metric", "epsilon_spent",
+            "rounds_completed", "noise_multiplier", "stopped_reason")  # fmt: skip
+    return {
+        "overrides": overrides,
+        **{k: s.get(k) for k in keep},
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def sinusoid_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[str]]:
+    base = [] if rounds is None else [f"rounds={rounds}"]
+    yield [*base, "privacy.enabled=false"]
+    for eps in epsilons:
+        yield [*base, f"privacy.epsilon_budget={eps}"]
+
+
+def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[str]]:
+    """Equal expected lot (80 tasks a round from 20 participants of 200 tasks each)."""
+    base = [] if rounds is None else [f"rounds={rounds}"]
+    samplers = [
+        # flat Poisson: every participant every round, q2 = 0.02
+        [
+            "sampling.participants_per_round=20",
+            "sampling.stage2=poisson",
+            "sampling.task_rate=0.02",
+        ],
+        # two-stage Poisson: 4 of 20, q2 = 0.1
+        ["sampling.participants_per_round=4", "sampling.stage2=poisson", "sampling.task_rate=0.1"],
+        # two-stage fixed-size: 4 of 20, n2 = 20
+        [
+            "sampling.participants_per_round=4",
+            "sampling.stage2=fixed",
+            "sampling.tasks_per_round=20",
+        ],
+    ]
+    for eps in epsilons:
+        for sets in samplers:
+            yield [*base, *sets, f"privacy.epsilon_budget={eps}"]
+
+
+def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
+    with tempfile.TemporaryDirectory(prefix="fedmeta-results-") as tmp, out.open("a") as sink:
+        for overrides in runs:
+            rec = run_one(config, overrides, Path(tmp))
+            now = datetime.now(UTC).isoformat(timespec="minutes")
+            rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
+                    "machine": machine}  # fmt: skip
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+            print(json.dumps(rec), flush=True)
+
+
+def _label(rec: dict[str, Any]) -> str:
+    sets = [o for o in rec["overrides"] if o.startswith("sampling.")]
+    return ", ".join(s.split(".", 1)[1] for s in sets) or "default sampler"
+
+
+def plot(paths: list[Path], png_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
+    png_dir.mkdir(parents=True, exist_ok=True)
+    for kind in sorted({r["experiment"] for r in recs}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        series: dict[str, list[tuple[float, float, float]]] = {}
+        for r in recs:
+            if r["experiment"] != kind:
+                continue
+            if r["epsilon_spent"] is None:
+                ax.axhline(r["final_metric"], ls="--", c="grey", label="non-private")
+                continue
+            lo, hi = r["final_metric_ci95"]
+            point = (r["epsilon_spent"], r["final_metric"], hi - lo)
+            series.setdefault(_label(r), []).append(point)
+        for name, pts in series.items():
+            pts.sort()
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] / 2 for p in pts],
+                        marker="o", capsize=3, label=name)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("task-level epsilon (delta = 1e-5)")
+        ax.set_ylabel("test MSE after adaptation")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(png_dir / f"results-{kind}.png", dpi=120)
+        plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot"])
+    ap.add_argument("inputs", nargs="*", type=Path, help="plot: the JSON-lines files")
+    ap.add_argument("--config", type=Path, default=REPO / "configs" / "sinusoid.toml")
+    ap.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
+    ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
+    ap.add_argument("--png", type=Path, default=REPO / "docs" / "img")
+    args = ap.parse_args()
+    if args.experiment == "plot":
+        plot(args.inputs, args.png)
+        return 0
+    runs = sinusoid_runs if args.experiment == "sinusoid" else two_stage_runs
+    record(args.experiment, runs(args.epsilons, args.rounds), args.config.resolve(), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
