@@ -276,13 +276,26 @@ class LocalFederation:
                                      f"127.0.0.1:{self.port}"))  # fmt: skip
         self.start(self.server, "nginx", [nginx, "-c", str(conf)])
 
-    def register(self, key_names: Sequence[str]) -> None:
-        """Register node public keys with the SuperLink (Control API, from the server host)."""
+    def register(self, key_names: Sequence[str], attempts: int = 5) -> None:
+        """Register node public keys with the SuperLink (Control API, from the server host).
+
+        ``flwr supernode register`` can exit 0 without having registered anything (its JSON then
+        says ``"success": false``); each key is tried until the SuperLink confirms it, or says
+        the key is already registered.
+        """
         for name in key_names:
-            res = self.flwr("supernode", "register", str(self.certs / "nodes" / f"{name}.key.pub"),
-                            "local", "--name", name, "--format", "json")  # fmt: skip
-            if res.returncode != 0:
-                raise RuntimeError(f"registering {name}: {(res.stdout + res.stderr)[-400:]}")
+            text = ""
+            for attempt in range(attempts):
+                res = self.flwr("supernode", "register",
+                                str(self.certs / "nodes" / f"{name}.key.pub"), "local", "--name",
+                                name, "--format", "json")  # fmt: skip
+                text = " ".join((res.stdout + res.stderr).split())
+                flat = text.replace("'", '"').replace('": ', '":').lower()
+                if res.returncode == 0 and '"success":true' in flat or "already in use" in flat:
+                    break
+                time.sleep(1 + attempt)
+            else:
+                raise RuntimeError(f"registering {name}: {text[-400:]}")
 
     def node_keys_file(self) -> Path:
         """``[federation.node_keys]`` of the bound nodes (participant id = key fingerprint)."""
