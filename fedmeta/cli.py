@@ -19,6 +19,7 @@ _COMMAND_MODULES: tuple[tuple[str, str], ...] = (
     ("simulation.simulate", "register"),
     ("server.exporter", "register"),
     ("fedmeta.evaluate", "register"),
+    ("fedmeta.deployment", "register"),
 )
 
 

@@ -9,8 +9,11 @@ The policy (docs/deploy.md, "Membership"):
   registers again.
 * **Bound identities.** With ``federation.node_keys`` (participant id -> public-key fingerprint) a
   node is accepted only with a bound key and only as the participant bound to that key; anything
-  else is refused and counted (``unbound_node``, ``wrong_key``). Without it, nodes name themselves
-  (simulation) and the first to claim an id keeps it (``duplicate_participant``).
+  else is refused and counted (``unbound_node``, ``wrong_key``), once: a node refused for a reason
+  that cannot change during the run (also ``too_few_tasks``) is not asked again until it
+  reconnects, so it costs no registration exchange before every round. Without bindings, nodes
+  name themselves (simulation) and the first to claim an id keeps it (``duplicate_participant``;
+  such a node is asked again, as the id may become free).
 * **Suspension.** A participant whose last ``federation.max_consecutive_failures`` requests timed
   out or found its node unavailable is not sampled again until its node reconnects.
 * **Accounting.** Each round samples from the population eligible at its start; the round's
@@ -37,6 +40,8 @@ REFUSED_DUPLICATE = "duplicate_participant"
 REFUSED_TOO_FEW_TASKS = "too_few_tasks"
 #: Delivery failures that count towards suspension (an error reply is the participant's own).
 SUSPENDING_FAILURES = frozenset({"timeout", "node_unavailable"})
+#: Refusals that hold for the whole run: the node is not asked again until it reconnects.
+FINAL_REFUSALS = frozenset({REFUSED_UNBOUND, REFUSED_WRONG_KEY, REFUSED_TOO_FEW_TASKS})
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Membership:
     suspended: set[str] = field(default_factory=set)
     refused: dict[str, int] = field(default_factory=dict)
     _failures: dict[str, int] = field(default_factory=dict)
+    _refused_nodes: dict[int, str] = field(default_factory=dict)  # node id -> final refusal
 
     def start(self) -> None:
         """Register until ``min_participants`` are in or the registration timeout passes."""
@@ -67,7 +73,9 @@ class Membership:
         for pid in [p for p, m in self.members.items() if m.node_id not in online]:
             log.info("participant %s left (node no longer connected)", pid)
             self._forget(pid)
-        known = {m.node_id for m in self.members.values()}
+        for node in [n for n in self._refused_nodes if n not in online]:
+            del self._refused_nodes[node]  # asked again if it comes back
+        known = {m.node_id for m in self.members.values()} | set(self._refused_nodes)
         new = sorted(online - known)
         if new:
             self._admit(self.transport.query(self.request, new))
@@ -83,6 +91,8 @@ class Membership:
             reason = self._refusal(reg, bound)
             if reason is not None:
                 self.refused[reason] = self.refused.get(reason, 0) + 1
+                if reason in FINAL_REFUSALS:
+                    self._refused_nodes[reg.node_id] = reason
                 log.warning("refused node %s claiming participant %r: %s",
                             reg.node_id, reg.participant_id, reason)  # fmt: skip
                 continue

@@ -157,6 +157,7 @@ class _Run:
     ledger: BudgetLedger | None = None
     started_at: float = field(default_factory=time.monotonic)
     refused_since_last: dict[str, int] = field(default_factory=dict)
+    refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
 
 
 def run_federation(
@@ -362,14 +363,16 @@ def _rounds(run: _Run, stop: threading.Event) -> str:
 def _prepare_round(run: _Run, index: int) -> bool:
     """The round's population, its privacy event and sampler; False if nobody can be sampled."""
     session, membership = run.session, run.membership
-    before = dict(membership.refused)
     membership.refresh()
     eligible = membership.eligible()
     if not eligible:
         log.warning("round %d not run: no participant is connected and unsuspended", index + 1)
         return False
-    run.refused_since_last = {k: v - before.get(k, 0) for k, v in membership.refused.items()
-                              if v > before.get(k, 0)}  # fmt: skip
+    # Refusals since the last round's record, registration before round 1 included.
+    done = run.refused_reported
+    run.refused_since_last = {k: v - done.get(k, 0) for k, v in membership.refused.items()
+                              if v > done.get(k, 0)}  # fmt: skip
+    run.refused_reported = dict(membership.refused)
     session.task_counts = eligible
     session.plan = run.plan.for_population(run.cfg, eligible)
     seed = run.cfg.privacy.insecure_test_seed

@@ -114,12 +114,14 @@ def test_node_keys_bind_participant_ids(tmp_path: Path) -> None:
     # Participants 0 and 1 are bound to their own keys, 2 is bound to node 3's key (node 2 holds
     # an unregistered key), and node 3 claims participant 3 with participant 2's key.
     bindings = {"0": fingerprints[0], "1": fingerprints[1], "2": fingerprints[3]}
-    cfg = small("federation.participants=4", "sampling.participants_per_round=2", "rounds=2",
+    cfg = small("federation.participants=4", "sampling.participants_per_round=2", "rounds=3",
                 *[f'federation.node_keys.{p}="{k}"' for p, k in bindings.items()])  # fmt: skip
     rec = Recorder()
     result, ledger = _run(cfg, grid, tmp_path, [rec])
     assert result.summary["participants_registered"] == 2
     assert dict(rec.rounds[0].nodes_refused) == {"unbound_node": 1, "wrong_key": 1}
+    # Counted once: a node refused for the whole run is not asked again before every round.
+    assert all(not r.nodes_refused for r in rec.rounds[1:]), [r.nodes_refused for r in rec.rounds]
     assert {e.scheme.participants for e, _ in ledger.rounds()} == {2}
     assert fingerprints[0].startswith("SHA256:") and len(fingerprints[0]) == 50
 

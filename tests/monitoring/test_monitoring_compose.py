@@ -56,7 +56,7 @@ def test_compose_structure() -> None:
     yaml = pytest.importorskip("yaml")
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert {"prometheus", "grafana", "exporter", "simulate"} <= set(services)
+    assert {"prometheus", "grafana", "exporter", "simulate", "serverapp"} <= set(services)
     for mount in services["prometheus"]["volumes"] + services["grafana"]["volumes"]:
         source = mount.split(":")[0]
         if source.startswith("./"):
@@ -65,14 +65,21 @@ def test_compose_structure() -> None:
     for name, service in services.items():
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), (name, port)
+    # The exporter reads the ledger volume read-only, where the ServerApp and simulate write it.
     exporter = " ".join(services["exporter"]["command"])
-    assert "--db /data/ledger.sqlite" in exporter and "--port 9464" in exporter
+    assert "--db /ledger/ledger.sqlite" in exporter and "--port 9464" in exporter
+    assert "ledger:/ledger:ro" in services["exporter"]["volumes"]
+    for writer in ("serverapp", "simulate"):
+        assert services[writer]["environment"]["FEDMETA_STATE_DIR"] == "/ledger"
+        assert "ledger:/ledger" in services[writer]["volumes"]
     simulate = " ".join(services["simulate"]["command"])
-    assert "privacy.ledger_path=/data/ledger.sqlite" in simulate and "metrics.port=9465" in simulate
+    assert "metrics.port=9465" in simulate and "metrics.bind=0.0.0.0" in simulate
+    # Every simulate run writes to a directory of its own (a second run never meets the first).
+    assert "simulate-$$(date" in " ".join(services["simulate"]["entrypoint"])
     # Prometheus scrapes what compose runs.
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     targets = {
         t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
     }
-    assert targets == {"exporter:9464", "simulate:9465"}
-    assert (ROOT / "Dockerfile").is_file()
+    assert targets == {"exporter:9464", "serverapp:9465", "simulate:9465"}
+    assert (ROOT / "deploy/images/Dockerfile").is_file()

