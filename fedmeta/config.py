@@ -38,7 +38,7 @@ class AdaptiveClippingConfig(_Section):
     """
 
     # On by default: on the default sinusoid job at epsilon 8 it took the test MSE from 0.44 to 0.32
-    # (non-private 0.28), for 0.03% more gradient noise (docs/results.md).
+    # (non-private 0.28), for 0.08% more gradient noise (docs/results.md).
     enabled: bool = Field(True, description="adapt the clip bound C every round (off = fixed C)")
     target_quantile: float = Field(
         0.5, gt=0, lt=1, description="gamma: the quantile of per-task norms C tracks, (0, 1)"
@@ -51,7 +51,7 @@ class AdaptiveClippingConfig(_Section):
         gt=0,
         le=1e9,
         description="standard deviation of the noise on the count of tasks under the bound, in "
-        "tasks; must exceed z / 2; None = the public expected lot / 20 (Andrew et al.)",
+        "tasks; must exceed z / 2; None = max(public expected lot / 20 (Andrew et al.), z)",
     )
     initial_clip: float | None = Field(
         None, gt=0, le=1e6, description="C in the first round; None = privacy.clip"

@@ -164,16 +164,16 @@ def _adaptive(cfg: Config, z: float, expected_lot: float) -> AdaptiveClipping | 
     a = cfg.privacy.adaptive_clipping
     if not a.enabled:
         return None
-    count_noise = a.count_noise if a.count_noise is not None else expected_lot / 20.0
+    # Andrew et al.'s lot / 20 costs almost nothing at large lots; at small ones it would exceed the
+    # whole round's noise (2 s_b <= z), so the default never goes below z: at most 15% more
+    # gradient noise (z_grad = z / sqrt(3/4)), and a default configuration always starts.
+    count_noise = a.count_noise if a.count_noise is not None else max(expected_lot / 20.0, z)
     try:
         z_grad = gradient_noise_multiplier(z, count_noise)
-    except ValueError:
-        source = (
-            "" if a.count_noise is not None else f" (default: expected lot {expected_lot:g}/20)"
-        )
+    except ValueError:  # only a configured count_noise can be too small (the default is >= z)
         raise ValueError(
             f"privacy.adaptive_clipping.count_noise must be > z / 2 = {z / 2:g} (z = the total "
-            f"noise multiplier); got {count_noise:g}{source}: raise it, or lower z"
+            f"noise multiplier); got {count_noise:g}: raise it, or lower z"
         ) from None
     initial = a.initial_clip if a.initial_clip is not None else cfg.privacy.clip
     return AdaptiveClipping(a.target_quantile, a.learning_rate, count_noise, z_grad, initial,
