@@ -132,12 +132,9 @@ class PrivacyConfig(_Section):
         if not adaptive.enabled:
             return self
         if not self.enabled:
-            if "enabled" not in adaptive.model_fields_set:
-                return self  # on by default, unused by a non-private run (it clips nothing)
-            raise ValueError(
-                "privacy.adaptive_clipping.enabled must be false when privacy.enabled = false (a "
-                "non-private run clips nothing)"
-            )
+            # A non-private run clips nothing, so the section (on by default) is simply unused; an
+            # error here would also break every saved non-private configuration read back.
+            return self
         start = adaptive.initial_clip if adaptive.initial_clip is not None else self.clip
         if not adaptive.min_clip <= start <= adaptive.max_clip:
             raise ValueError(

@@ -140,11 +140,17 @@ def test_the_plan_splits_the_total_z_and_names_the_field_when_it_cannot() -> Non
     assert a.count_noise == pytest.approx(40 / 20)  # E[lot] = 2 * 0.5 * 40, / 20
     assert a.gradient_noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5)
     assert plan.clip == 1.0 and a.initial_clip == 1.0
-    small_lot = load_config(None, [*base, "sampling.task_rate=0.05"])  # E[lot] 4: s_b 0.2
+    # A small lot: Andrew et al.'s E[lot] / 20 = 0.2 would exceed the round's noise; the default
+    # never goes below z, so the run starts and pays at most 15.5% more gradient noise.
+    small_lot = build_plan(load_config(None, [*base, "sampling.task_rate=0.05"]), counts)
+    assert small_lot.adaptive is not None and small_lot.adaptive.count_noise == 1.0
+    assert small_lot.adaptive.gradient_noise_multiplier == pytest.approx((3 / 4) ** -0.5)
+    # A configured count noise too small for the calibrated z is refused, naming the field.
+    calibrated = [*base[:4], "privacy.adaptive_clipping.count_noise=0.05"]
     with pytest.raises(
         ValueError, match=r"privacy\.adaptive_clipping\.count_noise must be > z / 2"
     ):
-        build_plan(small_lot, counts)
+        build_plan(load_config(None, calibrated), counts)
     with pytest.raises(ConfigError, match=r"privacy\.adaptive_clipping\.count_noise"):
         load_config(None, [*base, "privacy.adaptive_clipping.count_noise=0.5"])
     with pytest.raises(ConfigError, match=r"privacy\.adaptive_clipping\.target_quantile"):
@@ -152,9 +158,11 @@ def test_the_plan_splits_the_total_z_and_names_the_field_when_it_cannot() -> Non
     with pytest.raises(ConfigError, match=r"privacy\.adaptive_clipping\.initial_clip"):
         load_config(None, [*base, "privacy.adaptive_clipping.initial_clip=5",
                            "privacy.adaptive_clipping.max_clip=2"])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"privacy\.adaptive_clipping\.enabled"):
-        load_config(None, [*base, "privacy.enabled=false"])
-    assert build_plan(load_config(None, base[:-1]), counts).adaptive is None  # off by default
+    # A non-private run clips nothing: the section is unused there, not an error.
+    assert load_config(None, [*base, "privacy.enabled=false"]).privacy.adaptive_clipping.enabled
+    assert build_plan(load_config(None, base[:-1]), counts).adaptive is not None  # on by default
+    off = [*base[:-1], "privacy.adaptive_clipping.enabled=false"]
+    assert build_plan(load_config(None, off), counts).adaptive is None
 
 
 # ------------------------------------------------------------------------------ checkpoint, resume

@@ -76,8 +76,12 @@ def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
     )
     assert result.summary["participants_registered"] == 5
     assert ledger.records()[0].event.scheme.participants == 5
-    cfg = small("sampling.stage2=fixed", "sampling.tasks_per_round=3", "sampling.min_tasks=30",
-                "federation.register_timeout_s=1")  # nobody can register: do not wait for them
+    cfg = small(
+        "sampling.stage2=fixed",
+        "sampling.tasks_per_round=3",
+        "sampling.min_tasks=30",
+        "federation.register_timeout_s=1",
+    )  # nobody can register: do not wait for them
     with pytest.raises(RegistrationError, match="0 participants registered"):
         execute(cfg, InProcessGrid(6), out_dir=tmp_path / "b", observers=[], echo=False,
                 open_ledger=opener(ledger))  # fmt: skip
