@@ -32,7 +32,7 @@ _KINDS = {"unit", "integration", "e2e"}
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """A test that names no kind is a unit test, unless it is `slow`; `integration`/`e2e` are not."""
+    """A test naming no kind is a unit test unless it is `slow`; `integration`/`e2e` are not."""
     names = {m.name for m in item.iter_markers()}
     if not _KINDS & names and "slow" not in names:
         item.add_marker(pytest.mark.unit)
