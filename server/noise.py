@@ -139,15 +139,8 @@ def noised_sum(
     if not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"clip must be a finite number > 0; got {clip}")
     std = z * float(clip)
-    grid = release_grid(std)
     exact = total.detach().to(torch.float64).cpu().numpy().reshape(-1)
-    released = source.standard_normal(exact.size)
-    released *= std
-    released += exact
-    # Division and multiplication by a power of two are exact; rint rounds to the nearest cell.
-    released /= grid
-    np.rint(released, out=released)
-    released *= grid
+    released, grid = _on_grid(exact, std, source)
     return NoisedSum(torch.from_numpy(released).reshape(total.shape), event, std, grid)
 
 
@@ -164,10 +157,12 @@ class NoisedRelease:
 
 
 def _on_grid(exact: np.ndarray, std: float, source: NoiseSource) -> tuple[np.ndarray, float]:
+    """``exact + N(0, std^2)`` rounded to the release grid of ``std``, and that grid."""
     grid = release_grid(std)
     released = source.standard_normal(exact.size)
     released *= std
     released += exact
+    # Division and multiplication by a power of two are exact; rint rounds to the nearest cell.
     released /= grid
     np.rint(released, out=released)
     released *= grid
