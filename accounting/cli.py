@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from accounting.composition import (
@@ -853,11 +854,28 @@ def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
 # ------------------------------------------------------------------------------------ register
 
 
-def register(subparsers: Any, *, config_writer: ConfigWriter | None = None) -> None:
+def _add_db_arg(p: Any, help_text: str, default_ledger: Path | None) -> None:
+    """``--db``: required unless the caller knows the default ledger (fedmeta's state dir)."""
+    if default_ledger is None:
+        p.add_argument("--db", required=True, help=help_text)
+    else:
+        p.add_argument(
+            "--db", default=str(default_ledger), help=f"{help_text} (default: %(default)s)"
+        )
+
+
+def register(
+    subparsers: Any,
+    *,
+    config_writer: ConfigWriter | None = None,
+    default_ledger: Path | None = None,
+) -> None:
     """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser.
 
     ``config_writer`` lets ``privacy plan --write-config`` write a run configuration; the fedmeta
     command line passes one (``fedmeta.plan_config``), since ``accounting`` knows no configuration.
+    ``default_ledger`` makes ``--db`` optional (fedmeta passes its state directory's ledger, which
+    ``accounting`` cannot know).
     """
     privacy = subparsers.add_parser("privacy", help="privacy accounting and planning")
     psub = privacy.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND")
@@ -889,7 +907,7 @@ def register(subparsers: Any, *, config_writer: ConfigWriter | None = None) -> N
     p = lsub.add_parser(
         "show", help="every federation, budget and run with the current guarantee (read-only)"
     )
-    p.add_argument("--db", required=True, help="path of the ledger (SQLite)")
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
     p.add_argument("--federation", help="only this federation id")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger show", _cmd_ledger_show))
@@ -897,7 +915,7 @@ def register(subparsers: Any, *, config_writer: ConfigWriter | None = None) -> N
         "backup",
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",
     )
-    p.add_argument("--db", required=True, help="the ledger to copy")
+    _add_db_arg(p, "the ledger to copy", default_ledger)
     p.add_argument("--to", required=True, help="the copy (replaced atomically)")
     p.add_argument(
         "--force",
@@ -910,7 +928,7 @@ def register(subparsers: Any, *, config_writer: ConfigWriter | None = None) -> N
         "new-budget",
         help="start a new budget for the data of a federation (recorded with who, when, why)",
     )
-    p.add_argument("--db", required=True, help="path of the ledger (SQLite)")
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
     p.add_argument("--federation", required=True, help="the data's current federation id")
     p.add_argument("--reason", required=True, help="why a new budget (recorded for good)")
     p.add_argument("--who", help="who starts it (default user@host)")

@@ -8,7 +8,7 @@ at the same epsilon.
 
     python bench/adaptive_clipping.py                       # default sinusoid job, seeds 0 and 1
     python bench/adaptive_clipping.py --seeds 0 1 2 --json
-    python bench/adaptive_clipping.py --config configs/omniglot-5way-1shot.toml --set rounds=100
+    python bench/adaptive_clipping.py --config configs/omniglot-5way-cpu.toml --set rounds=100
 """
 
 from __future__ import annotations

@@ -3,15 +3,21 @@
     python bench/results.py sinusoid  --out results/sinusoid.jsonl     # MSE against epsilon
     python bench/results.py two-stage --out results/two-stage.jsonl    # sampler trade-off
     python bench/results.py plot results/sinusoid.jsonl results/two-stage.jsonl --png docs/img
+    python bench/results.py plot results/omniglot-5way-cpu*.jsonl --figure omniglot-5way-cpu
     python bench/results.py sinusoid --epsilons 8 --set sampling.participants_per_round=20 ...
+    python bench/results.py sinusoid --name omniglot-5way-cpu \
+        --config configs/omniglot-5way-cpu.toml --epsilons 8 1.5 \
+        --set dataset.path=/path/to/omniglot --out results/omniglot-5way-cpu.jsonl
 
 ``sinusoid`` runs ``configs/sinusoid.toml`` (the default main job) privately at each ``--epsilons``
 value and once without privacy, all for the same number of rounds, and records the post-adaptation
-test MSE over the held-out test tasks with its 95% confidence interval. ``two-stage`` runs the same
-federation under three samplers at equal expected lot: every participant every round (flat Poisson),
-two-stage with Poisson stage 2, and two-stage with fixed-size stage 2, each calibrated by the
-accountant to the target epsilon. Each run has its own ledger (runs on the same data would otherwise
-compose against one budget, as they must in production). Output: one JSON object per run.
+test metric (MSE, or accuracy for image data) over the held-out test tasks with its 95% confidence
+interval; with ``--config`` and ``--name`` it does the same for any configuration (the Omniglot
+rows). ``two-stage`` runs the same federation under three samplers at equal expected lot: every
+participant every round (flat Poisson), two-stage with Poisson stage 2, and two-stage with fixed-
+size stage 2, each calibrated by the accountant to the target epsilon. Each run has its own ledger
+(runs on the same data would otherwise compose against one budget, as they must in production).
+Output: one JSON object per run.
 """
 
 from __future__ import annotations
@@ -43,14 +49,24 @@ def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     tag = f"run-{len(list(work.iterdir()))}"
     sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]
     t0 = time.perf_counter()
-    s = main(load_config(config, sets), out_dir=work / tag).summary
+    cfg = load_config(config, sets)
+    s = main(cfg, out_dir=work / tag).summary
     keep = ("metric", "final_metric", "final_metric_ci95", "untrained_metric", "epsilon_spent",
-            "rounds_completed", "noise_multiplier", "stopped_reason")  # fmt: skip
+            "delta", "rounds_completed", "noise_multiplier", "normaliser",
+            "stopped_reason")  # fmt: skip
     return {
         "overrides": overrides,
         **{k: s.get(k) for k in keep},
+        "max_tasks_per_example": group_size(cfg),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def group_size(cfg: Any) -> int:
+    """Most tasks one example appears in: the example-level group size of a task-level guarantee."""
+    from fedmeta.workload import workload
+
+    return int(workload(cfg).task_set.max_tasks_per_example)
 
 
 def sinusoid_runs(
@@ -106,37 +122,47 @@ def _label(rec: dict[str, Any]) -> str:
     return ", ".join(s.split(".", 1)[1] for s in sets) or "default sampler"
 
 
-def plot(paths: list[Path], png_dir: Path) -> None:
+def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
+    """One plot: the metric against epsilon, a series per sampler, non-private runs as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for r in recs:
+        name = f"{r['experiment']}: {_label(r)}" if prefix_series else _label(r)
+        if r["epsilon_spent"] is None:
+            ax.axhline(r["final_metric"], ls="--", c="grey", label=f"non-private ({name})")
+            continue
+        lo, hi = r["final_metric_ci95"]
+        series.setdefault(name, []).append((r["epsilon_spent"], r["final_metric"], hi - lo))
+    for name, pts in series.items():
+        pts.sort()
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] / 2 for p in pts],
+                    marker="o", capsize=3, label=name)  # fmt: skip
+    deltas = sorted({r["delta"] for r in recs if r.get("delta")}) or [1e-5]
+    metric = recs[0].get("metric") or "mse"
+    ax.set_xscale("log")
+    ax.set_xlabel(f"task-level epsilon (delta = {', '.join(f'{d:g}' for d in deltas)})")
+    ax.set_ylabel("test MSE after adaptation" if metric == "mse" else f"test {metric}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def plot(paths: list[Path], png_dir: Path, figure: str | None = None) -> None:
+    """A figure per experiment, or all the records in one figure named ``figure``."""
     recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
     png_dir.mkdir(parents=True, exist_ok=True)
+    if figure is not None:
+        _figure(recs, png_dir / f"results-{figure}.png", prefix_series=True)
+        return
     for kind in sorted({r["experiment"] for r in recs}):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        series: dict[str, list[tuple[float, float, float]]] = {}
-        for r in recs:
-            if r["experiment"] != kind:
-                continue
-            if r["epsilon_spent"] is None:
-                ax.axhline(r["final_metric"], ls="--", c="grey", label="non-private")
-                continue
-            lo, hi = r["final_metric_ci95"]
-            point = (r["epsilon_spent"], r["final_metric"], hi - lo)
-            series.setdefault(_label(r), []).append(point)
-        for name, pts in series.items():
-            pts.sort()
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] / 2 for p in pts],
-                        marker="o", capsize=3, label=name)  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_xlabel("task-level epsilon (delta = 1e-5)")
-        ax.set_ylabel("test MSE after adaptation")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(png_dir / f"results-{kind}.png", dpi=120)
-        plt.close(fig)
+        mine = [r for r in recs if r["experiment"] == kind]
+        _figure(mine, png_dir / f"results-{kind}.png", prefix_series=False)
 
 
 def main() -> int:
@@ -144,23 +170,25 @@ def main() -> int:
     ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot"])
     ap.add_argument("inputs", nargs="*", type=Path, help="plot: the JSON-lines files")
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "sinusoid.toml")
-    ap.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an override applied to every run (repeatable)")  # fmt: skip
     ap.add_argument("--no-baseline", action="store_true", help="sinusoid: skip the non-private run")
+    ap.add_argument("--name", default=None, help="the experiment's name in the records and plot")
+    ap.add_argument("--figure", default=None, help="plot: every input in one figure of this name")
     ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img")
     args = ap.parse_args()
     if args.experiment == "plot":
-        plot(args.inputs, args.png)
+        plot(args.inputs, args.png, args.figure)
         return 0
     if args.experiment == "sinusoid":
         runs = sinusoid_runs(args.epsilons, args.rounds, baseline=not args.no_baseline)
     else:
         runs = two_stage_runs(args.epsilons, args.rounds)
     plan = ([*args.sets, *sets] for sets in runs)
-    record(args.experiment, plan, args.config.resolve(), args.out)
+    record(args.name or args.experiment, plan, args.config.resolve(), args.out)
     return 0
 
 

@@ -20,11 +20,14 @@ from typing import Any
 
 from accounting import cli as accounting_cli
 from accounting.planner import PlanRequest, PlanRow
+from fedmeta.paths import default_ledger_path
 
 
 def register(subparsers: Any) -> None:
     """Add ``privacy`` and ``ledger`` (accounting's commands) with the configuration writer."""
-    accounting_cli.register(subparsers, config_writer=write_config)
+    accounting_cli.register(
+        subparsers, config_writer=write_config, default_ledger=default_ledger_path(secure=True)
+    )
 
 
 def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:

@@ -322,3 +322,31 @@ def test_cli_show_reports_a_schema1_ledger_as_legacy(
     out = capsys.readouterr().out
     assert "legacy, no id" in out and "federation fed: 2 spends" in out
     assert _file_state(db) == before
+
+
+@pytest.mark.unit
+def test_cli_ledger_commands_default_to_the_state_directory_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fedmeta ledger show` without --db reads the ledger `fedmeta simulate` spends from."""
+    from fedmeta.cli import main
+    from fedmeta.paths import default_ledger_path
+
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))
+    assert main(["ledger", "show"]) == 2  # none yet: a clear error naming the default path
+    assert f"no ledger at {tmp_path / 'state' / 'ledger.sqlite'}" in capsys.readouterr().err
+    db = default_ledger_path(secure=True)
+    db.parent.mkdir(parents=True)
+    write_schema1_ledger(db, "fed", CHEAP, 2)
+    assert main(["ledger", "show"]) == 0
+    assert "federation fed: 2 spends" in capsys.readouterr().out
+    # accounting alone (no fedmeta) knows no default: --db stays required there
+    import argparse
+
+    from accounting.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ledger", "show"])
+    assert "--db" in capsys.readouterr().err

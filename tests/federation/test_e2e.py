@@ -187,7 +187,7 @@ def test_omniglot_5way_1shot_above_chance(tmp_path: Path, shared_omniglot: Path)
     from simulation.simulate import main
 
     cfg = load_config(
-        REPO / "configs" / "omniglot-5way-1shot.toml",
+        REPO / "configs" / "omniglot-5way-5of20.toml",
         [f"dataset.path={shared_omniglot}", "federation.backend=inprocess", "rounds=60",
          "dataset.tasks_per_participant=50", "sampling.task_rate=0.1", "dataset.test_tasks=200",
          "dataset.validation_tasks=20", "training.eval_every=30", "privacy.report_every=30",
