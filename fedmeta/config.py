@@ -293,8 +293,7 @@ class TrainingConfig(_Section):
         None,
         gt=0,
         le=1,
-        description="adam_bc: floor of the corrected second moment; None = "
-        "the noise variance",
+        description="adam_bc: floor of the corrected second moment; None = the noise variance",
     )
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_min_factor: float = Field(
@@ -360,7 +359,25 @@ class Config(_Section):
                 f"sampling.tasks_per_round must be in [1, sampling.min_tasks={self.min_tasks}] "
                 f"(the public lower bound on task counts); got {n2}"
             )
+        self._check_normaliser_is_computable()
         return self
+
+    def _check_normaliser_is_computable(self) -> None:
+        # With disjoint examples tasks_per_participant only caps a count the data decides, so the
+        # expected lot cannot come from the configuration, and the real counts are private.
+        p, ds = self.privacy, self.dataset
+        if not (p.enabled and p.normaliser is None and self.sampling.stage2 == "poisson"):
+            return
+        if ds.disjoint_examples and ds.name != "sinusoid":
+            raise ValueError(
+                "privacy.normaliser must be set with dataset.disjoint_examples = true: "
+                f"dataset.tasks_per_participant ({ds.tasks_per_participant}) only caps the tasks "
+                "a participant can build without sharing an example, so the expected lot (the "
+                "public divisor of the noisy sum) cannot be computed from the configuration. Set "
+                "privacy.normaliser = participants_per_round x sampling.task_rate x the task "
+                "count you expect each participant to hold (a public estimate; the real counts "
+                "stay private)"
+            )
 
     @property
     def n1(self) -> int:

@@ -91,6 +91,23 @@ def test_participants_per_round_unset_means_every_participant() -> None:
         load_config(None, ["federation.participants=7", "sampling.participants_per_round=8"])
 
 
+def test_disjoint_example_tasks_need_a_public_normaliser(tmp_path: Path) -> None:
+    """tasks_per_participant only caps disjoint tasks, so it cannot give the expected lot."""
+    from server.plan import normaliser
+
+    omni = ["dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.disjoint_examples=true"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*omni, "dataset.tasks_per_participant=100000"])
+    assert "privacy.normaliser must be set with dataset.disjoint_examples = true" in str(info.value)
+    assert "dataset.tasks_per_participant (100000) only caps" in str(info.value)
+    cfg = load_config(None, [*omni, "privacy.normaliser=100"])
+    assert normaliser(cfg) == 100.0
+    # not needed where the divisor does not depend on the counts, or nothing is divided
+    load_config(None, [*omni, "sampling.stage2=fixed", "sampling.tasks_per_round=5"])
+    load_config(None, [*omni, "privacy.enabled=false"])
+    load_config(None, ["dataset.disjoint_examples=true"])  # sinusoid tasks: the count is exact
+
+
 def test_fixed_stage_two_is_bounded_by_the_public_min_tasks() -> None:
     cfg = load_config(None, ["sampling.stage2=fixed", "sampling.tasks_per_round=5",
                              "sampling.min_tasks=40"])  # fmt: skip
