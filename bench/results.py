@@ -128,11 +128,14 @@ def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[str, list[tuple[float, float, float]]] = {}
     for r in recs:
-        name = f"{r['experiment']}: {_label(r)}" if prefix_series else _label(r)
+        name = _label(r)
+        if prefix_series:
+            name = r["experiment"] if name == "default sampler" else f"{r['experiment']}: {name}"
         if r["epsilon_spent"] is None:
             ax.axhline(r["final_metric"], ls="--", c="grey", label=f"non-private ({name})")
             continue
@@ -145,6 +148,9 @@ def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
     deltas = sorted({r["delta"] for r in recs if r.get("delta")}) or [1e-5]
     metric = recs[0].get("metric") or "mse"
     ax.set_xscale("log")
+    ticks = sorted({round(pt[0], 1) for pts in series.values() for pt in pts})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(f"task-level epsilon (delta = {', '.join(f'{d:g}' for d in deltas)})")
     ax.set_ylabel("test MSE after adaptation" if metric == "mse" else f"test {metric}")
     ax.legend(fontsize=7)
