@@ -117,9 +117,13 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> Non
             print(json.dumps(rec), flush=True)
 
 
-def _label(rec: dict[str, Any]) -> str:
-    sets = [o for o in rec["overrides"] if o.startswith("sampling.")]
-    return ", ".join(s.split(".", 1)[1] for s in sets) or "default sampler"
+def _label(rec: dict[str, Any], with_experiment: bool) -> str:
+    """The series name: the sampling overrides, after the experiment's name if asked."""
+    sets = [o.split(".", 1)[1] for o in rec["overrides"] if o.startswith("sampling.")]
+    parts = [rec["experiment"]] if with_experiment else []
+    if sets:
+        parts.append(", ".join(sets))
+    return ": ".join(parts) or "default sampler"
 
 
 def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
@@ -133,9 +137,7 @@ def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[str, list[tuple[float, float, float]]] = {}
     for r in recs:
-        name = _label(r)
-        if prefix_series:
-            name = r["experiment"] if name == "default sampler" else f"{r['experiment']}: {name}"
+        name = _label(r, prefix_series)
         if r["epsilon_spent"] is None:
             ax.axhline(r["final_metric"], ls="--", c="grey", label=f"non-private ({name})")
             continue
