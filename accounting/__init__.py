@@ -5,13 +5,13 @@ and prometheus_client are never loaded). The mathematics is in
 ``docs/privacy.md`` and in the module docstrings (``accounting.composition``).
 """
 
-from accounting.adaptive import (
+from fedmeta.accounting.adaptive import (
     combined_noise_multiplier,
     gradient_noise_multiplier,
     next_clip,
     noisy_fraction,
 )
-from accounting.composition import (
+from fedmeta.accounting.composition import (
     DEFAULT_DISCRETIZATION,
     RoundModel,
     calibrate_noise_multiplier,
@@ -23,7 +23,7 @@ from accounting.composition import (
     round_pld,
     tombs2022_published_epsilon,
 )
-from accounting.ledger import (
+from fedmeta.accounting.ledger import (
     BackupResult,
     BudgetExhausted,
     BudgetLedger,
@@ -46,7 +46,7 @@ from accounting.ledger import (
     resolve_federation,
     start_new_budget,
 )
-from accounting.planner import (
+from fedmeta.accounting.planner import (
     Candidate,
     ComputeBudget,
     Federation,
@@ -56,7 +56,7 @@ from accounting.planner import (
     PlanRow,
     plan,
 )
-from accounting.randomness import (
+from fedmeta.accounting.randomness import (
     InsecureSeededSource,
     RandomSource,
     SystemRandomSource,
@@ -64,8 +64,8 @@ from accounting.randomness import (
     bernoulli_probability,
     sample_without_replacement,
 )
-from accounting.sampler import TwoStageSampler
-from accounting.schemes import (
+from fedmeta.accounting.sampler import TwoStageSampler
+from fedmeta.accounting.schemes import (
     PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     FixedSizeScheme,
     FlatPoissonScheme,

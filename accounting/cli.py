@@ -17,21 +17,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from accounting.composition import (
+from fedmeta.accounting.composition import (
     MAX_ROUNDS_LIMIT,
     calibrate_noise_multiplier,
     epsilon,
     max_rounds,
     tombs2022_published_epsilon,
 )
-from accounting.ledger import (
+from fedmeta.accounting.ledger import (
     BudgetLedger,
     LedgerError,
     backup,
     budgets,
     start_new_budget,
 )
-from accounting.planner import (
+from fedmeta.accounting.planner import (
     DESIGNS,
     Candidate,
     ComputeBudget,
@@ -43,7 +43,7 @@ from accounting.planner import (
     PlanRow,
     plan,
 )
-from accounting.schemes import (
+from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
     FixedSizeScheme,
@@ -873,7 +873,8 @@ def register(
     """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser.
 
     ``config_writer`` lets ``privacy plan --write-config`` write a run configuration; the fedmeta
-    command line passes one (``fedmeta.plan_config``), since ``accounting`` knows no configuration.
+    command line passes one (``fedmeta.cli.plan_config``), since ``accounting`` knows no
+    configuration.
     ``default_ledger`` makes ``--db`` optional (fedmeta passes its state directory's ledger, which
     ``accounting`` cannot know).
     """

@@ -107,9 +107,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-from scipy import fft, signal
-
-from accounting.schemes import (
+from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     REPLACE_ONE,
     UNITS,
@@ -120,6 +118,7 @@ from accounting.schemes import (
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
 )
+from scipy import fft, signal
 
 Method: TypeAlias = Literal["pld", "rdp"]
 METHODS: tuple[str, ...] = ("pld", "rdp")

@@ -63,9 +63,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
-from accounting.composition import MAX_ROUNDS_LIMIT, _check_delta, _check_unit, epsilon, max_rounds
-from accounting.randomness import SystemRandomSource
-from accounting.schemes import (
+from fedmeta.accounting.composition import (
+    MAX_ROUNDS_LIMIT,
+    _check_delta,
+    _check_unit,
+    epsilon,
+    max_rounds,
+)
+from fedmeta.accounting.randomness import SystemRandomSource
+from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
     GaussianRound,

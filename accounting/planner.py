@@ -65,14 +65,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from accounting.adaptive import gradient_noise_multiplier
-from accounting.composition import (
+from fedmeta.accounting.adaptive import gradient_noise_multiplier
+from fedmeta.accounting.composition import (
     DEFAULT_DISCRETIZATION,
     MAX_ROUNDS_LIMIT,
     calibrate_noise_multiplier,
     epsilon,
 )
-from accounting.schemes import (
+from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
     GaussianRound,

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-
-from accounting.randomness import (
+from fedmeta.accounting.randomness import (
     RandomSource,
     _bernoulli,
     _check_source,
     _sample_without_replacement,
 )
-from accounting.schemes import TwoStageFixedScheme, TwoStagePoissonScheme
+from fedmeta.accounting.schemes import TwoStageFixedScheme, TwoStagePoissonScheme
 
 
 class TwoStageSampler:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
-from fedmeta.deploy_local import (  # noqa: E402
+from fedmeta.cli.deploy_local import (  # noqa: E402
     BIN,
     LocalFederation,
     LocalHost,
@@ -51,6 +51,7 @@ from fedmeta.deploy_local import (  # noqa: E402
     free_port,
     wait_until,
 )
+
 from tests.deploy.netns import Network, netns_unavailable  # noqa: E402
 
 PRESETS = ("warm", "warm-stockpoll", "cold", "stock")
@@ -84,7 +85,7 @@ def start_node(fed: LocalFederation, node: Node, preset: str) -> None:
         fed.start_node(node, "--stock-poll")
     else:
         c = fed.certs
-        head = ([sys.executable, "-m", "client.supernode", "--"] if preset == "cold"
+        head = ([sys.executable, "-m", "fedmeta.client.supernode", "--"] if preset == "cold"
                 else [str(BIN / "flower-supernode")])  # fmt: skip
         node.proc = fed.start(node.host, f"node-{node.key_name}", [
             *head, "--superlink", fed.fleet_address, "--root-certificates", str(c / "ca.crt"),

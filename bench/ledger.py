@@ -31,8 +31,8 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
-import accounting.ledger as ledger_module  # noqa: E402
-from accounting import (  # noqa: E402
+import fedmeta.accounting.ledger as ledger_module  # noqa: E402
+from fedmeta.accounting import (  # noqa: E402
     BudgetLedger,
     FlatPoissonScheme,
     GaussianRound,

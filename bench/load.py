@@ -93,8 +93,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     import sqlite3
 
     import torch
-
-    from accounting import BudgetLedger
+    from fedmeta.accounting import BudgetLedger
 
     ledger = Path(tempfile.mkdtemp(prefix="fedmeta-soak-")) / "ledger.sqlite"
     cfg = _config(args, 20, args.rounds, [
@@ -124,18 +123,18 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(cfg: Any, out: Path, clock: Clock) -> Any:
-    from server.app import execute
+    from fedmeta.server.app import execute
 
     if cfg.federation.backend == "inprocess":
-        from simulation.local_grid import InProcessGrid
+        from fedmeta.simulation.local_grid import InProcessGrid
 
         return execute(cfg, InProcessGrid(cfg.federation.participants), out_dir=out,
                        observers=[clock], echo=False)  # fmt: skip
-    import server.app
-    from simulation.simulate import main as simulate
+    import fedmeta.server.app
+    from fedmeta.simulation.simulate import main as simulate
 
     # The Ray path builds its observers inside the simulation: hand it this clock instead.
-    server.app.make_observers = lambda cfg, progress=None: [clock]  # type: ignore[assignment]
+    fedmeta.server.app.make_observers = lambda cfg, progress=None: [clock]  # type: ignore[assignment]
     return simulate(cfg, out_dir=out)
 
 

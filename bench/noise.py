@@ -25,8 +25,8 @@ import torch
 # bench/accounting.py would shadow the accounting package when this script is run from bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from accounting import GaussianRound, TwoStagePoissonScheme  # noqa: E402
-from server.noise import NoiseSource, noised_sum  # noqa: E402
+from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme  # noqa: E402
+from fedmeta.server.noise import NoiseSource, noised_sum  # noqa: E402
 
 
 def timed(fn, reps: int) -> list[float]:  # type: ignore[no-untyped-def]

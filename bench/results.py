@@ -43,8 +43,9 @@ QUIET = ["federation.backend=inprocess", "output.progress=false", "output.plots=
 
 def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     """One simulated federation; its summary's result fields and wall time."""
+    from fedmeta.simulation.simulate import main
+
     from fedmeta.config import load_config
-    from simulation.simulate import main
 
     tag = f"run-{len(list(work.iterdir()))}"
     sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]

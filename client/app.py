@@ -8,10 +8,10 @@ problem (the server counts it), never a guess.
 from __future__ import annotations
 
 import torch
+from fedmeta.client.gradients import gradient_reply, registration
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from client.gradients import gradient_reply, registration
 from fedmeta import protocol as P
 
 app = ClientApp()

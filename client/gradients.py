@@ -41,7 +41,7 @@ def gradient_reply(
     request: GradientRequest, participant_id: str, data_path: str | None = None
 ) -> GradientReply:
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
-    from metalearning import per_task_clipped_grads
+    from fedmeta.metalearning import per_task_clipped_grads
 
     cfg = Config.model_validate_json(request.config_json)
     dim = int(request.params.shape[0])

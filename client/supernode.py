@@ -22,7 +22,8 @@ object pulls retry after ``--pull-backoff``. Every other argument is ``flower-su
 3 s idle sleep being the only sleep of 3 s or more there, and ``flower_supernode()`` reading
 ``sys.argv``.
 
-    python -m client.supernode [--poll 0.1 ...] -- --superlink HOST:9092 --isolation process ...
+    python -m fedmeta.client.supernode [--poll 0.1 ...] -- --superlink HOST:9092 \
+        --isolation process ...
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def install(polls: Polls, pull_backoff_s: float) -> None:
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """This launcher's options, and the rest for ``flower-supernode``."""
-    p = argparse.ArgumentParser(prog="python -m client.supernode", add_help=False)
+    p = argparse.ArgumentParser(prog="python -m fedmeta.client.supernode", add_help=False)
     p.add_argument("--poll", type=float, default=0.1, help="idle poll while a run is active (s)")
     p.add_argument("--reply-poll", type=float, default=0.02)
     p.add_argument("--active-window", type=float, default=30.0)

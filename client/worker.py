@@ -27,7 +27,8 @@ a run whose app is not ``fedmeta/fedmeta`` at this node's fedmeta version gets a
 ``--api-timeout`` (retries included), each task by ``--task-timeout`` (a watchdog ends the process
 with exit status 75 so that its supervisor restarts the SuperNode and the worker together).
 
-    python -m client.worker --runtime-api-address 127.0.0.1:9094 --node-config 'participant-id=3'
+    python -m fedmeta.client.worker --runtime-api-address 127.0.0.1:9094 \
+        --node-config 'participant-id=3'
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ class Worker:
         """``app``: the ClientApp to run (default: fedmeta's, imported here, once)."""
         self.options = options
         if app is None:
-            from client.app import app as client_app
+            from fedmeta.client.app import app as client_app
 
             app = client_app
         self.app = app
@@ -435,8 +436,10 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The worker's command line (``python -m client.worker --help``)."""
-    p = argparse.ArgumentParser(prog="python -m client.worker", description=__doc__.split("\n")[0])
+    """The worker's command line (``python -m fedmeta.client.worker --help``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m fedmeta.client.worker", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
                    help="the SuperNode's Runtime API (its --port), node-local")  # fmt: skip
     p.add_argument("--root-certificates", type=Path,

@@ -48,7 +48,7 @@ class Workload:
 
 def build_model(cfg: Config) -> nn.Module:
     """The meta-model for the configured dataset."""
-    from metalearning import ConvNet4, SinusoidMLP
+    from fedmeta.metalearning import ConvNet4, SinusoidMLP
 
     ds = cfg.dataset
     if ds.name == "sinusoid":
@@ -59,7 +59,7 @@ def build_model(cfg: Config) -> nn.Module:
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:
     """Flat float32 initial meta-parameters (a function of the public seed)."""
-    from metalearning import flatten_params, init_params
+    from fedmeta.metalearning import flatten_params, init_params
 
     return flatten_params(init_params(model, cfg.seed)).to(torch.float32).contiguous()
 
@@ -68,7 +68,7 @@ def initial_params(cfg: Config, model: nn.Module) -> Tensor:
 def _splits(
     name: str, path: str, image_size: int, seed: int, split: str, rotations: bool, download: bool
 ) -> Any:
-    from metalearning import load_image_folder, load_omniglot
+    from fedmeta.metalearning import load_image_folder, load_omniglot
 
     if name == "omniglot":
         return load_omniglot(
@@ -84,7 +84,7 @@ def _splits(
 
 @functools.lru_cache(maxsize=4)
 def _workload(cfg_json: str) -> Workload:
-    from metalearning import FederatedTaskSet
+    from fedmeta.metalearning import FederatedTaskSet
 
     cfg = Config.model_validate_json(cfg_json)
     ds = cfg.dataset
@@ -156,7 +156,7 @@ def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
     validation split is empty (Omniglot's background/evaluation split), validation uses test
     classes.
     """
-    from metalearning import SinusoidTasks, sample_tasks
+    from fedmeta.metalearning import SinusoidTasks, sample_tasks
 
     salt = {"validation": _VAL_SEED_SALT, "test": _TEST_SEED_SALT, "probe": _PROBE_SEED_SALT}[which]
     seed = (cfg.seed * 1_000_003 + salt) % (2**63)
@@ -199,7 +199,7 @@ def data_fingerprint(cfg: Config) -> str:
         }
         return "sinusoid:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
     assert ds.path is not None  # the configuration requires it
-    from metalearning import image_folder_source_digest, omniglot_source_digest
+    from fedmeta.metalearning import image_folder_source_digest, omniglot_source_digest
 
     digest = omniglot_source_digest if ds.name == "omniglot" else image_folder_source_digest
     return f"{ds.name}:{digest(Path(ds.path).expanduser())}"

@@ -3,21 +3,21 @@
 Plain PyTorch + numpy; imports neither flwr nor prometheus_client. See ``docs/workload.md``.
 """
 
-from metalearning.digests import verify_checksum
-from metalearning.errors import ChecksumError, DataError
-from metalearning.federated import (
+from fedmeta.metalearning.digests import verify_checksum
+from fedmeta.metalearning.errors import ChecksumError, DataError
+from fedmeta.metalearning.federated import (
     FederatedTaskSet,
     ParticipantTasks,
     SinusoidParticipant,
     partition_classes,
 )
-from metalearning.images import (
+from fedmeta.metalearning.images import (
     ClassDataset,
     DataSplits,
     image_folder_source_digest,
     load_image_folder,
 )
-from metalearning.maml import (
+from fedmeta.metalearning.maml import (
     EvalResult,
     clip_by_global_norm,
     evaluate,
@@ -28,7 +28,7 @@ from metalearning.maml import (
     resolve_method,
     task_scores,
 )
-from metalearning.models import (
+from fedmeta.metalearning.models import (
     ConvNet4,
     ParamSpec,
     SinusoidMLP,
@@ -37,15 +37,15 @@ from metalearning.models import (
     param_spec,
     unflatten_params,
 )
-from metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
-from metalearning.oneshot_runs import (
+from fedmeta.metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
+from fedmeta.metalearning.oneshot_runs import (
     OneShotResult,
     OneShotRun,
     evaluate_oneshot_runs,
     load_oneshot_runs,
 )
-from metalearning.sinusoid import SinusoidTasks
-from metalearning.tasks import Task, sample_tasks, stack_tasks
+from fedmeta.metalearning.sinusoid import SinusoidTasks
+from fedmeta.metalearning.tasks import Task, sample_tasks, stack_tasks
 
 __all__ = [
     "ChecksumError",

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from metalearning.errors import ChecksumError, DataError
+from fedmeta.metalearning.errors import ChecksumError, DataError
 
 __all__ = ["file_digest", "file_sha256", "manifest_digest", "verify_checksum"]
 

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from metalearning.images import ClassDataset
-from metalearning.sinusoid import SinusoidTasks
-from metalearning.tasks import (
+from fedmeta.metalearning.images import ClassDataset
+from fedmeta.metalearning.sinusoid import SinusoidTasks
+from fedmeta.metalearning.tasks import (
     Task,
     check_task_shape,
     draw_plan,

@@ -16,10 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from fedmeta.metalearning.digests import manifest_digest
+from fedmeta.metalearning.errors import DataError
 from torch import Tensor
-
-from metalearning.digests import manifest_digest
-from metalearning.errors import DataError
 
 __all__ = [
     "ClassDataset",

@@ -33,10 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from fedmeta.metalearning.tasks import Task, stack_tasks
 from torch import Tensor, nn
 from torch.func import functional_call
-
-from metalearning.tasks import Task, stack_tasks
 
 __all__ = [
     "EvalResult",
@@ -215,7 +214,7 @@ def _as_params(
     model: nn.Module, params: Mapping[str, Tensor] | Tensor | None, device: torch.device
 ) -> Params:
     """Meta-parameters as a dict on ``device`` from a dict, a flat vector or the module's own."""
-    from metalearning.models import param_spec, unflatten_params
+    from fedmeta.metalearning.models import param_spec, unflatten_params
 
     if params is None:
         params = {n: p.detach() for n, p in model.named_parameters()}
@@ -698,7 +697,7 @@ def meta_train(
     dict). This is the outer loop of MAML without noise; the federated, private loop lives in
     ``server/``.
     """
-    from metalearning.models import param_spec, unflatten_params
+    from fedmeta.metalearning.models import param_spec, unflatten_params
 
     dev = resolve_device(device)
     p = _as_params(model, params, dev)

@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fedmeta.metalearning.digests import file_sha256, manifest_digest, verify_checksum
+from fedmeta.metalearning.errors import DataError
+from fedmeta.metalearning.images import ClassDataset, DataSplits
 from torch import Tensor
-
-from metalearning.digests import file_sha256, manifest_digest, verify_checksum
-from metalearning.errors import DataError
-from metalearning.images import ClassDataset, DataSplits
 
 __all__ = [
     "OMNIGLOT_FILES",
@@ -277,7 +276,7 @@ def _find_omniglot_sources(path: Path) -> tuple[str, list[Path]]:
     raise DataError(
         f"no Omniglot data at {path}: expected images_background.npz + images_evaluation.npz, "
         "images_background.zip + images_evaluation.zip (the official release; "
-        "metalearning.download_omniglot fetches them), or the unpacked folders "
+        "fedmeta.metalearning.download_omniglot fetches them), or the unpacked folders "
         "images_background/ + images_evaluation/"
         + ("" if path.is_dir() else f" (and {path} is not a directory)")
     )

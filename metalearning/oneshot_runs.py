@@ -27,13 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from fedmeta.metalearning.errors import DataError
+from fedmeta.metalearning.images import pixels_to_unit
+from fedmeta.metalearning.maml import task_scores
+from fedmeta.metalearning.omniglot import decode_png, resize_strokes
+from fedmeta.metalearning.tasks import Task, stack_tasks
 from torch import Tensor, nn
-
-from metalearning.errors import DataError
-from metalearning.images import pixels_to_unit
-from metalearning.maml import task_scores
-from metalearning.omniglot import decode_png, resize_strokes
-from metalearning.tasks import Task, stack_tasks
 
 __all__ = [
     "HUMAN_ERROR_RATE",

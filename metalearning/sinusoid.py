@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from metalearning.tasks import Task, seeded_rng, stack_tasks
+from fedmeta.metalearning.tasks import Task, seeded_rng, stack_tasks
 
 __all__ = ["SinusoidTasks"]
 

@@ -16,9 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from fedmeta.metalearning.images import ClassDataset
 from torch import Tensor
-
-from metalearning.images import ClassDataset
 
 __all__ = [
     "Task",

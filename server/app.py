@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedmeta.server.report import RunObserver
+from fedmeta.server.run import RunResult, run_federation
+from fedmeta.server.transport import GridTransport
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
-from server.report import RunObserver
-from server.run import RunResult, run_federation
-from server.transport import GridTransport
 
 for _key, _value in (
     ("FLWR_TELEMETRY_ENABLED", "0"),
@@ -36,13 +36,13 @@ log = logging.getLogger("fedmeta.server")
 
 def make_observers(cfg: Config, progress: bool | None = None) -> list[RunObserver]:
     """The progress bar, plus the Prometheus observer when ``metrics.port`` is set."""
-    from server.progress import ProgressBar
+    from fedmeta.server.progress import ProgressBar
 
     observers: list[RunObserver] = []
     if cfg.output.progress if progress is None else progress:
         observers.append(ProgressBar())
     if cfg.metrics.port is not None:
-        from server.monitoring.live import make_observer  # the only prometheus_client user
+        from fedmeta.server.monitoring.live import make_observer  # the only prometheus_client user
 
         observers.append(make_observer(cfg))
     return observers
@@ -60,7 +60,7 @@ def execute(
     stop: threading.Event | None = None,
 ) -> RunResult:
     """Run the federation over ``grid``; write summary.json, rounds.csv and plots."""
-    from server.outputs import format_summary, write_all
+    from fedmeta.server.outputs import format_summary, write_all
 
     out = Path(out_dir or cfg.output.dir)
     transport = GridTransport(

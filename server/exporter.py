@@ -58,8 +58,8 @@ def register(subparsers: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
-    from server.monitoring.ledger import exporter_registry
-    from server.monitoring.live import serve
+    from fedmeta.server.monitoring.ledger import exporter_registry
+    from fedmeta.server.monitoring.live import serve
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -28,9 +28,10 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from fedmeta.server.transport import GridTransport, Registered
+
 from fedmeta.config import Config
 from fedmeta.protocol import RegisterRequest
-from server.transport import GridTransport, Registered
 
 log = logging.getLogger("fedmeta.server")
 

@@ -44,9 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import randomgen
 import torch
+from fedmeta.accounting import GaussianRound, gradient_noise_multiplier
 from torch import Tensor
-
-from accounting import GaussianRound, gradient_noise_multiplier
 
 #: The release grid is 2^-GRID_BITS of the noise standard deviation (to within a factor 2).
 GRID_BITS = 10

@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.report import RoundOutcome
+
 from fedmeta.checkpoint import atomic_write_bytes
 from fedmeta.config import Config
-from server.plan import BudgetForecast, RunPlan
-from server.report import RoundOutcome
 
 CSV_FIELDS = [
     "round", "mode", "status", "participants_sampled", "participants_replied",

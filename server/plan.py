@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from accounting import (
+from fedmeta.accounting import (
     BudgetLedger,
     GaussianRound,
     TwoStageFixedScheme,
@@ -32,7 +32,8 @@ from accounting import (
     participant_level_note,
     tombs2022_published_epsilon,
 )
-from accounting.schemes import Neighbouring
+from fedmeta.accounting.schemes import Neighbouring
+
 from fedmeta.config import Config
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme

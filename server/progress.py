@@ -11,7 +11,7 @@ import sys
 import time
 from typing import TextIO
 
-from server.report import RoundOutcome, RunFinished, RunStarted
+from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
 
 
 def _f(x: float | None, fmt: str = ".4f") -> str:

@@ -29,16 +29,22 @@ from typing import Any
 
 import numpy as np
 import torch
+from fedmeta.accounting import (
+    BudgetExhausted,
+    BudgetLedger,
+    TwoStageSampler,
+    next_clip,
+    noisy_fraction,
+)
+from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
+from fedmeta.server.optimizer import learning_rate, make_optimizer
+from fedmeta.server.plan import RunPlan
+from fedmeta.server.report import RoundDiagnostics, RoundOutcome
+from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 from torch import Tensor
 
-from accounting import BudgetExhausted, BudgetLedger, TwoStageSampler, next_clip, noisy_fraction
 from fedmeta.config import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest
-from server.noise import NoiseSource, noised_release, noised_sum
-from server.optimizer import learning_rate, make_optimizer
-from server.plan import RunPlan
-from server.report import RoundDiagnostics, RoundOutcome
-from server.validation import Expectation, RoundReplies, validate_round
 
 STOP_PLANNED = "planned_rounds"
 STOP_BUDGET = "budget_exhausted"

@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-
-from accounting import (
+from fedmeta.accounting import (
     BudgetLedger,
     InsecureSeededSource,
     LedgerCheckpoint,
@@ -40,24 +39,32 @@ from accounting import (
     TwoStageSampler,
     resolve_federation,
 )
-from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from fedmeta.config import Config
-from fedmeta.paths import default_ledger_path
-from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
-from server.membership import Membership
-from server.noise import NoiseSource
-from server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
-from server.report import (
+from fedmeta.server.membership import Membership
+from fedmeta.server.noise import NoiseSource
+from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
+from fedmeta.server.report import (
     STATUS_LOST_ON_RESUME,
     RoundOutcome,
     RunFinished,
     RunObserver,
     RunStarted,
 )
-from server.round import STOP_BUDGET, STOP_PLANNED, Exchange, RoundSession, TrainingState, run_round
-from server.rundir import exclusive_run_directory
-from server.transport import GridTransport, Registered, RegistrationError
+from fedmeta.server.round import (
+    STOP_BUDGET,
+    STOP_PLANNED,
+    Exchange,
+    RoundSession,
+    TrainingState,
+    run_round,
+)
+from fedmeta.server.rundir import exclusive_run_directory
+from fedmeta.server.transport import GridTransport, Registered, RegistrationError
+
+from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from fedmeta.config import Config
+from fedmeta.paths import default_ledger_path
+from fedmeta.protocol import GradientRequest, RegisterRequest
+from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
 
 log = logging.getLogger("fedmeta.server")
 
@@ -180,7 +187,7 @@ def run_federation(
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):
         run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
-        from server.outputs import format_plan
+        from fedmeta.server.outputs import format_plan
 
         announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
         _notify(run.observers, "run_started", _run_started(run))
@@ -418,7 +425,7 @@ def _held_out(run: _Run, which: str, n_tasks: int) -> Any:
 
 
 def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
-    from metalearning import evaluate
+    from fedmeta.metalearning import evaluate
 
     cfg = run.cfg
     return evaluate(
@@ -497,7 +504,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), final.mean, ci,
     ))  # fmt: skip
-    from server.outputs import build_summary
+    from fedmeta.server.outputs import build_summary
 
     summary = build_summary(
         run.cfg, run.plan, run.forecast, run.outcomes,

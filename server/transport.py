@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
+from fedmeta.server.round import Delivery, Exchange
 from flwr.app import Message
 
 from fedmeta import protocol as P
-from server.round import Delivery, Exchange
 
 log = logging.getLogger("fedmeta.server")
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from fedmeta.metalearning import clip_by_global_norm
 from torch import Tensor
 
 from fedmeta.protocol import GradientReply
-from metalearning import clip_by_global_norm
 
 REASON_WRONG_RUN = "wrong_run"
 REASON_WRONG_ROUND = "wrong_round"

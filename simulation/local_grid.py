@@ -40,7 +40,7 @@ class InProcessGrid(Grid):
         """``num_nodes`` nodes answering with ``handler`` (default: fedmeta's ClientApp)."""
         ensure_task_identity()
         if handler is None:
-            from client.app import app as client_app
+            from fedmeta.client.app import app as client_app
 
             handler = client_app
         self.handler = handler

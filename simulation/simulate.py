@@ -79,15 +79,16 @@ def _handle(args: argparse.Namespace) -> int:
 
 def _report(error: Exception) -> int:
     """One line on stderr and the exit status that says what kind of failure it was."""
-    from accounting import LedgerError
+    from fedmeta.accounting import LedgerError
+    from fedmeta.metalearning import DataError
+    from fedmeta.server.round import TrainingDiverged
+    from fedmeta.server.run import FederationError, PlanError
+    from fedmeta.server.rundir import RunDirectoryBusy
+    from fedmeta.server.transport import RegistrationError
+
     from fedmeta import exitcodes
     from fedmeta.checkpoint import CheckpointError
     from fedmeta.config import ConfigError
-    from metalearning import DataError
-    from server.round import TrainingDiverged
-    from server.run import FederationError, PlanError
-    from server.rundir import RunDirectoryBusy
-    from server.transport import RegistrationError
 
     bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError,
                  TrainingDiverged)  # fmt: skip
@@ -138,7 +139,7 @@ def _resume_config(args: argparse.Namespace) -> Any:
 
     given = load_config(args.config, args.overrides)
     out = Path(args.out or given.output.dir)
-    from server.run import refuse_to_overwrite_run
+    from fedmeta.server.run import refuse_to_overwrite_run
 
     ckpt = refuse_to_overwrite_run(out, resume=True)
     assert ckpt is not None
@@ -175,10 +176,11 @@ def main(
     """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
+    from fedmeta.server.run import refuse_to_overwrite_run
+    from fedmeta.server.rundir import exclusive_run_directory
+
     from fedmeta.config import Config
     from fedmeta.workload import check_data
-    from server.run import refuse_to_overwrite_run
-    from server.rundir import exclusive_run_directory
 
     cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
@@ -187,8 +189,8 @@ def main(
         refuse_to_overwrite_run(out, resume)
     check_data(cfg)
     if cfg.federation.backend == "inprocess":
-        from server.app import execute
-        from simulation.local_grid import InProcessGrid
+        from fedmeta.server.app import execute
+        from fedmeta.simulation.local_grid import InProcessGrid
 
         grid = InProcessGrid(cfg.federation.participants)
         return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
@@ -198,12 +200,11 @@ def main(
 def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
     import logging
 
+    from fedmeta.client.app import app as client_app
+    from fedmeta.server.app import execute
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
-
-    from client.app import app as client_app
-    from server.app import execute
 
     holder: dict[str, Any] = {}
     server_app = ServerApp()

@@ -15,8 +15,9 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 DOCUMENTS = sorted(p for p in (REPO / "docs").glob("*.md") if ">>>" in p.read_text())
 #: Modules whose docstrings hold examples.
 MODULES = sorted(
-    ".".join(p.relative_to(REPO).with_suffix("").parts)
-    for package in ("accounting", "fedmeta", "server", "client", "metalearning", "simulation")
+    ".".join(("fedmeta", *p.relative_to(REPO).with_suffix("").parts[package == "fedmeta" :]))
+    for package in ("accounting", "fedmeta", "server", "client", "metalearning", "simulation",
+                    "cli")
     for p in (REPO / package).rglob("*.py")
     if ">>>" in p.read_text()
 )

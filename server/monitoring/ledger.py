@@ -40,14 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedmeta.server.monitoring.live import FED_LABELS, _finite, _remaining
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.monitoring.live import FED_LABELS, _finite, _remaining
-
 if TYPE_CHECKING:
-    from accounting import BudgetLedger, GaussianRound
+    from fedmeta.accounting import BudgetLedger, GaussianRound
 
 log = logging.getLogger("fedmeta.metrics")
 
@@ -182,7 +181,7 @@ class LedgerCollector(Collector):
             self._last_problem[key] = message
 
     def _read(self) -> LedgerSnapshot:
-        from accounting import LedgerReplaced
+        from fedmeta.accounting import LedgerReplaced
 
         try:
             return self._read_once()
@@ -192,7 +191,7 @@ class LedgerCollector(Collector):
             return self._read_once()
 
     def _read_once(self) -> LedgerSnapshot:
-        from accounting import BudgetLedger, LedgerUnreadable
+        from fedmeta.accounting import BudgetLedger, LedgerUnreadable
 
         identity = _file_identity(self.db)
         if identity != self._identity:  # replaced (a restore), removed or created: reopen
@@ -217,7 +216,7 @@ class LedgerCollector(Collector):
 
     def _federation(self, fed: str) -> tuple[dict[str, float] | None, str]:
         """One federation's numbers and ``"ok"``, or ``None`` and why it could not be read."""
-        from accounting import BudgetLedger, LedgerReplaced
+        from fedmeta.accounting import BudgetLedger, LedgerReplaced
 
         try:
             ledger = self._ledgers.get(fed)
@@ -294,7 +293,7 @@ class LedgerCollector(Collector):
 
     # ------------------------------------------------------------ on the search thread only
     def _search(self, key: tuple[Any, ...]) -> None:
-        from accounting import affordable_rounds
+        from fedmeta.accounting import affordable_rounds
 
         budget, delta, unit, base, event = key
         try:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fedmeta.server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -31,8 +32,6 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-
-from server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 
 log = logging.getLogger("fedmeta.metrics")
 

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from accounting import BudgetExhausted, GaussianRound, LedgerCheckpoint, LedgerError, SpendRecord
+from fedmeta.accounting import (
+    BudgetExhausted,
+    GaussianRound,
+    LedgerCheckpoint,
+    LedgerError,
+    SpendRecord,
+)
 
 
 @dataclass

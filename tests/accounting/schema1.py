@@ -11,8 +11,8 @@ import json
 import sqlite3
 from pathlib import Path
 
-from accounting.ledger import _genesis_hash, _record_hash
-from accounting.schemes import GaussianRound
+from fedmeta.accounting.ledger import _genesis_hash, _record_hash
+from fedmeta.accounting.schemes import GaussianRound
 
 SCHEMA1 = """
 CREATE TABLE IF NOT EXISTS federations (

@@ -13,10 +13,7 @@ import math
 import mpmath
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from accounting import (
+from fedmeta.accounting import (
     GaussianRound,
     TwoStagePoissonScheme,
     combined_noise_multiplier,
@@ -25,6 +22,8 @@ from accounting import (
     noisy_fraction,
     pld_delta,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.unit
 

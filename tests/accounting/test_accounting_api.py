@@ -10,8 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from accounting import (
+from fedmeta.accounting import (
     BudgetLedger,
     FixedSizeScheme,
     FlatPoissonScheme,
@@ -22,7 +21,7 @@ from accounting import (
     TwoStageSampler,
     epsilon,
 )
-from accounting import cli as accounting_cli
+from fedmeta.accounting import cli as accounting_cli
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,7 @@ import pytest
 from dp_accounting.pld import common, pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
-from scipy import fft as scipy_fft
-
-from accounting import (
+from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
@@ -28,7 +26,8 @@ from accounting import (
     max_rounds,
     pld_delta,
 )
-from accounting import composition as comp
+from fedmeta.accounting import composition as comp
+from scipy import fft as scipy_fft
 
 REPLACE = "replace_one"
 

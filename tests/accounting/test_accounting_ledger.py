@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from accounting import (
+from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,
     FlatPoissonScheme,
@@ -146,7 +145,7 @@ def test_append_only_triggers_and_garbage_file(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import sys
-    from accounting import BudgetLedger, FlatPoissonScheme, GaussianRound
+    from fedmeta.accounting import BudgetLedger, FlatPoissonScheme, GaussianRound
     db, run_id, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     event = GaussianRound(FlatPoissonScheme(0.01), 1.0)
     ledger = BudgetLedger.open(db, "fed", 3.0, 1e-6)

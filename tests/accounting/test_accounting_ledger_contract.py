@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from accounting import (
+from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,
     FlatPoissonScheme,
@@ -20,6 +19,7 @@ from accounting import (
     Ledger,
     LedgerError,
 )
+
 from tests.accounting.fakes import LinearLedger
 
 pytestmark = pytest.mark.unit

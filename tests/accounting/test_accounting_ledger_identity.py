@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from accounting import (
+from fedmeta.accounting import (
     PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     BudgetLedger,
     FlatPoissonScheme,
@@ -30,6 +29,7 @@ from accounting import (
     resolve_federation,
     start_new_budget,
 )
+
 from tests.accounting.schema1 import write_schema1_ledger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -343,7 +343,7 @@ def test_cli_ledger_commands_default_to_the_state_directory_ledger(
     # accounting alone (no fedmeta) knows no default: --db stays required there
     import argparse
 
-    from accounting.cli import register
+    from fedmeta.accounting.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fedmeta.accounting.ledger as ledger_module
 import pytest
-
-import accounting.ledger as ledger_module
-from accounting import (
+from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
     GaussianRound,
@@ -35,6 +34,7 @@ from accounting import (
     budgets,
     resolve_federation,
 )
+
 from tests.accounting.readonly_mount import need_readonly_mount
 from tests.accounting.schema1 import write_schema1_ledger
 
@@ -77,7 +77,7 @@ KILLS = 8
 _WRITER = textwrap.dedent(
     """
     import sys
-    from accounting import BudgetLedger, FlatPoissonScheme, GaussianRound
+    from fedmeta.accounting import BudgetLedger, FlatPoissonScheme, GaussianRound
     event = GaussianRound(FlatPoissonScheme(0.01), 2.0)  # 1873 rounds; a 0.4 s search
     ledger = BudgetLedger.open(sys.argv[1], "fed", 1.0, 1e-6)
     ledger.rounds_affordable(event)  # the search, before the timed loop
@@ -173,7 +173,7 @@ def test_reading_writes_nothing(tmp_path: Path) -> None:
 _READER = textwrap.dedent(
     """
     import json, sys
-    from accounting import *
+    from fedmeta.accounting import *
     db, data = sys.argv[1], sys.argv[2]
     out = {"federations": BudgetLedger.federations(db)}
     fid = resolve_federation(db, data, label="sinusoid", create=False)

@@ -13,9 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from scipy import integrate, stats
-
-from accounting import (
+from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
@@ -28,7 +26,8 @@ from accounting import (
     pld_delta,
     round_components,
 )
-from accounting.composition import RDP_ORDERS, RoundModel, _rdp_curve
+from fedmeta.accounting.composition import RDP_ORDERS, RoundModel, _rdp_curve
+from scipy import integrate, stats
 
 Density = Callable[[float], float]
 ADD, REPLACE = "add_remove", "replace_one"

@@ -7,12 +7,9 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from accounting import cli as accounting_cli
-from accounting import epsilon
-from accounting.planner import (
+from fedmeta.accounting import cli as accounting_cli
+from fedmeta.accounting import epsilon
+from fedmeta.accounting.planner import (
     DESIGNS,
     Candidate,
     ComputeBudget,
@@ -24,6 +21,8 @@ from accounting.planner import (
     expected_lot,
     plan,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 GRID = 1e-3  # coarser pessimistic PLD grid: still a valid bound, and fast
 FAST = settings(max_examples=4, deadline=None, derandomize=True)

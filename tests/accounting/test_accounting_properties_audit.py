@@ -6,11 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy import stats
-
-from accounting import (
+from fedmeta.accounting import (
     FixedSizeScheme,
     GaussianRound,
     InsecureSeededSource,
@@ -22,6 +18,9 @@ from accounting import (
     max_rounds,
     tombs2022_published_epsilon,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
 
 GRID = 1e-3  # coarser PLD grid keeps property tests fast; still a pessimistic (valid) bound
 FAST = settings(max_examples=8, deadline=None, derandomize=True)
@@ -164,7 +163,7 @@ def check_audit(trials: int, seed: int) -> None:
 
 def FlatPoissonFromFixed(event: GaussianRound):  # noqa: N802
     """Negative control: fixed-size m of n accounted as Poisson at m/n with z unhalved."""
-    from accounting import FlatPoissonScheme
+    from fedmeta.accounting import FlatPoissonScheme
 
     scheme = event.scheme
     assert isinstance(scheme, FixedSizeScheme)

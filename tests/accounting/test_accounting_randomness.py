@@ -14,11 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy import stats
-
-from accounting import (
+from fedmeta.accounting import (
     InsecureSeededSource,
     RandomSource,
     SystemRandomSource,
@@ -29,6 +25,9 @@ from accounting import (
     bernoulli_probability,
     sample_without_replacement,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
 
 ACCOUNTING = Path(__file__).resolve().parents[2] / "accounting"
 # Statistical tests run on fixed seeds (deterministic); a p-value below this fails.
@@ -143,7 +142,7 @@ def test_randbelow_rejects_instead_of_reducing_modulo() -> None:
     source = InsecureSeededSource(0)
     scripted = ScriptedSource([bytes([0b11]), bytes([0b11]), bytes([0b10])])
     assert InsecureSeededSource.randbelow.__qualname__  # the method under test exists
-    from accounting.randomness import _randbelow
+    from fedmeta.accounting.randomness import _randbelow
 
     assert _randbelow(scripted.random_bytes, 3) == 2
     assert scripted.requests == [1, 1, 1]

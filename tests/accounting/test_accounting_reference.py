@@ -6,9 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from scipy import integrate, stats
-
-from accounting import (
+from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
@@ -20,6 +18,7 @@ from accounting import (
     pld_delta,
     tombs2022_published_epsilon,
 )
+from scipy import integrate, stats
 
 # The note's two-stage example: P = 100, n1 = 10, smallest participant 50 tasks, n2 = 5 / q2 = 0.1.
 FIXED = TwoStageFixedScheme(

@@ -9,8 +9,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from fedmeta.cli import deploy as D
 
-from fedmeta import deployment as D
 from fedmeta import exitcodes
 from fedmeta.config import load_config
 
@@ -104,7 +104,7 @@ def test_outcome_and_exception_class_read_from_the_log(
 ) -> None:
     log = (
         "Traceback (most recent call last):\n  File ...\n"
-        "server.transport.RegistrationError: 2 participants registered; needs >= 5\n"
+        "fedmeta.server.transport.RegistrationError: 2 participants registered; needs >= 5\n"
         "ERROR: Exit Code: 201\n"
     )
     monkeypatch.setattr(D, "flwr", lambda *a, **k: argparse.Namespace(stdout=log, returncode=0))
@@ -145,7 +145,7 @@ def test_the_app_has_no_code_and_this_fedmeta_version(tmp_path: Path) -> None:
     assert project["project"]["name"] == "fedmeta"
     assert project["project"]["version"] == metadata.version("fedmeta")
     assert project["tool"]["flwr"]["app"]["components"] == {
-        "serverapp": "server.app:app", "clientapp": "client.app:app"}  # fmt: skip
+        "serverapp": "fedmeta.server.app:app", "clientapp": "fedmeta.client.app:app"}  # fmt: skip
 
 
 def _participant(tmp_path: Path, **kw: object) -> argparse.Namespace:
@@ -164,14 +164,14 @@ def test_participant_runs_a_fast_supernode_and_a_worker_on_loopback(tmp_path: Pa
     key = tmp_path / "node.key"
     key.write_text("k")
     node, worker = D.participant_commands(_participant(tmp_path, node_key=key))
-    assert node[1:3] == ["-m", "client.supernode"]
+    assert node[1:3] == ["-m", "fedmeta.client.supernode"]
     assert node[node.index("--superlink") + 1] == "fl.example.org:443"
     assert "--insecure" not in node and node[node.index("--isolation") + 1] == "process"
     assert node[node.index("--host") + 1] == "127.0.0.1"  # the Runtime API stays on the node
     assert node[node.index("--auth-supernode-private-key") + 1] == str(key.resolve())
     config = node[node.index("--node-config") + 1]
     assert config == f'participant-id="3" data-path="{(tmp_path / "data").resolve()}"'
-    assert worker[1:3] == ["-m", "client.worker"]
+    assert worker[1:3] == ["-m", "fedmeta.client.worker"]
     assert worker[worker.index("--runtime-api-address") + 1] == "127.0.0.1:9094"
     assert worker[worker.index("--node-config") + 1] == config
 

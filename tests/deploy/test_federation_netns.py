@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fedmeta.cli.deploy_local import LocalFederation, Node, wait_until
 
-from fedmeta.deploy_local import LocalFederation, Node, wait_until
 from tests.deploy.netns import Network, tc_unavailable
 
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e]
@@ -158,7 +158,7 @@ def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
 
 
 def _check_ledger(fed: LocalFederation, summary: dict[str, Any]) -> None:
-    from accounting import BudgetLedger
+    from fedmeta.accounting import BudgetLedger
 
     path = fed.work / "state" / "ledger.sqlite"
     (federation,) = BudgetLedger.federations(path)
@@ -173,7 +173,7 @@ def _check_ledger(fed: LocalFederation, summary: dict[str, Any]) -> None:
 def _check_no_private_diagnostics(out: Path, printed: list[str]) -> None:
     """What the server side of a private run prints and writes carries no per-round sample sizes
     or timings (docs/privacy.md): not in the command's output, the ServerApp's log or the files."""
-    from server.outputs import DIAGNOSTIC_FIELDS
+    from fedmeta.server.outputs import DIAGNOSTIC_FIELDS
 
     header = (out / "rounds.csv").read_text().splitlines()[0].split(",")
     assert not set(header) & set(DIAGNOSTIC_FIELDS), header

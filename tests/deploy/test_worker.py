@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from client import supernode, worker
+from fedmeta.client import supernode, worker
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 
@@ -39,7 +38,7 @@ def test_runs_of_another_app_or_version_are_refused() -> None:
 
 def test_warm_up_runs_registration_and_a_gradient_through_the_client_app() -> None:
     calls: list[str] = []
-    from client.app import app
+    from fedmeta.client.app import app
 
     def spy(*, message: Any, context: Any) -> Any:
         calls.append(message.metadata.message_type)

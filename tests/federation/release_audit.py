@@ -32,16 +32,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from fedmeta.accounting import (
+    GaussianRound,
+    SystemRandomSource,
+    TwoStageSampler,
+    gradient_noise_multiplier,
+)
+from fedmeta.client.gradients import clip_bits
+from fedmeta.server import round as round_mod
+from fedmeta.server import validation as validation_mod
+from fedmeta.server.noise import NoiseSource
+from fedmeta.server.plan import AdaptiveClipping, RunPlan
+from fedmeta.server.round import Delivery, Exchange, RoundSession, run_round
 from scipy import stats
 
-from accounting import GaussianRound, SystemRandomSource, TwoStageSampler, gradient_noise_multiplier
-from client.gradients import clip_bits
 from fedmeta.protocol import REPLY_PER_TASK, GradientReply, GradientRequest
-from server import round as round_mod
-from server import validation as validation_mod
-from server.noise import NoiseSource
-from server.plan import AdaptiveClipping, RunPlan
-from server.round import Delivery, Exchange, RoundSession, run_round
 
 from .fakes import fake_ledger
 

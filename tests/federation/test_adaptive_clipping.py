@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme, gradient_noise_multiplier
+from fedmeta.client.gradients import clip_bits
+from fedmeta.server.noise import NoiseSource, noised_release
+from fedmeta.server.plan import AdaptiveClipping, build_plan
+from fedmeta.server.validation import REASON_BAD_SHAPE, Expectation, Rejected, validate_reply
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from accounting import GaussianRound, TwoStagePoissonScheme, gradient_noise_multiplier
-from client.gradients import clip_bits
 from fedmeta import protocol as P
 from fedmeta.config import ConfigError, load_config
-from server.noise import NoiseSource, noised_release
-from server.plan import AdaptiveClipping, build_plan
-from server.validation import REASON_BAD_SHAPE, Expectation, Rejected, validate_reply
 
 from .release_audit import clip_trajectory
 
@@ -171,8 +171,8 @@ def test_the_plan_splits_the_total_z_and_names_the_field_when_it_cannot() -> Non
 @pytest.mark.integration
 def test_the_bound_survives_checkpoint_and_resume_exactly(tmp_path: Path) -> None:
     """Test mode: a run stopped after 1 round and resumed equals one that ran straight through."""
-    from server.app import execute
-    from simulation.local_grid import InProcessGrid
+    from fedmeta.server.app import execute
+    from fedmeta.simulation.local_grid import InProcessGrid
 
     from .fakes import fake_ledger, opener
     from .test_reliability import StopAfter

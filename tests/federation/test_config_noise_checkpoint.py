@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
+from fedmeta.server.noise import GRID_BITS, NoiseSource, noised_sum, release_grid
 from scipy import stats
 
-from accounting import GaussianRound, TwoStagePoissonScheme
 from fedmeta.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
@@ -22,7 +23,6 @@ from fedmeta.checkpoint import (
     save_checkpoint,
 )
 from fedmeta.config import Config, ConfigError, load_config
-from server.noise import GRID_BITS, NoiseSource, noised_sum, release_grid
 
 pytestmark = pytest.mark.unit
 
@@ -93,7 +93,7 @@ def test_participants_per_round_unset_means_every_participant() -> None:
 
 def test_disjoint_example_tasks_need_a_public_normaliser(tmp_path: Path) -> None:
     """tasks_per_participant only caps disjoint tasks, so it cannot give the expected lot."""
-    from server.plan import normaliser
+    from fedmeta.server.plan import normaliser
 
     omni = ["dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.disjoint_examples=true"]
     with pytest.raises(ConfigError) as info:

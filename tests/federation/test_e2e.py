@@ -151,7 +151,7 @@ def test_resume_after_sigkill_spends_exactly_once_per_round(tmp_path: Path) -> N
 
 
 def _learn(tmp_path: Path, rounds: int, *extra: str) -> tuple[dict[str, object], dict[str, object]]:
-    from simulation.simulate import main
+    from fedmeta.simulation.simulate import main
 
     common = ["federation.backend=inprocess", "output.progress=false", "output.plots=false",
               f"rounds={rounds}", "dataset.test_tasks=300", "privacy.report_every=1000000",
@@ -184,7 +184,7 @@ def test_default_size_private_sinusoid(tmp_path: Path) -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_omniglot_5way_1shot_above_chance(tmp_path: Path, shared_omniglot: Path) -> None:
-    from simulation.simulate import main
+    from fedmeta.simulation.simulate import main
 
     cfg = load_config(
         REPO / "configs" / "omniglot-5way-5of20.toml",

@@ -6,10 +6,10 @@ import io
 
 import pytest
 import torch
+from fedmeta.server.optimizer import AdamBC, learning_rate
+from fedmeta.server.round import TrainingState
 
 from fedmeta.config import load_config
-from server.optimizer import AdamBC, learning_rate
-from server.round import TrainingState
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_state_survives_a_checkpoint(name: str) -> None:
 
 
 def test_a_non_finite_model_stops_the_run_with_the_fix_named() -> None:
-    from server.round import TrainingDiverged
+    from fedmeta.server.round import TrainingDiverged
 
     cfg = load_config(None, ["training.optimizer=sgd", "training.meta_lr=1.0",
                              "training.momentum=0"]).training  # fmt: skip

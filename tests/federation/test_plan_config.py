@@ -8,17 +8,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from accounting.planner import (
+from fedmeta.accounting.planner import (
     ComputeBudget,
     Federation,
     PlanBudget,
     PlanRequest,
     plan,
 )
+from fedmeta.cli.plan_config import to_toml, write_config
+from fedmeta.server.plan import build_plan
+
 from fedmeta.config import load_config
-from fedmeta.plan_config import to_toml, write_config
-from server.plan import build_plan
 from tests.federation.test_e2e import fedmeta, sets
 
 GRID = 1e-3

@@ -7,17 +7,21 @@ from typing import Any
 
 import pytest
 import torch
+from fedmeta.accounting import (
+    PARTICIPANT_LEVEL_NOT_MEANINGFUL,
+    TwoStageFixedScheme,
+    TwoStagePoissonScheme,
+)
+from fedmeta.client.app import app as client_app
+from fedmeta.server.app import execute
+from fedmeta.server.outputs import format_summary
+from fedmeta.server.plan import build_plan
+from fedmeta.server.transport import RegistrationError
+from fedmeta.simulation.local_grid import InProcessGrid
 from flwr.app import Context, Message
 
-from accounting import PARTICIPANT_LEVEL_NOT_MEANINGFUL, TwoStageFixedScheme, TwoStagePoissonScheme
-from client.app import app as client_app
 from fedmeta import protocol as P
 from fedmeta.config import load_config
-from server.app import execute
-from server.outputs import format_summary
-from server.plan import build_plan
-from server.transport import RegistrationError
-from simulation.local_grid import InProcessGrid
 
 from .fakes import fake_ledger, opener
 from .test_round import small
@@ -124,7 +128,7 @@ def test_a_private_checkpoint_holds_no_secret_randomness(tmp_path: Path) -> None
 def test_a_calibrated_plan_spends_its_budget_under_its_own_relation(relation: str) -> None:
     """The noise is calibrated for the configured neighbouring relation, not always add/remove
     (which under replace-one gave a z too small: the ledger stopped the run early)."""
-    from accounting import epsilon
+    from fedmeta.accounting import epsilon
 
     cfg = load_config(None, ["sampling.participants_per_round=4", "sampling.task_rate=0.1",
                              "rounds=50", f"privacy.neighbouring={relation}"])  # fmt: skip

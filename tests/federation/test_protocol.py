@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fedmeta.client.app import app as client_app
+from fedmeta.simulation.local_grid import ensure_task_identity
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from client.app import app as client_app
 from fedmeta import protocol as P
 from fedmeta.config import Config
-from simulation.local_grid import ensure_task_identity
 
 pytestmark = pytest.mark.unit
 

@@ -27,8 +27,7 @@ closed form, not from the samples.
 from __future__ import annotations
 
 import pytest
-
-from accounting import (
+from fedmeta.accounting import (
     FlatPoissonScheme,
     GaussianRound,
     TwoStageFixedScheme,

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from server.report import RoundOutcome
-from server.run import FederationError
-from server.rundir import LOCK_NAME, RunDirectoryBusy, exclusive_run_directory
+from fedmeta.server.report import RoundOutcome
+from fedmeta.server.run import FederationError
+from fedmeta.server.rundir import LOCK_NAME, RunDirectoryBusy, exclusive_run_directory
 
 from .fakes import fake_ledger
 from .test_round import Recorder, run, small
@@ -74,8 +73,8 @@ class StopAfter(Recorder):
 def test_a_stop_finishes_the_round_and_checkpoints_so_no_paid_round_is_lost(
     tmp_path: Path,
 ) -> None:
-    from server.app import execute
-    from simulation.local_grid import InProcessGrid
+    from fedmeta.server.app import execute
+    from fedmeta.simulation.local_grid import InProcessGrid
 
     from .fakes import opener
 

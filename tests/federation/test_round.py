@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+from fedmeta.accounting import BudgetExhausted, LedgerError
+from fedmeta.client.app import app as client_app
+from fedmeta.server import round as round_mod
+from fedmeta.server.app import execute
+from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
+from fedmeta.server.run import FederationError
+from fedmeta.simulation.local_grid import InProcessGrid
 from flwr.app import Context, Error, Message
 
-from accounting import BudgetExhausted, LedgerError
-from client.app import app as client_app
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
-from server import round as round_mod
-from server.app import execute
-from server.report import RoundOutcome, RunFinished, RunStarted
-from server.run import FederationError
-from simulation.local_grid import InProcessGrid
 
 from .fakes import LinearLedger, fake_ledger, opener
 

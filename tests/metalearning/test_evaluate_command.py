@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fedmeta.cli.evaluate import main
 from test_metalearning_oneshot_runs import _write_runs, _zip
 
 from fedmeta.checkpoint import save_checkpoint
 from fedmeta.config import load_config
-from fedmeta.evaluate import main
 from fedmeta.workload import build_model, initial_params
 
 pytestmark = pytest.mark.integration

@@ -8,12 +8,11 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
+from fedmeta.metalearning import DataError, digests
 from PIL import Image
-
-import metalearning as ml
-from metalearning import DataError, digests
 
 pytestmark = pytest.mark.unit
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
-
-import metalearning as ml
 
 pytestmark = pytest.mark.unit
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 
+import fedmeta.metalearning as ml
 import pytest
 import torch
 import torch.nn.functional as F
+from fedmeta.metalearning import Task
+from fedmeta.metalearning.models import _BatchNormNHWC, to_channels_last
 from test_metalearning_maml import _tiny_conv_tasks
 from torch.func import functional_call
-
-import metalearning as ml
-from metalearning import Task
-from metalearning.models import _BatchNormNHWC, to_channels_last
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 
@@ -118,7 +117,7 @@ def test_batchnorm_nhwc_float32_as_accurate_as_the_nchw_kernel() -> None:
 
 
 def test_loop_path_uses_the_fused_forward_on_cpu_only() -> None:
-    from metalearning.maml import _loop_forward
+    from fedmeta.metalearning.maml import _loop_forward
 
     model = ml.ConvNet4(3, hidden=8)
     params = ml.init_params(model, 0)
@@ -179,7 +178,7 @@ def test_worker_errors_propagate_and_threads_are_restored() -> None:
 def test_only_pure_forwards_run_side_by_side() -> None:
     """``functional_call`` swaps parameters into the shared module, so a model without a
     ``fused_forward`` must never run two tasks at once (it did, and raced, during development)."""
-    from metalearning.maml import _task_threads
+    from fedmeta.metalearning.maml import _task_threads
 
     cpu = torch.device("cpu")
     with _threads(2):
@@ -211,7 +210,7 @@ def test_norm_none_loop_matches_vmap(first_order: bool) -> None:
 
 
 def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
-    from metalearning.maml import _faithful_fused_forward
+    from fedmeta.metalearning.maml import _faithful_fused_forward
 
     class Scaled(ml.ConvNet4):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,7 +240,7 @@ def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
 def test_workers_run_on_one_thread_and_leave_torch_as_it_was() -> None:
     import threading
 
-    from metalearning.maml import _one_thread_workers
+    from fedmeta.metalearning.maml import _one_thread_workers
 
     def fresh_thread_setting() -> int:
         seen: list[int] = []

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
+from fedmeta.metalearning import DataError
 from PIL import Image
-
-import metalearning as ml
-from metalearning import DataError
 
 pytestmark = pytest.mark.unit
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import pytest
 import torch
-
-import metalearning as ml
 
 pytestmark = pytest.mark.integration
 

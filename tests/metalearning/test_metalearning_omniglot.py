@@ -6,13 +6,12 @@ import io
 import zipfile
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
+from fedmeta.metalearning import ChecksumError, DataError
 from PIL import Image
-
-import metalearning as ml
-from metalearning import ChecksumError, DataError
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 

@@ -13,14 +13,13 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
+from fedmeta.metalearning import DataError
+from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE, ONESHOT_RUNS, ONESHOT_WAYS
 from PIL import Image
-
-import metalearning as ml
-from metalearning import DataError
-from metalearning.oneshot_runs import HUMAN_ERROR_RATE, ONESHOT_RUNS, ONESHOT_WAYS
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 

@@ -15,12 +15,11 @@ import io
 import zipfile
 from pathlib import Path
 
+import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-import metalearning as ml
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
+from fedmeta.server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 
 FED = "sinusoid-test"
 BUDGET = 8.0
@@ -17,14 +16,14 @@ DELTA = 1e-5
 
 
 def gaussian_round() -> Any:
-    from accounting import GaussianRound, TwoStagePoissonScheme
+    from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
 
     return GaussianRound(TwoStagePoissonScheme(20, 4, 0.5), 2.0, max_tasks_per_participant=10)
 
 
 def spend(db: Path, run_id: str, rounds: int, start: int = 0) -> tuple[float, float]:
     """Record ``rounds`` spends for ``run_id``; return (task eps, participant eps) afterwards."""
-    from accounting import BudgetLedger
+    from fedmeta.accounting import BudgetLedger
 
     event = gaussian_round()
     with BudgetLedger.open(db, FED, BUDGET, DELTA) as ledger:
@@ -121,10 +120,9 @@ def write_summary(run_dir: Path, run_id: str, rounds: int, eps: tuple[float, flo
 @pytest.fixture(scope="session")
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Both exposition pages (observer + exporter) after a synthetic run with diagnostics on."""
+    from fedmeta.server.monitoring.ledger import exporter_registry
+    from fedmeta.server.monitoring.live import PrometheusRunObserver
     from prometheus_client import generate_latest
-
-    from server.monitoring.ledger import exporter_registry
-    from server.monitoring.live import PrometheusRunObserver
 
     tmp = tmp_path_factory.mktemp("exposition")
     eps = spend(tmp / "ledger.sqlite", "run-1", 3)

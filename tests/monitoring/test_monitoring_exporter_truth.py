@@ -42,7 +42,7 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
 
 
 def _exact_affordable(db: Path) -> int:
-    from accounting import BudgetLedger
+    from fedmeta.accounting import BudgetLedger
 
     with BudgetLedger.open_readonly(db, FED) as ledger:
         return int(ledger.rounds_affordable(gaussian_round()))
@@ -53,9 +53,9 @@ def test_rounds_affordable_is_computed_for_the_position_it_is_reported_with(
 ) -> None:
     """The bug: a background search finished after more spends and was stored as the old
     position's value, so the new spends were subtracted twice (0 shown with 5 rounds left)."""
-    import accounting.ledger as ledger_module
-    from accounting import BudgetLedger
-    from server.monitoring.ledger import exporter_registry
+    import fedmeta.accounting.ledger as ledger_module
+    from fedmeta.accounting import BudgetLedger
+    from fedmeta.server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 2)
@@ -106,8 +106,8 @@ def test_rounds_affordable_is_computed_for_the_position_it_is_reported_with(
 
 
 def test_a_replaced_or_overwritten_ledger_file_is_followed(tmp_path: Path) -> None:
-    from accounting import backup
-    from server.monitoring.ledger import exporter_registry
+    from fedmeta.accounting import backup
+    from fedmeta.server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 3)
@@ -131,7 +131,7 @@ def test_a_replaced_or_overwritten_ledger_file_is_followed(tmp_path: Path) -> No
 
 
 def test_an_unreadable_ledger_is_reported_with_its_reason(tmp_path: Path) -> None:
-    from server.monitoring.ledger import exporter_registry
+    from fedmeta.server.monitoring.ledger import exporter_registry
 
     cases: dict[str, Path] = {}
     cases["missing"] = tmp_path / "missing.sqlite"
@@ -166,7 +166,7 @@ _READONLY_SCRAPE = textwrap.dedent(
     """
     import sys
     from prometheus_client import generate_latest
-    from server.monitoring.ledger import exporter_registry
+    from fedmeta.server.monitoring.ledger import exporter_registry
     registry, collector = exporter_registry(sys.argv[1], affordable=False)
     print(generate_latest(registry).decode())
     collector.close()

@@ -9,8 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fedmeta.server.report import RoundDiagnostics, RoundOutcome
 
-from server.report import RoundDiagnostics, RoundOutcome
 from tests.monitoring.conftest import FED, spend, synthetic_run, write_summary
 from tests.monitoring.helpers import exposed_names, free_port, http_get
 
@@ -24,8 +24,8 @@ def _families(text: str) -> dict[str, str]:
 
 
 def test_names_follow_prometheus_conventions(exposition: str) -> None:
-    from server.monitoring.ledger import LEDGER_METRICS
-    from server.monitoring.live import LIVE_METRICS
+    from fedmeta.server.monitoring.ledger import LEDGER_METRICS
+    from fedmeta.server.monitoring.live import LIVE_METRICS
 
     families = _families(exposition)
     assert set(LIVE_METRICS) | set(LEDGER_METRICS) == set(families), "declared list is stale"
@@ -51,9 +51,8 @@ def test_labels_are_low_cardinality_and_never_ids(exposition: str) -> None:
 
 
 def test_private_diagnostics_only_when_present() -> None:
+    from fedmeta.server.monitoring.live import PrometheusRunObserver
     from prometheus_client import generate_latest
-
-    from server.monitoring.live import PrometheusRunObserver
 
     obs = PrometheusRunObserver()
     synthetic_run(obs, "r-private", 2, (0.5, 5.0), diagnostics=False)
@@ -70,7 +69,7 @@ def test_private_diagnostics_only_when_present() -> None:
 
 
 def test_observer_never_raises_on_garbage() -> None:
-    from server.monitoring.live import PrometheusRunObserver
+    from fedmeta.server.monitoring.live import PrometheusRunObserver
 
     obs = PrometheusRunObserver()
     obs.run_started(object())  # type: ignore[arg-type]
@@ -93,7 +92,7 @@ def test_observer_never_raises_on_garbage() -> None:
 
 
 def test_make_observer_serves_and_survives_a_taken_port() -> None:
-    from server.monitoring.live import make_observer
+    from fedmeta.server.monitoring.live import make_observer
 
     cfg = SimpleNamespace(metrics=SimpleNamespace(port=0, bind="127.0.0.1"))
     obs = make_observer(cfg)
@@ -113,9 +112,8 @@ def test_make_observer_serves_and_survives_a_taken_port() -> None:
 
 
 def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
+    from fedmeta.server.monitoring.ledger import exporter_registry
     from prometheus_client import generate_latest
-
-    from server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     registry, collector = exporter_registry(db, [tmp_path / "runs"])
@@ -146,10 +144,10 @@ def _sample(text: str, name: str) -> float | None:
 def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_path: Path) -> None:
     import threading
 
+    from fedmeta.accounting import BudgetLedger
+    from fedmeta.server.monitoring.ledger import exporter_registry
     from prometheus_client import generate_latest
 
-    from accounting import BudgetLedger
-    from server.monitoring.ledger import exporter_registry
     from tests.monitoring.conftest import gaussian_round
 
     db = tmp_path / "ledger.sqlite"
@@ -183,9 +181,8 @@ def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_pa
 def test_exporter_reports_a_tampered_ledger_as_down(tmp_path: Path) -> None:
     import sqlite3
 
+    from fedmeta.server.monitoring.ledger import exporter_registry
     from prometheus_client import generate_latest
-
-    from server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 2)
@@ -205,7 +202,7 @@ def test_exporter_reports_a_tampered_ledger_as_down(tmp_path: Path) -> None:
 
 
 def test_exporter_cli_registers_with_localhost_default() -> None:
-    from server import exporter
+    from fedmeta.server import exporter
 
     parser = argparse.ArgumentParser()
     exporter.register(parser.add_subparsers())

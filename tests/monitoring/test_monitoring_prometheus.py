@@ -117,7 +117,7 @@ def _wait_value(base: str, expr: str, expected: float, rel: float = 1e-9) -> Non
 
 
 def test_exporter_and_observer_through_real_prometheus(tmp_path: Path, prometheus) -> None:
-    from server.monitoring.live import make_observer
+    from fedmeta.server.monitoring.live import make_observer
 
     db, runs = tmp_path / "ledger.sqlite", tmp_path / "runs"
     eps1 = spend(db, "run-1", 4)

@@ -46,7 +46,7 @@ def _exporter(
 def test_unreadable_and_replaced_ledgers_through_real_prometheus(
     tmp_path: Path, prometheus
 ) -> None:
-    from accounting import BudgetLedger, backup
+    from fedmeta.accounting import BudgetLedger, backup
 
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"not a ledger" * 100)

@@ -41,9 +41,10 @@ def register(subparsers: Any) -> None:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from fedmeta.metalearning import DataError
+
     from fedmeta.checkpoint import CheckpointError
     from fedmeta.config import ConfigError
-    from metalearning import DataError
 
     try:
         result = main(args)
@@ -57,11 +58,11 @@ def _handle(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate ``args.checkpoint``; the JSON-ready result."""
     import torch
+    from fedmeta.metalearning import evaluate
 
     from fedmeta.checkpoint import read_checkpoint
     from fedmeta.config import config_from_dict
     from fedmeta.workload import build_model, held_out_tasks
-    from metalearning import evaluate
 
     if not 1 <= args.tasks <= 100_000:
         raise ValueError(f"--tasks must be in [1, 100000]; got {args.tasks}")
@@ -88,8 +89,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) -> dict[str, Any]:
-    from metalearning import evaluate_oneshot_runs, load_oneshot_runs
-    from metalearning.oneshot_runs import HUMAN_ERROR_RATE
+    from fedmeta.metalearning import evaluate_oneshot_runs, load_oneshot_runs
+    from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE
 
     if cfg.dataset.name != "omniglot":
         raise ValueError(

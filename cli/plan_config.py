@@ -18,8 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from accounting import cli as accounting_cli
-from accounting.planner import PlanRequest, PlanRow
+from fedmeta.accounting import cli as accounting_cli
+from fedmeta.accounting.planner import PlanRequest, PlanRow
+
 from fedmeta.paths import default_ledger_path
 
 

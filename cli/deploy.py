@@ -14,8 +14,9 @@ where ``flwr run`` exits 0 even when the ServerApp fails. It
 * polls the run's status (``flwr ls --run-id``) until it finishes, then exits with fedmeta's exit
   status (fedmeta/exitcodes.py), and prints where the outputs and the ledger are.
 
-``fedmeta deploy participant`` runs one participant: a SuperNode (``python -m client.supernode``,
-fast polls, ``--isolation process``) and its warm worker (``python -m client.worker``) beside it,
+``fedmeta deploy participant`` runs one participant: a SuperNode
+(``python -m fedmeta.client.supernode``, fast polls, ``--isolation process``) and its warm worker
+(``python -m fedmeta.client.worker``) beside it,
 sharing the node's loopback. If either ends, the other is stopped and the command exits with the
 first one's status, so a supervisor (systemd, a container's restart policy) restarts both.
 
@@ -74,7 +75,7 @@ def register(subparsers: Any) -> None:
     _register_run(sub)
     _register_participant(sub)
     _register_keys(sub)
-    from fedmeta import deploy_local
+    from fedmeta.cli import deploy_local
 
     deploy_local.register(sub)
 
@@ -262,8 +263,8 @@ dependencies = []
 publisher = "fedmeta"
 
 [tool.flwr.app.components]
-serverapp = "server.app:app"
-clientapp = "client.app:app"
+serverapp = "fedmeta.server.app:app"
+clientapp = "fedmeta.client.app:app"
 
 [tool.flwr.app.config]
 config-file = ""
@@ -560,11 +561,11 @@ def participant_commands(args: argparse.Namespace) -> tuple[list[str], list[str]
     local = ["--isolation", "process", "--host", "127.0.0.1", "--port", str(args.runtime_port),
              "--node-config", config]  # fmt: skip
     py = sys.executable
-    shim = [py, "-m", "client.supernode", "--poll", str(args.poll),
+    shim = [py, "-m", "fedmeta.client.supernode", "--poll", str(args.poll),
             "--reply-timeout", str(args.task_timeout + 60), "--"]  # fmt: skip
     node = [*([str(Path(py).parent / "flower-supernode")] if args.stock_poll else shim),
             *link, *local, *args.extra]  # fmt: skip
-    worker = [py, "-m", "client.worker", "--runtime-api-address",
+    worker = [py, "-m", "fedmeta.client.worker", "--runtime-api-address",
               f"127.0.0.1:{args.runtime_port}", "--node-config", config,
               "--task-timeout", str(args.task_timeout)]  # fmt: skip
     for flag, value in (("--warm-config", args.warm_config), ("--alive-file", args.alive_file),

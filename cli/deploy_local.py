@@ -347,7 +347,7 @@ class LocalFederation:
         children = _children(node.proc.pid)
         os.kill(node.proc.pid, signal.SIGKILL)  # the supervisor: it must not stop the others
         for pid, args in children.items():
-            if "client.worker" in args:
+            if "fedmeta.client.worker" in args:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(settle_s)
         node.host.kill(node.proc, signal.SIGKILL)  # everything left in its process group
@@ -392,7 +392,7 @@ class LocalFederation:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``fedmeta deploy local`` (called by fedmeta.deployment.register)."""
+    """Add ``fedmeta deploy local`` (called by fedmeta.cli.deploy.register)."""
     p = subparsers.add_parser(
         "local", help="quick check: a TLS + node-auth federation as processes on loopback",
         description="Start a SuperLink and N participants (SuperNode + warm worker) on this "
