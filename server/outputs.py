@@ -148,8 +148,14 @@ def build_summary(
         if ledger is None
         else {"path": str(ledger.path), "records": ledger.position()},
         "plan": None if fc is None else _forecast_dict(fc),
-        "wall_seconds": round(wall_seconds, 1),
+        # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
+        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
     }
+
+
+def _diagnostics(cfg: Config, plan: RunPlan) -> bool:
+    """Whether this run's outputs may hold private diagnostics (always in a non-private run)."""
+    return not plan.private or cfg.metrics.private_diagnostics
 
 
 def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[str, Any] | None:

@@ -39,6 +39,11 @@ class RoundDiagnostics:
     round_seconds: float
     aggregation_seconds: float
     compute_seconds_per_task: tuple[float, ...] = ()
+    # Every failure by reason, replies accepted, stray replies: in a private run the record itself
+    # holds only availability failures (server/releases.py); the rest is here.
+    replies_accepted: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)
+    stray_replies: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
