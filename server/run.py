@@ -189,7 +189,7 @@ def run_federation(
         run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
         from fedmeta.server.outputs import format_plan
 
-        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
+        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
         _notify(run.observers, "run_started", _run_started(run))
         _checkpoint(run)  # the run id is recoverable from the first moment
         first = run.next_round
@@ -512,5 +512,13 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
+        coordinates=_coordinates(run),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
+
+
+def _coordinates(run: _Run) -> int:
+    """Noisy values a round of this run releases (the floating-point residual's count)."""
+    from fedmeta.server.outputs import released_coordinates
+
+    return released_coordinates(run.plan, run.session.dim)

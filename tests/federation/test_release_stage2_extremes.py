@@ -32,6 +32,7 @@ from fedmeta.server import run as run_mod
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.ledger import exporter_registry
 from fedmeta.server.monitoring.live import PrometheusRunObserver
+from fedmeta.server.outputs import implemented_guarantee
 from fedmeta.server.progress import ProgressBar
 from fedmeta.simulation.local_grid import InProcessGrid
 from prometheus_client import generate_latest
@@ -188,3 +189,11 @@ def test_minimum_and_cap_of_stage_2_release_the_same_bytes(
     summary = json.loads((tmp_path / "every" / "summary.json").read_text())
     assert summary["rounds_completed"] == 6 and summary["epsilon_spent"] > 0
     assert summary["wall_seconds"] is None  # whole-run wall time: a private diagnostic
+    # The guarantee of the implementation folds in the floating-point residual, over every spend:
+    # 1,761 parameters plus adaptive clipping's count per round.
+    implemented = summary["implemented_guarantee"]
+    assert implemented["released_coordinates"] == 1762 * 6
+    assert (implemented["epsilon"], implemented["delta"]) == implemented_guarantee(
+        summary["epsilon_spent"], summary["delta"], 1762 * 6
+    )
+    assert implemented["epsilon"] > summary["epsilon_spent"]
