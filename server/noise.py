@@ -11,7 +11,8 @@ one draw per coordinate of the flat vector. How the draw is made is part of the 
   anything fedmeta writes. A resumed run draws fresh keys.
 * **A documented transform.** The keystream is turned into standard normals by numpy's
   ``Generator.standard_normal`` (the ziggurat method of Marsaglia and Tsang 2000, as implemented in
-  numpy >= 1.17), two independent streams filling the two halves of the vector in parallel.
+  numpy >= 1.17), two independent streams filling the two halves of the vector in parallel; a
+  draw with ``|Z| >= 4.5`` is redrawn from the exact tail (``_exact_tails``).
 * **Floating-point attacks (Mironov 2012; Jin et al. 2022; Haney et al. 2022).** They exploit that
   the *exact* floating-point value of ``x + noise`` reveals which inputs could have produced it.
   fedmeta releases the noisy sum rounded to a power-of-two grid ``gamma = 2^(floor(log2 sigma) -
@@ -19,9 +20,10 @@ one draw per coordinate of the flat vector. How the draw is made is part of the 
   whose accounting is therefore unchanged, and a value whose low-order bits carry no information.
   What remains is the difference between the implemented and the ideal probability of each grid
   cell, which comes only from (a) the floating-point error of the addition, made in cells (see
-  ``_on_grid``: under 2^-37 of a cell whatever ``|S|``) and (b) the discreteness of the sampler's
-  52-bit uniforms. :func:`float_residual` bounds it (a factor ``1 +- 2^-34`` on every cell's
-  probability) and folds it into the reported epsilon and delta (docs/privacy.md). The released
+  ``_on_grid``: under 2^-37 of a cell whatever ``|S|``) and (b) the sampler's lattice (numpy's
+  ziggurat, whose coarse far tail is redrawn exactly: ``_exact_tails``). :func:`float_residual`
+  bounds it (a factor ``1 +- 2^-34`` on every cell's probability) and folds it into the reported
+  epsilon and delta (docs/privacy.md). The released
   value also reaches participants only through the optimizer step and the float32 model, a
   further post-processing.
 * **Adaptive clipping.** :func:`noised_release` also releases the centred count of the lot's clip
@@ -40,6 +42,7 @@ import hashlib
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +101,7 @@ class NoiseSource:
         if n < _PARALLEL_FROM:
             for gen, part in zip(self._generators, parts, strict=True):
                 gen.standard_normal(out=part)
+            _exact_tails(out, self._generators[0])
             return out
         threads = [
             threading.Thread(target=gen.standard_normal, kwargs={"out": part})
@@ -107,7 +111,55 @@ class NoiseSource:
             thread.start()
         for thread in threads:
             thread.join()
+        _exact_tails(out, self._generators[0])
         return out
+
+
+#: From this ``|Z|`` on, a draw is replaced by an exact draw from the same tail. numpy's ziggurat
+#: draws its tail as ``-log1p(-U) / r`` of a 53-bit ``U``, whose lattice is finer than a release
+#: cell's ``2^-38`` only up to ``|Z|`` about 4.9 (at 13 its spacing is 0.02, 40 cells); 4.5 is
+#: below that. About 7 in a million draws are replaced.
+TAIL_FROM = 4.5
+
+
+def _exact_tails(out: np.ndarray, generator: np.random.Generator) -> None:
+    """Replace each ``|Z| >= TAIL_FROM`` by ``sign(Z) |N|``, ``|N|`` given ``|N| >= TAIL_FROM``.
+
+    The sign and the event ``|Z| >= TAIL_FROM`` are the ziggurat's (its mass of that event is the
+    ideal one to a relative ``2^-38``); the magnitude is Marsaglia's (1964) exact tail algorithm,
+    ``x = sqrt(a^2 - 2 log V1)`` accepted when ``V2 x <= a``, with ``V1`` of full relative
+    precision (:func:`_fine_uniform`), so that its lattice stays under ``2^-52 / x`` in ``x``.
+    """
+    rare = np.flatnonzero(np.abs(out) >= TAIL_FROM)
+    if not rare.size:
+        return
+    raw = generator.bit_generator.random_raw
+    for i in rare:
+        out[i] = math.copysign(_tail(lambda: int(raw())), float(out[i]))
+
+
+def _tail(raw: Callable[[], int]) -> float:
+    a = TAIL_FROM
+    while True:
+        x = math.sqrt(a * a - 2.0 * math.log(_fine_uniform(raw)))
+        if _fine_uniform(raw) * x <= a:
+            return x
+
+
+def _fine_uniform(raw: Callable[[], int]) -> float:
+    """Uniform on (0, 1) with 52 significant bits at every scale (not a 2^-53 lattice).
+
+    The binade ``[2^-(j+1), 2^-j)`` is chosen with probability ``2^-(j+1)`` (``j``: leading zero
+    bits of a random bit string, 64 per word), the significand from 52 more random bits.
+    """
+    zeros = 0
+    word = raw()
+    while word == 0 and zeros < 1000:  # a zero word has probability 2^-64
+        zeros += 64
+        word = raw()
+    zeros += 64 - word.bit_length()
+    significand = 1.0 + (raw() >> 12) * 2.0**-52
+    return math.ldexp(significand, -(zeros + 1))
 
 
 def release_grid(std: float) -> float:
