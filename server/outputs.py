@@ -81,10 +81,9 @@ def format_plan(
         "participant-level epsilon at the planned end: "
         + _participant_eps(fc.epsilon_participant_at_end, plan.participant_level_note),
     ]
-    if coordinates is not None and fc.epsilon_task_at_end is not None:
-        eps, delta = implemented_guarantee(
-            fc.epsilon_task_at_end, plan.delta, coordinates * (fc.ledger_records_before
-                                                               + fc.rounds_to_run))  # fmt: skip
+    if coordinates is not None and plan.delta is not None:
+        released = coordinates * (fc.ledger_records_before + fc.rounds_to_run)
+        eps, delta = implemented_guarantee(fc.epsilon_task_at_end, plan.delta, released)
         lines.append(f"with the floating-point residual (docs/privacy.md): epsilon {_e(eps, '.4f')}"
                      f" at delta {_e(delta, '.4g')}")  # fmt: skip
     if fc.epsilon_theorem3_at_end is not None:
@@ -196,8 +195,10 @@ def _implemented(
     eps = epsilons.get("epsilon_task")
     if not plan.private or coordinates is None or eps is None or ledger is None:
         return None
+    if plan.delta is None:
+        return None
     released = coordinates * int(ledger.position())
-    epsilon, delta = implemented_guarantee(float(eps), float(plan.delta), released)  # type: ignore[arg-type]
+    epsilon, delta = implemented_guarantee(float(eps), plan.delta, released)
     return {"epsilon": epsilon, "delta": delta, "released_coordinates": released,
             "per_cell_residual": RESIDUAL_PER_COORDINATE}  # fmt: skip
 
