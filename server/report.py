@@ -6,11 +6,13 @@ separately, so every output of a run says the same thing.
 
 **Everything here is a release.** In a private run a record holds only what the accountant covers
 or what is public: stage-1 facts (how many participants were sampled, which is fixed, and how many
-replied or failed, which depends on availability, not on data), the ledger's epsilon, the noise
-scale, and metrics computed from the noisy model on public held-out tasks. Anything that depends on
-stage-2 outcomes or on private values (realised task counts, clipping statistics, norm violations,
-per-round and per-participant timings) sits in :class:`RoundDiagnostics`, which a private run fills
-only when ``metrics.private_diagnostics`` is on. Never a participant or task id.
+were available or not: in a private run ``participants_replied``/``participants_failed`` and
+``failures`` count only Flower's ``node_unavailable``, server/releases.py), the ledger's epsilon,
+the noise scale, and metrics computed from the noisy model on public held-out tasks. Anything that
+depends on stage-2 outcomes or on private values (realised task counts, clipping statistics, norm
+violations, timeouts and rejected replies, per-round and per-participant timings) sits in
+:class:`RoundDiagnostics`, which a private run fills only when ``metrics.private_diagnostics`` is
+on. Never a participant or task id.
 """
 
 from __future__ import annotations
