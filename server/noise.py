@@ -213,7 +213,7 @@ def _on_grid(exact: np.ndarray, std: float, source: NoiseSource) -> tuple[np.nda
 
     Computed in cells of the grid so that the one inexact addition is of two numbers under
     ``2^16`` whatever the size of ``exact``: ``exact / grid`` (exact: a power-of-two scaling) is
-    split into its integer part and a fraction in (-1, 1) (``np.modf``, exact), the noise in cells
+    split into its integer part and a fraction in (-1, 1) (``trunc``, exact), the noise in cells
     ``(std / grid) * Z`` is added to the fraction only, rounded to the nearest integer and added
     back to the integer part (exact below ``2^53``). The rounding error is then under ``2^-37`` of
     a cell, which :func:`float_residual` bounds.
@@ -223,10 +223,11 @@ def _on_grid(exact: np.ndarray, std: float, source: NoiseSource) -> tuple[np.nda
     if cells.size and not float(np.max(np.abs(cells))) < 2.0**51:
         # Only a sum over about 2^40 z tasks gets here; no configuration in range does.
         raise ValueError(f"the sum is too large for its release grid ({grid:g}); raise the noise")
-    fraction, whole = np.modf(cells)
+    whole = np.trunc(cells)
+    cells -= whole  # the fraction, exactly (Sterbenz: whole is within a factor 2 of cells, or 0)
     released = source.standard_normal(exact.size)
     released *= std / grid  # std / grid is in (2^GRID_BITS, 2^(GRID_BITS+1)]: exact scaling
-    released += fraction
+    released += cells
     np.rint(released, out=released)
     released += whole
     released *= grid
