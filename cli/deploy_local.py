@@ -8,7 +8,8 @@ network namespace: a *host* is anything with ``popen``/``run``/``kill`` and an `
 
     fedmeta deploy local --participants 3 [--config FILE] [--set KEY=VALUE ...] [--keep DIR]
 
-Needs a checkout (it calls deploy/tls/make-certs.sh, which needs openssl and ssh-keygen).
+Runs deploy/tls/make-certs.sh (package data, so an installed wheel has it too), which needs openssl
+and ssh-keygen.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+import fedmeta.deploy as deploy_files
+from fedmeta.client import worker
+
 from fedmeta import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
-MAKE_CERTS = REPO / "deploy" / "tls" / "make-certs.sh"
+#: Installed with the package (deploy/__init__.py); a wheel installs them as plain files.
+MAKE_CERTS = Path(str(resources.files(deploy_files) / "tls" / "make-certs.sh"))
 BIN = Path(sys.executable).parent
 
 
@@ -132,7 +137,7 @@ def key_fingerprint(public_key_file: Path) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-PROXY_TEMPLATE = REPO / "deploy" / "proxy" / "fleet-only.conf.template"
+PROXY_TEMPLATE = Path(str(resources.files(deploy_files) / "proxy" / "fleet-only.conf.template"))
 NGINX_MAIN = """# fedmeta deploy local: nginx in the foreground, its files under the work directory.
 worker_processes 1;
 pid {work}/nginx.pid;
@@ -233,7 +238,7 @@ class LocalFederation:
     def make_certs(self, key_names: Sequence[str], sans: Sequence[str] = ()) -> None:
         """CA, server certificate (``sans`` added), one key pair per name (make-certs.sh)."""
         if not MAKE_CERTS.is_file():
-            raise FileNotFoundError(f"{MAKE_CERTS} not found: run from a fedmeta checkout")
+            raise FileNotFoundError(f"{MAKE_CERTS} not found: reinstall fedmeta (package data)")
         cmd = ["bash", str(MAKE_CERTS), "--out", str(self.certs)]
         cmd += [a for n in key_names for a in ("--node", n)]
         cmd += [a for s in sans for a in ("--san", s)]
@@ -347,7 +352,7 @@ class LocalFederation:
         children = _children(node.proc.pid)
         os.kill(node.proc.pid, signal.SIGKILL)  # the supervisor: it must not stop the others
         for pid, args in children.items():
-            if "fedmeta.client.worker" in args:
+            if worker.__name__ in args:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(settle_s)
         node.host.kill(node.proc, signal.SIGKILL)  # everything left in its process group
