@@ -9,6 +9,7 @@ releases only as a noisy, accounted count (adaptive clipping, docs/privacy.md).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -23,15 +24,32 @@ from fedmeta.protocol import (
     RegisterRequest,
     Registration,
 )
-from fedmeta.workload import data_fingerprint, own_data, participant_tasks, workload
+from fedmeta.workload import (
+    Workload,
+    build_workload,
+    data_fingerprint,
+    own_data,
+    participant_tasks,
+)
+
+
+@functools.lru_cache(maxsize=4)
+def received_workload(config_json: str, data_path: str | None) -> tuple[Config, Workload]:
+    """The configuration a request carries and its workload on this participant's data.
+
+    Validated and built once per configuration received (keyed by the request's own text), so a
+    participant's rounds reuse its tasks and model, and its registration's data read.
+    """
+    cfg = Config.model_validate_json(config_json)
+    return cfg, build_workload(own_data(cfg, data_path))
 
 
 def registration(
     request: RegisterRequest, participant_id: str, data_path: str | None = None
 ) -> Registration:
     """This participant's id, task count and data fingerprint (for the trusted server only)."""
-    cfg = Config.model_validate_json(request.config_json)
-    tasks = participant_tasks(cfg, participant_id, data_path)
+    cfg, wl = received_workload(request.config_json, data_path)
+    tasks = participant_tasks(wl, participant_id, data_path)
     return Registration(
         participant_id, int(tasks.num_tasks), data_fingerprint(own_data(cfg, data_path))
     )
@@ -43,15 +61,15 @@ def gradient_reply(
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
     from fedmeta.metalearning import per_task_clipped_grads
 
-    cfg = Config.model_validate_json(request.config_json)
+    cfg, wl = received_workload(request.config_json, data_path)
     dim = int(request.params.shape[0])
     started = time.perf_counter()
     bits: tuple[int, ...] | None = None if request.clip is None else ()
     if request.task_ids:
         grads, pre_clip_norms = per_task_clipped_grads(
-            workload(cfg).model,
+            wl.model,
             torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32)),
-            participant_tasks(cfg, participant_id, data_path).tasks(list(request.task_ids)),
+            participant_tasks(wl, participant_id, data_path).tasks(list(request.task_ids)),
             inner_steps=cfg.training.inner_steps,
             inner_lr=cfg.training.inner_lr,
             first_order=cfg.training.first_order,
