@@ -242,3 +242,18 @@ def test_string_edges_are_found(tmp_path: Path) -> None:
     assert len(found) == 5, found
     assert not any(":1 " in f or ":3 " in f for f in found), found
     assert string_edges(probe, "cli/deploy.py")[-1:] != ["cli/deploy.py:7 'fedmeta.server.app:app'"]
+
+
+def test_ci_runs_the_readme_test_command_and_touches_only_its_own() -> None:
+    """.ci/run runs the README's test command as it stands, in a venv of its own; it neither
+    deletes a developer's .venv nor ends processes by name."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    test_command = block[1].split("#", 1)[0].strip()
+    assert "pytest" in test_command, block
+    ci = (REPO / ".ci" / "run").read_text()
+    code = [line.strip() for line in ci.splitlines() if not line.strip().startswith("#")]
+    assert test_command in code, (test_command, code)
+    assert not [line for line in code if "pkill" in line or "killall" in line], code
+    assert not [line for line in code if "rm " in line and ".venv" in line], code
+    assert "FEDMETA_VENV=" in ci and "mktemp -d" in ci
