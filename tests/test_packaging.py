@@ -91,9 +91,10 @@ def test_the_installed_commands_run_outside_the_checkout(installed: tuple, tmp_p
     python, fedmeta, cwd = str(venv / "bin" / "python"), str(venv / "bin" / "fedmeta"), tmp_path
     where = json.loads(_run([python, "-c", (
         "import json, fedmeta, fedmeta.server.round as r\n"
-        "from fedmeta.cli.deploy_local import MAKE_CERTS, PROXY_TEMPLATE\n"
-        "print(json.dumps([fedmeta.__file__, r.__file__, str(MAKE_CERTS), str(PROXY_TEMPLATE), "
-        "MAKE_CERTS.is_file() and PROXY_TEMPLATE.is_file()]))")], cwd, env))  # fmt: skip
+        "from fedmeta.cli.deploy_local import MAKE_CERTS, PROXY_TEMPLATE, deploy_file\n"
+        "files = [deploy_file(MAKE_CERTS), deploy_file(PROXY_TEMPLATE)]\n"
+        "print(json.dumps([fedmeta.__file__, r.__file__, *map(str, files), "
+        "all(f.is_file() for f in files)]))")], cwd, env))  # fmt: skip
     assert where.pop() is True, where
     for path in where:  # the wheel's files, nothing of the checkout
         assert Path(path).is_relative_to(venv) and not Path(path).is_relative_to(REPO), where
