@@ -143,23 +143,38 @@ def build_workload(cfg: Config) -> Workload:
             seed=cfg.seed,
         )
         return Workload(model, "mse", tasks, None, ds, cfg.seed)
-    assert ds.path is not None
-    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed, ds.split, ds.rotations, ds.download)
+    splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
+    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _image_tasks(ds: DatasetConfig, participants: int, seed: int) -> tuple[Any, Any]:
+    """The image splits and the participants' task set, built once per process per setting.
+
+    Partitioning the classes and numbering every participant's tasks is slow for Omniglot, and the
+    server and the in-process participants of a simulation (and the benchmarks) build workloads of
+    the same data, so the result is shared: keyed by the frozen settings it is a function of, not
+    by the configuration's text.
+    """
+    from fedmeta.metalearning import FederatedTaskSet
+
+    assert ds.path is not None  # the configuration requires it for image data
+    splits = _splits(ds.name, ds.path, ds.image_size, seed, ds.split, ds.rotations, ds.download)
     partition = ds.partition
     if partition == "auto":
         partition = "group" if ds.name == "omniglot" else "even"
     tasks = FederatedTaskSet.from_classes(
         splits.train,
-        cfg.federation.participants,
+        participants,
         n_way=ds.ways,
         k_shot=ds.shots,
         q_query=ds.query,
         tasks_per_participant=ds.tasks_per_participant,
         partition=partition,
         disjoint_examples=ds.disjoint_examples,
-        seed=cfg.seed,
+        seed=seed,
     )
-    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed)
+    return splits, tasks
 
 
 def own_data(cfg: Config, data_path: str | None) -> Config:
