@@ -26,7 +26,13 @@ from torch import Tensor, nn
 
 from fedmeta.config import Config, DatasetConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
+    from fedmeta.metalearning.federated import (
+        FederatedTaskSet,
+        ParticipantTasks,
+        SinusoidParticipant,
+    )
+    from fedmeta.metalearning.images import DataSplits
     from fedmeta.metalearning.maml import Metric
 
 _VAL_SEED_SALT = 0x5EED_0001
@@ -51,8 +57,8 @@ class Workload:
 
     model: nn.Module
     metric: Metric  # how held-out tasks are scored: mse (lower is better) or accuracy
-    task_set: Any  # metalearning.FederatedTaskSet
-    splits: Any  # DataSplits or None (sinusoid)
+    task_set: FederatedTaskSet
+    splits: DataSplits | None  # None: the sinusoid has no image splits
     dataset: DatasetConfig
     seed: int
 
@@ -79,6 +85,7 @@ class Workload:
         ds = self.dataset
         if ds.name == "sinusoid":
             return SinusoidTasks(ds.shots, ds.query).sample(n_tasks, seed)
+        assert self.splits is not None  # image data
         split = self.splits.test if which == "test" else self.splits.val
         if split.n_classes < ds.ways:
             split = self.splits.test
@@ -148,7 +155,9 @@ def build_workload(cfg: Config) -> Workload:
 
 
 @functools.lru_cache(maxsize=4)
-def _image_tasks(ds: DatasetConfig, participants: int, seed: int) -> tuple[Any, Any]:
+def _image_tasks(
+    ds: DatasetConfig, participants: int, seed: int
+) -> tuple[DataSplits, FederatedTaskSet]:
     """The image splits and the participants' task set, built once per process per setting.
 
     Partitioning the classes and numbering every participant's tasks is slow for Omniglot, and the
@@ -194,7 +203,9 @@ def own_data(cfg: Config, data_path: str | None) -> Config:
                                   "sampling": sampling})  # fmt: skip
 
 
-def participant_tasks(wl: Workload, participant_id: str, data_path: str | None = None) -> Any:
+def participant_tasks(
+    wl: Workload, participant_id: str, data_path: str | None = None
+) -> ParticipantTasks | SinusoidParticipant:
     """The numbered tasks of one participant of ``wl``.
 
     ``wl`` is built from :func:`own_data`'s configuration: with its own data the participant is
