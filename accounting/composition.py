@@ -895,6 +895,22 @@ def _check_target(name: str, value: object, *, allow_zero: bool) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def _check_calibration(
+    rounds: int, target_epsilon: float, delta: float, unit: str, method: str, tolerance: float
+) -> tuple[int, float]:
+    """:func:`calibrate_noise_multiplier`'s arguments checked: ``(rounds, target)``."""
+    _check_delta(delta)
+    _check_unit(unit)
+    _check_method(method)
+    rounds = _check_rounds("rounds", rounds, minimum=1)
+    target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
+    if not math.isfinite(target):
+        raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
+    if not (isinstance(tolerance, float) and 1e-9 <= tolerance < 1.0):
+        raise ValueError(f"relative_tolerance must be in [1e-9, 1); got {tolerance!r}")
+    return rounds, target
+
+
 def calibrate_noise_multiplier(
     scheme: Any,
     rounds: int,
@@ -914,15 +930,9 @@ def calibrate_noise_multiplier(
     chosen accountant, and ``z * (1 - relative_tolerance)`` may not. Searches
     ``NOISE_MULTIPLIER_RANGE`` and says so when the answer lies outside it.
     """
-    _check_delta(delta)
-    _check_unit(unit)
-    _check_method(method)
-    rounds = _check_rounds("rounds", rounds, minimum=1)
-    target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
-    if not math.isfinite(target):
-        raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
-    if not (isinstance(relative_tolerance, float) and 1e-9 <= relative_tolerance < 1.0):
-        raise ValueError(f"relative_tolerance must be in [1e-9, 1); got {relative_tolerance!r}")
+    rounds, target = _check_calibration(
+        rounds, target_epsilon, delta, unit, method, relative_tolerance
+    )
 
     def eps_at(z: float, how: str) -> float:
         event = GaussianRound(scheme, z, max_tasks_per_participant, neighbouring)

@@ -12,6 +12,7 @@ contributes a zero row (:func:`isolated_rows`), so one task never removes its si
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -28,7 +29,24 @@ from fedmeta.protocol import (
     RegisterRequest,
     Registration,
 )
-from fedmeta.workload import data_fingerprint, own_data, participant_tasks, workload
+from fedmeta.workload import (
+    Workload,
+    build_workload,
+    data_fingerprint,
+    own_data,
+    participant_tasks,
+)
+
+
+@functools.lru_cache(maxsize=4)
+def received_workload(config_json: str, data_path: str | None) -> tuple[Config, Workload]:
+    """The configuration a request carries and its workload on this participant's data.
+
+    Validated and built once per configuration received (keyed by the request's own text), so a
+    participant's rounds reuse its tasks and model, and its registration's data read.
+    """
+    cfg = Config.model_validate_json(config_json)
+    return cfg, build_workload(own_data(cfg, data_path))
 
 log = logging.getLogger("fedmeta.client")
 
@@ -37,8 +55,8 @@ def registration(
     request: RegisterRequest, participant_id: str, data_path: str | None = None
 ) -> Registration:
     """This participant's id, task count and data fingerprint (for the trusted server only)."""
-    cfg = Config.model_validate_json(request.config_json)
-    tasks = participant_tasks(cfg, participant_id, data_path)
+    cfg, wl = received_workload(request.config_json, data_path)
+    tasks = participant_tasks(wl, participant_id, data_path)
     return Registration(
         participant_id, int(tasks.num_tasks), data_fingerprint(own_data(cfg, data_path))
     )
@@ -48,12 +66,12 @@ def gradient_reply(
     request: GradientRequest, participant_id: str, data_path: str | None = None
 ) -> GradientReply:
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
-    cfg = Config.model_validate_json(request.config_json)
+    cfg, wl = received_workload(request.config_json, data_path)
     dim = int(request.params.shape[0])
     started = time.perf_counter()
     bits: tuple[int, ...] | None = None if request.clip is None else ()
     if request.task_ids:
-        compute = _task_gradients(cfg, request, participant_id, data_path)
+        compute = _task_gradients(cfg, wl, request, participant_id, data_path)
         rows, pre_clip_norms = isolated_rows(compute, request.task_ids, dim)
         if request.clip is not None:
             bits = clip_bits(pre_clip_norms, request.clip)
@@ -73,7 +91,7 @@ TaskGradients = Callable[[Sequence[int]], tuple[np.ndarray, np.ndarray]]
 
 
 def _task_gradients(
-    cfg: Config, request: GradientRequest, participant_id: str, data_path: str | None
+    cfg: Config, wl: Workload, request: GradientRequest, participant_id: str, data_path: str | None
 ) -> TaskGradients:
     """The workload's batched per-task clipped gradients (non-finite rows zeroed) for some ids."""
     from fedmeta.metalearning import per_task_clipped_grads
@@ -82,9 +100,9 @@ def _task_gradients(
 
     def compute(task_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         grads, norms = per_task_clipped_grads(
-            workload(cfg).model,
+            wl.model,
             params,
-            participant_tasks(cfg, participant_id, data_path).tasks(list(task_ids)),
+            participant_tasks(wl, participant_id, data_path).tasks(list(task_ids)),
             inner_steps=cfg.training.inner_steps,
             inner_lr=cfg.training.inner_lr,
             first_order=cfg.training.first_order,

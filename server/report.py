@@ -17,9 +17,13 @@ on. Never a participant or task id.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger("fedmeta.server")
 
 STATUS_COMPLETED = "completed"
 STATUS_LOST_ON_RESUME = "lost_on_resume"
@@ -136,3 +140,40 @@ class RunObserver(Protocol):
 
     def run_finished(self, event: RunFinished) -> None:
         """Receive the run's end."""
+
+
+class Observers:
+    """A run's observers as one :class:`RunObserver`.
+
+    Each hears every record, in order; one that raises is logged and skipped (a failing sink must
+    never stop a private run).
+    """
+
+    def __init__(self, observers: Iterable[RunObserver] = ()) -> None:
+        self.members = tuple(observers)
+
+    def run_started(self, event: RunStarted) -> None:
+        """Tell every observer the run started."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.run_started(event)
+
+    def round_finished(self, outcome: RoundOutcome) -> None:
+        """Tell every observer a round finished."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.round_finished(outcome)
+
+    def run_finished(self, event: RunFinished) -> None:
+        """Tell every observer the run ended."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.run_finished(event)
+
+
+@contextlib.contextmanager
+def _isolated(observer: RunObserver) -> Iterator[None]:
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - a failing sink must never stop a private run
+        log.exception("observer %r failed", observer)

@@ -48,7 +48,7 @@ from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 from torch import Tensor
 
 from fedmeta.config import TrainingConfig
-from fedmeta.protocol import GradientReply, GradientRequest
+from fedmeta.protocol import GradientReply, GradientRequest, ReplyFormat
 
 STOP_PLANNED = "planned_rounds"
 STOP_BUDGET = "budget_exhausted"
@@ -146,7 +146,7 @@ class RoundSession:
     transport: Transport
     config_json: str
     dim: int
-    reply_format: str
+    reply_format: ReplyFormat
     tolerance: float
     diagnostics: bool
     round_min_seconds: float = 0.0

@@ -44,6 +44,7 @@ from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
 from fedmeta.server.report import (
     STATUS_LOST_ON_RESUME,
+    Observers,
     RoundOutcome,
     RunFinished,
     RunObserver,
@@ -64,7 +65,7 @@ from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
+from fedmeta.workload import HeldOut, Workload, build_workload, data_fingerprint
 
 log = logging.getLogger("fedmeta.server")
 
@@ -157,9 +158,9 @@ class _Run:
     state: TrainingState
     outcomes: list[RoundOutcome]
     next_round: int
-    observers: list[RunObserver]
+    observers: Observers
     forecast: BudgetForecast | None
-    model: Any
+    workload: Workload  # built once, in _start; the server's model and held-out tasks
     membership: Membership
     ledger: BudgetLedger | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -177,20 +178,23 @@ def run_federation(
     announce: Callable[[str], None] = lambda text: log.info("%s", text),
     open_ledger: Callable[[Config, str], BudgetLedger] | None = None,
     stop: threading.Event | None = None,
+    workload: Workload | None = None,
 ) -> RunResult:
     """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
     ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`). Setting
     ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
-    output directory is held exclusively for the whole run (server/rundir.py).
+    output directory is held exclusively for the whole run (server/rundir.py). ``workload``: the
+    one ``cfg`` describes, when the caller has built it already (else it is built once here).
     """
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):
-        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
+        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget,
+                     workload)  # fmt: skip
         from fedmeta.server.outputs import format_plan
 
         announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
-        _notify(run.observers, "run_started", _run_started(run))
+        run.observers.run_started(_run_started(run))
         _checkpoint(run)  # the run id is recoverable from the first moment
         first = run.next_round
         stopped = _rounds(run, stop or threading.Event())
@@ -206,6 +210,7 @@ def _start(
     resume: bool,
     observers: list[RunObserver],
     open_ledger: Callable[[Config, str], BudgetLedger],
+    workload: Workload | None,
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
@@ -219,13 +224,13 @@ def _start(
         raise PlanError(f"cannot plan the private run: {error}") from None
     ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
-    model = build_model(cfg)
-    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
+    wl = workload or build_workload(cfg)
+    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
-                next_round, observers, predicted, model, membership, ledger)  # fmt: skip
+                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
 
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
@@ -296,11 +301,11 @@ def _initial_state(
     ckpt: dict[str, Any] | None,
     ledger: BudgetLedger | None,
     run_id: str,
-    model: Any,
+    workload: Workload,
 ) -> tuple[TrainingState, list[RoundOutcome], int]:
     """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
     if ckpt is None:
-        return TrainingState(initial_params(cfg, model), **_optimizer_args(cfg, plan)), [], 0
+        return TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan)), [], 0
     state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
                           optimizer_state=ckpt["optimizer"])  # fmt: skip
     if plan.adaptive is not None and ckpt.get("clip") is not None:
@@ -361,7 +366,7 @@ def _rounds(run: _Run, stop: threading.Event) -> str:
         outcome = _evaluate_round(run, outcome)
         run.outcomes.append(outcome)
         run.next_round = index + 1
-        _notify(run.observers, "round_finished", outcome)
+        run.observers.round_finished(outcome)
         if run.next_round % cfg.training.checkpoint_every == 0:
             _checkpoint(run)
     return STOP_PLANNED
@@ -420,8 +425,8 @@ def _epsilons(run: _Run) -> dict[str, Any]:
     return ledger_epsilons(run.ledger, run.plan.event)
 
 
-def _held_out(run: _Run, which: str, n_tasks: int) -> Any:
-    return held_out_tasks(run.cfg, which, n_tasks)
+def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
+    return run.workload.held_out(which, n_tasks)
 
 
 def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
@@ -429,7 +434,7 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
 
     cfg = run.cfg
     return evaluate(
-        run.model,
+        run.workload.model,
         (run.state.params if params is None else params).detach(),
         tasks,
         inner_steps=cfg.training.eval_inner_steps,
@@ -438,14 +443,6 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
         chunk_size=cfg.training.chunk_size,
         with_pre_adaptation=pre,
     )
-
-
-def _notify(observers: Sequence[RunObserver], method: str, record: Any) -> None:
-    for observer in observers:
-        try:
-            getattr(observer, method)(record)
-        except Exception:  # noqa: BLE001 - a failing sink must never stop a private run
-            log.exception("observer %r failed in %s", observer, method)
 
 
 def _checkpoint(run: _Run) -> None:
@@ -487,7 +484,7 @@ def _run_started(run: _Run) -> RunStarted:
         epsilon_spent_task=fc.epsilon_spent_before if fc else 0.0,
         epsilon_spent_participant=None,
         participants_registered=len(run.registered),
-        metric_name=workload(run.cfg).metric,
+        metric_name=run.workload.metric,
         diagnostics=run.session.diagnostics,
     )
 
@@ -496,11 +493,11 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, pre=True)
-    untrained = _evaluate(run, test_tasks, params=initial_params(run.cfg, run.model)).mean
+    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
     ci = (final.mean - final.ci95, final.mean + final.ci95)
-    _notify(run.observers, "run_finished", RunFinished(
+    run.observers.run_finished(RunFinished(
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), final.mean, ci,
     ))  # fmt: skip

@@ -39,7 +39,7 @@ import torch
 from fedmeta.metalearning import clip_by_global_norm
 from torch import Tensor
 
-from fedmeta.protocol import GradientReply
+from fedmeta.protocol import GradientReply, ReplyFormat
 
 REASON_WRONG_RUN = "wrong_run"
 REASON_WRONG_ROUND = "wrong_round"
@@ -66,7 +66,7 @@ class Expectation:
     task_ids: tuple[int, ...]
     dim: int
     clip: float | None  # None: a non-private run, nothing is clipped
-    reply_format: str
+    reply_format: ReplyFormat
     tolerance: float = 1e-4  # relative slack before a norm counts as a violation
     clip_bits: bool = False  # adaptive clipping: the reply must carry one bit per task
 

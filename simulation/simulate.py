@@ -18,7 +18,10 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedmeta.workload import Workload
 
 _QUIET_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -187,17 +190,19 @@ def main(
     # Everything that can be refused is refused here, once, before Ray or any participant starts.
     with exclusive_run_directory(out):
         refuse_to_overwrite_run(out, resume)
-    check_data(cfg)
+    workload = check_data(cfg)  # the run's workload: built once, here
     if cfg.federation.backend == "inprocess":
         from fedmeta.server.app import execute
         from fedmeta.simulation.local_grid import InProcessGrid
 
         grid = InProcessGrid(cfg.federation.participants)
-        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
-    return _run_ray(cfg, out, resume, stop)
+        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload)
+    return _run_ray(cfg, out, resume, stop, workload)
 
 
-def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
+def _run_ray(
+    cfg: Any, out: Path, resume: bool, stop: threading.Event | None, workload: Workload
+) -> Any:
     import logging
 
     from fedmeta.client.app import app as client_app
@@ -211,7 +216,8 @@ def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) ->
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
+        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop,
+                                   workload=workload)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     import warnings
