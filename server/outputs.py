@@ -154,6 +154,19 @@ def build_summary(
         "normaliser": plan.normaliser if private else None,
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
+        **_final_metric(cfg, final, untrained),
+        "ledger": None
+        if ledger is None
+        else {"path": str(ledger.path), "records": ledger.position()},
+        "plan": None if fc is None else _forecast_dict(fc),
+        # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
+        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def _final_metric(cfg: Config, final: Any, untrained: float) -> dict[str, Any]:
+    """The summary's evaluation fields: the noisy model's metric on public held-out tasks."""
+    return {
         "metric": _metric_name(cfg),
         "final_metric": final.mean,
         "final_metric_ci95": [final.mean - final.ci95, final.mean + final.ci95],
@@ -161,12 +174,6 @@ def build_summary(
         "final_metric_pre_adaptation": final.pre_adaptation_mean,
         "test_tasks": final.n_tasks,
         "untrained_metric": untrained,
-        "ledger": None
-        if ledger is None
-        else {"path": str(ledger.path), "records": ledger.position()},
-        "plan": None if fc is None else _forecast_dict(fc),
-        # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
-        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
     }
 
 
