@@ -41,7 +41,14 @@ from fedmeta.accounting import (
 )
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
-from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
+from fedmeta.server.plan import (
+    BudgetForecast,
+    RunPlan,
+    build_plan,
+    forecast,
+    ledger_epsilons,
+    reported_epsilon,
+)
 from fedmeta.server.report import (
     STATUS_LOST_ON_RESUME,
     RoundOutcome,
@@ -78,6 +85,10 @@ class FederationError(RuntimeError):
 
 class PlanError(ValueError):
     """The privacy plan cannot be made from this configuration (a one-line reason)."""
+
+
+class NoRoundAffordable(RuntimeError):
+    """A fresh private run whose budget affords no round: refused before anything is written."""
 
 
 @dataclass
@@ -224,8 +235,25 @@ def _start(
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
+    if ckpt is None and predicted is not None and not predicted.rounds_to_run and ledger:
+        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
                 next_round, observers, predicted, model, membership, ledger)  # fmt: skip
+
+
+def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
+    """One line: why the budget affords no round, and what to change (public values only)."""
+    assert plan.event is not None and plan.delta is not None
+    spent = ledger.epsilon(unit="task")
+    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
+    return (
+        f"the budget affords no round: one round at noise multiplier "
+        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
+        f"over privacy.epsilon_budget={cfg.privacy.epsilon_budget:g} ({spent:.4g} already spent "
+        f"on this data in {ledger.path}); "
+        "raise privacy.noise_multiplier (or set privacy.target_epsilon) or use other data; "
+        "nothing was run or written"
+    )
 
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:

@@ -82,7 +82,7 @@ def _report(error: Exception) -> int:
     from fedmeta.accounting import LedgerError
     from fedmeta.metalearning import DataError
     from fedmeta.server.round import TrainingDiverged
-    from fedmeta.server.run import FederationError, PlanError
+    from fedmeta.server.run import FederationError, NoRoundAffordable, PlanError
     from fedmeta.server.rundir import RunDirectoryBusy
     from fedmeta.server.transport import RegistrationError
 
@@ -94,6 +94,8 @@ def _report(error: Exception) -> int:
                  TrainingDiverged)  # fmt: skip
     if isinstance(error, bad_input):
         status, text = exitcodes.BAD_INPUT, str(error)
+    elif isinstance(error, NoRoundAffordable):
+        status, text = exitcodes.BUDGET_EXHAUSTED, str(error)
     elif isinstance(error, RegistrationError | RunDirectoryBusy):
         status, text = exitcodes.UNAVAILABLE, str(error)
     elif isinstance(error, OSError):
