@@ -22,6 +22,7 @@ A non-private run skips 1, 5 and the noise, and averages over the tasks received
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class Exchange:
 
 #: Sends one round's requests (participant id -> request) and returns what came back.
 Transport = Callable[[Mapping[str, GradientRequest]], Exchange]
+
+
+class RoundAbandoned(RuntimeError):
+    """A stop request came before the round's spend: nothing of the round was spent or released."""
 
 
 class TrainingDiverged(ValueError):
@@ -148,6 +153,9 @@ class RoundSession:
     round_min_seconds: float = 0.0
     ledger: BudgetLedger | None = None
     noise: NoiseSource | None = None
+    #: Set by SIGINT/SIGTERM: a round not yet spent is abandoned (RoundAbandoned); one spent goes
+    #: on to its release, since the ledger already counts it.
+    stop: threading.Event | None = None
 
 
 def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundOutcome | None:
@@ -159,11 +167,14 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     clip = _round_clip(session, state)
     sample = session.sampler.sample(session.task_counts)
     requests = _requests(session, state, index, sample, clip)
-    exchange = session.transport(requests)
+    exchange = session.transport(requests)  # returns early on a stop request (server/transport)
     checked = validate_round(
         {pid: d.reply for pid, d in exchange.deliveries.items() if d.reply is not None},
         _expectations(session, index, requests, clip),
     )
+    # The last moment to stop without a trace: after it come the spend and the release, no wait.
+    if session.stop is not None and session.stop.is_set():
+        raise RoundAbandoned(f"round {index + 1} abandoned before its spend: stop requested")
     position = _spend(session, index)
     if plan.private and position is None:
         return None

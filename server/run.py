@@ -60,6 +60,7 @@ from fedmeta.server.round import (
     STOP_BUDGET,
     STOP_PLANNED,
     Exchange,
+    RoundAbandoned,
     RoundSession,
     TrainingState,
     run_round,
@@ -376,13 +377,18 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
 def _rounds(run: _Run, stop: threading.Event) -> str:
     """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
     cfg = run.cfg
+    run.session.stop = run.membership.transport.stop = stop  # a round ends within seconds
     for index in range(run.next_round, cfg.rounds):
         if stop.is_set():
             log.info("stopping before round %d: interrupted", index + 1)
             return STOP_INTERRUPTED
         if not _prepare_round(run, index):
             return STOP_NO_PARTICIPANTS
-        outcome = run_round(run.session, run.state, index)
+        try:
+            outcome = run_round(run.session, run.state, index)
+        except RoundAbandoned as abandoned:
+            log.info("%s", abandoned)
+            return STOP_INTERRUPTED
         if outcome is None:
             log.info("round %d not run: budget exhausted", index + 1)
             return STOP_BUDGET
