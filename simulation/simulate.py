@@ -190,6 +190,7 @@ def main(
     with exclusive_run_directory(out):
         refuse_to_overwrite_run(out, resume)
     check_data(cfg)
+    _check_round_fits(cfg)
     if cfg.federation.backend == "inprocess":
         from fedmeta.server.app import execute
         from fedmeta.simulation.local_grid import InProcessGrid
@@ -197,6 +198,14 @@ def main(
         grid = InProcessGrid(cfg.federation.participants)
         return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
     return _run_ray(cfg, out, resume, stop)
+
+
+def _check_round_fits(cfg: Any) -> None:
+    """Refuse a configuration whose one round cannot fit in memory (fedmeta/capacity.py)."""
+    from fedmeta.capacity import check_round_fits
+    from fedmeta.workload import build_model
+
+    check_round_fits(cfg, sum(p.numel() for p in build_model(cfg).parameters()))
 
 
 def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
