@@ -229,7 +229,8 @@ def _start(
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
-    ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
+    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
+    ledger = open_ledger(opened_with, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     model = build_model(cfg)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
@@ -240,6 +241,27 @@ def _start(
         raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
                 next_round, observers, predicted, model, membership, ledger)  # fmt: skip
+
+
+def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
+    """The configuration to open the ledger with: on resume, the ledger the run recorded.
+
+    A run records its ledger's absolute path before its first spend; resuming from another
+    directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
+    file. A recorded ledger that is gone is refused before anything is created.
+    """
+    recorded = (ckpt or {}).get("ledger") or {}
+    path = recorded.get("path")
+    if not path:
+        return cfg
+    if check and not Path(path).is_file():
+        raise FederationError(
+            f"the run spent from the ledger {path} (recorded in its checkpoint), which is missing; "
+            "restore that file there (a `fedmeta ledger backup` copy is a complete one) and "
+            "resume again"
+        )
+    privacy = cfg.privacy.model_copy(update={"ledger_path": str(path)})
+    return cfg.model_copy(update={"privacy": privacy})
 
 
 def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
@@ -366,7 +388,7 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
     if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
         raise FederationError(
             f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
-            f"resume with --set privacy.ledger_path={saved.path}"
+            f"restore the run's ledger at {saved.path} and resume again"
         )
     ledger.check_resume(saved)
 
