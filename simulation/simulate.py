@@ -12,6 +12,7 @@ tests). This harness wires the server and the client together in one process; it
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -99,8 +100,7 @@ def _report(error: Exception) -> int:
     elif isinstance(error, RegistrationError | RunDirectoryBusy):
         status, text = exitcodes.UNAVAILABLE, str(error)
     elif isinstance(error, OSError):
-        where = f" {error.filename}" if error.filename else ""
-        status, text = exitcodes.BAD_INPUT, f"cannot write{where}: {error.strerror or error}"
+        status, text = exitcodes.BAD_INPUT, _resource_fault(error)
     else:
         status, text = exitcodes.INTERNAL_ERROR, f"internal error: {type(error).__name__}: {error}"
         if os.environ.get("FEDMETA_DEBUG"):
@@ -109,6 +109,24 @@ def _report(error: Exception) -> int:
             text += " (set FEDMETA_DEBUG=1 for the traceback)"
     print(f"fedmeta simulate: {text}", file=sys.stderr)
     return status
+
+
+#: What to do about a write that failed, by its cause.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _resource_fault(error: OSError) -> str:
+    """One line: the path that could not be written, the system's reason, and what to do."""
+    where = f" {error.filename}" if error.filename else ""
+    text = f"cannot write{where}: {error.strerror or error}"
+    if error.errno in _FULL:
+        return (f"{text}; free space on that file system (the ledger and the last checkpoint "
+                "are intact) and continue with --resume --out DIR, or start again with --out on "
+                "another file system")  # fmt: skip
+    if error.errno in _READ_ONLY:
+        return f"{text}; make that directory writable, or give --out a writable directory"
+    return text
 
 
 def _stop_on_signals(stop: threading.Event) -> Any:
