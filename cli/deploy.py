@@ -56,6 +56,7 @@ _FAILURES = (
       "LedgerCorrupted", "LedgerMissing", "LedgerReadOnly", "LedgerReplaced", "LedgerUnreadable",
       "NotALedger", "FederationError", "PlanError", "PermissionError", "FileNotFoundError"),
      exitcodes.BAD_INPUT),
+    (("NoRoundAffordable",), exitcodes.BUDGET_EXHAUSTED),
 )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ A non-private run skips 1, 5 and the noise, and averages over the tasks received
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ class Exchange:
 
 #: Sends one round's requests (participant id -> request) and returns what came back.
 Transport = Callable[[Mapping[str, GradientRequest]], Exchange]
+
+
+class RoundAbandoned(RuntimeError):
+    """A stop request came before the round's spend: nothing of the round was spent or released."""
 
 
 class TrainingDiverged(ValueError):
@@ -152,6 +157,9 @@ class RoundSession:
     round_min_seconds: float = 0.0
     ledger: BudgetLedger | None = None
     noise: NoiseSource | None = None
+    #: Set by SIGINT/SIGTERM: a round not yet spent is abandoned (RoundAbandoned); one spent goes
+    #: on to its release, since the ledger already counts it.
+    stop: threading.Event | None = None
 
 
 def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundOutcome | None:
@@ -163,7 +171,7 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     clip = _round_clip(session, state)
     sample = session.sampler.sample(session.task_counts)
     requests = _requests(session, state, index, sample, clip)
-    exchange = session.transport(requests)
+    exchange = session.transport(requests)  # returns early on a stop request (server/transport)
     checked = validate_round(
         {pid: d.reply for pid, d in exchange.deliveries.items() if d.reply is not None},
         _expectations(session, index, requests, clip),
@@ -172,6 +180,9 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     # follow the public minimum, not this round's stage-2 work; the spend still precedes the noise.
     _pad(started, session.round_min_seconds)
     received = time.perf_counter()
+    # The last moment to stop without a trace: after it come the spend and the release, no wait.
+    if session.stop is not None and session.stop.is_set():
+        raise RoundAbandoned(f"round {index + 1} abandoned before its spend: stop requested")
     position = _spend(session, index)
     if plan.private and position is None:
         return None

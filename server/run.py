@@ -41,7 +41,14 @@ from fedmeta.accounting import (
 )
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
-from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
+from fedmeta.server.plan import (
+    BudgetForecast,
+    RunPlan,
+    build_plan,
+    forecast,
+    ledger_epsilons,
+    reported_epsilon,
+)
 from fedmeta.server.report import (
     STATUS_LOST_ON_RESUME,
     Observers,
@@ -54,6 +61,7 @@ from fedmeta.server.round import (
     STOP_BUDGET,
     STOP_PLANNED,
     Exchange,
+    RoundAbandoned,
     RoundSession,
     TrainingState,
     run_round,
@@ -79,6 +87,10 @@ class FederationError(RuntimeError):
 
 class PlanError(ValueError):
     """The privacy plan cannot be made from this configuration (a one-line reason)."""
+
+
+class NoRoundAffordable(RuntimeError):
+    """A fresh private run whose budget affords no round: refused before anything is written."""
 
 
 @dataclass
@@ -222,15 +234,54 @@ def _start(
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
-    ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
+    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
+    ledger = open_ledger(opened_with, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     wl = workload or build_workload(cfg)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
+    if ckpt is None and predicted is not None and not predicted.rounds_to_run and ledger:
+        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
                 next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
+
+
+def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
+    """The configuration to open the ledger with: on resume, the ledger the run recorded.
+
+    A run records its ledger's absolute path before its first spend; resuming from another
+    directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
+    file. A recorded ledger that is gone is refused before anything is created.
+    """
+    recorded = (ckpt or {}).get("ledger") or {}
+    path = recorded.get("path")
+    if not path:
+        return cfg
+    if check and not Path(path).is_file():
+        raise FederationError(
+            f"the run spent from the ledger {path} (recorded in its checkpoint), which is missing; "
+            "restore that file there (a `fedmeta ledger backup` copy is a complete one) and "
+            "resume again"
+        )
+    privacy = cfg.privacy.model_copy(update={"ledger_path": str(path)})
+    return cfg.model_copy(update={"privacy": privacy})
+
+
+def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
+    """One line: why the budget affords no round, and what to change (public values only)."""
+    assert plan.event is not None and plan.delta is not None
+    spent = ledger.epsilon(unit="task")
+    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
+    return (
+        f"the budget affords no round: one round at noise multiplier "
+        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
+        f"over privacy.epsilon_budget={cfg.privacy.epsilon_budget:g} ({spent:.4g} already spent "
+        f"on this data in {ledger.path}); "
+        "raise privacy.noise_multiplier (or set privacy.target_epsilon) or use other data; "
+        "nothing was run or written"
+    )
 
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
@@ -342,7 +393,7 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
     if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
         raise FederationError(
             f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
-            f"resume with --set privacy.ledger_path={saved.path}"
+            f"restore the run's ledger at {saved.path} and resume again"
         )
     ledger.check_resume(saved)
 
@@ -353,13 +404,18 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
 def _rounds(run: _Run, stop: threading.Event) -> str:
     """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
     cfg = run.cfg
+    run.session.stop = run.membership.transport.stop = stop  # a round ends within seconds
     for index in range(run.next_round, cfg.rounds):
         if stop.is_set():
             log.info("stopping before round %d: interrupted", index + 1)
             return STOP_INTERRUPTED
         if not _prepare_round(run, index):
             return STOP_NO_PARTICIPANTS
-        outcome = run_round(run.session, run.state, index)
+        try:
+            outcome = run_round(run.session, run.state, index)
+        except RoundAbandoned as abandoned:
+            log.info("%s", abandoned)
+            return STOP_INTERRUPTED
         if outcome is None:
             log.info("round %d not run: budget exhausted", index + 1)
             return STOP_BUDGET
