@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fedmeta.accounting.ledger as ledger_module
+import fedmeta.accounting.ledger.budget as ledger_module  # where spend looks up its search
 import pytest
 from fedmeta.accounting import (
     BudgetLedger,
