@@ -39,6 +39,7 @@ from fedmeta.accounting import (
     TwoStageSampler,
     resolve_federation,
 )
+from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
@@ -127,7 +128,7 @@ def open_budget(cfg: Config, identity: str) -> BudgetLedger:
     )
     path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
     path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
     federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
     return BudgetLedger.open(
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,

@@ -86,11 +86,13 @@ from fedmeta.accounting.ledger.records import (
     LedgerReadOnly,
     LedgerReplaced,
     LedgerUnreadable,
+    LedgerUnwritable,
     NotALedger,
     SpendRecord,
 )
 from fedmeta.accounting.ledger.storage import (
     _immediate,
+    ensure_directory,
 )
 
 __all__ = [
@@ -111,6 +113,7 @@ __all__ = [
     "LedgerReadOnly",
     "LedgerReplaced",
     "LedgerUnreadable",
+    "LedgerUnwritable",
     "NotALedger",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
@@ -122,6 +125,7 @@ __all__ = [
     "affordable_rounds",
     "backup",
     "budgets",
+    "ensure_directory",
     "resolve_federation",
     "start_new_budget",
 ]

@@ -433,7 +433,7 @@ class BudgetLedger:
             self._catch_up()
             base = _base(self._counts, event)
             total = self._max_total(base, event)  # the search, outside the lock
-            outcome = self._append(event, event_json, run_id, round_index, base, total)
+            outcome = self._append_or_explain(event, event_json, run_id, round_index, base, total)
             if isinstance(outcome, SpendRecord):
                 return outcome
             if outcome == "exhausted":
@@ -449,6 +449,36 @@ class BudgetLedger:
             f"spend on federation {self.federation_id!r} gave up after {SPEND_ATTEMPTS} attempts: "
             "other processes kept recording other kinds of round meanwhile; nothing was recorded"
         )
+
+    def _append_or_explain(
+        self,
+        event: GaussianRound,
+        event_json: str,
+        run_id: str,
+        round_index: int,
+        base: tuple[Any, ...],
+        total: int,
+    ) -> SpendRecord | Literal["exhausted", "changed"]:
+        """``_append``, with a file-system fault (full disk, read-only) turned into one line.
+
+        The transaction was rolled back, so nothing was recorded, and the caller releases nothing.
+        Should the commit have landed despite the error (SQLite reported it after its commit
+        point), the record is read back and returned, so the round is released exactly when its
+        spend is in the ledger.
+        """
+        known = len(self._records)
+        try:
+            return self._append(event, event_json, run_id, round_index, base, total)
+        except sqlite3.Error as error:
+            fault = _classify(self.path, error)
+            try:
+                self._catch_up()
+            except LedgerError:
+                raise fault from error
+            landed = self._records[known:]
+            if landed and (landed[-1].run_id, landed[-1].round_index) == (run_id, round_index):
+                return landed[-1]
+            raise fault from error
 
     def _append(
         self,

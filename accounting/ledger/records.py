@@ -85,6 +85,13 @@ class LedgerReplaced(LedgerError):
     """The file at the ledger's path is no longer the one this object opened (restored, moved)."""
 
 
+class LedgerUnwritable(LedgerError):
+    """The ledger's file system refused a write (full, read-only, I/O error); nothing recorded.
+
+    The message is one line naming the path and what to free or change.
+    """
+
+
 class LedgerReadOnly(LedgerError):
     """A write was attempted through a ledger opened with ``open_readonly``."""
 

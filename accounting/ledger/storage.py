@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sqlite3
 import urllib.parse
 import uuid
@@ -23,6 +25,7 @@ from fedmeta.accounting.ledger.records import (
     LedgerMode,
     LedgerReadOnly,
     LedgerUnreadable,
+    LedgerUnwritable,
     NotALedger,
 )
 from fedmeta.accounting.randomness import SystemRandomSource
@@ -125,9 +128,58 @@ def _check_sqlite_header(path: Path, header: bytes) -> None:
         )
 
 
-def _classify(path: Path, error: sqlite3.Error) -> LedgerUnreadable:
-    """Turn a SQLite error met while opening or reading into a one-line, reasoned ledger error."""
+#: Below this much free space an I/O error while writing is reported as a full disk.
+_LOW_SPACE_BYTES = 1 << 20
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def unwritable(path: Path, cause: str) -> LedgerUnwritable:
+    """One line for a write the file system refused: the path, the cause, what to do."""
+    free = _free_bytes(path.parent)
+    if cause == "full" or (free is not None and free < _LOW_SPACE_BYTES):
+        return LedgerUnwritable(
+            f"ledger {path}: no space left on the file system holding {path.parent} "
+            f"({free if free is not None else 'unknown'} bytes free); free space there (a spend "
+            "needs a few KB) or set privacy.ledger_path to a ledger elsewhere, then rerun; "
+            "nothing was recorded"
+        )
+    if cause == "readonly":
+        return LedgerUnwritable(
+            f"ledger {path} cannot be written: {path.parent} is read-only (file, directory or "
+            "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
+            "writable place; nothing was recorded"
+        )
+    return LedgerUnwritable(
+        f"ledger {path}: the file system holding {path.parent} failed a write ({cause}); check "
+        "that disk, then rerun; nothing was recorded"
+    )
+
+
+def ensure_directory(path: Path) -> None:
+    """Create the ledger's directory, or say in one line why it cannot be (read-only, full)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        cause = {errno.ENOSPC: "full", errno.EROFS: "readonly", errno.EACCES: "readonly"}
+        raise unwritable(path, cause.get(error.errno or 0, error.strerror or "")) from error
+
+
+def _classify(path: Path, error: sqlite3.Error) -> LedgerError:
+    """Turn a SQLite error met while opening, reading or writing into a one-line ledger error."""
     code = getattr(error, "sqlite_errorcode", 0) & 0xFF
+    if code == 13:  # SQLITE_FULL
+        return unwritable(path, "full")
+    free = _free_bytes(path.parent)
+    if code == 10 and free is not None and free < _LOW_SPACE_BYTES:  # SQLITE_IOERR, disk full
+        return unwritable(path, "full")
+    if code == 14 and not os.access(path.parent, os.W_OK):  # SQLITE_CANTOPEN: no journal here
+        return unwritable(path, "readonly")
     if code == 26:  # SQLITE_NOTADB
         return NotALedger(f"{path} is not a SQLite database ({error})", reason="not_sqlite")
     if code in (5, 6):  # SQLITE_BUSY, SQLITE_LOCKED
@@ -139,10 +191,7 @@ def _classify(path: Path, error: sqlite3.Error) -> LedgerUnreadable:
             reason="hot_journal",
         )
     if code == 8:  # SQLITE_READONLY without a hot journal: a writer on a read-only file or mount
-        return LedgerUnreadable(
-            f"ledger {path} is read-only here ({error}); writing needs write access, reading "
-            "works with BudgetLedger.open_readonly"
-        )
+        return unwritable(path, "readonly")
     if code == 11:  # SQLITE_CORRUPT
         return LedgerCorrupted(f"ledger {path} is corrupted: {error}")
     return LedgerUnreadable(f"cannot open the ledger {path}: {error}")
@@ -214,7 +263,8 @@ def _check_writable_location(path: Path, *, create: bool) -> None:
         if not os.access(needed, os.W_OK):
             raise LedgerReadOnly(
                 f"ledger {path} is read-only here ({needed} is not writable: file, directory or "
-                "mount); spending needs write access, reading works with open_readonly"
+                "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
+                "writable place; reading works with open_readonly"
             )
 
 
@@ -446,14 +496,33 @@ def _check_registration(
 
 @contextmanager
 def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
-    """Run a write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error."""
+    """Run a write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error.
+
+    A failed COMMIT (a full disk) is rolled back too, so the connection never stays inside a
+    half-done transaction.
+    """
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield
+        conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
-    conn.execute("COMMIT")
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back what is still open, without hiding the error that caused it.
+
+    After SQLITE_FULL, SQLITE_IOERR or SQLITE_NOMEM SQLite may already have rolled the transaction
+    back itself; a ROLLBACK then fails with "no transaction is active", and raising that would
+    replace the real cause (a full disk) by an internal-looking one (issue 21).
+    """
+    if not conn.in_transaction:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass  # the caller re-raises the original error; the connection is closed after it
 
 
 @contextmanager
