@@ -29,6 +29,7 @@ from fedmeta.accounting.ledger import (
     LedgerError,
     backup,
     budgets,
+    migrate_to_participants,
     start_new_budget,
 )
 from fedmeta.accounting.planner import (
@@ -452,10 +453,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _federation_report(db: str, fid: str) -> dict[str, Any]:
+def _participant_rows(ledger: BudgetLedger, wanted: bool) -> list[dict[str, Any]] | None:
+    """The per-participant table (operator only: the ledger is as private as checkpoints)."""
+    if not wanted:
+        return None
+    return [
+        {"name": p.name, "key": p.key, "rounds": p.rounds, "epsilon": p.epsilon,
+         "data_versions": p.data_versions}
+        for p in ledger.participants()
+    ]  # fmt: skip
+
+
+def _federation_report(db: str, fid: str, participants: bool = False) -> dict[str, Any]:
     """One federation of a ledger, read-only: what ``ledger show`` prints."""
     with BudgetLedger.open_readonly(db, fid) as ledger:
         groups = ledger.rounds()
+        table = _participant_rows(ledger, participants)
         runs: dict[str, dict[str, int]] = {}
         for rec in ledger.records():
             run = runs.setdefault(
@@ -484,10 +497,11 @@ def _federation_report(db: str, fid: str) -> dict[str, Any]:
             "participant_level_note": notes[0] if notes else None,
             "runs": runs,
             "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
+            "participants": table,
         }
 
 
-def _ledger_report(db: str, federation: str | None) -> dict[str, Any]:
+def _ledger_report(db: str, federation: str | None, participants: bool = False) -> dict[str, Any]:
     info = BudgetLedger.describe(db)
     ids = [federation] if federation else list(info.federations)
     data: dict[str, list[dict[str, Any]]] = {}
@@ -504,7 +518,7 @@ def _ledger_report(db: str, federation: str | None) -> dict[str, Any]:
         budget_of[record.federation_id] = {"data_key": record.data_key, **entry}
     feds = []
     for fid in ids:
-        report = _federation_report(db, fid)
+        report = _federation_report(db, fid, participants)
         report["budget"] = budget_of.get(fid)
         feds.append(report)
     return {
@@ -544,7 +558,8 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             part = f"{e['participant_level_note']} (valid but vacuous bound: {part})"
         print(
             f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
-            f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
+            f"(PLD, {e['unit']} level, most exposed participant, enforced) / "
+            f"{e['epsilon_rdp']:.4f} (RDP) of budget "
             f"{e['epsilon_budget']:g} at delta {e['delta']:g}; relation {e['neighbouring']}"
         )
         if e["budget"]:
@@ -557,10 +572,22 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             )
         for g in e["rounds"]:
             print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+        _print_participants(e["participants"])
+
+
+def _print_participants(rows: list[dict[str, Any]] | None) -> None:
+    if rows is None:
+        return
+    print(f"  {len(rows)} participant(s): name, key, rounds charged, epsilon, data versions")
+    for p in rows:
+        print(
+            f"    {p['name']}  {p['key']}  {p['rounds']}  {p['epsilon']:.4f}  "
+            f"{p['data_versions']}{'  (data edited)' if p['data_versions'] > 1 else ''}"
+        )
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
-    report = _ledger_report(args.db, args.federation)
+    report = _ledger_report(args.db, args.federation, args.participants)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -592,6 +619,20 @@ def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
         print(json.dumps({"previous": args.federation, "federation_id": new_id}, indent=2))
     else:
         print(f"new budget {new_id} for the data of {args.federation} (recorded: {args.reason})")
+    return 0
+
+
+def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
+    carried = migrate_to_participants(args.db, who=args.who)
+    if args.json:
+        print(json.dumps({"carried": carried}, indent=2))
+    elif carried:
+        print(
+            f"carried {len(carried)} whole-data budget(s) into per-participant budgets (each of "
+            f"their spends counts against every participant of the same data): {', '.join(carried)}"
+        )
+    else:
+        print(f"nothing to migrate in {args.db}: no whole-data budget holds uncarried spends")
     return 0
 
 
@@ -902,6 +943,11 @@ def register(
 
     _add_plan_parser(psub, config_writer)
 
+    _register_ledger(subparsers, default_ledger)
+
+
+def _register_ledger(subparsers: Any, default_ledger: Path | None) -> None:
+    """Add ``ledger show|migrate|backup|new-budget``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     lsub.required = True
@@ -910,8 +956,20 @@ def register(
     )
     _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
     p.add_argument("--federation", help="only this federation id")
+    p.add_argument(
+        "--participants", action="store_true",
+        help="the per-participant table: rounds charged, epsilon, data versions (private)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger show", _cmd_ledger_show))
+    p = lsub.add_parser(
+        "migrate",
+        help="carry whole-data (schema 2) budgets into per-participant budgets (recorded)",
+    )
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
+    p.add_argument("--who", help="who migrates (default user@host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger migrate", _cmd_ledger_migrate))
     p = lsub.add_parser(
         "backup",
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",

@@ -61,6 +61,7 @@ from fedmeta.accounting.ledger.chain import (
 from fedmeta.accounting.ledger.operations import (
     backup,
     budgets,
+    migrate_to_participants,
     resolve_federation,
     start_new_budget,
 )
@@ -88,6 +89,8 @@ from fedmeta.accounting.ledger.records import (
     LedgerUnreadable,
     LedgerUnwritable,
     NotALedger,
+    Participant,
+    ParticipantExposure,
     SpendRecord,
 )
 from fedmeta.accounting.ledger.storage import (
@@ -115,6 +118,8 @@ __all__ = [
     "LedgerUnreadable",
     "LedgerUnwritable",
     "NotALedger",
+    "Participant",
+    "ParticipantExposure",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
     "SpendRecord",
@@ -126,6 +131,7 @@ __all__ = [
     "backup",
     "budgets",
     "ensure_directory",
+    "migrate_to_participants",
     "resolve_federation",
     "start_new_budget",
 ]

@@ -7,7 +7,6 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 from fedmeta.accounting.composition import (
@@ -19,21 +18,24 @@ from fedmeta.accounting.composition import (
 )
 from fedmeta.accounting.ledger.chain import (
     _canonical,
-    _genesis_hash,
     _record_hash,
-    _verify_chain,
-    _verify_head,
+    cohort_id,
 )
+from fedmeta.accounting.ledger.cohorts import (
+    participant_key,
+    participant_rows,
+    record_cohort,
+)
+from fedmeta.accounting.ledger.history import LedgerHistory
+from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.records import (
     SPEND_ATTEMPTS,
     BudgetExhausted,
-    LedgerCheckpoint,
-    LedgerCorrupted,
     LedgerError,
-    LedgerInfo,
     LedgerMode,
     LedgerReadOnly,
-    LedgerReplaced,
+    Participant,
+    ParticipantExposure,
     SpendRecord,
 )
 from fedmeta.accounting.ledger.storage import (
@@ -43,19 +45,13 @@ from fedmeta.accounting.ledger.storage import (
     _check_neighbouring,
     _check_registration,
     _classify,
-    _connect_readonly,
     _connect_writable,
     _ensure_schema,
     _file_identity,
     _immediate,
-    _read_meta,
-    _reading,
     _register,
-    _Registration,
-    _registration,
 )
 from fedmeta.accounting.schemes import (
-    ADD_REMOVE,
     GaussianRound,
 )
 
@@ -84,7 +80,7 @@ def _base(counts: Mapping[GaussianRound, int], event: GaussianRound) -> tuple[An
     return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
 
 
-class BudgetLedger:
+class BudgetLedger(LedgerHistory):
     """A federation's privacy budget, enforced against its durable record of spends.
 
     Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)`` to spend, or
@@ -92,41 +88,6 @@ class BudgetLedger:
     share one ``federation_id`` (``resolve_federation``) and so compose. The enforced guarantee is
     the PLD epsilon at ``delta`` for ``unit`` (task level by default).
     """
-
-    def __init__(
-        self,
-        conn: sqlite3.Connection,
-        path: Path,
-        meta: Mapping[str, str],
-        federation_id: str,
-        registration: _Registration,
-        *,
-        readonly: bool,
-        identity: tuple[int, int] | None,
-    ) -> None:
-        """Use ``BudgetLedger.open`` or ``BudgetLedger.open_readonly``."""
-        self._conn = conn
-        self.path = path
-        self.ledger_id: str | None = meta.get("ledger_id")
-        self.mode: str | None = meta.get("mode")
-        self.federation_id = federation_id
-        self.epsilon_budget = registration.epsilon_budget
-        self.delta = registration.delta
-        self.unit = registration.unit
-        self.neighbouring: str = registration.neighbouring or ADD_REMOVE
-        self.readonly = readonly
-        self._identity = identity
-        self._genesis = _genesis_hash(
-            federation_id,
-            registration.epsilon_budget,
-            registration.delta,
-            registration.unit,
-            registration.created_at,
-            registration.neighbouring,
-        )
-        self._records: list[SpendRecord] = []
-        self._counts: dict[GaussianRound, int] = {}
-        self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
 
     # ---------------------------------------------------------------------------------- opening
 
@@ -142,8 +103,12 @@ class BudgetLedger:
         create: bool = True,
         neighbouring: str | None = None,
         mode: LedgerMode = "secure",
+        participants: Sequence[Participant] | None = None,
     ) -> BudgetLedger:
         """Open (creating if needed) the ledger at ``path`` for ``federation_id`` and verify it.
+
+        ``participants``: who the run's rounds may sample (``use_cohort``); ``None`` charges every
+        round to every participant of the federation (conservative).
 
         An existing federation keeps the budget, delta, unit and neighbouring relation it was
         registered with; passing different ones is an error (a budget is never raised silently).
@@ -174,7 +139,10 @@ class BudgetLedger:
             )
             _check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
             ledger = cls(conn, path, meta, federation_id, row, readonly=False, identity=identity)
+            ledger._inherit()
             ledger._catch_up()
+            if participants is not None:
+                ledger.use_cohort(participants)
         except sqlite3.Error as error:
             conn.close()
             raise _classify(path, error) from error
@@ -182,201 +150,84 @@ class BudgetLedger:
             conn.close()
             raise
         return ledger
-
-    @classmethod
-    def open_readonly(cls, path: str | Path, federation_id: str) -> BudgetLedger:
-        """Open a federation for reading only, verifying the whole chain; writes nothing.
-
-        Works on a read-only file or mount. Errors, one line each: ``LedgerMissing`` (no file),
-        ``NotALedger`` (not SQLite, or SQLite but not a ledger), ``LedgerCorrupted`` (integrity or
-        chain, naming the first bad record), ``LedgerUnreadable`` (anything else, with a reason).
-        ``spend`` on the result raises ``LedgerReadOnly``.
-        """
-        path = _abs(path)
-        _check_federation_id(federation_id)
-        conn = _connect_readonly(path)
-        try:
-            identity = _file_identity(path)
-            with _reading(conn):
-                check = conn.execute("PRAGMA quick_check").fetchone()[0]
-                if check != "ok":
-                    raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
-                meta = _read_meta(conn)
-                row = _registration(conn, federation_id)
-                if row is None:
-                    known = [
-                        str(r[0]) for r in conn.execute("SELECT federation_id FROM federations")
-                    ]
-                    raise LedgerError(
-                        f"federation {federation_id!r} is not in ledger {path} (it holds "
-                        f"{', '.join(known) or 'none'})"
-                    )
-            ledger = cls(conn, path, meta, federation_id, row, readonly=True, identity=identity)
-            ledger._catch_up()
-        except sqlite3.Error as error:
-            conn.close()
-            raise _classify(path, error) from error
-        except BaseException:
-            conn.close()
-            raise
-        return ledger
-
-    @staticmethod
-    def describe(path: str | Path) -> LedgerInfo:
-        """What the ledger file at ``path`` says about itself (read-only; no chain verified)."""
-        path = _abs(path)
-        conn = _connect_readonly(path)
-        try:
-            with _reading(conn):
-                meta = _read_meta(conn)
-                feds = tuple(
-                    str(r[0])
-                    for r in conn.execute(
-                        "SELECT federation_id FROM federations ORDER BY created_at, federation_id"
-                    )
-                )
-        except sqlite3.Error as error:
-            raise _classify(path, error) from error
-        finally:
-            conn.close()
-        return LedgerInfo(
-            path=path,
-            ledger_id=meta.get("ledger_id"),
-            schema_version=int(meta.get("schema_version", "1")),
-            mode=meta.get("mode"),
-            created_at=meta.get("created_at"),
-            federations=feds,
-        )
-
-    @staticmethod
-    def federations(path: str | Path) -> list[str]:
-        """Return the federation ids recorded in the ledger at ``path`` (read-only)."""
-        return list(BudgetLedger.describe(path).federations)
-
-    def close(self) -> None:
-        """Close the database connection."""
-        self._conn.close()
-
-    def __enter__(self) -> BudgetLedger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ---------------------------------------------------------------------------------- reading
 
-    def file_replaced(self) -> bool:
-        """Whether the path now names another file than the one opened (a restore, a move)."""
-        return _file_identity(self.path) != self._identity
-
-    def _catch_up(self) -> None:
-        """Read and verify records appended since we last looked (by us or another process).
-
-        In-memory state moves only when everything read verified. Refuses (``LedgerReplaced``) a
-        path that now names another file, or a file whose history no longer contains ours.
-        """
-        if self.file_replaced():
-            raise LedgerReplaced(
-                f"ledger {self.path} was replaced or removed since this process opened it "
-                f"(a restore?); reopen it"
-            )
-        known = len(self._records)
-        try:
-            with _reading(self._conn):
-                rows = self._conn.execute(
-                    "SELECT seq, position, run_id, round_index, event, created_at, prev_hash, "
-                    "hash FROM spends WHERE federation_id = ? AND position >= ? ORDER BY position",
-                    (self.federation_id, known),
-                ).fetchall()
-                head = self._conn.execute(
-                    "SELECT position, hash FROM heads WHERE federation_id = ?",
-                    (self.federation_id,),
-                ).fetchone()
-                ours = self._conn.execute(
-                    "SELECT hash FROM spends WHERE federation_id = ? AND position = ?",
-                    (self.federation_id, known - 1),
-                ).fetchone()
-        except sqlite3.Error as error:
-            raise _classify(self.path, error) from error
-        if known and (ours is None or ours[0] != self._records[-1].hash):
-            raise LedgerReplaced(
-                f"ledger {self.path}, federation {self.federation_id!r}: record #{known - 1} is no "
-                "longer the one this process read (the file was overwritten by another copy); "
-                "reopen it"
-            )
-        prev = self._records[-1].hash if self._records else self._genesis
-        new = _verify_chain(self.path, self.federation_id, known, prev, rows)
-        end = new[-1].hash if new else prev
-        _verify_head(self.path, self.federation_id, head, known + len(new), end)
-        for record in new:
-            self._records.append(record)
-            self._counts[record.event] = self._counts.get(record.event, 0) + 1
-
-    def records(self) -> list[SpendRecord]:
-        """All verified records of this federation, oldest first."""
-        self._catch_up()
-        return list(self._records)
-
-    def position(self) -> int:
-        """Return the number of records (checkpoints store it; a resumed run checks it)."""
-        self._catch_up()
-        return len(self._records)
-
     def rounds(self) -> list[tuple[GaussianRound, int]]:
-        """Return the spent rounds as ``[(GaussianRound, count)]`` groups, first seen first."""
+        """The rounds of the most exposed participant, ``[(event, count)]``, first seen first.
+
+        With one cohort (or none) that is every record; with several, the participant whose
+        composition has the largest epsilon (the one ``epsilon`` reports).
+        """
         self._catch_up()
-        return list(self._counts.items())
+        counts = self._worst(self.unit, "pld")[0]
+        order = {r.event: i for i, r in reversed(list(enumerate(self._records)))}
+        return sorted(counts, key=lambda ec: order.get(ec[0], -1))
 
     def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
-        """Epsilon spent so far at the ledger's delta, recomputed from the records."""
-        self._catch_up()
-        return epsilon(list(self._counts.items()), self.delta, unit or self.unit, method)
+        """Epsilon spent so far at the ledger's delta: the maximum over participants.
 
-    # ---------------------------------------------------------------------------------- identity
-
-    def checkpoint(self) -> LedgerCheckpoint:
-        """Where the ledger stands now: record it before the first spend and in every checkpoint."""
-        self._catch_up()
-        return LedgerCheckpoint(
-            ledger_id=self.ledger_id,
-            path=str(self.path),
-            federation_id=self.federation_id,
-            position=len(self._records),
-            head=self._records[-1].hash if self._records else None,
-        )
-
-    def check_resume(self, saved: LedgerCheckpoint) -> None:
-        """Refuse (``LedgerError``) to resume a run checkpointed against another or a later ledger.
-
-        A moved ledger (same id, other path) is accepted: the id, not the path, is the identity.
+        Recomputed from the records: each participant's rounds composed (PLD or RDP), once per
+        distinct multiset of rounds (cached).
         """
         self._catch_up()
-        where = f"the checkpoint was written against ledger {saved.ledger_id} at {saved.path}"
-        if saved.ledger_id is not None and saved.ledger_id != self.ledger_id:
-            raise LedgerError(
-                f"{where}; {self.path} is ledger {self.ledger_id}: a different ledger, refusing "
-                "to resume (its spends would not compose with the run's)"
-            )
-        if saved.federation_id != self.federation_id:
-            raise LedgerError(
-                f"{where} for federation {saved.federation_id!r}; this is federation "
-                f"{self.federation_id!r}: refusing to resume"
-            )
-        if len(self._records) < saved.position:
-            raise LedgerError(
-                f"{where} at record {saved.position}; {self.path} holds only "
-                f"{len(self._records)}: the ledger is behind (an older backup?), refusing to resume"
-            )
-        if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
-            raise LedgerError(
-                f"{where}: record #{saved.position - 1} differs from the one the checkpoint saw; "
-                "the ledger's history diverged, refusing to resume"
-            )
+        return self._worst(unit or self.unit, method)[1]
+
+    def participants(self, unit: str | None = None) -> list[ParticipantExposure]:
+        """Every participant of the federation with its own rounds and epsilon, by name.
+
+        The operator's table: private like the ledger itself.
+        """
+        self._catch_up()
+        rows = participant_rows(self._conn, self.federation_id)
+        out = []
+        for key, sig in sorted(self._exposure.signature_of().items()):
+            counts = multiset(self._exposure.counts(sig))
+            name, *digests = rows.get(key, [key])
+            eps = self._composed(counts, unit or self.unit, "pld")
+            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
+        return sorted(out, key=lambda p: (p.name, p.key))
+
+    def _composed(self, counts: Multiset, unit: str, method: str) -> float:
+        """Epsilon of one participant's rounds (cached per distinct multiset)."""
+        key = (counts, unit, method)
+        if key not in self._epsilons:
+            self._epsilons[key] = epsilon(list(counts), self.delta, unit, method)
+        return self._epsilons[key]
+
+    def _worst(self, unit: str, method: str) -> tuple[Multiset, float]:
+        """The most exposed participant's rounds and epsilon, over every participant."""
+        worst: tuple[Multiset, float] = ((), 0.0)
+        for sig in self._exposure.signatures(None):
+            counts = multiset(self._exposure.counts(sig))
+            eps = self._composed(counts, unit, method)
+            if eps > worst[1] or not worst[0]:
+                worst = (counts, eps)
+        return worst
+
+    # -------------------------------------------------------------------------------- cohorts
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Charge the following spends to ``participants`` (those the rounds may sample).
+
+        Recorded (cohort, names and data digests) in the ledger at once, so a reader sees who
+        the next spends are charged to. On a read-only ledger only the checks use it.
+        """
+        if not participants:
+            raise ValueError("participants must name at least one participant")
+        if self.readonly:
+            keys = frozenset(participant_key(self._salt, p.identity) for p in participants)
+            self._cohort = (cohort_id(self.federation_id, sorted(keys)), keys)
+            return
+        try:
+            with _immediate(self._conn):
+                cid, keys = record_cohort(self._conn, self.federation_id, self._salt, participants)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
+        self._cohort = (cid, keys)
+        self._catch_up()
+
+    # ---------------------------------------------------------------------------------- identity
 
     # ---------------------------------------------------------------------------------- budget
 
@@ -389,13 +240,29 @@ class BudgetLedger:
             )
         return self._totals[key]
 
+    def _checks(self, event: GaussianRound) -> list[tuple[tuple[Any, ...], int]]:
+        """Per most exposed group of the cohort: (its rounds but ``event``, its ``event`` count).
+
+        Only maximal groups matter (participants.py: a subset composes to less).
+        """
+        among = None if self._cohort is None else self._cohort[1]
+        out = []
+        for sig in self._exposure.signatures(among):
+            counts = self._exposure.counts(sig)
+            out.append((_base(counts, event), counts.get(event, 0)))
+        return out
+
     def rounds_affordable(self, event: GaussianRound) -> int:
-        """How many more rounds like ``event`` the budget allows (exact under PLD)."""
+        """How many more rounds like ``event`` the budget allows (exact under PLD).
+
+        The minimum over the participants the next rounds may sample: a round is refused when it
+        would take any of them over the budget.
+        """
         if not isinstance(event, GaussianRound):
             raise ValueError(f"round must be a GaussianRound; got {event!r}")
         self._catch_up()
-        total = self._max_total(_base(self._counts, event), event)
-        return max(0, total - self._counts.get(event, 0))
+        left = [self._max_total(base, event) - count for base, count in self._checks(event)]
+        return max(0, min(left))
 
     def would_exceed(self, event: GaussianRound) -> bool:
         """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
@@ -431,23 +298,32 @@ class BudgetLedger:
         event_json = _canonical(event.to_dict())
         for _ in range(SPEND_ATTEMPTS):
             self._catch_up()
-            base = _base(self._counts, event)
-            total = self._max_total(base, event)  # the search, outside the lock
-            outcome = self._append_or_explain(event, event_json, run_id, round_index, base, total)
+            checks = self._checks(event)
+            totals = [self._max_total(base, event) for base, _ in checks]  # outside the lock
+            outcome = self._append_or_explain(
+                event, event_json, run_id, round_index, checks, totals
+            )
             if isinstance(outcome, SpendRecord):
                 return outcome
             if outcome == "exhausted":
-                after = epsilon([*self._counts.items(), (event, 1)], self.delta, self.unit)
-                raise BudgetExhausted(
-                    f"budget exhausted for federation {self.federation_id!r}: this round would "
-                    f"take epsilon to {after:.4g} > budget {self.epsilon_budget:g} "
-                    f"(delta {self.delta:g}, {self.unit} level); nothing was recorded",
-                    epsilon_after=after,
-                    epsilon_budget=self.epsilon_budget,
-                )
+                raise self._exhausted(event)
         raise LedgerError(
             f"spend on federation {self.federation_id!r} gave up after {SPEND_ATTEMPTS} attempts: "
             "other processes kept recording other kinds of round meanwhile; nothing was recorded"
+        )
+
+    def _exhausted(self, event: GaussianRound) -> BudgetExhausted:
+        after = max(
+            epsilon([*base, (event, count + 1)], self.delta, self.unit)
+            for base, count in self._checks(event)
+        )
+        return BudgetExhausted(
+            f"budget exhausted for federation {self.federation_id!r}: this round would take the "
+            f"epsilon of a participant it may sample to {after:.4g} > budget "
+            f"{self.epsilon_budget:g} (delta {self.delta:g}, {self.unit} level); nothing was "
+            "recorded",
+            epsilon_after=after,
+            epsilon_budget=self.epsilon_budget,
         )
 
     def _append_or_explain(
@@ -456,8 +332,8 @@ class BudgetLedger:
         event_json: str,
         run_id: str,
         round_index: int,
-        base: tuple[Any, ...],
-        total: int,
+        checks: list[tuple[tuple[Any, ...], int]],
+        totals: list[int],
     ) -> SpendRecord | Literal["exhausted", "changed"]:
         """``_append``, with a file-system fault (full disk, read-only) turned into one line.
 
@@ -468,7 +344,7 @@ class BudgetLedger:
         """
         known = len(self._records)
         try:
-            return self._append(event, event_json, run_id, round_index, base, total)
+            return self._append(event, event_json, run_id, round_index, checks, totals)
         except sqlite3.Error as error:
             fault = _classify(self.path, error)
             try:
@@ -486,40 +362,34 @@ class BudgetLedger:
         event_json: str,
         run_id: str,
         round_index: int,
-        base: tuple[Any, ...],
-        total: int,
+        checks: list[tuple[tuple[Any, ...], int]],
+        totals: list[int],
     ) -> SpendRecord | Literal["exhausted", "changed"]:
         """Under the write lock: catch up, re-check against ``total`` and append.
 
         Returns ``"changed"`` (nothing written) when records of other kinds arrived since
-        ``total`` was computed for ``base``: the caller searches again outside the lock.
+        ``totals`` were computed for ``checks``: the caller searches again outside the lock.
         """
+        cohort = None if self._cohort is None else self._cohort[0]
         with _immediate(self._conn):
             self._catch_up()
-            if _base(self._counts, event) != base:
+            now = self._checks(event)
+            if [base for base, _ in now] != [base for base, _ in checks]:
                 return "changed"
-            if self._counts.get(event, 0) + 1 > total:
+            if any(count + 1 > total for (_, count), total in zip(now, totals, strict=True)):
                 return "exhausted"
             position = len(self._records)
             prev = self._records[-1].hash if self._records else self._genesis
             created = datetime.now(UTC).isoformat()
             digest = _record_hash(
-                self.federation_id, position, run_id, round_index, event_json, created, prev
+                self.federation_id, position, run_id, round_index, event_json, created, prev, cohort
             )
             self._conn.execute(
                 "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
-                "created_at, prev_hash, hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    self.federation_id,
-                    position,
-                    run_id,
-                    round_index,
-                    event_json,
-                    created,
-                    prev,
-                    digest,
-                ),
-            )
+                "created_at, prev_hash, hash, cohort) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.federation_id, position, run_id, round_index, event_json, created, prev,
+                 digest, cohort),
+            )  # fmt: skip
             self._conn.execute(
                 "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
                 "ON CONFLICT(federation_id) DO UPDATE SET position = excluded.position, "
@@ -528,8 +398,8 @@ class BudgetLedger:
             )
         # Committed (and fsynced): only now does in-memory state move.
         record = SpendRecord(
-            self.federation_id, position, run_id, round_index, event, created, digest
+            self.federation_id, position, run_id, round_index, event, created, digest, cohort
         )
         self._records.append(record)
-        self._counts[event] = self._counts.get(event, 0) + 1
+        self._exposure.add(event, cohort)
         return record

@@ -63,20 +63,25 @@ def _record_hash(
     event_json: str,
     created_at: str,
     prev_hash: str,
+    cohort: str | None = None,
 ) -> str:
-    return _sha256(
-        _canonical(
-            {
-                "federation_id": federation_id,
-                "position": position,
-                "run_id": run_id,
-                "round_index": round_index,
-                "event": event_json,
-                "created_at": created_at,
-                "prev_hash": prev_hash,
-            }
-        )
-    )
+    data: dict[str, Any] = {
+        "federation_id": federation_id,
+        "position": position,
+        "run_id": run_id,
+        "round_index": round_index,
+        "event": event_json,
+        "created_at": created_at,
+        "prev_hash": prev_hash,
+    }
+    if cohort is not None:  # records before per-participant budgets named no cohort
+        data["cohort"] = cohort
+    return _sha256(_canonical(data))
+
+
+def cohort_id(federation_id: str, members: Sequence[str]) -> str:
+    """The id of a cohort: a hash of its federation and sorted members (so it cannot be edited)."""
+    return _sha256(_canonical({"federation_id": federation_id, "members": sorted(members)}))
 
 
 def _budget_hash(ledger_id: str, record: BudgetRecord, prev_hash: str) -> str:
@@ -105,7 +110,7 @@ def _verify_chain(
 ) -> list[SpendRecord]:
     """Verify rows ``start, start+1, ...`` against the chain ending in ``prev``; return records."""
     out: list[SpendRecord] = []
-    for seq, position, run_id, round_index, event_json, created, prev_hash, digest in rows:
+    for seq, position, run_id, round_index, event_json, created, prev_hash, digest, cohort in rows:
         where = (
             f"ledger {path}, federation {federation_id!r}, record #{position} "
             f"(row seq {seq}, run {run_id!r}, round {round_index})"
@@ -116,7 +121,7 @@ def _verify_chain(
         if prev_hash != prev:
             raise LedgerCorrupted(f"{where}: its link to the previous record is broken")
         recomputed = _record_hash(
-            federation_id, position, run_id, round_index, event_json, created, prev_hash
+            federation_id, position, run_id, round_index, event_json, created, prev_hash, cohort
         )
         if recomputed != digest:
             raise LedgerCorrupted(f"{where}: its contents do not match its hash (edited)")
@@ -125,7 +130,9 @@ def _verify_chain(
         except (ValueError, TypeError, KeyError) as error:
             raise LedgerCorrupted(f"{where}: unreadable event: {error}") from error
         out.append(
-            SpendRecord(federation_id, position, run_id, round_index, event, created, digest)
+            SpendRecord(
+                federation_id, position, run_id, round_index, event, created, digest, cohort
+            )
         )
         prev = digest
     return out

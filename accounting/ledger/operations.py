@@ -18,6 +18,7 @@ from fedmeta.accounting.ledger.chain import (
     _budget_chain,
     _data_key,
 )
+from fedmeta.accounting.ledger.cohorts import coarse_day, label_of, legacy_uncarried
 from fedmeta.accounting.ledger.records import (
     FIRST_BUDGET_REASON,
     BackupResult,
@@ -86,10 +87,53 @@ def resolve_federation(
         with _immediate(conn):
             chain = _budget_chain(conn, path, meta["ledger_id"], key)
             if not chain:
+                _refuse_unmigrated(conn, path, meta, label)
                 chain = [
                     _append_budget(conn, meta["ledger_id"], key, (), FIRST_BUDGET_REASON, _actor())
                 ]
         return chain[-1].federation_id
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def _refuse_unmigrated(
+    conn: sqlite3.Connection, path: Path, meta: Mapping[str, str], label: str
+) -> None:
+    """A first per-participant budget must not start while schema-2 spends of its label wait.
+
+    Schema 2 keyed a budget by every participant's data together, so those spends cannot be told
+    apart by participant; starting afresh beside them would forget them.
+    """
+    legacy = legacy_uncarried(conn, meta, label)
+    if legacy:
+        raise LedgerError(
+            f"ledger {path} holds spends keyed by whole data sets (schema 2) for {label!r} "
+            f"({', '.join(legacy)}); carry them to every participant with `fedmeta ledger "
+            f"migrate --db {path}` (recorded), then rerun"
+        )
+
+
+def migrate_to_participants(path: str | Path, *, who: str | None = None) -> list[str]:
+    """Carry every schema-2 budget's spends into the per-participant budgets of its label.
+
+    Conservative: each carried spend counts against *every* participant of the first
+    per-participant budget of the same label (the old records do not say who could have been
+    sampled). Recorded (who, when), append-only. Returns the carried federation ids.
+    """
+    path = _abs(path)
+    conn = _connect_writable(path, create=False)
+    try:
+        meta = _ensure_schema(conn, path, None)
+        with _immediate(conn):
+            legacy = legacy_uncarried(conn, meta, None)
+            keys = dict(conn.execute("SELECT federation_id, data_key FROM budgets"))
+            conn.executemany(
+                "INSERT INTO carried (federation_id, label, actor, created_at) VALUES (?, ?, ?, ?)",
+                [(fid, label_of(keys[fid]), who or _actor(), coarse_day()) for fid in legacy],
+            )
+        return legacy
     except sqlite3.Error as error:
         raise _classify(path, error) from error
     finally:

@@ -11,7 +11,7 @@ from fedmeta.accounting.schemes import (
     GaussianRound,
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 LedgerMode: TypeAlias = Literal["secure", "insecure"]
 LEDGER_MODES: tuple[str, ...] = ("secure", "insecure")
 #: Why a ledger could not be read: a bounded set, used as a metric label by the exporter.
@@ -110,6 +110,44 @@ class SpendRecord:
     event: GaussianRound
     created_at: str
     hash: str
+    #: The participants the round could have sampled (``cohorts`` table); ``None``: every one.
+    cohort: str | None = None
+
+
+@dataclass(frozen=True)
+class Participant:
+    """A participant a round could sample, as the ledger charges it.
+
+    ``identity`` is stable across runs (the data set's declared identity plus the participant's
+    index in simulation; the node's registered key in a deployment); ``name`` is what it registered
+    as (for the operator); ``digest`` is the content digest of its data (recorded, a change
+    reported, never a key).
+    """
+
+    identity: str
+    name: str
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identity, str) or not self.identity:
+            raise ValueError(f"identity must be a non-empty string; got {self.identity!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string; got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class ParticipantExposure:
+    """One participant's row in the operator's table (``ledger show --participants``).
+
+    ``data_versions`` counts the distinct content digests its data had across runs (more than 1:
+    the data was edited; the budget continued, as the add/remove relation covers edits).
+    """
+
+    key: str
+    name: str
+    rounds: int
+    epsilon: float
+    data_versions: int
 
 
 @dataclass(frozen=True)

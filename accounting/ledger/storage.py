@@ -76,13 +76,40 @@ _CREATE: tuple[str, ...] = (
         hash           TEXT NOT NULL,
         UNIQUE (data_key, number)
     )""",
+    # Schema 3: per-participant budgets. A cohort is the set of participants a round could have
+    # sampled (its id hashes its members, so it cannot be edited unseen).
+    """CREATE TABLE IF NOT EXISTS cohorts (
+        cohort_id      TEXT PRIMARY KEY,
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        members        TEXT NOT NULL,
+        created_at     TEXT NOT NULL
+    )""",
+    # Who a participant key is, for the operator (name as registered), and each content digest
+    # its data had: a new digest is an edit of its data, reported, never a new budget.
+    """CREATE TABLE IF NOT EXISTS participants (
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        participant    TEXT NOT NULL,
+        name           TEXT NOT NULL,
+        digest         TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        UNIQUE (federation_id, participant, digest)
+    )""",
+    # Budgets keyed by the whole data set (schema 2) whose spends are charged to every
+    # participant of the per-participant budgets of the same label (``fedmeta ledger migrate``).
+    """CREATE TABLE IF NOT EXISTS carried (
+        federation_id  TEXT PRIMARY KEY REFERENCES federations(federation_id),
+        label          TEXT NOT NULL,
+        actor          TEXT NOT NULL,
+        created_at     TEXT NOT NULL
+    )""",
     *(
         f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
         "BEGIN SELECT RAISE(ABORT, 'the privacy ledger is append-only'); END"
-        for table in ("spends", "federations", "budgets", "meta")
+        for table in ("spends", "federations", "budgets", "meta", "cohorts", "participants",
+                      "carried")
         for op in ("UPDATE", "DELETE")
     ),
-)
+)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------- connections
@@ -338,9 +365,7 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None
             )
         for statement in _CREATE:
             conn.execute(statement)
-        columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(federations)")}
-        if "neighbouring" not in columns:
-            conn.execute("ALTER TABLE federations ADD COLUMN neighbouring TEXT")
+        _add_columns(conn)
         meta = _read_meta(conn)
         if not meta:
             if mode is None:
@@ -350,6 +375,10 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None
                 )
             meta = _new_meta(mode, migrated="spends" in tables)
             conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", sorted(meta.items()))
+        if PER_PARTICIPANT not in meta:
+            meta = {**meta, PER_PARTICIPANT: _per_participant_since(conn)}
+            conn.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (PER_PARTICIPANT,
+                         meta[PER_PARTICIPANT]))  # fmt: skip
     if mode is not None and meta["mode"] != mode:
         raise LedgerError(
             f"mode must match the ledger's: {path} is a {meta['mode']!r} ledger, opened with mode "
@@ -357,6 +386,29 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None
             "secure runs never share a ledger: use another ledger file"
         )
     return meta
+
+
+#: Meta key: budgets numbered up to this ``budgets.seq`` were keyed by the whole data set (schema
+#: 2); later ones by the data set's declared identity, with per-participant composition.
+PER_PARTICIPANT = "per_participant_budgets_after_seq"
+
+
+def _per_participant_since(conn: sqlite3.Connection) -> str:
+    return str(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM budgets").fetchone()[0])
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Additive migrations: schema 1 had no relation, schema 2 no cohort on a spend."""
+    for table, column in (("federations", "neighbouring"), ("spends", "cohort")):
+        columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in columns:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+
+
+def _column_or_null(conn: sqlite3.Connection, table: str, column: str) -> str:
+    """``column`` if the table has it, else ``NULL`` (an older ledger read without migrating)."""
+    columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+    return column if column in columns else "NULL"
 
 
 def _new_meta(mode: LedgerMode, *, migrated: bool) -> dict[str, str]:
