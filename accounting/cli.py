@@ -27,6 +27,7 @@ from fedmeta.accounting.composition import (
 from fedmeta.accounting.ledger import (
     BudgetLedger,
     LedgerError,
+    accept_rollback,
     backup,
     budgets,
     migrate_to_participants,
@@ -622,6 +623,16 @@ def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ledger_accept_rollback(args: argparse.Namespace) -> int:
+    found = accept_rollback(args.db, args.reason, ledger_id=args.ledger_id, head=args.head,
+                            who=args.who)  # fmt: skip
+    if args.json:
+        print(json.dumps({"accepted": found, "reason": args.reason}, indent=2))
+    else:
+        print(f"accepted and recorded ({args.reason}): {found}")
+    return 0
+
+
 def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
     carried = migrate_to_participants(args.db, who=args.who)
     if args.json:
@@ -970,6 +981,17 @@ def _register_ledger(subparsers: Any, default_ledger: Path | None) -> None:
     p.add_argument("--who", help="who migrates (default user@host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger migrate", _cmd_ledger_migrate))
+    p = lsub.add_parser(
+        "accept-rollback",
+        help="accept, on record, a ledger behind its anchor or a run's checkpoint (restored copy)",
+    )
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
+    p.add_argument("--reason", required=True, help="why (recorded for good)")
+    p.add_argument("--ledger-id", help="the ledger id a checkpoint names (default: the anchor)")
+    p.add_argument("--head", help="the hash of the last spend the checkpoint names")
+    p.add_argument("--who", help="who accepts (default user@host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger accept-rollback", _cmd_ledger_accept_rollback))
     p = lsub.add_parser(
         "backup",
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",

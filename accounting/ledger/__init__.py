@@ -50,6 +50,7 @@ verification), ``storage`` (the SQLite file: schema, migration, connections, tra
 
 from __future__ import annotations
 
+from fedmeta.accounting.ledger.anchor import LedgerRolledBack
 from fedmeta.accounting.ledger.budget import (
     BudgetLedger,
     affordable_rounds,
@@ -58,7 +59,9 @@ from fedmeta.accounting.ledger.chain import (
     _genesis_hash,
     _record_hash,
 )
+from fedmeta.accounting.ledger.faults import ensure_directory
 from fedmeta.accounting.ledger.operations import (
+    accept_rollback,
     backup,
     budgets,
     migrate_to_participants,
@@ -95,7 +98,6 @@ from fedmeta.accounting.ledger.records import (
 )
 from fedmeta.accounting.ledger.storage import (
     _immediate,
-    ensure_directory,
 )
 
 __all__ = [
@@ -115,6 +117,7 @@ __all__ = [
     "LedgerMode",
     "LedgerReadOnly",
     "LedgerReplaced",
+    "LedgerRolledBack",
     "LedgerUnreadable",
     "LedgerUnwritable",
     "NotALedger",
@@ -128,6 +131,7 @@ __all__ = [
     "_immediate",
     "_record_hash",
     "affordable_rounds",
+    "accept_rollback",
     "backup",
     "budgets",
     "ensure_directory",

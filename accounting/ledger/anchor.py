@@ -19,6 +19,7 @@ import json
 import os
 import sqlite3
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,10 @@ def anchor_path(path: Path) -> Path:
     return path.with_name(path.name + ".anchor")
 
 
-def accept_command(path: Path) -> str:
+def accept_command(path: Path, ledger_id: str | None = None, head: str | None = None) -> str:
     """The command that accepts a rollback deliberately (printed in every refusal)."""
-    return f"fedmeta ledger accept-rollback --db {path} --reason TEXT"
+    named = f" --ledger-id {ledger_id} --head {head}" if ledger_id and head else ""
+    return f"fedmeta ledger accept-rollback --db {path}{named} --reason TEXT"
 
 
 def current_anchor(conn: sqlite3.Connection, ledger_id: str) -> Anchor | None:
@@ -109,15 +111,26 @@ def behind(conn: sqlite3.Connection, ledger_id: str | None, anchor: Anchor) -> s
     return None
 
 
-def accepted(conn: sqlite3.Connection, anchor: Anchor) -> bool:
-    """Whether a recorded ``accept-rollback`` covers exactly this anchor."""
+def accepted(conn: sqlite3.Connection, ledger_id: str, head: str) -> bool:
+    """Whether a recorded ``accept-rollback`` covers the spend ``head`` of ledger ``ledger_id``."""
     if "rollbacks" not in {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}:
         return False
     row = conn.execute(
-        "SELECT 1 FROM rollbacks WHERE anchor_ledger_id = ? AND anchor_seq = ? AND anchor_head = ?",
-        (anchor.ledger_id, anchor.seq, anchor.head),
+        "SELECT 1 FROM rollbacks WHERE anchor_ledger_id = ? AND anchor_head = ?",
+        (ledger_id, head),
     ).fetchone()
     return row is not None
+
+
+def record_acceptance(
+    conn: sqlite3.Connection, ledger_id: str, head: str, found: str, reason: str, actor: str
+) -> None:
+    """Record a deliberate rollback (inside the caller's write transaction)."""
+    conn.execute(
+        "INSERT INTO rollbacks (anchor_ledger_id, anchor_head, found, reason, actor, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (ledger_id, head, found, reason, actor, datetime.now(UTC).date().isoformat()),
+    )
 
 
 def check_anchor(conn: sqlite3.Connection, path: Path, ledger_id: str | None) -> None:
@@ -126,7 +139,7 @@ def check_anchor(conn: sqlite3.Connection, path: Path, ledger_id: str | None) ->
     if anchor is None:
         return
     found = behind(conn, ledger_id, anchor)
-    if found is not None and not accepted(conn, anchor):
+    if found is not None and not accepted(conn, anchor.ledger_id, anchor.head):
         raise LedgerRolledBack(
             f"ledger {path} is behind its anchor {anchor_path(path).name}: {found}; if that is "
             f"deliberate, accept it with `{accept_command(path)}` (recorded), else restore the "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sqlite3
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,12 +15,14 @@ from fedmeta.accounting.composition import (
     epsilon,
     max_rounds,
 )
+from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
 from fedmeta.accounting.ledger.chain import (
     _canonical,
     _record_hash,
     cohort_id,
 )
 from fedmeta.accounting.ledger.cohorts import (
+    coarse_day,
     participant_key,
     participant_rows,
     record_cohort,
@@ -49,6 +50,7 @@ from fedmeta.accounting.ledger.storage import (
     _ensure_schema,
     _file_identity,
     _immediate,
+    _reading,
     _register,
 )
 from fedmeta.accounting.schemes import (
@@ -140,7 +142,9 @@ class BudgetLedger(LedgerHistory):
             _check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
             ledger = cls(conn, path, meta, federation_id, row, readonly=False, identity=identity)
             ledger._inherit()
-            ledger._catch_up()
+            ledger._catch_up()  # a damaged chain is reported as such before any anchor check
+            with _reading(conn):
+                check_anchor(conn, path, meta.get("ledger_id"))
             if participants is not None:
                 ledger.use_cohort(participants)
         except sqlite3.Error as error:
@@ -380,23 +384,28 @@ class BudgetLedger(LedgerHistory):
                 return "exhausted"
             position = len(self._records)
             prev = self._records[-1].hash if self._records else self._genesis
-            created = datetime.now(UTC).isoformat()
+            # The day only: a finer time would let the gap between spends follow a round's
+            # realised work (issue 18, item 2); the hash chain, not the time, orders records.
+            created = coarse_day()
             digest = _record_hash(
                 self.federation_id, position, run_id, round_index, event_json, created, prev, cohort
             )
-            self._conn.execute(
+            seq = self._conn.execute(
                 "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
                 "created_at, prev_hash, hash, cohort) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (self.federation_id, position, run_id, round_index, event_json, created, prev,
                  digest, cohort),
-            )  # fmt: skip
+            ).lastrowid  # fmt: skip
+            count = int(self._conn.execute("SELECT COUNT(*) FROM spends").fetchone()[0])
             self._conn.execute(
                 "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
                 "ON CONFLICT(federation_id) DO UPDATE SET position = excluded.position, "
                 "hash = excluded.hash",
                 (self.federation_id, position, digest),
             )
-        # Committed (and fsynced): only now does in-memory state move.
+        # Committed (and fsynced): only now does in-memory state move, and the anchor follow.
+        if self.ledger_id is not None and seq is not None:
+            write_anchor(self.path, Anchor(self.ledger_id, count, seq, digest))
         record = SpendRecord(
             self.federation_id, position, run_id, round_index, event, created, digest, cohort
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from fedmeta.accounting.ledger.anchor import LedgerRolledBack, accept_command, accepted
 from fedmeta.accounting.ledger.chain import (
     _genesis_hash,
     _verify_chain,
@@ -258,7 +259,7 @@ class LedgerHistory:
         carried: Counter[GaussianRound] = Counter()
         for fid in carried_federations(self._conn, self._meta, self.federation_id):
             with type(self).open_readonly(self.path, fid) as old:
-                carried.update(dict(old.rounds()))
+                carried.update(r.event for r in old.records())
         check_carried_relation(self.path, self.federation_id, self.neighbouring, carried)
         self._exposure.everyone.update(carried)
 
@@ -279,11 +280,21 @@ class LedgerHistory:
         A moved ledger (same id, other path) is accepted: the id, not the path, is the identity.
         """
         self._catch_up()
+        if saved.ledger_id and saved.head and accepted(self._conn, saved.ledger_id, saved.head):
+            return  # the operator accepted this rollback deliberately (recorded in the ledger)
         where = f"the checkpoint was written against ledger {saved.ledger_id} at {saved.path}"
+        accept = (
+            f"; to go on without those spends, accept it with "
+            f"`{accept_command(self.path, saved.ledger_id, saved.head)}` (recorded)"
+            if saved.ledger_id and saved.head
+            else ""
+        )
         if saved.ledger_id is not None and saved.ledger_id != self.ledger_id:
-            raise LedgerError(
+            raise LedgerRolledBack(
                 f"{where}; {self.path} is ledger {self.ledger_id}: a different ledger, refusing "
-                "to resume (its spends would not compose with the run's)"
+                f"to resume (its spends would not compose with the run's; the checkpoint shows "
+                f"{saved.position} spend(s) this ledger lacks: was the state directory deleted?)"
+                f"{accept}"
             )
         if saved.federation_id != self.federation_id:
             raise LedgerError(
@@ -294,6 +305,7 @@ class LedgerHistory:
             raise LedgerError(
                 f"{where} at record {saved.position}; {self.path} holds only "
                 f"{len(self._records)}: the ledger is behind (an older backup?), refusing to resume"
+                f"{accept}"
             )
         if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
             raise LedgerError(

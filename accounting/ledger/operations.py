@@ -9,6 +9,15 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from fedmeta.accounting.ledger.anchor import (
+    Anchor,
+    anchor_path,
+    behind,
+    current_anchor,
+    read_anchor,
+    record_acceptance,
+    write_anchor,
+)
 from fedmeta.accounting.ledger.budget import (
     BudgetLedger,
 )
@@ -138,6 +147,63 @@ def migrate_to_participants(path: str | Path, *, who: str | None = None) -> list
         raise _classify(path, error) from error
     finally:
         conn.close()
+
+
+def accept_rollback(
+    path: str | Path,
+    reason: str,
+    *,
+    ledger_id: str | None = None,
+    head: str | None = None,
+    who: str | None = None,
+) -> str:
+    """Accept, deliberately and on record, that the ledger is behind an anchor; say what was found.
+
+    Without ``ledger_id``/``head`` the anchor is the file beside the ledger; with them, the spend
+    a checkpoint recorded (``LedgerCheckpoint``). The acceptance is appended to the ledger (who,
+    which day, why); the anchor file then follows the ledger. Spent budget that the restored file
+    lacks is *not* private again: this only lets runs go on, as ``new-budget`` does.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")
+    path = _abs(path)
+    conn = _connect_writable(path, create=False)
+    try:
+        meta = _ensure_schema(conn, path, None)
+        with _immediate(conn):
+            found, anchor = _rollback_found(conn, path, meta["ledger_id"], ledger_id, head)
+            record_acceptance(conn, anchor[0], anchor[1], found, reason.strip(), who or _actor())
+            now = current_anchor(conn, meta["ledger_id"])
+        if now is None:
+            anchor_path(path).unlink(missing_ok=True)
+        else:
+            write_anchor(path, now)
+        return found
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def _rollback_found(
+    conn: sqlite3.Connection, path: Path, own_id: str, ledger_id: str | None, head: str | None
+) -> tuple[str, tuple[str, str]]:
+    """What the ledger lacks and the (ledger id, head) accepted; refuses if it lacks nothing."""
+    if ledger_id and head:
+        anchor = Anchor(ledger_id, 0, -1, head)
+        known = (
+            ledger_id == own_id
+            and conn.execute("SELECT 1 FROM spends WHERE hash = ?", (head,)).fetchone()
+        )
+        found = None if known else f"ledger {ledger_id}'s spend {head[:12]} is not in {path}"
+    else:
+        saved = read_anchor(anchor_path(path))
+        if saved is None:
+            raise LedgerError(f"no anchor beside {path}: nothing to accept")
+        anchor, found = saved, behind(conn, own_id, saved)
+    if found is None:
+        raise LedgerError(f"ledger {path} is not behind that anchor: nothing to accept")
+    return found, (anchor.ledger_id, anchor.head)
 
 
 def _resolve_readonly(path: Path, data_identity: str, label: str) -> str:

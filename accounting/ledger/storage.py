@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import sqlite3
 import urllib.parse
 import uuid
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from fedmeta.accounting.ledger.faults import _LOW_SPACE_BYTES, _free_bytes, unwritable
 from fedmeta.accounting.ledger.records import (
     _SWITCH_TIMEOUT_S,
     BUSY_TIMEOUT_S,
@@ -25,7 +24,6 @@ from fedmeta.accounting.ledger.records import (
     LedgerMode,
     LedgerReadOnly,
     LedgerUnreadable,
-    LedgerUnwritable,
     NotALedger,
 )
 from fedmeta.accounting.randomness import SystemRandomSource
@@ -102,11 +100,22 @@ _CREATE: tuple[str, ...] = (
         actor          TEXT NOT NULL,
         created_at     TEXT NOT NULL
     )""",
+    # Deliberately accepted rollbacks (``fedmeta ledger accept-rollback``): which anchor (a
+    # ledger id and the hash of its last spend) the ledger may be behind, why, who, which day.
+    """CREATE TABLE IF NOT EXISTS rollbacks (
+        seq               INTEGER PRIMARY KEY AUTOINCREMENT,
+        anchor_ledger_id  TEXT NOT NULL,
+        anchor_head       TEXT NOT NULL,
+        found             TEXT NOT NULL,
+        reason            TEXT NOT NULL,
+        actor             TEXT NOT NULL,
+        created_at        TEXT NOT NULL
+    )""",
     *(
         f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
         "BEGIN SELECT RAISE(ABORT, 'the privacy ledger is append-only'); END"
         for table in ("spends", "federations", "budgets", "meta", "cohorts", "participants",
-                      "carried")
+                      "carried", "rollbacks")
         for op in ("UPDATE", "DELETE")
     ),
 )  # fmt: skip
@@ -153,48 +162,6 @@ def _check_sqlite_header(path: Path, header: bytes) -> None:
             f"{path} is not a SQLite file (no 'SQLite format 3' header): not a fedmeta ledger",
             reason="not_sqlite",
         )
-
-
-#: Below this much free space an I/O error while writing is reported as a full disk.
-_LOW_SPACE_BYTES = 1 << 20
-
-
-def _free_bytes(directory: Path) -> int | None:
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return None
-
-
-def unwritable(path: Path, cause: str) -> LedgerUnwritable:
-    """One line for a write the file system refused: the path, the cause, what to do."""
-    free = _free_bytes(path.parent)
-    if cause == "full" or (free is not None and free < _LOW_SPACE_BYTES):
-        return LedgerUnwritable(
-            f"ledger {path}: no space left on the file system holding {path.parent} "
-            f"({free if free is not None else 'unknown'} bytes free); free space there (a spend "
-            "needs a few KB) or set privacy.ledger_path to a ledger elsewhere, then rerun; "
-            "nothing was recorded"
-        )
-    if cause == "readonly":
-        return LedgerUnwritable(
-            f"ledger {path} cannot be written: {path.parent} is read-only (file, directory or "
-            "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
-            "writable place; nothing was recorded"
-        )
-    return LedgerUnwritable(
-        f"ledger {path}: the file system holding {path.parent} failed a write ({cause}); check "
-        "that disk, then rerun; nothing was recorded"
-    )
-
-
-def ensure_directory(path: Path) -> None:
-    """Create the ledger's directory, or say in one line why it cannot be (read-only, full)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        cause = {errno.ENOSPC: "full", errno.EROFS: "readonly", errno.EACCES: "readonly"}
-        raise unwritable(path, cause.get(error.errno or 0, error.strerror or "")) from error
 
 
 def _classify(path: Path, error: sqlite3.Error) -> LedgerError:

@@ -23,7 +23,7 @@ from fedmeta.accounting import (
     LedgerError,
     LedgerUnwritable,
 )
-from fedmeta.accounting.ledger.storage import ensure_directory
+from fedmeta.accounting.ledger.faults import ensure_directory
 
 from tests.accounting.readonly_mount import need_readonly_mount
 
@@ -177,7 +177,7 @@ _READONLY_SPEND = textwrap.dedent(
     """
     import json, sys
     from fedmeta.accounting import BudgetLedger, LedgerError
-    from fedmeta.accounting.ledger.storage import ensure_directory
+    from fedmeta.accounting.ledger.faults import ensure_directory
     from pathlib import Path
     out = {}
     for name, call in (
