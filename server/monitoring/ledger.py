@@ -61,7 +61,6 @@ LEDGER_METRICS: tuple[str, ...] = (
     "fedmeta_ledger_budget_remaining_ratio",
     "fedmeta_ledger_rounds_affordable",
     "fedmeta_ledger_spends_total",
-    "fedmeta_ledger_last_spend_timestamp_seconds",
     "fedmeta_last_run_rounds_completed",
     "fedmeta_last_run_epsilon_spent_task",
     "fedmeta_last_run_epsilon_spent_participant",
@@ -259,7 +258,6 @@ class LedgerCollector(Collector):
                 except ValueError:  # no participants, or no recorded cap
                     eps_part = math.nan
                 self._eps[fed] = (position, head, eps_task, eps_part)
-            values["last_ts"] = _parse_ts(records[-1].created_at)
             if self.affordable:
                 affordable = self._affordable(ledger, records[-1].event)
                 if affordable is not None:
@@ -376,11 +374,6 @@ class LedgerCollector(Collector):
                 "Spends (rounds) recorded in the ledger.",
                 labels=FED_LABELS,
             ),
-            "last_ts": GaugeMetricFamily(
-                "fedmeta_ledger_last_spend_timestamp_seconds",
-                "Unix time of the last recorded spend.",
-                labels=FED_LABELS,
-            ),
         }
         if snapshot is not None:
             readable.add_metric([str(self.db), snapshot.reason], 1 if snapshot.readable else 0)
@@ -466,15 +459,6 @@ class LedgerCollector(Collector):
                 log.exception("closing the ledgers failed")
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._searcher.shutdown(wait=False, cancel_futures=True)
-
-
-def _parse_ts(text: str) -> float:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(str(text)).timestamp()
-    except ValueError:
-        return math.nan
 
 
 def exporter_registry(
