@@ -387,23 +387,7 @@ class LedgerCollector(Collector):
 
     def _run_records(self) -> Iterator[Metric]:
         """Yield the latest ``summary.json`` per federation under the run directories."""
-        latest: dict[str, tuple[float, dict[str, Any]]] = {}
-        for root in self.runs_dirs:
-            if not root.is_dir():
-                continue
-            for path in [
-                root / "summary.json",
-                *root.glob("*/summary.json"),
-                *root.glob("*/*/summary.json"),
-            ]:
-                try:
-                    mtime = path.stat().st_mtime
-                    summary = json.loads(path.read_text())
-                    fed = str(summary["federation_id"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
-                if fed not in latest or mtime > latest[fed][0]:
-                    latest[fed] = (mtime, summary)
+        latest = _latest_summaries(self.runs_dirs)
         labels = (*FED_LABELS, "run")
         fams = {
             "rounds_completed": GaugeMetricFamily(
@@ -459,6 +443,25 @@ class LedgerCollector(Collector):
                 log.exception("closing the ledgers failed")
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._searcher.shutdown(wait=False, cancel_futures=True)
+
+
+def _latest_summaries(runs_dirs: Iterable[Path]) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Federation -> (mtime, summary) of its newest readable ``summary.json`` (two levels deep)."""
+    latest: dict[str, tuple[float, dict[str, Any]]] = {}
+    for root in runs_dirs:
+        if not root.is_dir():
+            continue
+        for path in [root / "summary.json", *root.glob("*/summary.json"),
+                     *root.glob("*/*/summary.json")]:  # fmt: skip
+            try:
+                mtime = path.stat().st_mtime
+                summary = json.loads(path.read_text())
+                fed = str(summary["federation_id"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if fed not in latest or mtime > latest[fed][0]:
+                latest[fed] = (mtime, summary)
+    return latest
 
 
 def exporter_registry(
