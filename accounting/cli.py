@@ -27,8 +27,10 @@ from fedmeta.accounting.composition import (
 from fedmeta.accounting.ledger import (
     BudgetLedger,
     LedgerError,
+    accept_rollback,
     backup,
     budgets,
+    migrate_to_participants,
     start_new_budget,
 )
 from fedmeta.accounting.planner import (
@@ -471,10 +473,22 @@ def _print_compare(payload: dict[str, Any], eta: float) -> None:
         print(f"{str(r['design']).ljust(width)}  {r['unit']:11}  {cells[0]:>10}  {cells[1]:>10}")
 
 
-def _federation_report(db: str, fid: str) -> dict[str, Any]:
+def _participant_rows(ledger: BudgetLedger, wanted: bool) -> list[dict[str, Any]] | None:
+    """The per-participant table (operator only: the ledger is as private as checkpoints)."""
+    if not wanted:
+        return None
+    return [
+        {"name": p.name, "key": p.key, "rounds": p.rounds, "epsilon": p.epsilon,
+         "data_versions": p.data_versions}
+        for p in ledger.participants()
+    ]  # fmt: skip
+
+
+def _federation_report(db: str, fid: str, participants: bool = False) -> dict[str, Any]:
     """One federation of a ledger, read-only: what ``ledger show`` prints."""
     with BudgetLedger.open_readonly(db, fid) as ledger:
         groups = ledger.rounds()
+        table = _participant_rows(ledger, participants)
         runs: dict[str, dict[str, int]] = {}
         for rec in ledger.records():
             run = runs.setdefault(
@@ -503,10 +517,11 @@ def _federation_report(db: str, fid: str) -> dict[str, Any]:
             "participant_level_note": notes[0] if notes else None,
             "runs": runs,
             "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
+            "participants": table,
         }
 
 
-def _ledger_report(db: str, federation: str | None) -> dict[str, Any]:
+def _ledger_report(db: str, federation: str | None, participants: bool = False) -> dict[str, Any]:
     info = BudgetLedger.describe(db)
     ids = [federation] if federation else list(info.federations)
     data: dict[str, list[dict[str, Any]]] = {}
@@ -523,7 +538,7 @@ def _ledger_report(db: str, federation: str | None) -> dict[str, Any]:
         budget_of[record.federation_id] = {"data_key": record.data_key, **entry}
     feds = []
     for fid in ids:
-        report = _federation_report(db, fid)
+        report = _federation_report(db, fid, participants)
         report["budget"] = budget_of.get(fid)
         feds.append(report)
     return {
@@ -563,7 +578,8 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             part = f"{e['participant_level_note']} (valid but vacuous bound: {part})"
         print(
             f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
-            f"(PLD, {e['unit']} level, enforced) / {e['epsilon_rdp']:.4f} (RDP) of budget "
+            f"(PLD, {e['unit']} level, most exposed participant, enforced) / "
+            f"{e['epsilon_rdp']:.4f} (RDP) of budget "
             f"{e['epsilon_budget']:g} at delta {e['delta']:g}; relation {e['neighbouring']}"
         )
         if e["budget"]:
@@ -576,10 +592,22 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             )
         for g in e["rounds"]:
             print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+        _print_participants(e["participants"])
+
+
+def _print_participants(rows: list[dict[str, Any]] | None) -> None:
+    if rows is None:
+        return
+    print(f"  {len(rows)} participant(s): name, key, rounds charged, epsilon, data versions")
+    for p in rows:
+        print(
+            f"    {p['name']}  {p['key']}  {p['rounds']}  {p['epsilon']:.4f}  "
+            f"{p['data_versions']}{'  (data edited)' if p['data_versions'] > 1 else ''}"
+        )
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
-    report = _ledger_report(args.db, args.federation)
+    report = _ledger_report(args.db, args.federation, args.participants)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -611,6 +639,30 @@ def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
         print(json.dumps({"previous": args.federation, "federation_id": new_id}, indent=2))
     else:
         print(f"new budget {new_id} for the data of {args.federation} (recorded: {args.reason})")
+    return 0
+
+
+def _cmd_ledger_accept_rollback(args: argparse.Namespace) -> int:
+    found = accept_rollback(args.db, args.reason, ledger_id=args.ledger_id, head=args.head,
+                            who=args.who)  # fmt: skip
+    if args.json:
+        print(json.dumps({"accepted": found, "reason": args.reason}, indent=2))
+    else:
+        print(f"accepted and recorded ({args.reason}): {found}")
+    return 0
+
+
+def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
+    carried = migrate_to_participants(args.db, who=args.who)
+    if args.json:
+        print(json.dumps({"carried": carried}, indent=2))
+    elif carried:
+        print(
+            f"carried {len(carried)} whole-data budget(s) into per-participant budgets (each of "
+            f"their spends counts against every participant of the same data): {', '.join(carried)}"
+        )
+    else:
+        print(f"nothing to migrate in {args.db}: no whole-data budget holds uncarried spends")
     return 0
 
 
@@ -924,7 +976,7 @@ def register(
 
 
 def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
-    """``fedmeta ledger show|backup|new-budget``."""
+    """``fedmeta ledger show|migrate|backup|new-budget|accept-rollback``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     lsub.required = True
@@ -933,8 +985,31 @@ def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
     )
     _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
     p.add_argument("--federation", help="only this federation id")
+    p.add_argument(
+        "--participants", action="store_true",
+        help="the per-participant table: rounds charged, epsilon, data versions (private)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger show", _cmd_ledger_show))
+    p = lsub.add_parser(
+        "migrate",
+        help="carry whole-data (schema 2) budgets into per-participant budgets (recorded)",
+    )
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
+    p.add_argument("--who", help="who migrates (default user@host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger migrate", _cmd_ledger_migrate))
+    p = lsub.add_parser(
+        "accept-rollback",
+        help="accept, on record, a ledger behind its anchor or a run's checkpoint (restored copy)",
+    )
+    _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
+    p.add_argument("--reason", required=True, help="why (recorded for good)")
+    p.add_argument("--ledger-id", help="the ledger id a checkpoint names (default: the anchor)")
+    p.add_argument("--head", help="the hash of the last spend the checkpoint names")
+    p.add_argument("--who", help="who accepts (default user@host)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run("ledger accept-rollback", _cmd_ledger_accept_rollback))
     p = lsub.add_parser(
         "backup",
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",

@@ -31,7 +31,7 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
-import fedmeta.accounting.ledger as ledger_module  # noqa: E402
+import fedmeta.accounting.ledger.budget as ledger_module  # noqa: E402  (the module spend runs in)
 from fedmeta.accounting import (  # noqa: E402
     BudgetLedger,
     FlatPoissonScheme,

@@ -54,7 +54,8 @@ _FAILURES = (
     (("RegistrationError", "RunDirectoryBusy"), exitcodes.UNAVAILABLE),
     (("ConfigError", "CheckpointError", "DataError", "LedgerError", "BudgetExhausted",
       "LedgerCorrupted", "LedgerMissing", "LedgerReadOnly", "LedgerReplaced", "LedgerUnreadable",
-      "NotALedger", "FederationError", "PlanError", "PermissionError", "FileNotFoundError"),
+      "NotALedger", "LedgerUnwritable", "LedgerRolledBack", "FederationError", "PlanError",
+      "PermissionError", "FileNotFoundError"),
      exitcodes.BAD_INPUT),
     (("NoRoundAffordable",), exitcodes.BUDGET_EXHAUSTED),
 )  # fmt: skip

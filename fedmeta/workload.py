@@ -5,11 +5,13 @@ initial parameters, held-out validation / test / probe tasks, the data's identit
 is a pure function of the configuration and the data: a participant rebuilds exactly its own
 numbered tasks in any process, so task ids are stable across rounds and restarts.
 
-**The data's identity** keys the privacy budget: runs over the same data spend from one budget,
-whatever their seed, output directory or training settings. It names the *source* of the tasks:
-for Omniglot and image folders a SHA-256 over the source files (independent of split, partition,
-seed and number of participants, so every run that reads those images composes); for the synthetic
-sinusoid the generator's specification, because there the seed and sizes *are* the data.
+**The data's identity** keys the privacy budget (``declared_identity``): runs over the same data
+spend from one budget, whatever their output directory, training settings, number of participants
+or edits of the data; each participant's own budget is keyed by that identity plus its index (or
+its node key in a deployment), see server/budget_keys.py. ``data_fingerprint`` is a content digest
+(a SHA-256 over the source files, or the sinusoid generator's full specification): the ledger
+records it and reports a change; it is never a budget key, since one added image would otherwise
+open a fresh budget.
 """
 
 from __future__ import annotations
@@ -231,8 +233,26 @@ def check_data(cfg: Config) -> Workload:
 SINUSOID_GENERATOR = "sinusoid-v1"
 
 
+def declared_identity(cfg: Config) -> str:
+    """The data set's declared identity: the key of its budgets, stable under edits and churn.
+
+    It must not change when participants come or go or edit their data, or each change would
+    open a fresh budget (issue 18): the synthetic sinusoid is named by its generator and seed (the
+    seed *is* that data); an image data set by its kind alone, so every run on Omniglot or on image
+    folders composes, whatever files were added (conservative: two different folders share one
+    budget family; a deployment keys participants by their node keys instead).
+    """
+    if cfg.dataset.name == "sinusoid":
+        return f"sinusoid:{SINUSOID_GENERATOR}:seed={cfg.seed}"
+    return cfg.dataset.name
+
+
 def data_fingerprint(cfg: Config) -> str:
-    """What a participant's tasks are drawn from (see the module docstring)."""
+    """A content digest of what a participant's tasks are drawn from (recorded, never a key).
+
+    The ledger records it per participant and reports a change (an edit of that participant's
+    data); the budget's key is ``declared_identity``.
+    """
     ds = cfg.dataset
     if ds.name == "sinusoid":
         spec = {

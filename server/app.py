@@ -57,7 +57,7 @@ def execute(
     resume: bool = False,
     observers: list[RunObserver] | None = None,
     echo: bool = True,
-    open_ledger: Callable[[Config, str], Any] | None = None,
+    open_ledger: Callable[[Config, Any], Any] | None = None,
     stop: threading.Event | None = None,
     workload: Workload | None = None,
 ) -> RunResult:

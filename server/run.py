@@ -39,6 +39,8 @@ from fedmeta.accounting import (
     TwoStageSampler,
     resolve_federation,
 )
+from fedmeta.accounting.ledger import ensure_directory
+from fedmeta.server.budget_keys import budget_identity, ledger_participants, use_round_cohort
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import (
@@ -73,7 +75,7 @@ from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.workload import HeldOut, Workload, build_workload, data_fingerprint
+from fedmeta.workload import HeldOut, Workload, build_workload
 
 log = logging.getLogger("fedmeta.server")
 
@@ -122,29 +124,27 @@ def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | Non
 # ---------------------------------------------------------------------------------- the budget
 
 
-def data_identity(cfg: Config, registered: Sequence[Registered]) -> str:
-    """The identity of the data the participants hold (the budget's key); see fedmeta/workload."""
-    fingerprints = sorted({r.data_fingerprint for r in registered})
-    return "\n".join(fingerprints) if fingerprints else data_fingerprint(cfg)
+def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
+    """The current budget of this data in the ledger (created on first use), per participant.
 
-
-def open_budget(cfg: Config, identity: str) -> BudgetLedger:
-    """The current budget of this data in the ledger (created on first use).
-
-    The federation id is an HMAC of the data's identity under the ledger's secret salt
-    (``accounting.resolve_federation``): it names the budget without revealing the data. A test-mode
-    run needs an insecure ledger; the ledger refuses the other mode.
+    The federation id is an HMAC of the data set's declared identity under the ledger's secret
+    salt (``accounting.resolve_federation``); each participant is charged under its own stable key
+    (server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger refuses the other
+    mode.
     """
     mode: Literal["secure", "insecure"] = (
         "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
     )
     path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
     path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
+    identity = budget_identity(cfg, registered)
     federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
+    members = {r.participant_id: r for r in registered}
     return BudgetLedger.open(
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
         neighbouring=cfg.privacy.neighbouring, mode=mode,
+        participants=ledger_participants(cfg, members, members),
     )  # fmt: skip
 
 
@@ -188,13 +188,13 @@ def run_federation(
     resume: bool = False,
     observers: Iterable[RunObserver] = (),
     announce: Callable[[str], None] = lambda text: log.info("%s", text),
-    open_ledger: Callable[[Config, str], BudgetLedger] | None = None,
+    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger] | None = None,
     stop: threading.Event | None = None,
     workload: Workload | None = None,
 ) -> RunResult:
     """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
-    ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`). Setting
+    ``open_ledger(cfg, registered)`` opens the budget (default :func:`open_budget`). Setting
     ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
     output directory is held exclusively for the whole run (server/rundir.py). ``workload``: the
     one ``cfg`` describes, when the caller has built it already (else it is built once here).
@@ -221,7 +221,7 @@ def _start(
     out: Path,
     resume: bool,
     observers: list[RunObserver],
-    open_ledger: Callable[[Config, str], BudgetLedger],
+    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger],
     workload: Workload | None,
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
@@ -235,7 +235,7 @@ def _start(
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
     opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
-    ledger = open_ledger(opened_with, data_identity(cfg, registered)) if plan.private else None
+    ledger = open_ledger(opened_with, registered) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     wl = workload or build_workload(cfg)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
@@ -442,6 +442,7 @@ def _prepare_round(run: _Run, index: int) -> bool:
                               if v > done.get(k, 0)}  # fmt: skip
     run.refused_reported = dict(membership.refused)
     session.task_counts = eligible
+    use_round_cohort(run.ledger, run.cfg, membership.members, eligible)  # who this round may sample
     session.plan = run.plan.for_population(run.cfg, eligible)
     seed = run.cfg.privacy.insecure_test_seed
     if seed is None:

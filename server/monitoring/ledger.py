@@ -62,7 +62,6 @@ LEDGER_METRICS: tuple[str, ...] = (
     "fedmeta_ledger_budget_remaining_ratio",
     "fedmeta_ledger_rounds_affordable",
     "fedmeta_ledger_spends_total",
-    "fedmeta_ledger_last_spend_timestamp_seconds",
     "fedmeta_last_run_rounds_completed",
     "fedmeta_last_run_epsilon_spent_task",
     "fedmeta_last_run_epsilon_spent_participant",
@@ -249,7 +248,6 @@ class LedgerCollector(Collector):
                 except ValueError:  # no participants, or no recorded cap
                     eps_part = math.nan
                 self._eps[fed] = (position, head, eps_task, eps_part)
-            values["last_ts"] = _parse_ts(records[-1].created_at)
             if self.affordable:
                 affordable = self._affordable(ledger, records[-1].event)
                 if affordable is not None:
@@ -366,11 +364,6 @@ class LedgerCollector(Collector):
                 "Spends (rounds) recorded in the ledger.",
                 labels=FED_LABELS,
             ),
-            "last_ts": GaugeMetricFamily(
-                "fedmeta_ledger_last_spend_timestamp_seconds",
-                "Unix time of the last recorded spend.",
-                labels=FED_LABELS,
-            ),
         }
         if snapshot is not None:
             readable.add_metric([str(self.db), snapshot.reason], 1 if snapshot.readable else 0)
@@ -443,7 +436,7 @@ class LedgerCollector(Collector):
 
 
 def _latest_summaries(runs_dirs: Iterable[Path]) -> dict[str, tuple[float, dict[str, Any]]]:
-    """Federation id -> (mtime, summary) of its newest readable ``summary.json``."""
+    """Federation -> (mtime, summary) of its newest readable ``summary.json`` (two levels deep)."""
     latest: dict[str, tuple[float, dict[str, Any]]] = {}
     for root in runs_dirs:
         if not root.is_dir():
@@ -462,15 +455,6 @@ def _latest_summaries(runs_dirs: Iterable[Path]) -> dict[str, tuple[float, dict[
             if fed not in latest or mtime > latest[fed][0]:
                 latest[fed] = (mtime, summary)
     return latest
-
-
-def _parse_ts(text: str) -> float:
-    from datetime import datetime
-
-    try:
-        return datetime.fromisoformat(str(text)).timestamp()
-    except ValueError:
-        return math.nan
 
 
 def exporter_registry(

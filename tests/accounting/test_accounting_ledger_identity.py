@@ -65,7 +65,7 @@ def test_a_new_ledger_has_an_identity_of_its_own(
     with BudgetLedger.open(tmp_path / "ledger.sqlite", "other", 1.0, 1e-6) as again:
         assert again.ledger_id == first_id  # the file's identity, not the federation's
     info = BudgetLedger.describe(tmp_path / "ledger.sqlite")
-    assert (info.ledger_id, info.schema_version, info.mode) == (first_id, 2, "secure")
+    assert (info.ledger_id, info.schema_version, info.mode) == (first_id, 3, "secure")
     assert not info.legacy and info.federations == ("fed", "other")
     with BudgetLedger.open(tmp_path / "second.sqlite", "fed", 2.0, 1e-6) as second:
         assert second.ledger_id != first_id

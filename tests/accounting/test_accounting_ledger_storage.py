@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fedmeta.accounting.ledger as ledger_module
+import fedmeta.accounting.ledger.budget as ledger_module  # where spend looks up its search
 import pytest
 from fedmeta.accounting import (
     BudgetLedger,
@@ -28,8 +28,10 @@ from fedmeta.accounting import (
     LedgerMissing,
     LedgerReadOnly,
     LedgerReplaced,
+    LedgerRolledBack,
     LedgerUnreadable,
     NotALedger,
+    accept_rollback,
     backup,
     budgets,
     resolve_federation,
@@ -42,6 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHEAP = GaussianRound(FlatPoissonScheme(0.01), 1.0)
 OTHER = GaussianRound(FlatPoissonScheme(0.02), 1.0)
 DATA = "sinusoid|P20|T30"
+#: A written ledger's directory: the file and its rollback anchor (accounting/ledger/anchor.py).
+ANCHORED = ["ledger.sqlite", "ledger.sqlite.anchor"]
 
 
 def _state(path: Path) -> tuple[bytes, int]:
@@ -65,7 +69,7 @@ def test_the_main_file_alone_holds_every_spend_after_each_commit(tmp_path: Path)
         for i in range(4):
             ledger.spend(CHEAP, "run", i)
             # Still open, as a writer killed now: no side file holds anything.
-            assert sorted(p.name for p in db.parent.iterdir()) == ["ledger.sqlite"]
+            assert sorted(p.name for p in db.parent.iterdir()) == ANCHORED
             copy = tmp_path / f"after-{i}.sqlite"
             shutil.copyfile(db, copy)
             with BudgetLedger.open_readonly(copy, "fed") as restored:
@@ -167,7 +171,7 @@ def test_reading_writes_nothing(tmp_path: Path) -> None:
     assert resolve_federation(db, DATA, label="sinusoid", create=False) == fid
     assert [b.federation_id for b in budgets(db)] == [fid]
     assert _state(db) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ANCHORED
 
 
 _READER = textwrap.dedent(
@@ -226,7 +230,7 @@ def test_reading_works_on_a_read_only_mount(tmp_path: Path) -> None:
     )
     assert show.returncode == 0, show.stderr
     assert f"federation {fid}: 3 spends" in show.stdout
-    assert _state(db) == before and sorted(p.name for p in state.iterdir()) == ["ledger.sqlite"]
+    assert _state(db) == before and sorted(p.name for p in state.iterdir()) == ANCHORED
 
 
 @pytest.mark.integration
@@ -423,6 +427,9 @@ def test_a_writer_refuses_to_spend_into_a_replaced_or_overwritten_file(tmp_path:
         backup(older, db, force=True)  # a restore (rename) under a running writer
         with pytest.raises(LedgerReplaced, match="was replaced or removed"):
             writer.spend(CHEAP, "run", 3)
+    with pytest.raises(LedgerRolledBack, match="behind its anchor"):  # the anchor saw spend 2
+        BudgetLedger.open(db, "fed")
+    accept_rollback(db, "restored the older copy on purpose (test)")
     with BudgetLedger.open(db, "fed") as writer:
         assert writer.position() == 2
         writer.spend(CHEAP, "run", 2)

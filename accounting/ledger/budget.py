@@ -1,0 +1,414 @@
+"""Budget rules: ``BudgetLedger`` (check, then commit) and the affordable-rounds search."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from fedmeta.accounting.composition import (
+    MAX_ROUNDS_LIMIT,
+    _check_delta,
+    _check_unit,
+    epsilon,
+    max_rounds,
+)
+from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
+from fedmeta.accounting.ledger.chain import (
+    _canonical,
+    _record_hash,
+    cohort_id,
+)
+from fedmeta.accounting.ledger.cohorts import (
+    coarse_day,
+    participant_key,
+    participant_rows,
+    record_cohort,
+)
+from fedmeta.accounting.ledger.history import LedgerHistory
+from fedmeta.accounting.ledger.participants import Multiset, multiset
+from fedmeta.accounting.ledger.records import (
+    SPEND_ATTEMPTS,
+    BudgetExhausted,
+    LedgerError,
+    LedgerMode,
+    LedgerReadOnly,
+    Participant,
+    ParticipantExposure,
+    SpendRecord,
+)
+from fedmeta.accounting.ledger.storage import (
+    _abs,
+    _check_federation_id,
+    _check_mode,
+    _check_neighbouring,
+    _check_registration,
+    _classify,
+    _connect_writable,
+    _ensure_schema,
+    _file_identity,
+    _immediate,
+    _reading,
+    _register,
+)
+from fedmeta.accounting.schemes import (
+    GaussianRound,
+)
+
+# --------------------------------------------------------------------------------- affordable
+
+
+def affordable_rounds(
+    groups: Sequence[tuple[GaussianRound, int]],
+    event: GaussianRound,
+    epsilon_budget: float,
+    delta: float,
+    unit: str = "task",
+) -> int:
+    """How many more rounds like ``event`` fit in the budget after ``groups`` (exact under PLD).
+
+    Pure: the answer depends only on the arguments, so a value computed for one ledger position
+    can never be reported for another. A PLD search: seconds, up to minutes for two-stage mixtures.
+    """
+    return max_rounds(
+        event, epsilon_budget, delta, unit, prior=tuple(groups), limit=MAX_ROUNDS_LIMIT
+    )
+
+
+def _base(counts: Mapping[GaussianRound, int], event: GaussianRound) -> tuple[Any, ...]:
+    """The recorded rounds other than ``event``: what its affordable total depends on."""
+    return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
+
+
+class BudgetLedger(LedgerHistory):
+    """A federation's privacy budget, enforced against its durable record of spends.
+
+    Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)`` to spend, or
+    ``BudgetLedger.open_readonly(path, federation_id)`` to read. Several runs over the same data
+    share one ``federation_id`` (``resolve_federation``) and so compose. The enforced guarantee is
+    the PLD epsilon at ``delta`` for ``unit`` (task level by default).
+    """
+
+    # ---------------------------------------------------------------------------------- opening
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        federation_id: str,
+        epsilon_budget: float | None = None,
+        delta: float | None = None,
+        *,
+        unit: str = "task",
+        create: bool = True,
+        neighbouring: str | None = None,
+        mode: LedgerMode = "secure",
+        participants: Sequence[Participant] | None = None,
+    ) -> BudgetLedger:
+        """Open (creating if needed) the ledger at ``path`` for ``federation_id`` and verify it.
+
+        ``participants``: who the run's rounds may sample (``use_cohort``); ``None`` charges every
+        round to every participant of the federation (conservative).
+
+        An existing federation keeps the budget, delta, unit and neighbouring relation it was
+        registered with; passing different ones is an error (a budget is never raised silently).
+        ``epsilon_budget``/``delta`` may be ``None`` to use the stored ones; ``neighbouring=None``
+        uses the stored relation (``add_remove`` for a new federation). ``mode`` is ``"insecure"``
+        for runs with reproducible test noise: such runs never share a ledger with secure ones.
+        """
+        path = _abs(path)
+        _check_federation_id(federation_id)
+        if epsilon_budget is not None and not (
+            isinstance(epsilon_budget, int | float)
+            and not isinstance(epsilon_budget, bool)
+            and math.isfinite(epsilon_budget)
+            and epsilon_budget > 0
+        ):
+            raise ValueError(f"epsilon_budget must be a finite number > 0; got {epsilon_budget!r}")
+        if delta is not None:
+            _check_delta(delta)
+        _check_unit(unit)
+        _check_neighbouring(neighbouring)
+        _check_mode(mode)
+        conn = _connect_writable(path, create=create)
+        try:
+            identity = _file_identity(path)
+            meta = _ensure_schema(conn, path, mode)
+            row = _register(
+                conn, path, federation_id, epsilon_budget, delta, unit, neighbouring, create
+            )
+            _check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
+            ledger = cls(conn, path, meta, federation_id, row, readonly=False, identity=identity)
+            ledger._inherit()
+            ledger._catch_up()  # a damaged chain is reported as such before any anchor check
+            with _reading(conn):
+                check_anchor(conn, path, meta.get("ledger_id"))
+            if participants is not None:
+                ledger.use_cohort(participants)
+        except sqlite3.Error as error:
+            conn.close()
+            raise _classify(path, error) from error
+        except BaseException:
+            conn.close()
+            raise
+        return ledger
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def rounds(self) -> list[tuple[GaussianRound, int]]:
+        """The rounds of the most exposed participant, ``[(event, count)]``, first seen first.
+
+        With one cohort (or none) that is every record; with several, the participant whose
+        composition has the largest epsilon (the one ``epsilon`` reports).
+        """
+        self._catch_up()
+        counts = self._worst(self.unit, "pld")[0]
+        order = {r.event: i for i, r in reversed(list(enumerate(self._records)))}
+        return sorted(counts, key=lambda ec: order.get(ec[0], -1))
+
+    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
+        """Epsilon spent so far at the ledger's delta: the maximum over participants.
+
+        Recomputed from the records: each participant's rounds composed (PLD or RDP), once per
+        distinct multiset of rounds (cached).
+        """
+        self._catch_up()
+        return self._worst(unit or self.unit, method)[1]
+
+    def participants(self, unit: str | None = None) -> list[ParticipantExposure]:
+        """Every participant of the federation with its own rounds and epsilon, by name.
+
+        The operator's table: private like the ledger itself.
+        """
+        self._catch_up()
+        rows = participant_rows(self._conn, self.federation_id)
+        out = []
+        for key, sig in sorted(self._exposure.signature_of().items()):
+            counts = multiset(self._exposure.counts(sig))
+            name, *digests = rows.get(key, [key])
+            eps = self._composed(counts, unit or self.unit, "pld")
+            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
+        return sorted(out, key=lambda p: (p.name, p.key))
+
+    def _composed(self, counts: Multiset, unit: str, method: str) -> float:
+        """Epsilon of one participant's rounds (cached per distinct multiset)."""
+        key = (counts, unit, method)
+        if key not in self._epsilons:
+            self._epsilons[key] = epsilon(list(counts), self.delta, unit, method)
+        return self._epsilons[key]
+
+    def _worst(self, unit: str, method: str) -> tuple[Multiset, float]:
+        """The most exposed participant's rounds and epsilon, over every participant."""
+        worst: tuple[Multiset, float] = ((), 0.0)
+        for sig in self._exposure.signatures(None):
+            counts = multiset(self._exposure.counts(sig))
+            eps = self._composed(counts, unit, method)
+            if eps > worst[1] or not worst[0]:
+                worst = (counts, eps)
+        return worst
+
+    # -------------------------------------------------------------------------------- cohorts
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Charge the following spends to ``participants`` (those the rounds may sample).
+
+        Recorded (cohort, names and data digests) in the ledger at once, so a reader sees who
+        the next spends are charged to. On a read-only ledger only the checks use it.
+        """
+        if not participants:
+            raise ValueError("participants must name at least one participant")
+        if self.readonly:
+            keys = frozenset(participant_key(self._salt, p.identity) for p in participants)
+            self._cohort = (cohort_id(self.federation_id, sorted(keys)), keys)
+            return
+        try:
+            with _immediate(self._conn):
+                cid, keys = record_cohort(self._conn, self.federation_id, self._salt, participants)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
+        self._cohort = (cid, keys)
+        self._catch_up()
+
+    # ---------------------------------------------------------------------------------- identity
+
+    # ---------------------------------------------------------------------------------- budget
+
+    def _max_total(self, base: tuple[Any, ...], event: GaussianRound) -> int:
+        """Largest total count of ``event`` affordable beside ``base`` (cached; a PLD search)."""
+        key = (base, event)
+        if key not in self._totals:
+            self._totals[key] = affordable_rounds(
+                base, event, self.epsilon_budget, self.delta, self.unit
+            )
+        return self._totals[key]
+
+    def _checks(self, event: GaussianRound) -> list[tuple[tuple[Any, ...], int]]:
+        """Per most exposed group of the cohort: (its rounds but ``event``, its ``event`` count).
+
+        Only maximal groups matter (participants.py: a subset composes to less).
+        """
+        among = None if self._cohort is None else self._cohort[1]
+        out = []
+        for sig in self._exposure.signatures(among):
+            counts = self._exposure.counts(sig)
+            out.append((_base(counts, event), counts.get(event, 0)))
+        return out
+
+    def rounds_affordable(self, event: GaussianRound) -> int:
+        """How many more rounds like ``event`` the budget allows (exact under PLD).
+
+        The minimum over the participants the next rounds may sample: a round is refused when it
+        would take any of them over the budget.
+        """
+        if not isinstance(event, GaussianRound):
+            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        self._catch_up()
+        left = [self._max_total(base, event) - count for base, count in self._checks(event)]
+        return max(0, min(left))
+
+    def would_exceed(self, event: GaussianRound) -> bool:
+        """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
+        return self.rounds_affordable(event) < 1
+
+    def _check_spend(self, event: GaussianRound, run_id: str, round_index: int) -> None:
+        if self.readonly:
+            raise LedgerReadOnly(
+                f"ledger {self.path} was opened read-only (open_readonly); spending needs "
+                "BudgetLedger.open"
+            )
+        if not isinstance(event, GaussianRound):
+            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run_id must be a non-empty string; got {run_id!r}")
+        if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
+            raise ValueError(f"round_index must be an integer >= 0; got {round_index!r}")
+        if event.neighbouring != self.neighbouring:
+            raise LedgerError(
+                f"neighbouring must match the federation's: {self.federation_id!r} composes "
+                f"{self.neighbouring!r} rounds, this round is {event.neighbouring!r}; a "
+                "composition never mixes relations"
+            )
+
+    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+        """Record one round, or raise ``BudgetExhausted`` having recorded nothing.
+
+        Call before releasing the noisy update: when this returns, the record is durable and the
+        main ledger file holds it. The affordability search runs before the write lock is taken;
+        the lock is held for the catch-up, the re-check and the append (milliseconds).
+        """
+        self._check_spend(event, run_id, round_index)
+        event_json = _canonical(event.to_dict())
+        for _ in range(SPEND_ATTEMPTS):
+            self._catch_up()
+            checks = self._checks(event)
+            totals = [self._max_total(base, event) for base, _ in checks]  # outside the lock
+            outcome = self._append_or_explain(
+                event, event_json, run_id, round_index, checks, totals
+            )
+            if isinstance(outcome, SpendRecord):
+                return outcome
+            if outcome == "exhausted":
+                raise self._exhausted(event)
+        raise LedgerError(
+            f"spend on federation {self.federation_id!r} gave up after {SPEND_ATTEMPTS} attempts: "
+            "other processes kept recording other kinds of round meanwhile; nothing was recorded"
+        )
+
+    def _exhausted(self, event: GaussianRound) -> BudgetExhausted:
+        after = max(
+            epsilon([*base, (event, count + 1)], self.delta, self.unit)
+            for base, count in self._checks(event)
+        )
+        return BudgetExhausted(
+            f"budget exhausted for federation {self.federation_id!r}: this round would take the "
+            f"epsilon of a participant it may sample to {after:.4g} > budget "
+            f"{self.epsilon_budget:g} (delta {self.delta:g}, {self.unit} level); nothing was "
+            "recorded",
+            epsilon_after=after,
+            epsilon_budget=self.epsilon_budget,
+        )
+
+    def _append_or_explain(
+        self,
+        event: GaussianRound,
+        event_json: str,
+        run_id: str,
+        round_index: int,
+        checks: list[tuple[tuple[Any, ...], int]],
+        totals: list[int],
+    ) -> SpendRecord | Literal["exhausted", "changed"]:
+        """``_append``, with a file-system fault (full disk, read-only) turned into one line.
+
+        The transaction was rolled back, so nothing was recorded, and the caller releases nothing.
+        Should the commit have landed despite the error (SQLite reported it after its commit
+        point), the record is read back and returned, so the round is released exactly when its
+        spend is in the ledger.
+        """
+        known = len(self._records)
+        try:
+            return self._append(event, event_json, run_id, round_index, checks, totals)
+        except sqlite3.Error as error:
+            fault = _classify(self.path, error)
+            try:
+                self._catch_up()
+            except LedgerError:
+                raise fault from error
+            landed = self._records[known:]
+            if landed and (landed[-1].run_id, landed[-1].round_index) == (run_id, round_index):
+                return landed[-1]
+            raise fault from error
+
+    def _append(
+        self,
+        event: GaussianRound,
+        event_json: str,
+        run_id: str,
+        round_index: int,
+        checks: list[tuple[tuple[Any, ...], int]],
+        totals: list[int],
+    ) -> SpendRecord | Literal["exhausted", "changed"]:
+        """Under the write lock: catch up, re-check against ``total`` and append.
+
+        Returns ``"changed"`` (nothing written) when records of other kinds arrived since
+        ``totals`` were computed for ``checks``: the caller searches again outside the lock.
+        """
+        cohort = None if self._cohort is None else self._cohort[0]
+        with _immediate(self._conn):
+            self._catch_up()
+            now = self._checks(event)
+            if [base for base, _ in now] != [base for base, _ in checks]:
+                return "changed"
+            if any(count + 1 > total for (_, count), total in zip(now, totals, strict=True)):
+                return "exhausted"
+            position = len(self._records)
+            prev = self._records[-1].hash if self._records else self._genesis
+            # The day only: a finer time would let the gap between spends follow a round's
+            # realised work (issue 18, item 2); the hash chain, not the time, orders records.
+            created = coarse_day()
+            digest = _record_hash(
+                self.federation_id, position, run_id, round_index, event_json, created, prev, cohort
+            )
+            seq = self._conn.execute(
+                "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
+                "created_at, prev_hash, hash, cohort) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (self.federation_id, position, run_id, round_index, event_json, created, prev,
+                 digest, cohort),
+            ).lastrowid  # fmt: skip
+            count = int(self._conn.execute("SELECT COUNT(*) FROM spends").fetchone()[0])
+            self._conn.execute(
+                "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
+                "ON CONFLICT(federation_id) DO UPDATE SET position = excluded.position, "
+                "hash = excluded.hash",
+                (self.federation_id, position, digest),
+            )
+        # Committed (and fsynced): only now does in-memory state move, and the anchor follow.
+        if self.ledger_id is not None and seq is not None:
+            write_anchor(self.path, Anchor(self.ledger_id, count, seq, digest))
+        record = SpendRecord(
+            self.federation_id, position, run_id, round_index, event, created, digest, cohort
+        )
+        self._records.append(record)
+        self._exposure.add(event, cohort)
+        return record

@@ -1,0 +1,417 @@
+"""Operator commands: data-keyed budgets (resolve, new budget, list) and verified backup."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from fedmeta.accounting.ledger.anchor import (
+    Anchor,
+    anchor_path,
+    behind,
+    current_anchor,
+    read_anchor,
+    record_acceptance,
+    write_anchor,
+)
+from fedmeta.accounting.ledger.budget import (
+    BudgetLedger,
+)
+from fedmeta.accounting.ledger.chain import (
+    _actor,
+    _append_budget,
+    _budget_chain,
+    _data_key,
+)
+from fedmeta.accounting.ledger.cohorts import coarse_day, label_of, legacy_uncarried
+from fedmeta.accounting.ledger.records import (
+    FIRST_BUDGET_REASON,
+    BackupResult,
+    BudgetRecord,
+    LedgerError,
+    LedgerInfo,
+    LedgerMode,
+    LedgerUnreadable,
+)
+from fedmeta.accounting.ledger.storage import (
+    _abs,
+    _check_federation_id,
+    _check_mode,
+    _classify,
+    _connect_readonly,
+    _connect_writable,
+    _ensure_schema,
+    _immediate,
+    _read_meta,
+    _reading,
+    _sidecar,
+)
+
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+# ------------------------------------------------------------------------ data-keyed budgets
+
+
+def _check_label(label: object) -> None:
+    if not isinstance(label, str) or not _LABEL.fullmatch(label):
+        raise ValueError(
+            "label must be 1-64 characters of letters, digits, '.', '_' or '-' starting with a "
+            f"letter or digit (it names the federation in logs and metrics); got {label!r}"
+        )
+
+
+def resolve_federation(
+    path: str | Path,
+    data_identity: str,
+    *,
+    label: str,
+    create: bool = True,
+    mode: LedgerMode = "secure",
+) -> str:
+    """The federation id of the *current budget* for the data named by ``data_identity``.
+
+    The id is ``f"{label}-{HMAC-SHA256(salt, data_identity)[:16 hex]}"`` (``-b2``, ``-b3``, ...
+    for later budgets, see ``start_new_budget``), with a random salt kept in the ledger: it does
+    not reveal the data, not even whether two neighbouring data sets were used. (A deterministic
+    hash of private data, released in logs and metrics, would.) The ledger file must therefore be
+    kept as private as the server's checkpoints. ``create=True`` creates the ledger and the first
+    budget when missing (recorded, with who and when); ``create=False`` only reads.
+    """
+    if not isinstance(data_identity, str) or not data_identity:
+        raise ValueError(f"data_identity must be a non-empty string; got {data_identity!r}")
+    _check_label(label)
+    _check_mode(mode)
+    path = _abs(path)
+    if not create:
+        return _resolve_readonly(path, data_identity, label)
+    conn = _connect_writable(path, create=True)
+    try:
+        meta = _ensure_schema(conn, path, mode)
+        key = _data_key(meta["salt"], data_identity, label)
+        with _immediate(conn):
+            chain = _budget_chain(conn, path, meta["ledger_id"], key)
+            if not chain:
+                _refuse_unmigrated(conn, path, meta, label)
+                chain = [
+                    _append_budget(conn, meta["ledger_id"], key, (), FIRST_BUDGET_REASON, _actor())
+                ]
+        return chain[-1].federation_id
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def _refuse_unmigrated(
+    conn: sqlite3.Connection, path: Path, meta: Mapping[str, str], label: str
+) -> None:
+    """A first per-participant budget must not start while schema-2 spends of its label wait.
+
+    Schema 2 keyed a budget by every participant's data together, so those spends cannot be told
+    apart by participant; starting afresh beside them would forget them.
+    """
+    legacy = legacy_uncarried(conn, meta, label)
+    if legacy:
+        raise LedgerError(
+            f"ledger {path} holds spends keyed by whole data sets (schema 2) for {label!r} "
+            f"({', '.join(legacy)}); carry them to every participant with `fedmeta ledger "
+            f"migrate --db {path}` (recorded), then rerun"
+        )
+
+
+def migrate_to_participants(path: str | Path, *, who: str | None = None) -> list[str]:
+    """Carry every schema-2 budget's spends into the per-participant budgets of its label.
+
+    Conservative: each carried spend counts against *every* participant of the first
+    per-participant budget of the same label (the old records do not say who could have been
+    sampled). Recorded (who, when), append-only. Returns the carried federation ids.
+    """
+    path = _abs(path)
+    conn = _connect_writable(path, create=False)
+    try:
+        meta = _ensure_schema(conn, path, None)
+        with _immediate(conn):
+            legacy = legacy_uncarried(conn, meta, None)
+            keys = dict(conn.execute("SELECT federation_id, data_key FROM budgets"))
+            conn.executemany(
+                "INSERT INTO carried (federation_id, label, actor, created_at) VALUES (?, ?, ?, ?)",
+                [(fid, label_of(keys[fid]), who or _actor(), coarse_day()) for fid in legacy],
+            )
+        return legacy
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def accept_rollback(
+    path: str | Path,
+    reason: str,
+    *,
+    ledger_id: str | None = None,
+    head: str | None = None,
+    who: str | None = None,
+) -> str:
+    """Accept, deliberately and on record, that the ledger is behind an anchor; say what was found.
+
+    Without ``ledger_id``/``head`` the anchor is the file beside the ledger; with them, the spend
+    a checkpoint recorded (``LedgerCheckpoint``). The acceptance is appended to the ledger (who,
+    which day, why); the anchor file then follows the ledger. Spent budget that the restored file
+    lacks is *not* private again: this only lets runs go on, as ``new-budget`` does.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")
+    path = _abs(path)
+    conn = _connect_writable(path, create=False)
+    try:
+        meta = _ensure_schema(conn, path, None)
+        with _immediate(conn):
+            found, anchor = _rollback_found(conn, path, meta["ledger_id"], ledger_id, head)
+            record_acceptance(conn, anchor[0], anchor[1], found, reason.strip(), who or _actor())
+            now = current_anchor(conn, meta["ledger_id"])
+        if now is None:
+            anchor_path(path).unlink(missing_ok=True)
+        else:
+            write_anchor(path, now)
+        return found
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def _rollback_found(
+    conn: sqlite3.Connection, path: Path, own_id: str, ledger_id: str | None, head: str | None
+) -> tuple[str, tuple[str, str]]:
+    """What the ledger lacks and the (ledger id, head) accepted; refuses if it lacks nothing."""
+    if ledger_id and head:
+        anchor = Anchor(ledger_id, 0, -1, head)
+        known = (
+            ledger_id == own_id
+            and conn.execute("SELECT 1 FROM spends WHERE hash = ?", (head,)).fetchone()
+        )
+        found = None if known else f"ledger {ledger_id}'s spend {head[:12]} is not in {path}"
+    else:
+        saved = read_anchor(anchor_path(path))
+        if saved is None:
+            raise LedgerError(f"no anchor beside {path}: nothing to accept")
+        anchor, found = saved, behind(conn, own_id, saved)
+    if found is None:
+        raise LedgerError(f"ledger {path} is not behind that anchor: nothing to accept")
+    return found, (anchor.ledger_id, anchor.head)
+
+
+def _resolve_readonly(path: Path, data_identity: str, label: str) -> str:
+    conn = _connect_readonly(path)
+    try:
+        with _reading(conn):
+            meta = _read_meta(conn)
+            if "salt" not in meta:
+                raise LedgerError(
+                    f"ledger {path} has no budgets (legacy, no id: written by an older fedmeta)"
+                )
+            key = _data_key(meta["salt"], data_identity, label)
+            chain = _budget_chain(conn, path, meta["ledger_id"], key)
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+    if not chain:
+        raise LedgerError(
+            f"ledger {path} has no budget for this data under label {label!r}; resolve with "
+            "create=True (a run) to start one"
+        )
+    return chain[-1].federation_id
+
+
+def start_new_budget(
+    path: str | Path, federation_id: str, reason: str, *, who: str | None = None
+) -> str:
+    """Start a new budget for the data whose *current* budget is ``federation_id``; return its id.
+
+    An explicit, recorded act (who, when, why; hash-chained and append-only): afterwards
+    ``resolve_federation`` returns the new id and runs spend from a fresh budget. The old
+    federation and its spends stay in the ledger. ``federation_id`` must be the current budget
+    (two operators cannot both start "the next" one).
+    """
+    _check_federation_id(federation_id)
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")
+    if who is not None and (not isinstance(who, str) or not who.strip()):
+        raise ValueError(f"who must be a non-empty string or None; got {who!r}")
+    path = _abs(path)
+    conn = _connect_writable(path, create=False)
+    try:
+        meta = _ensure_schema(conn, path, None)
+        with _immediate(conn):
+            row = conn.execute(
+                "SELECT data_key FROM budgets WHERE federation_id = ?", (federation_id,)
+            ).fetchone()
+            if row is None:
+                raise LedgerError(
+                    f"federation {federation_id!r} has no budget record in {path}: new budgets "
+                    "apply to data-keyed federations (named by resolve_federation)"
+                )
+            chain = _budget_chain(conn, path, meta["ledger_id"], str(row[0]))
+            if chain[-1].federation_id != federation_id:
+                raise LedgerError(
+                    f"federation {federation_id!r} is not the current budget of its data; the "
+                    f"current one is {chain[-1].federation_id!r}: start a new budget from it"
+                )
+            record = _append_budget(
+                conn, meta["ledger_id"], str(row[0]), chain, reason.strip(), who or _actor()
+            )
+        return record.federation_id
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+def budgets(path: str | Path) -> list[BudgetRecord]:
+    """Every budget recorded in the ledger at ``path``, by data key then number (read-only)."""
+    path = _abs(path)
+    conn = _connect_readonly(path)
+    try:
+        with _reading(conn):
+            meta = _read_meta(conn)
+            if "ledger_id" not in meta:
+                return []
+            keys = [str(r[0]) for r in conn.execute("SELECT DISTINCT data_key FROM budgets")]
+            return [
+                record
+                for key in sorted(keys)
+                for record in _budget_chain(conn, path, meta["ledger_id"], key)
+            ]
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------------- backup
+
+
+def _heads(path: Path) -> tuple[LedgerInfo, dict[str, tuple[int, str | None]]]:
+    """Open every federation read-only (verifying its chain); return (info, position and head)."""
+    info = BudgetLedger.describe(path)
+    heads: dict[str, tuple[int, str | None]] = {}
+    for fid in info.federations:
+        with BudgetLedger.open_readonly(path, fid) as ledger:
+            cp = ledger.checkpoint()
+            heads[fid] = (cp.position, cp.head)
+    return info, heads
+
+
+def _contains(
+    path: Path, older: Mapping[str, tuple[int, str | None]], *, this: str, other: str
+) -> str | None:
+    """``None`` if the ledger at ``path`` (``this``) holds every record of ``older`` (``other``)."""
+    for fid, (position, head) in older.items():
+        try:
+            ledger = BudgetLedger.open_readonly(path, fid)
+        except LedgerUnreadable:
+            raise
+        except LedgerError:
+            return f"federation {fid!r} is in {other}, not in {this}"
+        with ledger:
+            records = ledger.records()
+        if len(records) < position:
+            return f"federation {fid!r} has {len(records)} records in {this}, {position} in {other}"
+        if position and records[position - 1].hash != head:
+            return f"federation {fid!r} has another history in {this} than in {other}"
+    return None
+
+
+def _check_destination(src_info: LedgerInfo, copy: Path, dest: Path, force: bool) -> None:
+    """Refuse to overwrite a ledger holding spends ``copy`` lacks (unless ``force``)."""
+    for suffix in ("-journal", "-wal"):
+        side = _sidecar(dest, suffix)
+        if side.exists() and not force:
+            raise LedgerError(
+                f"{side} exists: a writer has {dest} open or died mid-commit; open {dest} "
+                "writable once (or stop its writer) and retry, or pass --force to discard it"
+            )
+    if not dest.exists() or force:
+        return
+    try:
+        dest_info, dest_heads = _heads(dest)
+    except LedgerUnreadable as error:
+        raise LedgerError(
+            f"{dest} exists and cannot be read ({error.reason}); replacing it would forget "
+            "whatever it holds: pass --force if that is intended"
+        ) from error
+    if dest_info.ledger_id != src_info.ledger_id:
+        raise LedgerError(
+            f"{dest} is another ledger ({dest_info.ledger_id or 'legacy, no id'}, not "
+            f"{src_info.ledger_id or 'legacy, no id'}); pass --force to replace it"
+        )
+    missing = _contains(copy, dest_heads, this="the copy", other=str(dest))
+    if missing is not None:
+        raise LedgerError(
+            f"{dest} holds spends the source lacks ({missing}): restoring would forget privacy "
+            "loss that happened; pass --force only if you know why"
+        )
+
+
+def backup(src: str | Path, dest: str | Path, *, force: bool = False) -> BackupResult:
+    """Copy the ledger at ``src`` to ``dest`` consistently, atomically and verified.
+
+    Uses SQLite's online backup API (a consistent snapshot even while runs spend), writes a
+    temporary file beside ``dest``, fsyncs it, verifies every federation's chain in it, renames it
+    over ``dest`` and verifies again by reopening. Restoring is the same call with the roles
+    swapped; it refuses to replace a ledger that holds spends the backup lacks unless ``force``.
+    """
+    src_path, dest_path = _abs(src), _abs(dest)
+    if dest_path == src_path:
+        raise ValueError(f"--to must differ from --db; both are {src_path}")
+    if not dest_path.parent.is_dir():
+        raise ValueError(f"--to must be in an existing directory; {dest_path.parent} is not one")
+    src_info, src_heads = _heads(src_path)
+    tmp = dest_path.with_name(f".{dest_path.name}.backup-{uuid.uuid4().hex}")
+    try:
+        _copy(src_path, tmp)
+        missing = _contains(tmp, src_heads, this="the copy", other=str(src_path))
+        if missing is not None:
+            raise LedgerError(f"the backup does not verify ({missing}); {dest_path} left alone")
+        _, tmp_heads = _heads(tmp)
+        _check_destination(src_info, tmp, dest_path, force)
+        for suffix in ("-journal", "-wal", "-shm"):
+            _sidecar(dest_path, suffix).unlink(missing_ok=True)  # only reached with force
+        os.replace(tmp, dest_path)
+        _fsync_dir(dest_path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if _contains(dest_path, tmp_heads, this=str(dest_path), other="the copy") is not None:
+        raise LedgerError(f"{dest_path} does not verify after the rename")
+    return BackupResult(dest_path, src_info.ledger_id, {f: p for f, (p, _) in tmp_heads.items()})
+
+
+def _copy(src: Path, tmp: Path) -> None:
+    source = _connect_readonly(src)
+    target = sqlite3.connect(str(tmp), isolation_level=None)
+    try:
+        source.backup(target)
+        # A schema-1 source was in WAL mode; the copy must read anywhere, without side files.
+        target.execute("PRAGMA journal_mode = DELETE")
+    except sqlite3.Error as error:
+        raise _classify(src, error) from error
+    finally:
+        target.close()
+        source.close()
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

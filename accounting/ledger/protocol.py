@@ -1,0 +1,93 @@
+"""The ``Ledger`` protocol: what the server needs from a budget ledger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from fedmeta.accounting.ledger.records import (
+    SpendRecord,
+)
+from fedmeta.accounting.schemes import (
+    GaussianRound,
+)
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """What the server needs from a budget ledger; ``BudgetLedger`` and test fakes implement it.
+
+    One contract suite (tests/accounting/test_accounting_ledger_contract.py) runs against every
+    implementation: no records gives epsilon 0; a failed spend leaves state unchanged;
+    ``would_exceed`` agrees with ``spend``; ``position`` counts records; records keep their order
+    and run ids; ``rounds`` groups identical events.
+    """
+
+    @property
+    def federation_id(self) -> str:
+        """The federation (budget) this object spends from."""
+        ...
+
+    @property
+    def ledger_id(self) -> str | None:
+        """The ledger file's random id (``None``: a legacy ledger opened read-only)."""
+        ...
+
+    @property
+    def path(self) -> Path:
+        """The ledger file's absolute, resolved path."""
+        ...
+
+    @property
+    def epsilon_budget(self) -> float:
+        """The enforced budget (epsilon at ``delta``, at ``unit`` level)."""
+        ...
+
+    @property
+    def delta(self) -> float:
+        """Delta of the guarantee."""
+        ...
+
+    @property
+    def unit(self) -> str:
+        """The enforced privacy unit, ``task`` or ``participant``."""
+        ...
+
+    @property
+    def neighbouring(self) -> str:
+        """The neighbouring relation every recorded round is stated for."""
+        ...
+
+    def position(self) -> int:
+        """Number of records."""
+        ...
+
+    def records(self) -> list[SpendRecord]:
+        """All records, oldest first."""
+        ...
+
+    def rounds(self) -> list[tuple[GaussianRound, int]]:
+        """Records grouped by identical event, ``[(event, count)]``."""
+        ...
+
+    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
+        """Epsilon spent so far at ``delta``."""
+        ...
+
+    def rounds_affordable(self, event: GaussianRound) -> int:
+        """How many more rounds like ``event`` the budget allows."""
+        ...
+
+    def would_exceed(self, event: GaussianRound) -> bool:
+        """Dry run: whether spending ``event`` now would exceed the budget."""
+        ...
+
+    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+        """Record one round durably, or raise having recorded nothing."""
+        ...
+
+    def close(self) -> None:
+        """Release the ledger."""
+        ...

@@ -1,0 +1,557 @@
+"""Storage: the SQLite file, its schema and migration, connections, transactions, federations."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from fedmeta.accounting.ledger.faults import _LOW_SPACE_BYTES, _free_bytes, unwritable
+from fedmeta.accounting.ledger.records import (
+    _SWITCH_TIMEOUT_S,
+    BUSY_TIMEOUT_S,
+    LEDGER_MODES,
+    SCHEMA_VERSION,
+    LedgerCorrupted,
+    LedgerError,
+    LedgerMissing,
+    LedgerMode,
+    LedgerReadOnly,
+    LedgerUnreadable,
+    NotALedger,
+)
+from fedmeta.accounting.randomness import SystemRandomSource
+from fedmeta.accounting.schemes import (
+    ADD_REMOVE,
+    NEIGHBOURING_RELATIONS,
+)
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_LEDGER_TABLES = frozenset({"federations", "spends", "heads"})
+
+_CREATE: tuple[str, ...] = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS federations (
+        federation_id  TEXT PRIMARY KEY,
+        epsilon_budget REAL NOT NULL,
+        delta          REAL NOT NULL,
+        unit           TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        neighbouring   TEXT
+    )""",
+    """CREATE TABLE IF NOT EXISTS spends (
+        seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        position       INTEGER NOT NULL,
+        run_id         TEXT NOT NULL,
+        round_index    INTEGER NOT NULL,
+        event          TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        prev_hash      TEXT NOT NULL,
+        hash           TEXT NOT NULL,
+        UNIQUE (federation_id, position)
+    )""",
+    """CREATE TABLE IF NOT EXISTS heads (
+        federation_id  TEXT PRIMARY KEY,
+        position       INTEGER NOT NULL,
+        hash           TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS budgets (
+        seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+        data_key       TEXT NOT NULL,
+        number         INTEGER NOT NULL,
+        federation_id  TEXT NOT NULL UNIQUE,
+        reason         TEXT NOT NULL,
+        actor          TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        prev_hash      TEXT NOT NULL,
+        hash           TEXT NOT NULL,
+        UNIQUE (data_key, number)
+    )""",
+    # Schema 3: per-participant budgets. A cohort is the set of participants a round could have
+    # sampled (its id hashes its members, so it cannot be edited unseen).
+    """CREATE TABLE IF NOT EXISTS cohorts (
+        cohort_id      TEXT PRIMARY KEY,
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        members        TEXT NOT NULL,
+        created_at     TEXT NOT NULL
+    )""",
+    # Who a participant key is, for the operator (name as registered), and each content digest
+    # its data had: a new digest is an edit of its data, reported, never a new budget.
+    """CREATE TABLE IF NOT EXISTS participants (
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        participant    TEXT NOT NULL,
+        name           TEXT NOT NULL,
+        digest         TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        UNIQUE (federation_id, participant, digest)
+    )""",
+    # Budgets keyed by the whole data set (schema 2) whose spends are charged to every
+    # participant of the per-participant budgets of the same label (``fedmeta ledger migrate``).
+    """CREATE TABLE IF NOT EXISTS carried (
+        federation_id  TEXT PRIMARY KEY REFERENCES federations(federation_id),
+        label          TEXT NOT NULL,
+        actor          TEXT NOT NULL,
+        created_at     TEXT NOT NULL
+    )""",
+    # Deliberately accepted rollbacks (``fedmeta ledger accept-rollback``): which anchor (a
+    # ledger id and the hash of its last spend) the ledger may be behind, why, who, which day.
+    """CREATE TABLE IF NOT EXISTS rollbacks (
+        seq               INTEGER PRIMARY KEY AUTOINCREMENT,
+        anchor_ledger_id  TEXT NOT NULL,
+        anchor_head       TEXT NOT NULL,
+        found             TEXT NOT NULL,
+        reason            TEXT NOT NULL,
+        actor             TEXT NOT NULL,
+        created_at        TEXT NOT NULL
+    )""",
+    *(
+        f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
+        "BEGIN SELECT RAISE(ABORT, 'the privacy ledger is append-only'); END"
+        for table in ("spends", "federations", "budgets", "meta", "cohorts", "participants",
+                      "carried", "rollbacks")
+        for op in ("UPDATE", "DELETE")
+    ),
+)  # fmt: skip
+
+
+# -------------------------------------------------------------------------------- connections
+
+
+def _abs(path: str | Path) -> Path:
+    """The absolute, symlink-resolved path (what a run records and a resume compares)."""
+    return Path(path).expanduser().resolve()
+
+
+def _sidecar(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _read_header(path: Path) -> bytes:
+    """The first 100 bytes, or a one-line error saying why the file cannot be a ledger."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(100)
+    except FileNotFoundError as error:
+        raise LedgerMissing(f"no ledger at {path} (file missing)") from error
+    except IsADirectoryError as error:
+        raise NotALedger(
+            f"{path} is a directory, not a ledger file", reason="not_sqlite"
+        ) from error
+    except OSError as error:
+        raise LedgerUnreadable(f"cannot read the ledger {path}: {error.strerror}") from error
+
+
+def _check_sqlite_header(path: Path, header: bytes) -> None:
+    if not header.startswith(_SQLITE_MAGIC):
+        raise NotALedger(
+            f"{path} is not a SQLite file (no 'SQLite format 3' header): not a fedmeta ledger",
+            reason="not_sqlite",
+        )
+
+
+def _classify(path: Path, error: sqlite3.Error) -> LedgerError:
+    """Turn a SQLite error met while opening, reading or writing into a one-line ledger error."""
+    code = getattr(error, "sqlite_errorcode", 0) & 0xFF
+    if code == 13:  # SQLITE_FULL
+        return unwritable(path, "full")
+    free = _free_bytes(path.parent)
+    if code == 10 and free is not None and free < _LOW_SPACE_BYTES:  # SQLITE_IOERR, disk full
+        return unwritable(path, "full")
+    if code == 14 and not os.access(path.parent, os.W_OK):  # SQLITE_CANTOPEN: no journal here
+        return unwritable(path, "readonly")
+    if code == 26:  # SQLITE_NOTADB
+        return NotALedger(f"{path} is not a SQLite database ({error})", reason="not_sqlite")
+    if code in (5, 6):  # SQLITE_BUSY, SQLITE_LOCKED
+        return LedgerUnreadable(f"ledger {path} stayed locked: {error}", reason="busy")
+    if code == 8 and _sidecar(path, "-journal").exists():  # SQLITE_READONLY (hot journal)
+        return LedgerUnreadable(
+            f"ledger {path}: a writer died in the middle of a commit ({path.name}-journal "
+            "exists); the next writable open rolls it back, a read-only one cannot",
+            reason="hot_journal",
+        )
+    if code == 8:  # SQLITE_READONLY without a hot journal: a writer on a read-only file or mount
+        return unwritable(path, "readonly")
+    if code == 11:  # SQLITE_CORRUPT
+        return LedgerCorrupted(f"ledger {path} is corrupted: {error}")
+    return LedgerUnreadable(f"cannot open the ledger {path}: {error}")
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _not_a_ledger(path: Path, header: bytes) -> NotALedger:
+    hint = ""
+    if header[18:20] == b"\x02\x02":
+        hint = (
+            " (in WAL mode: if it is a copy of a ledger written by an older fedmeta, its records "
+            f"were in {path.name}-wal, which was not copied with it)"
+        )
+    return NotALedger(f"{path} is a SQLite database but not a fedmeta ledger{hint}")
+
+
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    """A connection that writes nothing: ``mode=ro``, no pragma that changes the file."""
+    header = _read_header(path)
+    if not header:
+        raise NotALedger(f"{path} is an empty file, not a fedmeta ledger")
+    _check_sqlite_header(path, header)
+    params = {"mode": "ro"}
+    if header[18:20] == b"\x02\x02":  # a schema-1 ledger still in WAL mode
+        wal = _sidecar(path, "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            raise LedgerUnreadable(
+                f"ledger {path} was written by an older fedmeta in WAL mode and {wal.name} holds "
+                "records: open it writable once (the next run does) to fold them into the file",
+                reason="legacy_wal",
+            )
+        # No WAL content: the main file is complete. immutable=1 stops SQLite creating -shm.
+        params["immutable"] = "1"
+    uri = f"file:{urllib.parse.quote(str(path))}?{urllib.parse.urlencode(params)}"
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    try:
+        if not _LEDGER_TABLES <= _tables(conn):
+            raise _not_a_ledger(path, header)
+    except sqlite3.Error as error:
+        conn.close()
+        raise _classify(path, error) from error
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _check_writable_location(path: Path, *, create: bool) -> None:
+    """Refuse, with the reason, a path a writer cannot use: not SQLite, missing, read-only."""
+    if path.exists():
+        header = _read_header(path)
+        if header:  # an empty file is an empty SQLite database
+            _check_sqlite_header(path, header)
+    elif not create:
+        raise LedgerMissing(f"no ledger at {path} (file missing)")
+    elif not path.parent.is_dir():
+        raise LedgerUnreadable(
+            f"cannot create the ledger {path}: the directory {path.parent} does not exist"
+        )
+    # SQLite would open a read-only file read-only without a word and fail at the first spend.
+    # access() sees a read-only mount even for root (for whom chmod does not stop writes).
+    for needed in (path, path.parent) if path.exists() else (path.parent,):
+        if not os.access(needed, os.W_OK):
+            raise LedgerReadOnly(
+                f"ledger {path} is read-only here ({needed} is not writable: file, directory or "
+                "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
+                "writable place; reading works with open_readonly"
+            )
+
+
+def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
+    """A writer's connection: rollback journal, ``synchronous=EXTRA``, integrity checked."""
+    _check_writable_location(path, create=create)
+    try:
+        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        _use_rollback_journal(conn, path)
+        # EXTRA: also fsync the directory after deleting the journal (the commit point), so a
+        # returned spend survives power loss, not only a killed process.
+        conn.execute("PRAGMA synchronous = EXTRA")
+        conn.execute("PRAGMA foreign_keys = ON")
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
+    except sqlite3.Error as error:
+        conn.close()
+        raise _classify(path, error) from error
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _use_rollback_journal(conn: sqlite3.Connection, path: Path) -> None:
+    """Switch a schema-1 (WAL) ledger to the rollback journal; a no-op for schema 2."""
+    mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    if mode == "delete":
+        return
+    # The switch needs every other connection closed; do not wait the spend's full minute for it.
+    conn.execute(f"PRAGMA busy_timeout = {int(_SWITCH_TIMEOUT_S * 1000)}")
+    try:
+        mode = str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower()
+    except sqlite3.OperationalError as error:
+        if getattr(error, "sqlite_errorcode", 0) & 0xFF not in (5, 6):  # BUSY, LOCKED
+            raise
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    if mode != "delete":
+        raise LedgerError(
+            f"could not switch the ledger {path} from {mode!r} to a rollback journal: another "
+            "process has it open (an older fedmeta?); stop it and retry"
+        )
+
+
+def _read_meta(conn: sqlite3.Connection) -> dict[str, str]:
+    if "meta" not in _tables(conn):
+        return {}
+    return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+
+
+def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None) -> dict[str, str]:
+    """Create or migrate the schema and the identity; check the mode. Returns the meta table.
+
+    A schema-1 ledger (no meta table) gets its identity here, in the mode of the first writable
+    open that meets it: schema 1 recorded no mode. ``mode=None`` checks nothing and refuses to
+    create an identity (the caller is not a run).
+    """
+    with _immediate(conn):
+        tables = _tables(conn)
+        if tables - {"sqlite_sequence"} and not _LEDGER_TABLES <= tables:
+            raise NotALedger(
+                f"{path} is a SQLite database but not a fedmeta ledger; refusing to add ledger "
+                "tables to it"
+            )
+        for statement in _CREATE:
+            conn.execute(statement)
+        _add_columns(conn)
+        meta = _read_meta(conn)
+        if not meta:
+            if mode is None:
+                raise LedgerError(
+                    f"ledger {path} has no identity yet (written by an older fedmeta); open it "
+                    "once with BudgetLedger.open (any run does) to add one"
+                )
+            meta = _new_meta(mode, migrated="spends" in tables)
+            conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", sorted(meta.items()))
+        if PER_PARTICIPANT not in meta:
+            meta = {**meta, PER_PARTICIPANT: _per_participant_since(conn)}
+            conn.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (PER_PARTICIPANT,
+                         meta[PER_PARTICIPANT]))  # fmt: skip
+    if mode is not None and meta["mode"] != mode:
+        raise LedgerError(
+            f"mode must match the ledger's: {path} is a {meta['mode']!r} ledger, opened with mode "
+            f"{mode!r}; reproducible test noise (insecure) is not private, so test runs and "
+            "secure runs never share a ledger: use another ledger file"
+        )
+    return meta
+
+
+#: Meta key: budgets numbered up to this ``budgets.seq`` were keyed by the whole data set (schema
+#: 2); later ones by the data set's declared identity, with per-participant composition.
+PER_PARTICIPANT = "per_participant_budgets_after_seq"
+
+
+def _per_participant_since(conn: sqlite3.Connection) -> str:
+    return str(conn.execute("SELECT COALESCE(MAX(seq), 0) FROM budgets").fetchone()[0])
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Additive migrations: schema 1 had no relation, schema 2 no cohort on a spend."""
+    for table, column in (("federations", "neighbouring"), ("spends", "cohort")):
+        columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in columns:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+
+
+def _column_or_null(conn: sqlite3.Connection, table: str, column: str) -> str:
+    """``column`` if the table has it, else ``NULL`` (an older ledger read without migrating)."""
+    columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
+    return column if column in columns else "NULL"
+
+
+def _new_meta(mode: LedgerMode, *, migrated: bool) -> dict[str, str]:
+    meta = {
+        "ledger_id": uuid.uuid4().hex,
+        "schema_version": str(SCHEMA_VERSION),
+        "mode": mode,
+        # Drawn from the OS CSPRNG: with it, a federation id reveals nothing about the data.
+        "salt": SystemRandomSource().random_bytes(32).hex(),
+        "created_at": datetime.now(UTC).isoformat(),
+    }
+    if migrated:
+        meta["migrated_from_schema"] = "1"
+    return meta
+
+
+def _check_mode(mode: object) -> None:
+    if mode not in LEDGER_MODES:
+        raise ValueError(f"mode must be one of {LEDGER_MODES}; got {mode!r}")
+
+
+def _check_neighbouring(neighbouring: object) -> None:
+    if neighbouring is not None and neighbouring not in NEIGHBOURING_RELATIONS:
+        raise ValueError(
+            f"neighbouring must be one of {NEIGHBOURING_RELATIONS}; got {neighbouring!r}"
+        )
+
+
+def _check_federation_id(federation_id: object) -> None:
+    if not isinstance(federation_id, str) or not federation_id:
+        raise ValueError(f"federation_id must be a non-empty string; got {federation_id!r}")
+
+
+# ---------------------------------------------------------------------------- BudgetLedger
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """A federation's row: what it was registered with."""
+
+    epsilon_budget: float
+    delta: float
+    unit: str
+    created_at: str
+    neighbouring: str | None  # None: schema 1, all add/remove
+
+
+def _register(
+    conn: sqlite3.Connection,
+    path: Path,
+    federation_id: str,
+    epsilon_budget: float | None,
+    delta: float | None,
+    unit: str,
+    neighbouring: str | None,
+    create: bool,
+) -> _Registration:
+    """The federation's row, inserted first if it is new (and ``create`` allows it)."""
+    with _immediate(conn):
+        row = _registration(conn, federation_id)
+        if row is not None:
+            return row
+        if not create or epsilon_budget is None or delta is None:
+            raise LedgerError(
+                f"federation {federation_id!r} is not in ledger {path}; opening a new one needs "
+                "epsilon_budget and delta"
+            )
+        row = _Registration(
+            float(epsilon_budget),
+            float(delta),
+            unit,
+            datetime.now(UTC).isoformat(),
+            neighbouring or ADD_REMOVE,
+        )
+        conn.execute(
+            "INSERT INTO federations (federation_id, epsilon_budget, delta, unit, created_at, "
+            "neighbouring) VALUES (?, ?, ?, ?, ?, ?)",
+            (federation_id, row.epsilon_budget, row.delta, unit, row.created_at, row.neighbouring),
+        )
+        return row
+
+
+def _registration(conn: sqlite3.Connection, federation_id: str) -> _Registration | None:
+    columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(federations)")}
+    # A schema-1 ledger read without migrating (read-only) has no relation column.
+    relation = "neighbouring" if "neighbouring" in columns else "NULL"
+    row = conn.execute(
+        f"SELECT epsilon_budget, delta, unit, created_at, {relation} FROM federations "
+        "WHERE federation_id = ?",
+        (federation_id,),
+    ).fetchone()
+    if row is None:
+        return None
+    return _Registration(
+        float(row[0]),
+        float(row[1]),
+        str(row[2]),
+        str(row[3]),
+        None if row[4] is None else str(row[4]),
+    )
+
+
+def _check_registration(
+    federation_id: str,
+    row: _Registration,
+    epsilon_budget: float | None,
+    delta: float | None,
+    unit: str,
+    neighbouring: str | None,
+) -> None:
+    """A federation's budget, delta, unit and relation are fixed when it is registered."""
+    for name, given, stored in (
+        ("epsilon_budget", epsilon_budget, row.epsilon_budget),
+        ("delta", delta, row.delta),
+    ):
+        if given is not None and float(given) != float(stored):
+            raise LedgerError(
+                f"{name} must match the value federation {federation_id!r} was registered "
+                f"with ({stored}); got {given}. A budget is fixed for a federation."
+            )
+    if row.unit != unit and not (epsilon_budget is None and delta is None):
+        raise LedgerError(
+            f"unit must match the unit federation {federation_id!r} was registered with "
+            f"({row.unit!r}); got {unit!r}"
+        )
+    stored_relation = row.neighbouring or ADD_REMOVE
+    if neighbouring is not None and neighbouring != stored_relation:
+        raise LedgerError(
+            f"neighbouring must match the relation federation {federation_id!r} was registered "
+            f"with ({stored_relation!r}); got {neighbouring!r}. A composition never mixes "
+            "relations."
+        )
+
+
+# ----------------------------------------------------------------------------- transactions
+
+
+@contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """Run a write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error.
+
+    A failed COMMIT (a full disk) is rolled back too, so the connection never stays inside a
+    half-done transaction.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        _rollback(conn)
+        raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back what is still open, without hiding the error that caused it.
+
+    After SQLITE_FULL, SQLITE_IOERR or SQLITE_NOMEM SQLite may already have rolled the transaction
+    back itself; a ROLLBACK then fails with "no transaction is active", and raising that would
+    replace the real cause (a full disk) by an internal-looking one (issue 21).
+    """
+    if not conn.in_transaction:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass  # the caller re-raises the original error; the connection is closed after it
+
+
+@contextmanager
+def _reading(conn: sqlite3.Connection) -> Iterator[None]:
+    """One read transaction (a consistent snapshot), unless one is already open."""
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        conn.execute("COMMIT")
