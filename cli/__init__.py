@@ -1,7 +1,7 @@
 """The ``fedmeta`` command line: the entry layer on top of server, client and simulation.
 
-Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this module
-imports them plainly. The registering modules import nothing heavy at module level, so
+Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this
+module imports them plainly, inside :func:`main`. The registering modules import nothing heavy at module level, so
 ``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
 
 The conventions every command shares live here, once: ``--version``; a usage error is one line
@@ -19,21 +19,6 @@ import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
-
-from fedmeta.cli import deploy, evaluate, plan_config
-from fedmeta.server import exporter
-from fedmeta.simulation import simulate
-
-#: Each is ``register(subparsers) -> None``, in the order ``fedmeta --help`` lists them. The
-#: accounting commands (privacy, ledger) come through plan_config, which hands ``privacy plan``
-#: the configuration writer (accounting knows no configuration).
-_REGISTRARS = (
-    plan_config.register,
-    simulate.register,
-    exporter.register,
-    evaluate.register,
-    deploy.register,
-)
 
 #: Exit statuses of the conventions handled here (the values of fedmeta.exitcodes).
 _USAGE, _INTERRUPTED = 2, 130
@@ -100,9 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedmeta {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for register in _REGISTRARS:
+    for register in _registrars():
         register(subparsers)
     return parser
+
+
+def _registrars() -> tuple[Any, ...]:
+    """Each is ``register(subparsers) -> None``, in the order ``fedmeta --help`` lists them.
+
+    Imported here, not at the top, so that a Ctrl-C while they load (scipy takes seconds) meets
+    :func:`main`'s handler. The accounting commands (privacy, ledger) come through plan_config,
+    which hands ``privacy plan`` the configuration writer (accounting knows no configuration).
+    """
+    from fedmeta.cli import deploy, evaluate, plan_config
+    from fedmeta.server import exporter
+    from fedmeta.simulation import simulate
+
+    return (plan_config.register, simulate.register, exporter.register, evaluate.register,
+            deploy.register)  # fmt: skip
 
 
 def _quiet_stdout() -> None:

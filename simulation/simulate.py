@@ -109,8 +109,9 @@ def _no_round_hint(cfg: Any) -> str:
             "to the rounds, or pick one with `fedmeta privacy calibrate`"
         )
     return (
-        "the budget of these participants' data is spent (`fedmeta ledger show` says how); a "
-        "new experiment needs its own ledger: --set privacy.ledger_path=PATH"
+        "the budget of these participants' data is spent (`fedmeta ledger show` says how); an "
+        "experiment on public benchmark data can keep a ledger of its own: "
+        "--set privacy.ledger_path=PATH"
     )
 
 
