@@ -1,8 +1,8 @@
 """The ``fedmeta`` command line: the entry layer on top of server, client and simulation.
 
 Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this
-module imports them plainly, inside :func:`main`. The registering modules import nothing heavy at module level, so
-``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
+module imports them plainly, inside :func:`main`. The registering modules import nothing heavy at
+module level, so ``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
 
 The conventions every command shares live here, once: ``--version``; a usage error is one line
 (with a did-you-mean for a mistyped command or flag) and exit status 2; Ctrl-C is one line and exit
