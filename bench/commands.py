@@ -1,8 +1,11 @@
 """Wall time of a documented command, repeated: mean and range, each run in a fresh state.
 
-    python bench/commands.py --repeat 3 -- fedmeta simulate
-    python bench/commands.py --repeat 3 -- fedmeta simulate --set federation.backend=ray
+    python bench/commands.py --repeat 3 -- fedmeta simulate :: \
+        fedmeta simulate --set federation.backend=ray
     python bench/commands.py --repeat 3 -- fedmeta privacy plan --epsilon 8 ...
+
+Several commands, separated by ``::``, run in turn (A B A B ...), so that a change in the machine's
+load falls on all of them alike.
 
 Each run gets a fresh working directory (holding a copy of ``configs/``) and a fresh
 ``FEDMETA_STATE_DIR``, so a run of the main job never finds the budget spent by the one before.
@@ -36,34 +39,46 @@ def _once(argv: list[str]) -> tuple[float, int, str]:
         return time.perf_counter() - t0, res.returncode, res.stderr[-2000:]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command")
-    args = parser.parse_args()
-    words = [w for w in args.command if w != "--"]
-    if not words:
-        parser.error("give the command after --")
-    if words[0] == "fedmeta":
-        words[0] = str(Path(sys.executable).parent / "fedmeta")
-    seconds = []
-    for i in range(args.repeat):
-        wall, status, err = _once(words)
-        print(f"run {i + 1}: {wall:.1f} s, exit {status}", flush=True)
-        if status != 0:
-            print(err, file=sys.stderr)
-        seconds.append(wall)
-    summary = {
-        "command": " ".join(args.command),
+def _summary(words: list[str], seconds: list[float]) -> dict[str, object]:
+    return {
+        "command": " ".join(["fedmeta", *words[1:]] if words[0].endswith("fedmeta") else words),
         "runs": len(seconds),
         "mean_s": round(statistics.mean(seconds), 1),
         "min_s": round(min(seconds), 1),
         "max_s": round(max(seconds), 1),
-        "machine": platform.processor() or platform.machine(),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}",
+        "load_average_1min_at_end": round(os.getloadavg()[0], 1),
     }
-    print(json.dumps(summary))
-    return 0
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command(s)")
+    args = parser.parse_args()
+    words = [w for w in args.command if w != "--"]
+    commands: list[list[str]] = [[]]
+    for w in words:
+        if w == "::":
+            commands.append([])
+        else:
+            commands[-1].append(w)
+    if not all(commands):
+        parser.error("give the command(s) after --, separated by ::")
+    for cmd in commands:
+        if cmd[0] == "fedmeta":
+            cmd[0] = str(Path(sys.executable).parent / "fedmeta")
+    seconds: list[list[float]] = [[] for _ in commands]
+    for i in range(args.repeat):
+        for j, cmd in enumerate(commands):
+            wall, status, err = _once(cmd)
+            print(f"command {j + 1} run {i + 1}: {wall:.1f} s, exit {status}", flush=True)
+            if status != 0:
+                print(err, file=sys.stderr)
+            seconds[j].append(wall)
+    for cmd, secs in zip(commands, seconds, strict=True):
+        print(json.dumps(_summary(cmd, secs)))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
