@@ -98,7 +98,8 @@ def typed_overrides(run_config: dict[str, Any]) -> list[str]:
         value = run_config.get(flower_key)
         if value is None or value == "" or (not isinstance(value, str) and value == 0):
             continue
-        out.append(f"{dotted}={json.dumps(value) if isinstance(value, str) else value!r}")
+        text = json.dumps(value)  # a TOML value: a quoted string, or a number
+        out.append(f"{dotted}={text}")
     return out
 
 
