@@ -1,4 +1,10 @@
-"""``fedmeta simulate``: the main job - a federation run locally in Flower's simulation engine.
+"""``fedmeta simulate``: the main job - a federation run locally.
+
+By default (``federation.backend = "inprocess"``) the ServerApp's run talks to the participants
+through a Flower ``Grid`` that calls the same ClientApp in this process: Flower's Message API
+without Ray, and faster on the default job (docs/benchmarks.md, "Simulation backend"). With
+``"ray"`` it goes through Flower's Ray simulation engine, whose Python entry ``run_simulation`` is
+deprecated in Flower 1.41 in favour of ``flwr run`` (which runs these same apps: ``flwr run .``).
 
 ``fedmeta simulate [--config FILE] [--set key=value ...] [--out DIR] [--resume]``. With no arguments
 it runs a private sinusoid federation on the embedded default configuration. ``register`` imports
@@ -34,7 +40,7 @@ def register(subparsers: Any) -> None:
     """Add the ``simulate`` sub-command."""
     p = subparsers.add_parser(
         "simulate",
-        help="run a federation locally (Flower simulation engine)",
+        help="run a federation locally (in-process Flower grid, or Ray)",
         description="Run a differentially private federated meta-learning job locally. With no "
         "arguments: a private sinusoid federation on the embedded default configuration.",
     )
@@ -320,9 +326,6 @@ def _run_ray(
                                    observers=observers)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*run_simulation.*deprecated.*")
     backend_config = {
         "client_resources": {
             "num_cpus": cfg.federation.client_num_cpus,
