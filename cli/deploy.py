@@ -499,8 +499,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:
     """``--print-config`` / ``--dry-run``: what would be sent and what it would cost."""
-    from fedmeta.cli.plan_config import to_toml
     from fedmeta.simulation.simulate import dry_run_plan
+
+    from fedmeta.config import to_toml
 
     if print_config:
         print(to_toml(cfg.to_dict()), end="")

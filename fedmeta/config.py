@@ -12,6 +12,7 @@ Keys that scripts rely on (part of the interface): ``rounds``, ``seed``, ``priva
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -518,6 +519,37 @@ def _format_error(error: ValidationError) -> str:
 
 #: pydantic's error types for a scalar given where a section (a nested model) belongs.
 _NOT_A_SECTION = ("model_type", "model_attributes_type", "dict_type")
+
+
+# --------------------------------------------------------------------------------------------------
+# writing (``simulate --print-config``, ``privacy plan --write-config``)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"config value must be a TOML scalar or array; got {value!r}")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """TOML text for nested dicts of scalars and arrays (what a configuration holds)."""
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items()
+             if not isinstance(v, dict) and v is not None]  # fmt: skip
+    for key, table in data.items():
+        if isinstance(table, dict):
+            name = f"{prefix}{_toml_key(key)}"
+            lines += ["", f"[{name}]", to_toml(table, name + ".").strip("\n")]
+    return "\n".join(lines) + "\n"
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:

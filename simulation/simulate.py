@@ -129,7 +129,7 @@ def _preview(args: argparse.Namespace) -> int:
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
         if args.print_config:
-            from fedmeta.cli.plan_config import to_toml
+            from fedmeta.config import to_toml
 
             print(to_toml(cfg.to_dict()), end="")
         if args.dry_run:
