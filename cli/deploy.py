@@ -472,10 +472,10 @@ def _run(args: argparse.Namespace) -> int:
                           exitcodes.BAD_INPUT)  # fmt: skip
     if not (args.timeout > 0 and args.poll > 0):
         raise DeployError("--timeout and --poll must be > 0 seconds", exitcodes.BAD_INPUT)
-    ca, _insecure = _tls(args)
     sets, cfg = run_overrides(args)
-    if args.print_config or args.dry_run:
+    if args.print_config or args.dry_run:  # nothing is sent: no connection settings needed
         return _preview(cfg, args.print_config, args.dry_run)
+    ca, _insecure = _tls(args)
     out = args.out or default_out(args.runs_dir)
     with flwr_home(args.superlink, ca) as env, tempfile.TemporaryDirectory() as tmp:
         app = write_app(Path(tmp, "app"))

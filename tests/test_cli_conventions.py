@@ -236,3 +236,14 @@ def test_ctrl_c_in_privacy_plan_is_one_line_and_130(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert _one_line(err) == "fedmeta privacy plan: interrupted"
+
+
+@pytest.mark.unit
+def test_deploy_run_print_config_needs_no_superlink(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _main(["deploy", "run", "--print-config", "--set", "rounds=3"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["rounds"] == 3
+    assert _main(["deploy", "run", "--set", "rounds", "3"]) == 2
+    assert "key=value" in _one_line(capsys.readouterr().err)
