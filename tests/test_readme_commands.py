@@ -100,6 +100,7 @@ def _run_readme(tmp_path: Path, short: bool) -> None:
             f"{cmd.status}:\n{res.stderr[-3000:]}"
         )
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        print(f"ok (exit {res.returncode}): {cmd.line}", flush=True)
         ran += 1
     assert ran >= 10
 
@@ -115,11 +116,13 @@ def test_readme_commands_are_found() -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(3600)  # about 2 minutes on 2 idle cores; a loaded machine takes many times it
 def test_readme_commands_run_in_order_short(tmp_path: Path) -> None:
     _run_readme(tmp_path, short=True)
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
 def test_readme_commands_run_in_order_as_written(tmp_path: Path) -> None:
     _run_readme(tmp_path, short=False)
