@@ -247,3 +247,42 @@ def test_deploy_run_print_config_needs_no_superlink(
     assert tomllib.loads(capsys.readouterr().out)["rounds"] == 3
     assert _main(["deploy", "run", "--set", "rounds", "3"]) == 2
     assert "key=value" in _one_line(capsys.readouterr().err)
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.text, self.tty = "", tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tty", [True, False])
+def test_privacy_plan_shows_its_progress(tty: bool) -> None:
+    from fedmeta.accounting.cli import _progress_line
+
+    stream = _Stream(tty)
+    show = _progress_line(stream)
+    for done in (1, 2, 3):
+        show("searching", done, 3)
+    if tty:  # one line redrawn per calibration, ended when the stage is done
+        assert stream.text == "\rsearching: 1/3 calibrations\rsearching: 2/3 calibrations" \
+            "\rsearching: 3/3 calibrations\n"
+    else:  # a log gets one line per stage
+        assert stream.text == "searching: 3 calibrations done\n"
+
+
+@pytest.mark.unit
+def test_the_planner_reports_every_calibration() -> None:
+    from fedmeta.accounting.planner import _pool_map
+
+    heard: list[tuple[str, int, int]] = []
+    got = _pool_map(str, [(1,), (2,), (3,)], 1, "stage", lambda *a: heard.append(a))
+    assert got == ["1", "2", "3"] and heard == [("stage", 1, 3), ("stage", 2, 3), ("stage", 3, 3)]
