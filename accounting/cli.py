@@ -77,7 +77,7 @@ _FLAGS = {
     "delta": "--delta",
     "rounds": "--rounds",
     "round count": "--rounds",
-    "target_epsilon": "--target-epsilon",
+    "target_epsilon": "--epsilon",
     "epsilon_budget": "--epsilon",
     "unit": "--unit",
     "neighbouring": "--neighbouring",
@@ -101,6 +101,8 @@ def _run(
     def handler(args: argparse.Namespace) -> int:
         try:
             return body(args)
+        except BrokenPipeError:
+            raise  # the reader closed the pipe (`| head`): the dispatcher ends quietly
         except (UsageError, ValueError, LedgerError, OSError) as error:
             message = str(error)
             flag = _flag_for(message, flags)
@@ -289,6 +291,11 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.epsilon is not None and args.old_epsilon is not None:
+        raise UsageError("--epsilon and --target-epsilon are the same flag; give one")
+    args.target_epsilon = args.epsilon if args.epsilon is not None else args.old_epsilon
+    if args.target_epsilon is None:
+        raise UsageError("--epsilon (the target epsilon) is required")
     scheme = _scheme_from_args(args)
     _check_rounds(args.rounds)
     z = calibrate_noise_multiplier(
@@ -616,7 +623,10 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_backup(args: argparse.Namespace) -> int:
-    result = backup(args.db, args.to, force=args.force)
+    to = Path(args.to).expanduser()
+    if to.is_dir():  # as cp does: a directory receives a copy under the ledger's own file name
+        to = to / Path(args.db).name
+    result = backup(args.db, to, force=args.force)
     payload = {
         "path": str(result.path),
         "ledger_id": result.ledger_id,
@@ -835,13 +845,28 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
         print(f"wrote row {row} to {written}: run it with fedmeta simulate --config {written}")
 
 
+def _progress_line(stream: Any) -> Callable[[str, int, int], None]:
+    """The planner's progress on stderr: one redrawn line on a terminal, a line per stage else."""
+    tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def show(stage: str, done: int, total: int) -> None:
+        if tty:
+            end = "\n" if done == total else ""
+            stream.write(f"\r{stage}: {done}/{total} calibrations{end}")
+        elif done == total:
+            stream.write(f"{stage}: {total} calibrations done\n")
+        stream.flush()
+
+    return show
+
+
 def _cmd_plan(args: argparse.Namespace, writer: ConfigWriter | None) -> int:
     if args.base_config and not args.write_config:
         raise UsageError("--base-config must come with --write-config")
     if args.write_config and writer is None:
         raise UsageError("--write-config must be run as `fedmeta privacy plan` (needs fedmeta)")
     request = _plan_request(args)
-    result = plan(request, top=args.top, workers=args.jobs)
+    result = plan(request, top=args.top, workers=args.jobs, progress=_progress_line(sys.stderr))
     written = None
     if args.write_config:
         if not 1 <= args.row <= len(result.rows):
@@ -883,7 +908,7 @@ def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
         "the noise std on the averaged gradient over sqrt(rounds) (docs/privacy.md, 'Planning "
         "a run').",
     )
-    p.add_argument("--epsilon", type=float, required=True, help="epsilon budget (task level)")
+    _add_epsilon_arg(p, "epsilon budget (task level)")
     p.add_argument("--delta", type=float, default=DEFAULT_DELTA,
                    help=f"delta (default {DEFAULT_DELTA:g}, as privacy.delta)")  # fmt: skip
     p.add_argument("--neighbouring", choices=NEIGHBOURING_RELATIONS, default=ADD_REMOVE)
@@ -925,6 +950,26 @@ def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
 # ------------------------------------------------------------------------------------ register
 
 
+def _epsilon_value(text: str) -> float:
+    """``--epsilon``: a number in (0, 1000], the range ``privacy.epsilon_budget`` accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= 1000):
+        raise argparse.ArgumentTypeError(
+            f"must be in (0, 1000], as privacy.epsilon_budget; got {text}"
+        )
+    return value
+
+
+def _add_epsilon_arg(p: Any, help_text: str, old: str | None = None) -> None:
+    """``--epsilon`` on every command that takes one; ``old`` is an earlier spelling, hidden."""
+    p.add_argument("--epsilon", type=_epsilon_value, required=old is None, help=help_text)
+    if old is not None:  # either spelling, the handler checks that one was given
+        p.add_argument(old, dest="old_epsilon", type=_epsilon_value, help=argparse.SUPPRESS)
+
+
 def _add_db_arg(p: Any, help_text: str, default_ledger: Path | None) -> None:
     """``--db``: required unless the caller knows the default ledger (fedmeta's state dir)."""
     if default_ledger is None:
@@ -959,12 +1004,12 @@ def register(
 
     p = psub.add_parser("calibrate", help="smallest noise multiplier meeting a target epsilon")
     _add_scheme_args(p, noise=False)
-    p.add_argument("--target-epsilon", type=float, required=True)
+    _add_epsilon_arg(p, "target epsilon", old="--target-epsilon")
     p.set_defaults(func=_run("privacy calibrate", _cmd_calibrate))
 
     p = psub.add_parser("max-rounds", help="largest T within an epsilon budget (exact under PLD)")
     _add_scheme_args(p, rounds=False)
-    p.add_argument("--epsilon", type=float, required=True, help="epsilon budget")
+    _add_epsilon_arg(p, "epsilon budget")
     p.set_defaults(func=_run("privacy max-rounds", _cmd_max_rounds))
 
     p = psub.add_parser("compare", help="compare sampling designs at the same expected lot size")
@@ -1015,7 +1060,10 @@ def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",
     )
     _add_db_arg(p, "the ledger to copy", default_ledger)
-    p.add_argument("--to", required=True, help="the copy (replaced atomically)")
+    p.add_argument(
+        "--to", required=True,
+        help="the copy (replaced atomically); a directory gets the ledger's file name",
+    )  # fmt: skip
     p.add_argument(
         "--force",
         action="store_true",

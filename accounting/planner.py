@@ -60,6 +60,7 @@ gradient keeps ``z_grad = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, which exists only wh
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -496,12 +497,32 @@ def _climb(request: PlanRequest, precision: _Precision, design: Design, n1: int)
     return found
 
 
+#: ``progress(stage, done, total)``: called after each calibration of a stage finishes.
+Progress: TypeAlias = Callable[[str, int, int], None]
+
+
+def _worker_init() -> None:
+    # Ctrl-C reaches the whole process group: a worker ends at once, without a traceback of its
+    # own, and the parent reports the interruption once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...]],
-              workers: int) -> list[PlanRow | str]:  # fmt: skip
+              workers: int, stage: str = "", progress: Progress | None = None,
+              ) -> list[PlanRow | str]:  # fmt: skip
+    done: list[PlanRow | str] = []
     if workers <= 1 or len(jobs) <= 1:
-        return [fn(*job) for job in jobs]
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        return list(pool.map(fn, *zip(*jobs, strict=True)))
+        for job in jobs:
+            done.append(fn(*job))
+            if progress is not None:
+                progress(stage, len(done), len(jobs))
+        return done
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_worker_init) as pool:
+        for result in pool.map(fn, *zip(*jobs, strict=True)):
+            done.append(result)
+            if progress is not None:
+                progress(stage, len(done), len(jobs))
+    return done
 
 
 def plan(
@@ -511,11 +532,13 @@ def plan(
     method: str = "pld",
     discretization: float = DEFAULT_DISCRETIZATION,
     workers: int = 1,
+    progress: Progress | None = None,
 ) -> Plan:
     """Search ``request``'s space and return the ``top`` feasible rows, best proxy first.
 
     Every returned row is calibrated exactly with ``method`` (``"pld"``: the enforced accountant)
-    on ``discretization``; ``workers > 1`` runs calibrations in that many processes.
+    on ``discretization``; ``workers > 1`` runs calibrations in that many processes;
+    ``progress(stage, done, total)`` hears of each finished calibration.
     """
     _integer("top", top, minimum=1, maximum=10_000)
     _integer("workers", workers, minimum=1, maximum=1024)
@@ -524,7 +547,8 @@ def plan(
     pairs = [
         (d, n1) for d in request.designs for n1 in request.stage_one_grid() if _applies(d, n1, p)
     ]
-    found = _pool_map(_climb, [(request, exact, d, n1) for d, n1 in pairs], workers)
+    found = _pool_map(_climb, [(request, exact, d, n1) for d, n1 in pairs], workers,
+                      "searching", progress)  # fmt: skip
     notes = tuple(f for f in found if isinstance(f, str))
     screened = sorted((f for f in found if isinstance(f, PlanRow)), key=_key)
     if screened:  # re-calibrate exactly the best, and any within screening error of the last
@@ -533,7 +557,8 @@ def plan(
     todo = [r.candidate for r in screened if not r.exact]
     if request.baseline is not None:
         todo.append(request.baseline)
-    redone = iter(_pool_map(evaluate, [(request, c, exact) for c in todo], workers))
+    redone = iter(_pool_map(evaluate, [(request, c, exact) for c in todo], workers,
+                            "calibrating exactly", progress))  # fmt: skip
     rows = [r if r.exact else next(redone) for r in screened]
     baseline = next(redone) if request.baseline is not None else None
     if isinstance(baseline, str):

@@ -1,47 +1,133 @@
 """The ``fedmeta`` command line: the entry layer on top of server, client and simulation.
 
-Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this module
-imports them plainly. The registering modules import nothing heavy at module level, so
-``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
+Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this
+module imports them plainly, inside :func:`main`. The registering modules import nothing heavy at
+module level, so ``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
+
+The conventions every command shares live here, once: ``--version``; a usage error is one line
+(with a did-you-mean for a mistyped command or flag) and exit status 2; Ctrl-C is one line and exit
+status 130, never a traceback; a closed pipe (``fedmeta ledger show --json | head``) ends the
+command quietly with status 0, as for ``cat``'s readers.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
+import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from fedmeta.cli import deploy, evaluate, plan_config
-from fedmeta.server import exporter
-from fedmeta.simulation import simulate
+#: Exit statuses of the conventions handled here (the values of fedmeta.exitcodes).
+_USAGE, _INTERRUPTED = 2, 130
 
-#: Each is ``register(subparsers) -> None``, in the order ``fedmeta --help`` lists them. The
-#: accounting commands (privacy, ledger) come through plan_config, which hands ``privacy plan``
-#: the configuration writer (accounting knows no configuration).
-_REGISTRARS = (
-    plan_config.register,
-    simulate.register,
-    exporter.register,
-    evaluate.register,
-    deploy.register,
-)
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fedmeta")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line with a did-you-mean, then exit status 2.
+
+    argparse prints the whole usage before the error, which buries the one line that matters; the
+    usage stays one ``--help`` away. Sub-parsers inherit the class (argparse creates them with the
+    parent's class).
+    """
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102
+        hint = _did_you_mean(self, message)
+        self.exit(_USAGE, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """``; did you mean 'simulate'?`` for an invalid choice or an unrecognised flag."""
+    choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        word, options = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+    else:
+        flag = re.match(r"unrecognized arguments: (--?[\w-]+)", message)
+        if not flag:
+            return ""
+        word, options = flag.group(1), _flags(parser)
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every visible flag of ``parser`` and its sub-commands.
+
+    argparse reports an unknown flag from the top-level parser, which does not know which
+    sub-command it was meant for.
+    """
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _flags(sub)
+        elif action.help != argparse.SUPPRESS:
+            out += [s for s in action.option_strings if s.startswith("--")]
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every sub-command registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedmeta",
         description="Differentially private federated meta-learning.",
     )
+    parser.add_argument("--version", action="version", version=f"fedmeta {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for register in _REGISTRARS:
+    for register in _registrars():
         register(subparsers)
     return parser
 
 
+def _registrars() -> tuple[Any, ...]:
+    """Each is ``register(subparsers) -> None``, in the order ``fedmeta --help`` lists them.
+
+    Imported here, not at the top, so that a Ctrl-C while they load (scipy takes seconds) meets
+    :func:`main`'s handler. The accounting commands (privacy, ledger) come through plan_config,
+    which hands ``privacy plan`` the configuration writer (accounting knows no configuration).
+    """
+    from fedmeta.cli import deploy, evaluate, plan_config
+    from fedmeta.server import exporter
+    from fedmeta.simulation import simulate
+
+    return (plan_config.register, simulate.register, exporter.register, evaluate.register,
+            deploy.register)  # fmt: skip
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush into a closed pipe is silent."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    result = args.func(args)
+    try:
+        args = build_parser().parse_args(argv)
+        result: Any = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below
+    except KeyboardInterrupt:
+        print(f"\n{_command(argv)}: interrupted", file=sys.stderr)
+        return _INTERRUPTED
+    except BrokenPipeError:
+        # The reader has what it wanted (`| head`): nothing more to say, and nothing failed.
+        _quiet_stdout()
+        return 0
     return int(result or 0)
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    words = list(sys.argv[1:] if argv is None else argv)
+    names = [w for w in words[:2] if not w.startswith("-")]
+    return " ".join(["fedmeta", *names[:2]])

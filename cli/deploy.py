@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta.client import supernode, worker
+from fedmeta.simulation.simulate import key_value
 
 from fedmeta import exitcodes
 
@@ -440,7 +441,12 @@ def _register_run(sub: Any) -> None:
     p.add_argument("--config", type=Path, default=os.environ.get("FEDMETA_CONFIG") or None,
                    help="fedmeta TOML configuration, read HERE and sent with the run (default "
                    "$FEDMETA_CONFIG)")  # fmt: skip
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   type=key_value, help="override one key (repeatable)")  # fmt: skip
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration as TOML and exit")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the privacy plan and exit; nothing is submitted")  # fmt: skip
     p.add_argument("--node-keys", type=Path, default=os.environ.get("FEDMETA_NODE_KEYS") or None,
                    help="[federation.node_keys] TOML (deploy/tls/make-certs.sh writes "
                    "node-keys.toml; default $FEDMETA_NODE_KEYS)")  # fmt: skip
@@ -471,8 +477,10 @@ def _run(args: argparse.Namespace) -> int:
                           exitcodes.BAD_INPUT)  # fmt: skip
     if not (args.timeout > 0 and args.poll > 0):
         raise DeployError("--timeout and --poll must be > 0 seconds", exitcodes.BAD_INPUT)
-    ca, _insecure = _tls(args)
     sets, cfg = run_overrides(args)
+    if args.print_config or args.dry_run:  # nothing is sent: no connection settings needed
+        return _preview(cfg, args.print_config, args.dry_run)
+    ca, _insecure = _tls(args)
     out = args.out or default_out(args.runs_dir)
     with flwr_home(args.superlink, ca) as env, tempfile.TemporaryDirectory() as tmp:
         app = write_app(Path(tmp, "app"))
@@ -492,6 +500,19 @@ def _run(args: argparse.Namespace) -> int:
     code = exit_status(outcome)
     report(outcome, code)
     return code
+
+
+def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:
+    """``--print-config`` / ``--dry-run``: what would be sent and what it would cost."""
+    from fedmeta.simulation.simulate import dry_run_plan
+
+    from fedmeta.config import to_toml
+
+    if print_config:
+        print(to_toml(cfg.to_dict()), end="")
+    if dry_run:
+        print(dry_run_plan(cfg))
+    return exitcodes.OK
 
 
 def _follow(env: Mapping[str, str], run_id: str) -> subprocess.Popen[bytes]:

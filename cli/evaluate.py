@@ -83,10 +83,30 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "mean": held_out.mean,
         "ci95": [held_out.mean - held_out.ci95, held_out.mean + held_out.ci95],
         "tasks": held_out.n_tasks,
+        **privacy_of(state, cfg),
     }
     if args.omniglot_runs is not None:
         result.update(_official_runs(cfg, model, params, args.omniglot_runs, steps))
     return result
+
+
+def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The guarantee the checkpointed model was released under: epsilon, delta, the relation.
+
+    Epsilon is the latest the run recorded (its rounds' records in the checkpoint), at the task
+    level (enforced) and the participant level (reported); a non-private model has none.
+    """
+    if not state.get("private"):
+        return {"epsilon": None, "epsilon_participant": None, "delta": None, "neighbouring": None}
+    reported = [o for o in state.get("outcomes", []) if o.get("epsilon_task") is not None]
+    last = reported[-1] if reported else {}
+    return {
+        "epsilon": last.get("epsilon_task"),
+        "epsilon_participant": last.get("epsilon_participant"),
+        "epsilon_at_round": last.get("round"),
+        "delta": cfg.privacy.delta,
+        "neighbouring": cfg.privacy.neighbouring,
+    }
 
 
 def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) -> dict[str, Any]:
@@ -111,9 +131,12 @@ def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) ->
 
 def _table(result: dict[str, Any]) -> str:
     lo, hi = result["ci95"]
+    guarantee = "NON-PRIVATE"
+    if result["private"]:
+        eps = "-" if result["epsilon"] is None else f"{result['epsilon']:.4g}"
+        guarantee = f"private: epsilon {eps}, delta {result['delta']:g}, {result['neighbouring']}"
     lines = [
-        f"checkpoint {result['checkpoint']} ({'private' if result['private'] else 'NON-PRIVATE'}, "
-        f"{result['rounds']} rounds)",
+        f"checkpoint {result['checkpoint']} ({guarantee}, {result['rounds']} rounds)",
         f"held-out test {result['metric']}: {result['mean']:.4f} (95% CI {lo:.4f} .. {hi:.4f}, "
         f"{result['tasks']} tasks)",
     ]

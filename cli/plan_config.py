@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import tomllib
 from datetime import UTC, datetime
@@ -21,7 +20,10 @@ from typing import Any
 from fedmeta.accounting import cli as accounting_cli
 from fedmeta.accounting.planner import PlanRequest, PlanRow
 
+from fedmeta.config import to_toml
 from fedmeta.paths import default_ledger_path
+
+__all__ = ["plan_keys", "register", "to_toml", "write_config"]
 
 
 def register(subparsers: Any) -> None:
@@ -74,33 +76,6 @@ def _merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(s, {})
         node[last] = value
     return out
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ValueError(f"config value must be a TOML scalar or array; got {value!r}")
-
-
-def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """TOML text for nested dicts of scalars and arrays (what a configuration holds)."""
-    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items()
-             if not isinstance(v, dict) and v is not None]  # fmt: skip
-    for key, table in data.items():
-        if isinstance(table, dict):
-            name = f"{prefix}{_toml_key(key)}"
-            lines += ["", f"[{name}]", to_toml(table, name + ".").strip("\n")]
-    return "\n".join(lines) + "\n"
 
 
 def _header(row: PlanRow, request: PlanRequest) -> str:

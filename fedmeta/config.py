@@ -12,6 +12,7 @@ Keys that scripts rely on (part of the interface): ``rounds``, ``seed``, ``priva
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -193,8 +194,11 @@ class FederationConfig(_Section):
         20, ge=1, le=100_000, description="number of participants P, [1, 100000]"
     )
     backend: Literal["ray", "inprocess"] = Field(
-        "ray",
-        description="ray = Flower simulation engine; inprocess = same ClientApp, no Ray (tests)",
+        # In-process by default: the same ServerApp Grid API and ClientApp, without Ray's start-up
+        # and actor hops (faster on the default job, docs/benchmarks.md "Simulation backend").
+        "inprocess",
+        description="inprocess = the ClientApp called in the ServerApp's process through a Flower "
+        "Grid; ray = Flower's Ray simulation engine (one actor per client_num_cpus)",
     )
     round_timeout_s: float = Field(
         120.0, gt=0, le=86_400, description="per-round reply timeout (s)"
@@ -498,6 +502,41 @@ _TYPE_FIXES = {
 }
 
 
+def dotted_keys(model: Any = None, prefix: str = "") -> list[str]:
+    """Every settable key of the tree, dotted (``privacy.adaptive_clipping.enabled``, ...)."""
+    keys = []
+    for name, info in (model or Config).model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            keys += dotted_keys(info.annotation, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    """``; did you mean privacy.epsilon_budget?`` for a mistyped or misplaced key ('' if none)."""
+    import difflib
+
+    keys = dotted_keys()
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if not close:  # the right name in the wrong section (``epsilon_budget`` for privacy.*)
+        leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1, cutoff=0.8)
+        close = [leaves[leaf[0]]] if leaf else []
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _section_hint(loc: str, got: Any) -> str | None:
+    """The fix for a value given where a section is (``privacy.adaptive_clipping=false``)."""
+    sections = {k.rsplit(".", 1)[0] for k in dotted_keys() if "." in k}
+    if loc not in sections or isinstance(got, dict):
+        return None
+    example = f"{loc}.enabled={str(got).lower()}" if f"{loc}.enabled" in dotted_keys() else None
+    keys = [k for k in dotted_keys() if k.startswith(loc + ".")]
+    fix = f"--set {example}" if example else f"one of its keys ({', '.join(keys[:4])}, ...)"
+    return f"{loc} is a section, not a value; set {fix}"
+
+
 def _format_error(error: ValidationError) -> str:
     lines = []
     for e in error.errors():
@@ -508,8 +547,12 @@ def _format_error(error: ValidationError) -> str:
         for k, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
             if k in ctx:
                 bounds.append(f"{sym} {ctx[k]}")
+        section = _section_hint(loc, e.get("input")) if e["type"] in _NOT_A_SECTION else None
+        if section is not None:
+            lines.append(section)
+            continue
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (see docs/federation.md for the allowed keys)"
+            msg = f"unknown key{_did_you_mean(loc)} (docs/federation.md lists the keys)"
         elif e["type"] in _TYPE_FIXES:
             msg = _TYPE_FIXES[e["type"]]
         elif e["type"] == "literal_error" and "expected" in ctx:
@@ -524,6 +567,41 @@ def _format_error(error: ValidationError) -> str:
         prefix = f"{loc} " if loc and not msg.startswith(f"{loc}.") else ""
         lines.append(f"{prefix}{msg}{got_s}")
     return "invalid configuration: " + "; ".join(lines)
+
+
+#: pydantic's error types for a scalar given where a section (a nested model) belongs.
+_NOT_A_SECTION = ("model_type", "model_attributes_type", "dict_type")
+
+
+# --------------------------------------------------------------------------------------------------
+# writing (``simulate --print-config``, ``privacy plan --write-config``)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"config value must be a TOML scalar or array; got {value!r}")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """TOML text for nested dicts of scalars and arrays (what a configuration holds)."""
+    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items()
+             if not isinstance(v, dict) and v is not None]  # fmt: skip
+    for key, table in data.items():
+        if isinstance(table, dict):
+            name = f"{prefix}{_toml_key(key)}"
+            lines += ["", f"[{name}]", to_toml(table, name + ".").strip("\n")]
+    return "\n".join(lines) + "\n"
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:

@@ -74,6 +74,22 @@ RUN_CONFIG_FILE: Final = "config-file"
 RUN_CONFIG_SET: Final = "set"
 RUN_CONFIG_OUT: Final = "out"
 RUN_CONFIG_RESUME: Final = "resume"
+#: Flower-style typed run_config keys -> the configuration key each sets (server/app.py maps them,
+#: after ``config-file`` and before ``set``). Their pyproject value 0 (or "") means "leave the
+#: configuration's value": every mapped key's valid range excludes it.
+RUN_CONFIG_TYPED: Final = {
+    "num-server-rounds": "rounds",
+    "epsilon": "privacy.epsilon_budget",
+    "delta": "privacy.delta",
+    "noise-multiplier": "privacy.noise_multiplier",
+    "clip": "privacy.clip",
+    "participants-per-round": "sampling.participants_per_round",
+    "task-rate": "sampling.task_rate",
+    "meta-lr": "training.meta_lr",
+    "dataset": "dataset.name",
+    "dataset-path": "dataset.path",
+    "ledger-path": "privacy.ledger_path",
+}
 
 # Reasons a message is refused; the server counts replies by these (and its own validation reasons).
 REASON_PROTOCOL_VERSION: Final = "protocol_version"

@@ -1,12 +1,14 @@
 """The fedmeta ServerApp (Flower Message API) and ``execute``, the run shared by every entry point.
 
-Thin glue: ``@app.main()`` turns Flower's ``context.run_config`` (``config-file``, ``set``, ``out``,
-``resume``; see pyproject ``[tool.flwr.app.config]``) into the typed configuration once, wraps the
+Thin glue: ``@app.main()`` turns Flower's ``context.run_config`` (``config-file``, the typed keys
+of ``protocol.RUN_CONFIG_TYPED``, ``set``, ``out``, ``resume``; see pyproject
+``[tool.flwr.app.config]``) into the typed configuration once, wraps the
 Grid in a :class:`~server.transport.GridTransport` and calls :func:`execute`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -93,14 +95,46 @@ def execute(
     return result
 
 
+def typed_overrides(run_config: dict[str, Any]) -> list[str]:
+    """``key=value`` overrides from Flower's typed keys (``num-server-rounds = 20``, ...).
+
+    One place maps them (``protocol.RUN_CONFIG_TYPED``); 0 or "" leaves the configuration's value.
+    """
+    out = []
+    for flower_key, dotted in P.RUN_CONFIG_TYPED.items():
+        value = run_config.get(flower_key)
+        if value is None or value == "" or (not isinstance(value, str) and value == 0):
+            continue
+        text = json.dumps(value)  # a TOML value: a quoted string, or a number
+        out.append(f"{dotted}={text}")
+    return out
+
+
 def config_from_run_config(run_config: dict[str, Any]) -> tuple[Config, str | None, bool]:
-    """Flower run_config -> (Config, out dir, resume); ``set``: ``;``-separated ``key=value``."""
+    """Flower run_config -> (Config, out dir, resume).
+
+    Applied in order: ``config-file`` (else the embedded default), the typed keys, then ``set``
+    (``;``-separated ``key=value``, the escape hatch for every other key).
+    """
     path = str(run_config.get(P.RUN_CONFIG_FILE, "") or "") or None
     raw_set = str(run_config.get(P.RUN_CONFIG_SET, "") or "")
-    overrides = [s.strip() for s in raw_set.split(";") if s.strip()]
+    overrides = typed_overrides(run_config)
+    overrides += [s.strip() for s in raw_set.split(";") if s.strip()]
     cfg = load_config(path, overrides)
     out = str(run_config.get(P.RUN_CONFIG_OUT, "") or "") or None
     return cfg, out, bool(run_config.get(P.RUN_CONFIG_RESUME, False))
+
+
+#: Libraries whose INFO lines are noise in a run's log (httpx logs every HTTP request).
+NOISY_LOGGERS = ("httpx", "httpcore", "urllib3", "matplotlib", "PIL", "ray")
+
+
+def quiet_logging() -> None:
+    """Fedmeta's own INFO lines on stderr; the libraries' only from WARNING up."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("fedmeta").setLevel(logging.INFO)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 app = ServerApp()
@@ -109,6 +143,6 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """``flwr run .`` entry point."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    quiet_logging()
     cfg, out, resume = config_from_run_config(dict(context.run_config))
     execute(cfg, grid, out_dir=out, resume=resume)

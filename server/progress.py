@@ -2,14 +2,18 @@
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
 Each line is a release: it shows only what a round's record shows (server/report.py), and in a
-private run no rate (a round's duration depends on how many tasks it sampled).
+private run no elapsed time or rate (a round's duration depends on how many tasks it sampled).
+
+:class:`TensorBoardLog` writes the same public values as TensorBoard scalars (``simulate
+--tensorboard DIR``), with the run's start as every event's time in a private run.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from pathlib import Path
+from typing import Any, TextIO
 
 from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
 
@@ -65,7 +69,10 @@ class ProgressBar:
                 f"{report.participants_replied}/{report.participants_sampled} replied"
             )
             if not self.private:
-                line += f" | {r / max(time.monotonic() - self.t0, 1e-9):.2f} r/s"
+                # Timings are private diagnostics in a private run (a round's duration depends on
+                # how many tasks it sampled): elapsed time and rate only in a non-private one.
+                elapsed = max(time.monotonic() - self.t0, 1e-9)
+                line += f" | {elapsed:.0f}s, {r / elapsed:.2f} r/s"
             if self.tty:
                 self.stream.write("\r" + line)
                 self.stream.flush()
@@ -79,3 +86,56 @@ class ProgressBar:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class TensorBoardError(RuntimeError):
+    """``--tensorboard`` without the ``tensorboard`` package; one line with the fix."""
+
+
+class TensorBoardLog:
+    """A ``RunObserver`` writing a run's public values as TensorBoard scalars; never raises.
+
+    Only what a round's record holds (server/report.py), never its diagnostics. TensorBoard stamps
+    every event with the wall time, which in a private run would publish each round's duration (a
+    function of how many tasks it sampled): there every event carries the run's start time.
+    """
+
+    def __init__(self, logdir: Path) -> None:
+        """Open a writer on ``logdir``; :class:`TensorBoardError` without the package."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TensorBoardError(
+                "--tensorboard needs the tensorboard package (torch's writer uses it): "
+                "pip install tensorboard, or leave --tensorboard out"
+            ) from None
+        self.writer: Any = SummaryWriter(log_dir=str(logdir))
+        self.private = True
+        self.t0 = time.time()
+
+    def run_started(self, event: RunStarted) -> None:  # noqa: D102
+        self.private = event.private
+        self.t0 = time.time()
+
+    def round_finished(self, report: RoundOutcome) -> None:  # noqa: D102
+        walltime = self.t0 if self.private else time.time()
+        values = {
+            "privacy/epsilon_task": report.epsilon_task,
+            "privacy/epsilon_participant": report.epsilon_participant,
+            "train/loss": report.train_loss,
+            "validation/metric": report.validation_metric,
+            "train/noise_std": report.noise_std,
+            "train/clip": report.clip,
+        }
+        try:
+            for tag, value in values.items():
+                if value is not None:
+                    self.writer.add_scalar(tag, value, report.round, walltime=walltime)
+        except Exception:  # noqa: BLE001 - observers never raise
+            pass
+
+    def run_finished(self, event: RunFinished) -> None:  # noqa: D102
+        try:
+            self.writer.close()
+        except Exception:  # noqa: BLE001 - observers never raise
+            pass

@@ -463,7 +463,8 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     validation = None
     if r % cfg.training.eval_every == 0 or r == cfg.rounds:
         validation = _evaluate(run, _held_out(run, "validation", cfg.dataset.validation_tasks)).mean
-    report = r % cfg.privacy.report_every == 0 or r % cfg.training.eval_every == 0
+    # Also after round 1 (one event: cheap), so the progress line and the plot start at round 1.
+    report = r == 1 or r % cfg.privacy.report_every == 0 or r % cfg.training.eval_every == 0
     eps: dict[str, Any] = {}
     if run.ledger is not None and (report or r == cfg.rounds):
         eps = _epsilons(run)

@@ -1,4 +1,10 @@
-"""``fedmeta simulate``: the main job - a federation run locally in Flower's simulation engine.
+"""``fedmeta simulate``: the main job - a federation run locally.
+
+By default (``federation.backend = "inprocess"``) the ServerApp's run talks to the participants
+through a Flower ``Grid`` that calls the same ClientApp in this process: Flower's Message API
+without Ray, and faster on the default job (docs/benchmarks.md, "Simulation backend"). With
+``"ray"`` it goes through Flower's Ray simulation engine, whose Python entry ``run_simulation`` is
+deprecated in Flower 1.41 in favour of ``flwr run`` (which runs these same apps: ``flwr run .``).
 
 ``fedmeta simulate [--config FILE] [--set key=value ...] [--out DIR] [--resume]``. With no arguments
 it runs a private sinusoid federation on the embedded default configuration. ``register`` imports
@@ -38,18 +44,36 @@ def register(subparsers: Any) -> None:
     """Add the ``simulate`` sub-command."""
     p = subparsers.add_parser(
         "simulate",
-        help="run a federation locally (Flower simulation engine)",
+        help="run a federation locally (in-process Flower grid, or Ray)",
         description="Run a differentially private federated meta-learning job locally. With no "
         "arguments: a private sinusoid federation on the embedded default configuration.",
     )
     p.add_argument("--config", type=Path, default=None, help="TOML configuration file")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override one key, e.g. --set privacy.epsilon_budget=4 (repeatable)",
+        type=key_value, help="override one key, e.g. --set privacy.epsilon_budget=4 (repeatable)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="output directory (default output.dir)")
     p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the validated configuration as TOML and exit")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the privacy plan (noise, rounds, epsilon at the end) and exit; "
+                   "nothing runs and nothing is recorded")  # fmt: skip
+    p.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
+                   help="also log the run's public values (epsilon, loss, validation) to a "
+                   "TensorBoard directory (needs the tensorboard package)")  # fmt: skip
     p.set_defaults(func=_handle)
+
+
+def key_value(text: str) -> str:
+    """``--set``'s argument: ``key=value`` in one word (argparse type: one line when it is not)."""
+    key, sep, _ = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expects key=value in one word, e.g. --set rounds=20; got {text!r}"
+        )
+    return text
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -58,11 +82,14 @@ def _handle(args: argparse.Namespace) -> int:
     from fedmeta import exitcodes
     from fedmeta.config import load_config
 
+    if args.print_config or args.dry_run:
+        return _preview(args)
     stop = threading.Event()
     restore = _stop_on_signals(stop)
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
-        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop)
+        observers = _tensorboard(cfg, args.tensorboard)
+        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop, observers=observers)
     except KeyboardInterrupt:
         print("fedmeta simulate: aborted; the ledger holds every spent round: --resume continues",
               file=sys.stderr)  # fmt: skip
@@ -77,14 +104,95 @@ def _handle(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return exitcodes.INTERRUPTED
     if summary["stopped_reason"] == "budget_exhausted" and result.rounds_run == 0:
+        print(f"fedmeta simulate: {_no_round_hint(cfg)}", file=sys.stderr)
         return exitcodes.BUDGET_EXHAUSTED
     return exitcodes.OK
+
+
+def _no_round_hint(cfg: Any) -> str:
+    """Why a run could not afford one round, and the fix, in one line."""
+    z = cfg.privacy.noise_multiplier
+    if z is not None:
+        return (
+            f"not one round fits the budget at privacy.noise_multiplier={z:g}: one round's "
+            "epsilon exceeds what is left. Leave privacy.noise_multiplier unset to calibrate it "
+            "to the rounds, or pick one with `fedmeta privacy calibrate`"
+        )
+    return (
+        "the budget of these participants' data is spent (`fedmeta ledger show` says how); an "
+        "experiment on public benchmark data can keep a ledger of its own: "
+        "--set privacy.ledger_path=PATH"
+    )
+
+
+def _preview(args: argparse.Namespace) -> int:
+    """``--print-config`` / ``--dry-run``: the configuration, the plan; nothing runs."""
+    from fedmeta import exitcodes
+    from fedmeta.config import ConfigError, load_config
+
+    try:
+        cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
+        if args.print_config:
+            from fedmeta.config import to_toml
+
+            print(to_toml(cfg.to_dict()), end="")
+        if args.dry_run:
+            print(dry_run_plan(cfg))
+    except ConfigError as error:
+        print(f"fedmeta simulate: {error}", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    except Exception as error:  # noqa: BLE001 - every failure becomes one line and an exit status
+        return _report(error)
+    return exitcodes.OK
+
+
+def dry_run_plan(cfg: Any) -> str:
+    """The plan a run of ``cfg`` would print first, if every configured participant registers.
+
+    The forecast is against a fresh budget in a throw-away ledger: the real ledger is not opened
+    (it names the budget after the registered data, which a dry run never sees), so what this
+    data has already spent is left out; ``fedmeta ledger show`` says that.
+    """
+    import tempfile
+
+    from fedmeta.accounting import BudgetLedger
+    from fedmeta.server.outputs import format_plan
+    from fedmeta.server.plan import build_plan, forecast
+
+    participants = cfg.federation.participants
+    counts = {str(i): cfg.dataset.tasks_per_participant for i in range(participants)}
+    plan = build_plan(cfg, counts)
+    fc = None
+    if plan.private:
+        with tempfile.TemporaryDirectory() as tmp:
+            ledger = BudgetLedger.open(
+                Path(tmp) / "dry-run.sqlite", "dry-run", epsilon_budget=cfg.privacy.epsilon_budget,
+                delta=cfg.privacy.delta, neighbouring=cfg.privacy.neighbouring, mode="insecure",
+            )  # fmt: skip
+            fc = forecast(plan, ledger, cfg.rounds)
+            ledger.close()
+    note = (
+        "(dry run: nothing ran, nothing was recorded; the forecast assumes a fresh budget and "
+        f"all {participants} participants with {cfg.dataset.tasks_per_participant} tasks)"
+    )
+    return f"{format_plan(plan, fc, cfg, participants)}\n{note}"
+
+
+def _tensorboard(cfg: Any, logdir: Path | None) -> list[Any] | None:
+    """The default observers and a TensorBoard writer; None (the defaults) without a directory."""
+    if logdir is None:
+        return None
+    from fedmeta.server.app import make_observers
+    from fedmeta.server.progress import TensorBoardLog
+
+    return [*make_observers(cfg), TensorBoardLog(logdir)]
 
 
 def _report(error: Exception) -> int:
     """One line on stderr and the exit status that says what kind of failure it was."""
     from fedmeta.accounting import LedgerError
     from fedmeta.metalearning import DataError
+    from fedmeta.server.progress import TensorBoardError
     from fedmeta.server.round import TrainingDiverged
     from fedmeta.server.run import FederationError, NoRoundAffordable, PlanError
     from fedmeta.server.rundir import RunDirectoryBusy
@@ -95,7 +203,7 @@ def _report(error: Exception) -> int:
     from fedmeta.config import ConfigError
 
     bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError,
-                 TrainingDiverged)  # fmt: skip
+                 TrainingDiverged, TensorBoardError)  # fmt: skip
     if isinstance(error, bad_input):
         status, text = exitcodes.BAD_INPUT, str(error)
     elif isinstance(error, NoRoundAffordable):
@@ -195,6 +303,7 @@ def main(
     out_dir: str | Path | None = None,
     resume: bool = False,
     stop: threading.Event | None = None,
+    observers: list[Any] | None = None,
 ) -> Any:
     """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
     for k, v in _QUIET_ENV.items():
@@ -217,8 +326,9 @@ def main(
         from fedmeta.simulation.local_grid import InProcessGrid
 
         grid = InProcessGrid(cfg.federation.participants)
-        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload)
-    return _run_ray(cfg, out, resume, stop, workload)
+        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload,
+                       observers=observers)  # fmt: skip
+    return _run_ray(cfg, out, resume, stop, workload, observers)
 
 
 def _check_round_fits(cfg: Any, workload: Workload) -> None:
@@ -229,7 +339,12 @@ def _check_round_fits(cfg: Any, workload: Workload) -> None:
 
 
 def _run_ray(
-    cfg: Any, out: Path, resume: bool, stop: threading.Event | None, workload: Workload
+    cfg: Any,
+    out: Path,
+    resume: bool,
+    stop: threading.Event | None,
+    workload: Workload,
+    observers: list[Any] | None,
 ) -> Any:
     import logging
 
@@ -245,12 +360,9 @@ def _run_ray(
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop,
-                                   workload=workload)  # fmt: skip
+                                   workload=workload, observers=observers)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*run_simulation.*deprecated.*")
     backend_config = {
         "client_resources": {
             "num_cpus": cfg.federation.client_num_cpus,

@@ -19,6 +19,7 @@ import atexit
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -407,11 +408,16 @@ def make_observer(config: Any) -> ServedObserver:
     Never raises: if the port cannot be bound the run goes on without metrics (logged).
     """
     obs = ServedObserver()
+    port = int(config.metrics.port)
+    bind = str(getattr(config.metrics, "bind", "127.0.0.1") or "127.0.0.1")
     try:
-        port = int(config.metrics.port)
-        bind = str(getattr(config.metrics, "bind", "127.0.0.1") or "127.0.0.1")
         obs.server, obs.port = serve(obs.registry, port, bind)
-        log.info("serving run metrics on http://%s:%d/metrics", bind, obs.port)
-    except Exception:  # noqa: BLE001 - metrics never stop a private run
-        log.exception("could not start the metrics server; the run continues without it")
+        # Printed, not logged: with metrics.port = 0 this line is the only way to find the port.
+        print(f"live metrics: http://{bind}:{obs.port}/metrics", file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001 - metrics never stop a private run
+        reason = getattr(error, "strerror", None) or error
+        print(
+            f"metrics not served: cannot bind {bind}:{port} ({reason}); the run continues "
+            "without them (metrics.port = 0 picks a free port)", file=sys.stderr, flush=True,
+        )  # fmt: skip
     return obs

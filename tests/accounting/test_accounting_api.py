@@ -308,7 +308,7 @@ def test_cli_max_rounds_says_where_the_range_ends(capsys: pytest.CaptureFixture[
         (
             ["privacy", "calibrate", "--flat-poisson-rate", "1", "--rounds", "1000000000"]
             + ["--target-epsilon", "0.001"],
-            "--target-epsilon: target_epsilon must be reachable",
+            "--epsilon: target_epsilon must be reachable",
         ),
     ],
 )

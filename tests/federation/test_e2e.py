@@ -226,14 +226,16 @@ def test_flwr_run_dot(tmp_path: Path) -> None:
         pytest.skip("flwr CLI not found beside the interpreter or on PATH")
     before = _superlink_pids()
     out = tmp_path / "flwr"
-    overrides = "rounds=4;training.eval_every=2;privacy.report_every=2;dataset.test_tasks=20"
+    overrides = "training.eval_every=2;privacy.report_every=2;dataset.test_tasks=20"
+    # Read when `flwr run` starts its local SuperLink: no `uv sync` before the run.
+    quiet = {**env(), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     try:
         res = subprocess.run(
             # Flower >= 1.26 takes the SuperNode count per run, not from pyproject.toml; a fresh
-            # ~/.flwr simulates only 2.
+            # ~/.flwr simulates only 2. `num-server-rounds` is one of the app's typed keys.
             [flwr, "run", ".", "--federation-config", "num-supernodes=20",
-             "--run-config", f'set="{overrides}" out="{out}"', "--stream"],
-            cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
+             "--run-config", f'num-server-rounds=4 set="{overrides}" out="{out}"', "--stream"],
+            cwd=REPO, env=quiet, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:
         for pid in _superlink_pids() - before:  # only the SuperLink this test started
@@ -242,3 +244,6 @@ def test_flwr_run_dot(tmp_path: Path) -> None:
     assert summary.is_file(), f"flwr run wrote no summary:\n{(res.stdout + res.stderr)[-3000:]}"
     s = json.loads(summary.read_text())
     assert s["rounds_completed"] == 4, res.stdout[-2000:]
+    log = res.stdout + res.stderr
+    assert "HTTP Request" not in log, log[-2000:]  # httpx's INFO line per request
+    assert "deprecated" not in log.lower(), log[-2000:]

@@ -1,0 +1,128 @@
+"""The README as a test: its commands run in a fresh state, in the order shown, with the exit status
+it states.
+
+Every line of a ``bash`` block in README.md that runs ``fedmeta`` is run in a fresh working
+directory (holding a copy of ``configs/``) with a fresh ``FEDMETA_STATE_DIR``, one after the other,
+so a later command sees what an earlier one left (the checkpoint, the ledger). A command's expected
+exit status is 0 unless its comment says ``exit N``. The default suite shortens the long runs with
+``--set`` (:data:`SHORT`, appended, so it wins); the slow suite runs the commands as written.
+Commands this test cannot run here are listed in :data:`NOT_HERE` with the test that covers them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FEDMETA = str(Path(sys.executable).parent / "fedmeta")
+
+#: Appended to every ``fedmeta simulate`` in the default suite: a few rounds on few tasks.
+SHORT = ["rounds=4", "training.eval_every=2", "privacy.report_every=2",
+         "dataset.validation_tasks=8", "dataset.test_tasks=20", "output.plots=false"]  # fmt: skip
+
+#: Commands (by what they contain) that need what this test lacks, and where they are tested.
+NOT_HERE = {
+    "bash scripts/install.sh": "the install itself (CI runs it; this test runs in its venv)",
+    ".venv/bin/python -m pytest": "the test suite itself",
+    "flwr run": "tests/federation/test_e2e.py::test_flwr_run_dot (slow)",
+    "docker compose": "tests/deploy/test_compose_podman.py (slow)",
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One README command: its words and the exit status the README states."""
+
+    line: str
+    words: list[str]
+    status: int
+
+
+def readme_commands(text: str) -> list[Command]:
+    """The ``fedmeta`` commands of ``text``'s ``bash`` blocks, continuation lines joined."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            comment = line.partition("  #")[2]
+            status = re.search(r"\bexit (\d+)", comment)
+            if words:
+                out.append(Command(line.strip(), words, int(status.group(1)) if status else 0))
+    return out
+
+
+def _runnable(cmd: Command) -> str | None:
+    """Why ``cmd`` cannot run here, or None."""
+    for start, why in NOT_HERE.items():
+        if start in cmd.line:
+            return why
+    if "/path/to/omniglot" in cmd.line and not os.environ.get("FEDMETA_OMNIGLOT_DIR"):
+        return "needs Omniglot in $FEDMETA_OMNIGLOT_DIR"
+    return None
+
+
+def _argv(cmd: Command, short: bool) -> list[str]:
+    words = [w.replace("/path/to/omniglot", os.environ.get("FEDMETA_OMNIGLOT_DIR", "")) for w in
+             cmd.words]  # fmt: skip
+    if "&&" in words:  # `bash scripts/install.sh && .venv/bin/fedmeta simulate`: the part after
+        words = words[words.index("&&") + 1 :]
+    assert words[0] in ("fedmeta", ".venv/bin/fedmeta"), cmd.line
+    argv = [FEDMETA, *words[1:]]
+    if short and words[1] == "simulate" and "omniglot" not in cmd.line:
+        argv += [w for s in SHORT for w in ("--set", s)]
+    return argv
+
+
+def _run_readme(tmp_path: Path, short: bool) -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = readme_commands(text)
+    assert len(commands) >= 10, "the README's commands were not found"
+    work = tmp_path / "clone"
+    shutil.copytree(REPO / "configs", work / "configs")
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state"), "FEDMETA_DEBUG": "1"}
+    ran = 0
+    for cmd in commands:
+        if _runnable(cmd) is not None and not cmd.line.startswith("bash scripts/install.sh &&"):
+            continue
+        res = subprocess.run(_argv(cmd, short), cwd=work, env=env, capture_output=True, text=True,
+                             timeout=3600, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert res.returncode == cmd.status, (
+            f"README command {cmd.line!r} exited {res.returncode}, the README says "
+            f"{cmd.status}:\n{res.stderr[-3000:]}"
+        )
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
+        print(f"ok (exit {res.returncode}): {cmd.line}", flush=True)
+        ran += 1
+    assert ran >= 10
+
+
+def test_readme_commands_are_found() -> None:
+    commands = readme_commands((REPO / "README.md").read_text(encoding="utf-8"))
+    lines = [c.line for c in commands]
+    assert any(c.words[:2] == ["fedmeta", "privacy"] for c in commands), lines
+    # A continuation line is one command; a comment is not part of it.
+    plan = next(c for c in commands if c.words[:3] == ["fedmeta", "privacy", "plan"])
+    assert "--write-config" in plan.words and "#" not in plan.words
+    assert all(c.status in (0, 2, 3, 4, 130) for c in commands)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(3600)  # about 2 minutes on 2 idle cores; a loaded machine takes many times it
+def test_readme_commands_run_in_order_short(tmp_path: Path) -> None:
+    _run_readme(tmp_path, short=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_readme_commands_run_in_order_as_written(tmp_path: Path) -> None:
+    _run_readme(tmp_path, short=False)
