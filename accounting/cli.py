@@ -1055,6 +1055,11 @@ def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
     p.add_argument("--who", help="who accepts (default user@host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger accept-rollback", _cmd_ledger_accept_rollback))
+    _add_ledger_budget_parsers(lsub, default_ledger)
+
+
+def _add_ledger_budget_parsers(lsub: Any, default_ledger: Path | None) -> None:
+    """``fedmeta ledger backup|new-budget``: the copies and the deliberate new budget."""
     p = lsub.add_parser(
         "backup",
         help="consistent, atomic, verified copy (also the way to restore: swap --db and --to)",
