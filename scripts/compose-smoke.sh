@@ -57,6 +57,16 @@ if [ -z "${FEDMETA_WHEELHOUSE:-}" ] && ls /opt/wheels/torch-*+cpu-*.whl >/dev/nu
   export FEDMETA_WHEELHOUSE=.whl
   timeout 5 curl -sfI https://download.pytorch.org/whl/cpu/ >/dev/null 2>&1 || export FEDMETA_TORCH_INDEX_URL=
 fi
+# A mirror or TLS-inspecting proxy with its own CA: the bundle pip uses on this machine, copied into
+# the build context (FEDMETA_CA_CERTS; .ca/ is ignored by git).
+if [ -z "${FEDMETA_CA_CERTS:-}" ]; then
+  cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
+  if [ -n "$cert" ] && [ -f "$cert" ]; then
+    mkdir -p .ca && cp "$cert" .ca/pip-cert.crt && export FEDMETA_CA_CERTS=.ca
+  fi
+fi
+# One image build at a time: both images share their layers (the second build reuses them).
+export COMPOSE_PARALLEL_LIMIT=${COMPOSE_PARALLEL_LIMIT:-1}
 for port in 8000 9464; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
     echo "compose-smoke: 127.0.0.1:$port is in use; the compose file publishes it" >&2; exit 1
