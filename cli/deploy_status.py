@@ -225,7 +225,8 @@ def _nodes(env: Mapping[str, str]) -> list[dict[str, Any]]:
     from flwr.cli.utils import init_http_client_from_connection
     from flwr.proto.control_pb2 import ListNodesRequest  # type: ignore[attr-defined]
 
-    with _environment(env):
+    # Flower's helpers print progress to stdout: keep it for this command's own output (--json).
+    with _environment(env), contextlib.redirect_stdout(sys.stderr):
         client = init_http_client_from_connection(read_superlink_connection(CONNECTION))
         try:
             infos = list(client.ListNodes(ListNodesRequest()).nodes_info)

@@ -176,6 +176,7 @@ def _check_status(fed: LocalFederation, ledger: Path) -> None:
         env=fed.env("status"), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.lstrip().startswith("{"), res.stdout + res.stderr  # --json: JSON only
     status = json.loads(res.stdout)
     keys = {key_fingerprint(fed.certs / "nodes" / f"{n}.key.pub"): str(i)
             for i, n in enumerate(NAMES)}  # fmt: skip
