@@ -223,7 +223,7 @@ def _nodes(env: Mapping[str, str]) -> list[dict[str, Any]]:
     from fedmeta.server.transport import key_fingerprint
     from flwr.cli.flower_config import read_superlink_connection
     from flwr.cli.utils import init_http_client_from_connection
-    from flwr.proto.control_pb2 import ListNodesRequest  # type: ignore[attr-defined]
+    from flwr.proto.control_pb2 import ListNodesRequest
 
     # Flower's helpers print progress to stdout: keep it for this command's own output (--json).
     with _environment(env), contextlib.redirect_stdout(sys.stderr):
