@@ -206,10 +206,10 @@ services:
     depends_on:
       hello: {condition: service_healthy}
 YML
-  timeout 120 "$compose" -f "$f" up -d || true
-  timeout 120 "$compose" -f "$f" wait peer || true
-  local out; out=$(timeout 60 "$compose" -f "$f" logs --no-color)
-  timeout 120 "$compose" -f "$f" down -v --remove-orphans -t 1 >/dev/null
+  timeout 120 "$compose" -p "$proj" -f "$f" up -d || true
+  timeout 120 "$compose" -p "$proj" -f "$f" wait peer || true
+  local out; out=$(timeout 60 "$compose" -p "$proj" -f "$f" logs --no-color)
+  timeout 120 "$compose" -p "$proj" -f "$f" down -v --remove-orphans -t 1 >/dev/null
   echo "$out"
   grep -q "hello over the compose network" <<<"$out" || { echo "podman-setup check: the compose services did not run (a service_healthy dependency that never became healthy?)" >&2; exit 1; }
   echo "docker compose $("$compose" version --short) talks to podman on $DOCKER_HOST; healthchecks run"
