@@ -63,7 +63,7 @@ def cluster(tmp_path: Path) -> Iterator[str]:
         pytest.skip(f"no ray CLI beside {sys.executable}")
     env = _env(tmp_path)
     port = free_port()
-    head_tmp, worker_tmp = Path("/tmp") / f"rh{port}", Path("/tmp") / f"rw{port}"  # short: AF_UNIX
+    head_tmp = Path("/tmp") / f"rh{port}"  # short: Ray's AF_UNIX socket paths live under it
     common = ["--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats"]
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", "--port", str(port),
@@ -71,18 +71,20 @@ def cluster(tmp_path: Path) -> Iterator[str]:
                         str(free_port()), "--object-manager-port", str(free_port())],
                        env=env, check=True, capture_output=True, timeout=240)  # fmt: skip
         address = f"127.0.0.1:{port}"
-        subprocess.run([str(BIN / "ray"), "start", "--address", address, "--temp-dir",
-                        str(worker_tmp), *common, "--node-manager-port", str(free_port()),
+        # A worker node takes its temp directory (and so its processes' command lines) from the
+        # head, and has no dashboard option.
+        subprocess.run([str(BIN / "ray"), "start", "--address", address, "--num-cpus", "1",
+                        "--disable-usage-stats", "--node-manager-port", str(free_port()),
                         "--object-manager-port", str(free_port())],
                        env=env, check=True, capture_output=True, timeout=240)  # fmt: skip
         yield address
     finally:
-        for temp in (worker_tmp, head_tmp):
+        for temp in (head_tmp,):
             for pid in _ray_pids(temp):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
         time.sleep(3)
-        for temp in (worker_tmp, head_tmp):
+        for temp in (head_tmp,):
             for pid in _ray_pids(temp):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
