@@ -372,6 +372,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             "designs"
         )
     _check_rounds(args.rounds)
+    n2, q2 = _compare_task_rates(args)
+    fixed = TwoStageFixedScheme(args.participants, args.participants_per_round, n2, args.min_tasks)
+    payload = {
+        "noise_multiplier": args.noise_multiplier,
+        "rounds": args.rounds,
+        "delta": args.delta,
+        "neighbouring": args.neighbouring,
+        "expected_tasks_per_round": args.participants_per_round * n2,
+        "designs": _compare_rows(args, fixed, n2, q2),
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return 0
+    _print_compare(payload, fixed.largest_inclusion_probability)
+    return 0
+
+
+def _compare_task_rates(args: argparse.Namespace) -> tuple[int, float]:
+    """Stage 2 as both designs see it: ``n2`` tasks without replacement, or Poisson rate ``q2``."""
     if args.tasks_per_round is None and args.task_rate is None:
         raise UsageError("--task-rate or --tasks-per-round must be given to compare designs")
     n2 = args.tasks_per_round
@@ -383,8 +402,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 f"--task-rate must make --min-tasks * rate a whole number of tasks for the "
                 f"without-replacement row; got {q2} * {args.min_tasks}"
             )
+    return n2, q2
+
+
+def _compare_rows(
+    args: argparse.Namespace, fixed: TwoStageFixedScheme, n2: int, q2: float
+) -> list[dict[str, Any]]:
+    """One row per design (valid PLD and RDP epsilons), then Theorem 3 as published, not valid."""
     z, t, d, rel = args.noise_multiplier, args.rounds, args.delta, args.neighbouring
-    fixed = TwoStageFixedScheme(args.participants, args.participants_per_round, n2, args.min_tasks)
     poisson = TwoStagePoissonScheme(args.participants, args.participants_per_round, q2)
     eta = fixed.largest_inclusion_probability
     cap = args.max_tasks_per_participant or n2
@@ -429,17 +454,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 "epsilon_rdp": None,
             }
         )
-    payload = {
-        "noise_multiplier": z,
-        "rounds": t,
-        "delta": d,
-        "neighbouring": rel,
-        "expected_tasks_per_round": args.participants_per_round * n2,
-        "designs": rows_json,
-    }
-    if args.json:
-        print(json.dumps(payload, indent=2, sort_keys=True))
-        return 0
+    return rows_json
+
+
+def _print_compare(payload: dict[str, Any], eta: float) -> None:
+    rows_json: list[dict[str, Any]] = payload["designs"]
+    z, t, d, rel = (payload[k] for k in ("noise_multiplier", "rounds", "delta", "neighbouring"))
     print(
         f"z={z:g}, T={t}, delta={d:g}, neighbouring {rel}, expected tasks per round "
         f"{payload['expected_tasks_per_round']} (flat rate = eta = {eta:g})"
@@ -449,7 +469,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     for r in rows_json:
         cells = ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("epsilon", "epsilon_rdp")]
         print(f"{str(r['design']).ljust(width)}  {r['unit']:11}  {cells[0]:>10}  {cells[1]:>10}")
-    return 0
 
 
 def _federation_report(db: str, fid: str) -> dict[str, Any]:
@@ -901,7 +920,11 @@ def register(
     p.set_defaults(func=_run("privacy compare", _cmd_compare))
 
     _add_plan_parser(psub, config_writer)
+    _add_ledger_parser(subparsers, default_ledger)
 
+
+def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
+    """``fedmeta ledger show|backup|new-budget``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     lsub.required = True

@@ -376,11 +376,68 @@ def _pair_curves(model: RoundModel) -> list[tuple[Callable[[_Floats], _Floats], 
 
 
 class _Pmf(NamedTuple):
-    """A PLD probability mass function: ``probs[i]`` at loss ``(lower + i) * grid``."""
+    """A PLD probability mass function: ``probs[i]`` at loss ``(lower + i) * grid``.
+
+    ``rounding`` is the part of ``infinity_mass`` that covers floating-point rounding in the FFTs
+    that built ``probs`` (see ``_fft_error``): already included, kept apart so tests can read it.
+    """
 
     lower: int
     probs: _Floats
     infinity_mass: float
+    rounding: float = 0.0
+
+
+# FFT rounding, bounded and rounded the pessimistic way.
+#
+# The FFT leaves every probability off by rounding, of either sign; a negative error in the tail
+# would lower delta below the exact composition's and so break "errs only on the safe side" (it
+# did, by 3e-8 relative in epsilon at delta 1e-9, on a CPU whose numpy uses other instructions for
+# exp/log). The bound: for any weights w in [0, 1] (a hockey-stick functional at any epsilon, or
+# the weights a later composition puts on each point), |sum_j w_j (computed_j - exact_j)| is at
+# most ``||dY||_2 + kappa ||Y||_2`` (full spectra, numpy's unnormalised DFT): Cauchy-Schwarz with
+# ``||w||_2 <= sqrt(N)`` and Parseval, ``||IDFT(dY) / N||_2 = ||dY||_2 / sqrt(N)``, for an error
+# ``dY`` in the spectrum, and the inverse transform's own normwise error. ``kappa`` bounds an FFT's
+# error: normwise ``||fl(DFT x) - DFT x||_2 <= kappa ||DFT x||_2`` (Higham 2002, "Accuracy and
+# Stability of Numerical Algorithms", 2nd ed., Theorem 24.2: ``log2(N) eta``, ``eta = mu +
+# gamma_4 (sqrt 2 + mu)``, about 6.7 u a radix-2 stage), and componentwise ``|fl(DFT x)_k - (DFT
+# x)_k| <= kappa ||x||_1`` (the same induction over the stages, each output a sum over a disjoint
+# subsequence). We allow 8 u a stage, two stages more than log2 N (a real transform is a half-length
+# complex one plus a pass), and a factor 2 for the radix-3 and -5 stages of a 5-smooth length: the
+# bound errs large. It is added to the probability of an infinite loss, which raises delta at
+# every epsilon by at least the possible shortfall.
+_UNIT_ROUNDOFF = float(np.finfo(np.float64).eps) / 2
+
+
+def _fft_error(length: int) -> float:
+    """``kappa`` above for an FFT of ``length`` points (relative, see the comment above)."""
+    stages = math.ceil(math.log2(max(length, 2))) + 2
+    return 2.0 * stages * 8.0 * _UNIT_ROUNDOFF
+
+
+def _power_rounding(
+    spectrum: _Floats, powered: _Floats, count: int, kappa: float, mass: float
+) -> float:
+    """Bound on the delta error of ``irfft(spectrum ** count)`` (half spectra, see above).
+
+    ``spectrum`` is the computed ``rfft`` of a PMF of total absolute mass ``mass``: each coefficient
+    is within ``d = kappa * mass`` of the exact one, both of modulus at most ``m = |computed| + d``,
+    so their ``count``-th powers differ by at most ``count m^(count-1) d`` (mean value theorem).
+    The polar power itself (``exp(count log|z|)``, ``exp(i count arg z)``) carries a relative
+    error of at most ``(count (|log|z|| + pi) + 2) 8u`` (numpy's exp/log are within 4 ulp on every
+    instruction set it dispatches to; each is counted twice). A coefficient of a half spectrum
+    stands for at most two of the full one: the factor sqrt(2) on each 2-norm.
+    """
+    d = kappa * mass
+    magnitude = np.abs(spectrum)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        moved = count * np.exp((count - 1) * np.log(magnitude + d)) * d
+        log_magnitude = np.where(magnitude > 0.0, np.abs(np.log(magnitude)), 0.0)
+    relative = (count * (log_magnitude + math.pi) + 2.0) * 8.0 * _UNIT_ROUNDOFF
+    evaluated = np.abs(powered) * relative
+    spectrum_error = math.sqrt(2.0) * float(np.linalg.norm(moved + evaluated))
+    inverse_error = kappa * math.sqrt(2.0) * float(np.linalg.norm(powered))
+    return spectrum_error + inverse_error
 
 
 #: dp-accounting's tolerance for a hockey-stick curve that rises by rounding error.
@@ -494,18 +551,23 @@ def _self_compose(pmf: _Pmf, count: int, window: tuple[int, int]) -> _Pmf:
         return pmf
     lo, hi = window
     length = fft.next_fast_len(max(hi - lo + 1, pmf.probs.size), real=True)
+    kappa = _fft_error(length)
     spectrum = fft.rfft(pmf.probs, length)
     # z**count in polar form, several times faster than complex power and as accurate: both carry
-    # a relative error of about count * 1e-16 (far below the grid's pessimism up to 1e9 rounds).
+    # a relative error of about count * 1e-16, bounded in _power_rounding and added to delta.
     with np.errstate(divide="ignore"):
         log_magnitude = np.log(np.abs(spectrum))
-    spectrum = np.exp(count * log_magnitude + 1j * (count * np.angle(spectrum)))
+    powered = np.exp(count * log_magnitude + 1j * (count * np.angle(spectrum)))
     del log_magnitude
-    full = fft.irfft(spectrum, length)
+    mass = float(np.abs(pmf.probs).sum())
+    rounding = _power_rounding(spectrum, powered, count, kappa, mass)
     del spectrum
+    full = fft.irfft(powered, length)
+    del powered
     probs = np.take(full, np.arange(lo, hi + 1) % length)
-    infinity = TAIL_MASS - math.expm1(count * math.log1p(-pmf.infinity_mass))
-    return _Pmf(count * pmf.lower + lo, probs, min(1.0, infinity))
+    # The input's own rounding is inside its infinity_mass, composed with it here.
+    infinity = TAIL_MASS + rounding - math.expm1(count * math.log1p(-pmf.infinity_mass))
+    return _Pmf(count * pmf.lower + lo, probs, min(1.0, infinity), rounding + count * pmf.rounding)
 
 
 def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
@@ -515,7 +577,8 @@ def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
     point and the high end's to an infinite loss, both on the safe side.
     """
     probs = signal.fftconvolve(a.probs, b.probs)
-    infinity = a.infinity_mass + b.infinity_mass - a.infinity_mass * b.infinity_mass
+    rounding = _convolution_rounding(a.probs, b.probs, probs.size)
+    infinity = a.infinity_mass + b.infinity_mass - a.infinity_mass * b.infinity_mass + rounding
     head = np.cumsum(probs)
     tail = np.cumsum(probs[::-1])
     left = int(np.argmax(head > TAIL_MASS / 2)) if head[-1] > TAIL_MASS / 2 else probs.size
@@ -523,7 +586,27 @@ def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
     right = max(right, left + 1)
     kept = probs[left:right].copy()
     kept[0] += probs[:left].sum()
-    return _Pmf(a.lower + b.lower + left, kept, min(1.0, infinity + float(probs[right:].sum())))
+    infinity = min(1.0, infinity + float(probs[right:].sum()))
+    return _Pmf(a.lower + b.lower + left, kept, infinity, a.rounding + b.rounding + rounding)
+
+
+def _convolution_rounding(a: _Floats, b: _Floats, size: int) -> float:
+    """Bound on the delta error of ``fftconvolve(a, b)`` (see the comment above ``_fft_error``).
+
+    With ``A``, ``B`` the exact full spectra (length ``L >= size``), each computed coefficient is
+    within ``d_a = kappa ||a||_1`` (``d_b``), ``|A_k| <= ||a||_1``, ``||A||_2 = sqrt(L) ||a||_2``:
+    ``||dY||_2 <= sqrt(L) (d_b ||a||_2 + d_a ||b||_2 + d_a d_b) + 2u ||Y||_2`` and ``||Y||_2 <=
+    sqrt(L) ||a||_1 ||b||_2``. The inputs' own errors are carried by their ``rounding`` (a
+    composition puts weights in [0, 1] on them, times the other's mass, at most 1).
+    """
+    length = fft.next_fast_len(size, real=True)
+    kappa = _fft_error(length)
+    l1_a, l1_b = float(np.abs(a).sum()), float(np.abs(b).sum())
+    l2_a, l2_b = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    d_a, d_b = kappa * l1_a, kappa * l1_b
+    y_norm = math.sqrt(length) * min(l1_a * l2_b, l1_b * l2_a)
+    spectrum_error = math.sqrt(length) * (d_b * l2_a + d_a * l2_b + d_a * d_b)
+    return spectrum_error + (2.0 * _UNIT_ROUNDOFF + kappa) * y_norm
 
 
 def _epsilon_for_delta(pmf: _Pmf, grid: float, delta: float) -> float:
@@ -895,6 +978,22 @@ def _check_target(name: str, value: object, *, allow_zero: bool) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+def _check_calibration(
+    rounds: int, target_epsilon: float, delta: float, unit: str, method: str, tolerance: float
+) -> tuple[int, float]:
+    """:func:`calibrate_noise_multiplier`'s arguments checked: ``(rounds, target)``."""
+    _check_delta(delta)
+    _check_unit(unit)
+    _check_method(method)
+    rounds = _check_rounds("rounds", rounds, minimum=1)
+    target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
+    if not math.isfinite(target):
+        raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
+    if not (isinstance(tolerance, float) and 1e-9 <= tolerance < 1.0):
+        raise ValueError(f"relative_tolerance must be in [1e-9, 1); got {tolerance!r}")
+    return rounds, target
+
+
 def calibrate_noise_multiplier(
     scheme: Any,
     rounds: int,
@@ -914,15 +1013,9 @@ def calibrate_noise_multiplier(
     chosen accountant, and ``z * (1 - relative_tolerance)`` may not. Searches
     ``NOISE_MULTIPLIER_RANGE`` and says so when the answer lies outside it.
     """
-    _check_delta(delta)
-    _check_unit(unit)
-    _check_method(method)
-    rounds = _check_rounds("rounds", rounds, minimum=1)
-    target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
-    if not math.isfinite(target):
-        raise ValueError(f"target_epsilon must be a finite number > 0; got {target_epsilon!r}")
-    if not (isinstance(relative_tolerance, float) and 1e-9 <= relative_tolerance < 1.0):
-        raise ValueError(f"relative_tolerance must be in [1e-9, 1); got {relative_tolerance!r}")
+    rounds, target = _check_calibration(
+        rounds, target_epsilon, delta, unit, method, relative_tolerance
+    )
 
     def eps_at(z: float, how: str) -> float:
         event = GaussianRound(scheme, z, max_tasks_per_participant, neighbouring)

@@ -211,12 +211,22 @@ def bernoulli(source: RandomSource, n: int, p: float) -> npt.NDArray[np.bool_]:
     return _bernoulli(_check_source(source), _check_count("n", n, minimum=0), p)
 
 
+#: Most 64-bit words drawn in one request: a draw over millions of tasks streams in chunks (8 MiB),
+#: so its memory is one flag per task rather than nine bytes (issue 21: 10 million tasks per
+#: participant died with MemoryError here). Smaller draws are one request, as before.
+BERNOULLI_CHUNK = 1 << 20
+
+
 def _bernoulli(source: RandomSource, count: int, p: float) -> npt.NDArray[np.bool_]:
     threshold = _bernoulli_threshold(p)
     if threshold >= _TWO_64:  # p == 1: every draw is included (t / 2**64 == 1)
         return np.ones(count, dtype=np.bool_)
-    words = np.frombuffer(source.random_bytes(8 * count), dtype="<u8")
-    return words < np.uint64(threshold)
+    out = np.empty(count, dtype=np.bool_)
+    for start in range(0, count, BERNOULLI_CHUNK):
+        size = min(BERNOULLI_CHUNK, count - start)
+        words = np.frombuffer(source.random_bytes(8 * size), dtype="<u8")
+        np.less(words, np.uint64(threshold), out=out[start : start + size])
+    return out
 
 
 def sample_without_replacement(source: RandomSource, population: int, k: int) -> list[int]:

@@ -1,14 +1,16 @@
 """Load and long runs: 10,000 participants with 100,000 tasks, and a 10,000-round soak.
 
     python bench/load.py scale --backend inprocess --participants 10000 --rounds 20
+    python bench/load.py scale --backend inprocess --participants 10000 --tasks 100 --rounds 20
     python bench/load.py scale --backend ray --participants 10000 --rounds 10
     python bench/load.py soak --rounds 10000
 
-``scale`` runs a private sinusoid federation of ``--participants`` participants holding 10 tasks
-each and reports seconds per round (after the first, which registers everyone) and the driver's
-peak and final RSS. ``soak`` runs many short rounds in-process and samples RSS every
-``--every`` rounds, then checks that the ledger, the exporter's view of it and the final checkpoint
-agree with the run's summary. Results are JSON lines on stdout (docs/benchmarks.md).
+``scale`` runs a private sinusoid federation of ``--participants`` participants holding ``--tasks``
+tasks (default 10) each and reports seconds per round (after the first, which registers
+everyone) and the driver's peak and final RSS. ``soak`` runs many short rounds in-process and
+samples RSS every ``--every`` rounds, then checks that the ledger, the exporter's view of it and
+the final checkpoint agree with the run's summary. Results are JSON lines on stdout
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ def _config(args: argparse.Namespace, participants: int, rounds: int, extra: lis
     return load_config(None, [
         f"federation.participants={participants}", f"federation.backend={args.backend}",
         "sampling.participants_per_round=10", "sampling.task_rate=0.1",
-        "dataset.tasks_per_participant=10", f"rounds={rounds}", "privacy.noise_multiplier=1.0",
-        "privacy.epsilon_budget=1000", "dataset.test_tasks=50", "dataset.validation_tasks=10",
+        f"dataset.tasks_per_participant={args.tasks}", f"rounds={rounds}",
+        "privacy.noise_multiplier=1.0", "privacy.epsilon_budget=1000", "dataset.test_tasks=50",
+        "dataset.validation_tasks=10",
         "dataset.probe_tasks=0", "output.progress=false", "output.plots=false",
         "federation.register_timeout_s=3600", "federation.round_timeout_s=600", *extra,
     ])  # fmt: skip
@@ -80,7 +83,7 @@ def scale(args: argparse.Namespace) -> dict[str, Any]:
     per_round = [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)]
     return {
         "bench": "scale", "backend": args.backend, "participants": args.participants,
-        "tasks": args.participants * 10, "rounds": result.summary["rounds_completed"],
+        "tasks": args.participants * args.tasks, "rounds": result.summary["rounds_completed"],
         "first_round_s": round(clock.ends[0] - clock.start, 2),
         "seconds_per_round_median": round(sorted(per_round)[len(per_round) // 2], 4),
         "total_s": round(time.perf_counter() - started, 1),
@@ -145,10 +148,11 @@ def main() -> None:
     p.add_argument("--backend", choices=("inprocess", "ray"), default="inprocess")
     p.add_argument("--participants", type=int, default=10_000)
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--tasks", type=int, default=10, help="tasks per participant")
     p = sub.add_parser("soak")
     p.add_argument("--rounds", type=int, default=10_000)
     p.add_argument("--every", type=int, default=500)
-    p.set_defaults(backend="inprocess")
+    p.set_defaults(backend="inprocess", tasks=10)
     args = parser.parse_args()
     os.environ.setdefault("FEDMETA_STATE_DIR", tempfile.mkdtemp(prefix="fedmeta-state-"))
     result = scale(args) if args.command == "scale" else soak(args)

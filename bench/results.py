@@ -56,18 +56,32 @@ def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
             "delta", "rounds_completed", "noise_multiplier", "normaliser",
             "stopped_reason")  # fmt: skip
     return {
-        "overrides": overrides,
+        "overrides": [portable(o) for o in overrides],
         **{k: s.get(k) for k in keep},
         "max_tasks_per_example": group_size(cfg),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
 
+def portable(override: str) -> str:
+    """``override`` as recorded: a path outside the checkout is written as ``data/<its name>``.
+
+    A record is read on other machines; this one's directories mean nothing there (and name its
+    user). The data's identity, not its place, is what the run depended on (summary's federation).
+    """
+    key, _, value = override.partition("=")
+    path = Path(value)
+    if not key.endswith("path") or not path.is_absolute():
+        return override
+    where = path.relative_to(REPO) if path.is_relative_to(REPO) else Path("data", path.name)
+    return f"{key}={where}"
+
+
 def group_size(cfg: Any) -> int:
     """Most tasks one example appears in: the example-level group size of a task-level guarantee."""
-    from fedmeta.workload import workload
+    from fedmeta.workload import build_workload
 
-    return int(workload(cfg).task_set.max_tasks_per_example)
+    return int(build_workload(cfg).task_set.max_tasks_per_example)
 
 
 def sinusoid_runs(

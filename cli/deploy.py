@@ -20,7 +20,9 @@ where ``flwr run`` exits 0 even when the ServerApp fails. It
 sharing the node's loopback. If either ends, the other is stopped and the command exits with the
 first one's status, so a supervisor (systemd, a container's restart policy) restarts both.
 
-Nothing here imports torch, Flower, ``server`` or ``client``: both commands drive subprocesses.
+Nothing here imports torch, Flower or ``server``: both commands drive subprocesses. The modules
+they launch are imported (``client.supernode``, ``client.worker``: both import Flower only when
+they run), so the launched names follow the code.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedmeta.client import supernode, worker
+
 from fedmeta import exitcodes
 
 CONNECTION = "fedmeta"
@@ -52,6 +56,7 @@ _FAILURES = (
       "LedgerCorrupted", "LedgerMissing", "LedgerReadOnly", "LedgerReplaced", "LedgerUnreadable",
       "NotALedger", "FederationError", "PlanError", "PermissionError", "FileNotFoundError"),
      exitcodes.BAD_INPUT),
+    (("NoRoundAffordable",), exitcodes.BUDGET_EXHAUSTED),
 )  # fmt: skip
 
 
@@ -576,30 +581,30 @@ def participant_commands(args: argparse.Namespace) -> tuple[list[str], list[str]
     local = ["--isolation", "process", "--host", "127.0.0.1", "--port", str(args.runtime_port),
              "--node-config", config]  # fmt: skip
     py = sys.executable
-    shim = [py, "-m", "fedmeta.client.supernode", "--poll", str(args.poll),
+    shim = [py, "-m", supernode.__name__, "--poll", str(args.poll),
             "--reply-timeout", str(args.task_timeout + 60), "--"]  # fmt: skip
     node = [*([str(Path(py).parent / "flower-supernode")] if args.stock_poll else shim),
             *link, *local, *args.extra]  # fmt: skip
-    worker = [py, "-m", "fedmeta.client.worker", "--runtime-api-address",
-              f"127.0.0.1:{args.runtime_port}", "--node-config", config,
-              "--task-timeout", str(args.task_timeout)]  # fmt: skip
+    warm = [py, "-m", worker.__name__, "--runtime-api-address",
+            f"127.0.0.1:{args.runtime_port}", "--node-config", config,
+            "--task-timeout", str(args.task_timeout)]  # fmt: skip
     for flag, value in (("--warm-config", args.warm_config), ("--alive-file", args.alive_file),
                         ("--timings", args.timings)):  # fmt: skip
         if value is not None:
-            worker += [flag, str(value)]
-    return node, worker
+            warm += [flag, str(value)]
+    return node, warm
 
 
 def _handle_participant(args: argparse.Namespace) -> int:
     try:
-        node, worker = participant_commands(args)
+        node, warm = participant_commands(args)
     except DeployError as error:
         print(f"fedmeta deploy participant: {error}", file=sys.stderr)
         return error.status
     if args.insecure:
         print("fedmeta deploy participant: WARNING: no TLS to the SuperLink (--insecure); local "
               "tests on a private network only", file=sys.stderr)  # fmt: skip
-    return supervise({"supernode": node, "worker": worker})
+    return supervise({"supernode": node, "worker": warm})
 
 
 def supervise(commands: Mapping[str, Sequence[str]], grace_s: float = 15.0) -> int:

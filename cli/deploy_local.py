@@ -8,7 +8,8 @@ network namespace: a *host* is anything with ``popen``/``run``/``kill`` and an `
 
     fedmeta deploy local --participants 3 [--config FILE] [--set KEY=VALUE ...] [--keep DIR]
 
-Needs a checkout (it calls deploy/tls/make-certs.sh, which needs openssl and ssh-keygen).
+Runs deploy/tls/make-certs.sh (package data, so an installed wheel has it too), which needs openssl
+and ssh-keygen.
 """
 
 from __future__ import annotations
@@ -26,13 +27,31 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedmeta.client import worker
+
 from fedmeta import exitcodes
 
-REPO = Path(__file__).resolve().parents[1]
-MAKE_CERTS = REPO / "deploy" / "tls" / "make-certs.sh"
+#: The package data this module runs, as parts of a path in ``fedmeta.deploy`` (see deploy_file).
+MAKE_CERTS = ("tls", "make-certs.sh")
+PROXY_TEMPLATE = ("proxy", "fleet-only.conf.template")
+
+
+def deploy_file(parts: Sequence[str]) -> Path:
+    """A file of the data package ``fedmeta.deploy`` (``deploy/`` in a checkout), as a path.
+
+    Package data (deploy/__init__.py): a wheel installs it as plain files, found the same way from
+    a checkout or a site-packages. Imported when a file is needed, so the command line's other
+    commands never depend on it.
+    """
+    import fedmeta.deploy as deploy_files
+
+    return Path(str(resources.files(deploy_files).joinpath(*parts)))
+
+
 BIN = Path(sys.executable).parent
 
 
@@ -132,7 +151,6 @@ def key_fingerprint(public_key_file: Path) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-PROXY_TEMPLATE = REPO / "deploy" / "proxy" / "fleet-only.conf.template"
 NGINX_MAIN = """# fedmeta deploy local: nginx in the foreground, its files under the work directory.
 worker_processes 1;
 pid {work}/nginx.pid;
@@ -158,7 +176,7 @@ def proxy_config(work: Path, certs: Path, listen: str, upstream: str) -> str:
         "FEDMETA_SUPERLINK_NAME": "localhost", "FEDMETA_PROXY_CERT": str(certs / "server.crt"),
         "FEDMETA_PROXY_KEY": str(certs / "server.key"), "FEDMETA_PROXY_CA": str(certs / "ca.crt"),
     }  # fmt: skip
-    server = PROXY_TEMPLATE.read_text()
+    server = deploy_file(PROXY_TEMPLATE).read_text()
     for key, value in values.items():
         server = server.replace("${" + key + "}", value)
     return NGINX_MAIN.format(work=work, server=server)
@@ -232,9 +250,10 @@ class LocalFederation:
 
     def make_certs(self, key_names: Sequence[str], sans: Sequence[str] = ()) -> None:
         """CA, server certificate (``sans`` added), one key pair per name (make-certs.sh)."""
-        if not MAKE_CERTS.is_file():
-            raise FileNotFoundError(f"{MAKE_CERTS} not found: run from a fedmeta checkout")
-        cmd = ["bash", str(MAKE_CERTS), "--out", str(self.certs)]
+        script = deploy_file(MAKE_CERTS)
+        if not script.is_file():
+            raise FileNotFoundError(f"{script} not found: reinstall fedmeta (package data)")
+        cmd = ["bash", str(script), "--out", str(self.certs)]
         cmd += [a for n in key_names for a in ("--node", n)]
         cmd += [a for s in sans for a in ("--san", s)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
@@ -347,7 +366,7 @@ class LocalFederation:
         children = _children(node.proc.pid)
         os.kill(node.proc.pid, signal.SIGKILL)  # the supervisor: it must not stop the others
         for pid, args in children.items():
-            if "fedmeta.client.worker" in args:
+            if worker.__name__ in args:
                 os.kill(pid, signal.SIGKILL)
         time.sleep(settle_s)
         node.host.kill(node.proc, signal.SIGKILL)  # everything left in its process group

@@ -62,16 +62,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     from fedmeta.checkpoint import read_checkpoint
     from fedmeta.config import config_from_dict
-    from fedmeta.workload import build_model, held_out_tasks
+    from fedmeta.workload import build_workload
 
     if not 1 <= args.tasks <= 100_000:
         raise ValueError(f"--tasks must be in [1, 100000]; got {args.tasks}")
     state = read_checkpoint(args.checkpoint)
     cfg = config_from_dict(state["config"])
-    model = build_model(cfg)
+    workload = build_workload(cfg)
+    model = workload.model
     params = state["params"].to(torch.float32)
     steps = cfg.training.eval_inner_steps if args.inner_steps is None else args.inner_steps
-    tasks = held_out_tasks(cfg, "test", args.tasks)
+    tasks = workload.held_out("test", args.tasks)
     held_out = evaluate(model, params, tasks, inner_steps=steps, inner_lr=cfg.training.inner_lr,
                         device="auto", chunk_size=cfg.training.chunk_size)  # fmt: skip
     result: dict[str, Any] = {

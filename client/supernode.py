@@ -41,6 +41,8 @@ from typing import Any
 EXIT_REPLY_TIMEOUT = 75  # EX_TEMPFAIL: restart the node and its worker
 
 log = logging.getLogger("fedmeta.supernode")
+#: This module's import name, also when run as ``python -m`` (``__name__`` is then ``__main__``).
+MODULE = __spec__.name if __spec__ is not None else __name__
 
 
 @dataclass
@@ -107,7 +109,7 @@ def install(polls: Polls, pull_backoff_s: float) -> None:
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """This launcher's options, and the rest for ``flower-supernode``."""
-    p = argparse.ArgumentParser(prog="python -m fedmeta.client.supernode", add_help=False)
+    p = argparse.ArgumentParser(prog=f"python -m {MODULE}", add_help=False)
     p.add_argument("--poll", type=float, default=0.1, help="idle poll while a run is active (s)")
     p.add_argument("--reply-poll", type=float, default=0.02)
     p.add_argument("--active-window", type=float, default=30.0)

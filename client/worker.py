@@ -54,6 +54,8 @@ EXIT_TASK_TIMEOUT = 75  # EX_TEMPFAIL: a task overran; restart the node and the 
 EXIT_API_UNREACHABLE = 69  # EX_UNAVAILABLE: the SuperNode's Runtime API stopped answering
 
 log = logging.getLogger("fedmeta.worker")
+#: This module's import name, also when run as ``python -m`` (``__name__`` is then ``__main__``).
+MODULE = __spec__.name if __spec__ is not None else __name__
 
 
 def check_flower(version: str | None = None) -> None:
@@ -441,7 +443,7 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The worker's command line (``python -m fedmeta.client.worker --help``)."""
     p = argparse.ArgumentParser(
-        prog="python -m fedmeta.client.worker", description=__doc__.split("\n")[0]
+        prog=f"python -m {MODULE}", description=__doc__.split("\n")[0]
     )
     p.add_argument("--runtime-api-address", default="127.0.0.1:9094",
                    help="the SuperNode's Runtime API (its --port), node-local")  # fmt: skip

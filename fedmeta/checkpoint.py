@@ -43,6 +43,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        # write() and fsync() errors (a full disk) carry no file name: name the file meant.
+        if error.filename is None:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -15,9 +15,11 @@ import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
@@ -25,7 +27,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # strict: no bool read as a number, no string read as a number (a TOML `rounds = true` or
+    # `epsilon_budget = "8"` is refused, not run); an integer is a valid float.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
 
 
 class AdaptiveClippingConfig(_Section):
@@ -414,6 +418,47 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _field_at(parts: Sequence[str]) -> FieldInfo | None:
+    """The declared field at a dotted path, or None where the path names no field."""
+    model: Any = Config
+    info = None
+    for part in parts:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        info = fields[part]
+        model = info.annotation
+    return info
+
+
+def _is_text(info: FieldInfo | None) -> bool:
+    """Whether a field holds text only (str, a Literal of strings, either of them or None)."""
+    if info is None:
+        return False
+    annotation = info.annotation
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    options = [k for k in kinds if k is not type(None)]
+    return bool(options) and all(
+        k is str or (get_origin(k) is Literal and all(isinstance(a, str) for a in get_args(k)))
+        for k in options
+    )
+
+
+def _override_value(parts: Sequence[str], raw: str) -> Any:
+    """A ``--set`` value parsed for its field's type, then validated strictly with the tree.
+
+    A text field keeps the text as written (``--set dataset.path=2024`` is the folder "2024", not
+    a number); TOML quotes around it are dropped. Every other field reads the value as TOML, so
+    ``--set rounds=true`` arrives as a boolean and strict validation refuses it.
+    """
+    if not _is_text(_field_at(parts)):
+        return _parse_value(raw)
+    if raw.lower() in ("none", "null"):
+        return None
+    parsed = _parse_value(raw)
+    return parsed if isinstance(parsed, str) else raw
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with ``key.sub=value`` overrides applied."""
     out: dict[str, Any] = json.loads(json.dumps(data))
@@ -430,20 +475,13 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{'.'.join(parts)}: {p} is not a section")
             node = nxt
-        node[parts[-1]] = _parse_value(raw.strip())
+        node[parts[-1]] = _override_value(parts, raw.strip())
     return out
 
 
 def _field_bounds(loc: Sequence[Any]) -> list[str]:
     """The declared numeric bounds of the field at ``loc`` (e.g. ``['> 0', '< 1']``)."""
-    model: Any = Config
-    info = None
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if not fields or part not in fields:
-            return []
-        info = fields[part]
-        model = info.annotation
+    info = _field_at([str(part) for part in loc])
     out = []
     for meta in getattr(info, "metadata", []) or []:
         for k, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
@@ -451,6 +489,18 @@ def _field_bounds(loc: Sequence[Any]) -> list[str]:
             if v is not None:
                 out.append(f"{sym} {v}")
     return out
+
+
+#: Strict type errors, with the fix: a TOML value of the field's type, as the user would write it.
+_TYPE_FIXES = {
+    "int_type": "must be an integer: write it without quotes or a decimal point (e.g. 200); "
+    "true/false are not numbers",
+    "float_type": "must be a number: write it without quotes (e.g. 8 or 1e-5); true/false are not "
+    "numbers",
+    "bool_type": "must be true or false (TOML booleans, without quotes)",
+    "string_type": "must be text: in a TOML file write it in quotes",
+    "dict_type": 'must be a table of text values (e.g. { name = "key" })',
+}
 
 
 def _format_error(error: ValidationError) -> str:
@@ -465,6 +515,8 @@ def _format_error(error: ValidationError) -> str:
                 bounds.append(f"{sym} {ctx[k]}")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (see docs/federation.md for the allowed keys)"
+        elif e["type"] in _TYPE_FIXES:
+            msg = _TYPE_FIXES[e["type"]]
         elif e["type"] == "literal_error" and "expected" in ctx:
             msg = f"must be one of {ctx['expected']}"
         elif bounds:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, ConfigRecordValues, MetricRecord, RecordDict
@@ -59,6 +59,8 @@ GRADS_RECORD: Final = "fedmeta.grads"
 REPLY_RECORD: Final = "fedmeta.reply"
 REPLY_METRICS_RECORD: Final = "fedmeta.reply_metrics"
 
+#: How a participant returns its gradients: one row per task, or their sum and post-clip norms.
+ReplyFormat: TypeAlias = Literal["per_task", "sum_and_norms"]
 REPLY_PER_TASK: Final = "per_task"
 REPLY_SUM_AND_NORMS: Final = "sum_and_norms"
 
@@ -140,7 +142,7 @@ class GradientReply:
     clip_bits: tuple[int, ...] | None = None  # [pre-clip norm <= C] per task (private runs)
 
     @property
-    def reply_format(self) -> str:
+    def reply_format(self) -> ReplyFormat:
         """``per_task`` or ``sum_and_norms``."""
         return REPLY_PER_TASK if self.grads is not None else REPLY_SUM_AND_NORMS
 

@@ -19,31 +19,79 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
 
-from fedmeta.config import Config
+from fedmeta.config import Config, DatasetConfig
+
+if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
+    from fedmeta.metalearning.federated import (
+        FederatedTaskSet,
+        ParticipantTasks,
+        SinusoidParticipant,
+    )
+    from fedmeta.metalearning.images import DataSplits
+    from fedmeta.metalearning.maml import Metric
 
 _VAL_SEED_SALT = 0x5EED_0001
 _TEST_SEED_SALT = 0x5EED_0002
 _PROBE_SEED_SALT = 0x5EED_0003
 
 
+#: The server's held-out task sets, each from its own seed (and, for image data, its own classes).
+HeldOut: TypeAlias = Literal["validation", "test", "probe"]
+_SALTS: dict[HeldOut, int] = {
+    "validation": _VAL_SEED_SALT, "test": _TEST_SEED_SALT, "probe": _PROBE_SEED_SALT,
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Workload:
-    """The model and the data of one configuration."""
+    """The model and the data of one configuration.
+
+    Built once (:func:`build_workload`): by the server at the start of a run, by a participant
+    once per configuration it receives; then passed down, never rebuilt from the configuration.
+    """
 
     model: nn.Module
-    metric: str  # "mse" (lower is better) or "accuracy"
-    task_set: Any  # metalearning.FederatedTaskSet
-    splits: Any  # DataSplits or None (sinusoid)
+    metric: Metric  # how held-out tasks are scored: mse (lower is better) or accuracy
+    task_set: FederatedTaskSet
+    splits: DataSplits | None  # None: the sinusoid has no image splits
+    dataset: DatasetConfig
+    seed: int
 
     @property
     def higher_is_better(self) -> bool:
         """Accuracy: higher is better; MSE: lower."""
         return self.metric == "accuracy"
+
+    def initial_params(self) -> Tensor:
+        """Flat float32 initial meta-parameters (a function of the public seed)."""
+        return _initial_params(self.model, self.seed)
+
+    def held_out(self, which: HeldOut, n_tasks: int) -> Any:
+        """Server-side held-out tasks (batched ``Task``).
+
+        Sinusoid: fresh tasks from the whole distribution with their own seeds. Image data: tasks
+        over the validation (``validation``/``probe``) or test classes, which no participant owns.
+        If the validation split is empty (Omniglot's background/evaluation split), validation uses
+        test classes.
+        """
+        from fedmeta.metalearning import SinusoidTasks, sample_tasks
+
+        seed = (self.seed * 1_000_003 + _SALTS[which]) % (2**63)
+        ds = self.dataset
+        if ds.name == "sinusoid":
+            return SinusoidTasks(ds.shots, ds.query).sample(n_tasks, seed)
+        assert self.splits is not None  # image data
+        split = self.splits.test if which == "test" else self.splits.val
+        if split.n_classes < ds.ways:
+            split = self.splits.test
+        return sample_tasks(
+            split, n_way=ds.ways, k_shot=ds.shots, q_query=ds.query, n_tasks=n_tasks, seed=seed
+        )
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -59,15 +107,20 @@ def build_model(cfg: Config) -> nn.Module:
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:
     """Flat float32 initial meta-parameters (a function of the public seed)."""
+    return _initial_params(model, cfg.seed)
+
+
+def _initial_params(model: nn.Module, seed: int) -> Tensor:
     from fedmeta.metalearning import flatten_params, init_params
 
-    return flatten_params(init_params(model, cfg.seed)).to(torch.float32).contiguous()
+    return flatten_params(init_params(model, seed)).to(torch.float32).contiguous()
 
 
 @functools.lru_cache(maxsize=4)
 def _splits(
     name: str, path: str, image_size: int, seed: int, split: str, rotations: bool, download: bool
 ) -> Any:
+    """The image data, read once per process per source (several workloads may share it)."""
     from fedmeta.metalearning import load_image_folder, load_omniglot
 
     if name == "omniglot":
@@ -82,11 +135,10 @@ def _splits(
     return load_image_folder(path, image_size=image_size, seed=seed)
 
 
-@functools.lru_cache(maxsize=4)
-def _workload(cfg_json: str) -> Workload:
+def build_workload(cfg: Config) -> Workload:
+    """The workload of ``cfg`` (reads the data: a missing or malformed source is a DataError)."""
     from fedmeta.metalearning import FederatedTaskSet
 
-    cfg = Config.model_validate_json(cfg_json)
     ds = cfg.dataset
     model = build_model(cfg)
     if ds.name == "sinusoid":
@@ -97,29 +149,41 @@ def _workload(cfg_json: str) -> Workload:
             k_query=ds.query,
             seed=cfg.seed,
         )
-        return Workload(model, "mse", tasks, None)
-    assert ds.path is not None
-    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed, ds.split, ds.rotations, ds.download)
+        return Workload(model, "mse", tasks, None, ds, cfg.seed)
+    splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
+    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _image_tasks(
+    ds: DatasetConfig, participants: int, seed: int
+) -> tuple[DataSplits, FederatedTaskSet]:
+    """The image splits and the participants' task set, built once per process per setting.
+
+    Partitioning the classes and numbering every participant's tasks is slow for Omniglot, and the
+    server and the in-process participants of a simulation (and the benchmarks) build workloads of
+    the same data, so the result is shared: keyed by the frozen settings it is a function of, not
+    by the configuration's text.
+    """
+    from fedmeta.metalearning import FederatedTaskSet
+
+    assert ds.path is not None  # the configuration requires it for image data
+    splits = _splits(ds.name, ds.path, ds.image_size, seed, ds.split, ds.rotations, ds.download)
     partition = ds.partition
     if partition == "auto":
         partition = "group" if ds.name == "omniglot" else "even"
     tasks = FederatedTaskSet.from_classes(
         splits.train,
-        cfg.federation.participants,
+        participants,
         n_way=ds.ways,
         k_shot=ds.shots,
         q_query=ds.query,
         tasks_per_participant=ds.tasks_per_participant,
         partition=partition,
         disjoint_examples=ds.disjoint_examples,
-        seed=cfg.seed,
+        seed=seed,
     )
-    return Workload(model, "accuracy", tasks, splits)
-
-
-def workload(cfg: Config) -> Workload:
-    """The (process-cached) workload of ``cfg``."""
-    return _workload(cfg.model_dump_json())
+    return splits, tasks
 
 
 def own_data(cfg: Config, data_path: str | None) -> Config:
@@ -139,47 +203,29 @@ def own_data(cfg: Config, data_path: str | None) -> Config:
                                   "sampling": sampling})  # fmt: skip
 
 
-def participant_tasks(cfg: Config, participant_id: str, data_path: str | None = None) -> Any:
-    """The numbered tasks of one participant (its own data when ``data_path`` is given)."""
-    if data_path is None or cfg.dataset.name == "sinusoid":
-        return workload(cfg).task_set.participant(participant_id)
-    return workload(own_data(cfg, data_path)).task_set.participant("0")
+def participant_tasks(
+    wl: Workload, participant_id: str, data_path: str | None = None
+) -> ParticipantTasks | SinusoidParticipant:
+    """The numbered tasks of one participant of ``wl``.
 
-
-def held_out_tasks(cfg: Config, which: str, n_tasks: int) -> Any:
-    """Server-side held-out tasks (batched ``Task``).
-
-    ``which`` is ``validation``, ``test`` or ``probe``.
-
-    Sinusoid: fresh tasks from the whole distribution with their own seeds. Image data: tasks over
-    the validation (``validation``/``probe``) or test classes, which no participant owns. If the
-    validation split is empty (Omniglot's background/evaluation split), validation uses test
-    classes.
+    ``wl`` is built from :func:`own_data`'s configuration: with its own data the participant is
+    the workload's only one, ``"0"``.
     """
-    from fedmeta.metalearning import SinusoidTasks, sample_tasks
-
-    salt = {"validation": _VAL_SEED_SALT, "test": _TEST_SEED_SALT, "probe": _PROBE_SEED_SALT}[which]
-    seed = (cfg.seed * 1_000_003 + salt) % (2**63)
-    ds = cfg.dataset
-    if ds.name == "sinusoid":
-        return SinusoidTasks(ds.shots, ds.query).sample(n_tasks, seed)
-    wl = workload(cfg)
-    split = wl.splits.test if which == "test" else wl.splits.val
-    if split.n_classes < ds.ways:
-        split = wl.splits.test
-    return sample_tasks(
-        split, n_way=ds.ways, k_shot=ds.shots, q_query=ds.query, n_tasks=n_tasks, seed=seed
-    )
+    if data_path is None or wl.dataset.name == "sinusoid":
+        return wl.task_set.participant(participant_id)
+    return wl.task_set.participant("0")
 
 
-def check_data(cfg: Config) -> None:
+def check_data(cfg: Config) -> Workload:
     """Read the data once, so a missing or malformed source is one ``DataError`` at the start.
 
     In simulation every participant's tasks come from the same source; checking it here, before
     any participant starts, replaces thousands of lines of tracebacks from participant processes.
+    Returns the workload, for the run to use.
     """
-    workload(cfg)
-    held_out_tasks(cfg, "validation", 1)
+    wl = build_workload(cfg)
+    wl.held_out("validation", 1)
+    return wl
 
 
 SINUSOID_GENERATOR = "sinusoid-v1"

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,9 @@ from torch.func import functional_call
 
 __all__ = [
     "EvalResult",
+    "GradientMethod",
+    "Metric",
+    "NonFinite",
     "clip_by_global_norm",
     "evaluate",
     "meta_train",
@@ -50,6 +54,12 @@ __all__ = [
 ]
 
 Params = dict[str, Tensor]
+#: How per-task gradients are batched: ``auto`` picks ``vmap`` or ``loop`` (module docstring).
+GradientMethod: TypeAlias = Literal["auto", "vmap", "loop"]
+#: What a held-out task's score is: query accuracy (classification) or query MSE (regression).
+Metric: TypeAlias = Literal["accuracy", "mse"]
+#: What to do with a task whose gradient is not finite (see :func:`clip_by_global_norm`).
+NonFinite: TypeAlias = Literal["raise", "zero"]
 # Serialises the start-up of worker pools (see _one_thread_workers).
 _WORKER_START_LOCK = threading.Lock()
 # (params, inputs, once_differentiable) -> outputs; see _loop_forward.
@@ -68,8 +78,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def resolve_method(
-    model: nn.Module, device: torch.device, method: str = "auto", n_tasks: int | None = None
-) -> str:
+    model: nn.Module,
+    device: torch.device,
+    method: GradientMethod = "auto",
+    n_tasks: int | None = None,
+) -> Literal["vmap", "loop"]:
     """Choose ``"vmap"`` or ``"loop"`` for ``model`` on ``device`` (see the module docstring).
 
     Measured (docs/benchmarks.md): on CUDA vmap is 2.5-12x faster than a loop from 8 tasks on, but
@@ -257,7 +270,7 @@ def _deterministic(device: torch.device, on: bool = True) -> Iterator[None]:
 
 
 def clip_by_global_norm(
-    grads: Tensor, clip: float, *, nonfinite: str = "raise"
+    grads: Tensor, clip: float, *, nonfinite: NonFinite = "raise"
 ) -> tuple[Tensor, Tensor]:
     """Clip each row of ``grads`` ([n, dim]) to L2 norm at most ``clip``; return (clipped, norms).
 
@@ -302,6 +315,22 @@ def clip_by_global_norm(
 # per-task gradient, loop and vmap forms
 
 
+def _inner_steps(
+    params: Params, support_grad: Callable[[Params], Sequence[Tensor]], steps: int, lr: float
+) -> Params:
+    """``theta <- theta - alpha * grad_theta L(theta; S)``, ``steps`` times, from ``phi = params``.
+
+    The inner loop of both gradient forms (DP-MAML Algorithm 1): ``support_grad(theta)`` is the
+    support-loss gradient in ``params``' order, by autograd (the loop) or ``torch.func`` (vmap);
+    whether it keeps the graph (second order) or not (FOMAML) is the caller's.
+    """
+    fast = params
+    for _ in range(steps):
+        g = support_grad(fast)
+        fast = {n: p - lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
+    return fast
+
+
 def _task_grad_autograd(
     forward: Forward,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -317,20 +346,21 @@ def _task_grad_autograd(
     gradient, as ``torch.func.grad`` reports it on the vmap path.
     """
     meta = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-    fast = meta
-    for _ in range(inner_steps):
+
+    def support_grad(fast: Params) -> Sequence[Tensor]:
         # Support passes keep the NCHW kernels: second order differentiates them twice, and in
         # first order the channels-last layout saved nothing on these few images but changed the
         # float32 rounding (bench/compute_accuracy.py).
         loss = loss_fn(forward(fast, task.support_x, False), task.support_y)
-        g = torch.autograd.grad(
+        return torch.autograd.grad(
             loss,
             list(fast.values()),
             create_graph=not first_order,
             allow_unused=True,
             materialize_grads=True,
         )
-        fast = {n: p - inner_lr * gi for (n, p), gi in zip(fast.items(), g, strict=True)}
+
+    fast = _inner_steps(meta, support_grad, inner_steps, inner_lr)
     # The query pass is differentiated once even in second order: its backward only feeds the
     # inner steps' graph, which holds the second derivatives.
     qloss = loss_fn(forward(fast, task.query_x, True), task.query_y)
@@ -355,12 +385,11 @@ def _make_func_grad(
     inner_grad = torch.func.grad(support_loss)
 
     def query_loss(p: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
-        fast = p
-        for _ in range(inner_steps):
+        def support_grad(fast: Params) -> Sequence[Tensor]:
             g = inner_grad(fast, sx, sy)
-            if first_order:
-                g = {n: v.detach() for n, v in g.items()}
-            fast = {n: fast[n] - inner_lr * g[n] for n in fast}
+            return [g[n].detach() if first_order else g[n] for n in fast]
+
+        fast = _inner_steps(p, support_grad, inner_steps, inner_lr)
         return loss_fn(functional_call(model, fast, (qx,)), qy)
 
     outer = torch.func.grad(query_loss)
@@ -419,7 +448,7 @@ def per_task_grads(
     first_order: bool = False,
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
-    method: str = "auto",
+    method: GradientMethod = "auto",
     out: Tensor | None = None,
     on_chunk: Callable[[int, Tensor], Tensor] | None = None,
     deterministic: bool = True,
@@ -468,8 +497,8 @@ def per_task_clipped_grads(
     clip: float = 1.0,
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
-    method: str = "auto",
-    nonfinite: str = "raise",
+    method: GradientMethod = "auto",
+    nonfinite: NonFinite = "raise",
     deterministic: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Clipped per-task MAML query gradients and their pre-clip L2 norms.
@@ -505,18 +534,10 @@ def per_task_clipped_grads(
         return c
 
     clipped = per_task_grads(
-        model,
-        params,
-        tasks,
-        inner_steps=inner_steps,
-        inner_lr=inner_lr,
-        first_order=first_order,
-        device=device,
-        chunk_size=chunk_size,
-        method=method,
-        on_chunk=clip_chunk,
-        deterministic=deterministic,
-    )
+        model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr,
+        first_order=first_order, device=device, chunk_size=chunk_size, method=method,
+        on_chunk=clip_chunk, deterministic=deterministic,
+    )  # fmt: skip
     norms = torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
     assert norms.shape[0] == n
     return clipped, norms
@@ -533,7 +554,7 @@ class EvalResult:
     mean: float
     ci95: float
     n_tasks: int
-    metric: str  # "accuracy" or "mse"
+    metric: Metric
     pre_adaptation_mean: float | None = None
 
     def __iter__(self) -> Iterator[float]:
@@ -548,7 +569,7 @@ def _adapt_and_score(
     task: Task,
     steps: int,
     lr: float,
-    metric: str,
+    metric: Metric,
 ) -> Tensor:
     fast = {n: p.detach().requires_grad_(True) for n, p in params.items()}
     for _ in range(steps):
@@ -574,7 +595,7 @@ def _vmap_scores(
     batch: Task,
     steps: int,
     lr: float,
-    metric: str,
+    metric: Metric,
 ) -> Tensor:
     """The vmap form of :func:`_adapt_and_score`, over a batch of tasks."""
 
@@ -602,7 +623,7 @@ def task_scores(
     inner_lr: float = 0.4,
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
-    method: str = "auto",
+    method: GradientMethod = "auto",
 ) -> Tensor:
     """Each task's query score after ``inner_steps`` SGD steps on its own support set.
 
@@ -617,7 +638,7 @@ def task_scores(
     model = model.to(dev)
     p = _as_params(model, params, dev)
     loss_fn = _loss_fn(model)
-    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
+    metric: Metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
     scores: list[Tensor] = []
     forward = _loop_forward(model, dev)
     with _deterministic(dev):
@@ -645,7 +666,7 @@ def evaluate(
     inner_lr: float = 0.4,
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
-    method: str = "auto",
+    method: GradientMethod = "auto",
     with_pre_adaptation: bool = False,
 ) -> EvalResult:
     """Adapt on each task's support set for ``inner_steps`` SGD steps, then score its query set.
@@ -668,7 +689,7 @@ def evaluate(
     pre = float(scores(0).mean()) if with_pre_adaptation else None
     n = s.numel()
     ci = 1.96 * float(s.std(unbiased=True)) / math.sqrt(n) if n > 1 else math.nan
-    metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
+    metric: Metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
     return EvalResult(float(s.mean()), ci, n, metric, pre)
 
 
@@ -689,7 +710,7 @@ def meta_train(
     clip: float = math.inf,
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
-    method: str = "auto",
+    method: GradientMethod = "auto",
 ) -> Params:
     """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
 

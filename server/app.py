@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedmeta import protocol as P
 from fedmeta.config import Config, load_config
+from fedmeta.workload import Workload
 
 for _key, _value in (
     ("FLWR_TELEMETRY_ENABLED", "0"),
@@ -58,8 +59,13 @@ def execute(
     echo: bool = True,
     open_ledger: Callable[[Config, str], Any] | None = None,
     stop: threading.Event | None = None,
+    workload: Workload | None = None,
 ) -> RunResult:
-    """Run the federation over ``grid``; write summary.json, rounds.csv and plots."""
+    """Run the federation over ``grid``; write summary.json, rounds.csv and plots.
+
+    ``workload``: ``cfg``'s, when the caller built it already (``fedmeta simulate`` checks the
+    data with it); else the run builds it once.
+    """
     from fedmeta.server.outputs import format_summary, write_all
 
     out = Path(out_dir or cfg.output.dir)
@@ -77,6 +83,7 @@ def execute(
         announce=(lambda text: print(text, flush=True)) if echo else (lambda text: None),
         open_ledger=open_ledger,
         stop=stop,
+        workload=workload,
     )
     diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
     write_all(out, result.summary, result.outcomes, diagnostics=diagnostics, plots=cfg.output.plots)

@@ -15,7 +15,9 @@ The policy (docs/deploy.md, "Membership"):
   name themselves (simulation) and the first to claim an id keeps it (``duplicate_participant``;
   such a node is asked again, as the id may become free).
 * **Suspension.** A participant whose last ``federation.max_consecutive_failures`` requests timed
-  out or found its node unavailable is not sampled again until its node reconnects.
+  out or found its node unavailable is not sampled again until its node reconnects. In a private
+  run only an unavailable node counts: a timeout can follow the stage-2 count, and suspension
+  changes later samples (server/releases.py).
 * **Accounting.** Each round samples from the population eligible at its start; the round's
   privacy event is built for that population, so a change is composed as groups of identical
   rounds. Availability is not private data (the accountant treats stage 1 as revealed).
@@ -28,6 +30,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from fedmeta.server.releases import suspending_failures
 from fedmeta.server.transport import GridTransport, Registered
 
 from fedmeta.config import Config
@@ -125,8 +128,9 @@ class Membership:
     def record(self, sampled: Iterable[str], failures: Mapping[str, str]) -> None:
         """Count each sampled participant's consecutive delivery failures; suspend at the limit."""
         limit = self.cfg.federation.max_consecutive_failures
+        suspending = suspending_failures(self.cfg.privacy.enabled, SUSPENDING_FAILURES)
         for pid in sampled:
-            if failures.get(pid) not in SUSPENDING_FAILURES:
+            if failures.get(pid) not in suspending:
                 self._failures[pid] = 0
                 continue
             self._failures[pid] = self._failures.get(pid, 0) + 1

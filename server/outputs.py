@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.report import RoundOutcome
 
@@ -43,8 +44,14 @@ def _participant_eps(value: Any, note: str | None) -> str:
     return note if note else f"epsilon {_e(value)}"
 
 
-def format_plan(plan: RunPlan, fc: BudgetForecast | None, cfg: Config, participants: int) -> str:
-    """The privacy plan, printed before training."""
+def format_plan(
+    plan: RunPlan,
+    fc: BudgetForecast | None,
+    cfg: Config,
+    participants: int,
+    coordinates: int | None = None,
+) -> str:
+    """The privacy plan, printed before training (``coordinates``: noisy values per round)."""
     lines = [
         "== fedmeta federation plan ==",
         f"dataset {cfg.dataset.name} | participants {participants} "
@@ -74,6 +81,11 @@ def format_plan(plan: RunPlan, fc: BudgetForecast | None, cfg: Config, participa
         "participant-level epsilon at the planned end: "
         + _participant_eps(fc.epsilon_participant_at_end, plan.participant_level_note),
     ]
+    if coordinates is not None and plan.delta is not None:
+        released = coordinates * (fc.ledger_records_before + fc.rounds_to_run)
+        eps, delta = implemented_guarantee(fc.epsilon_task_at_end, plan.delta, released)
+        lines.append(f"with the floating-point residual (docs/privacy.md): epsilon {_e(eps, '.4f')}"
+                     f" at delta {_e(delta, '.4g')}")  # fmt: skip
     if fc.epsilon_theorem3_at_end is not None:
         lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
                      "NOT a valid guarantee, not enforced)")  # fmt: skip
@@ -111,8 +123,12 @@ def build_summary(
     noise_secure: bool,
     ledger: Any,
     wall_seconds: float,
+    coordinates: int | None = None,
 ) -> dict[str, Any]:
-    """``summary.json``: the run's plan, its records' totals and the final evaluation."""
+    """``summary.json``: the run's plan, its records' totals and the final evaluation.
+
+    ``coordinates``: noisy values released per round (for the floating-point residual).
+    """
     private = plan.private
     return {
         "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
@@ -129,6 +145,7 @@ def build_summary(
         "participant_level_note": plan.participant_level_note,
         "delta": plan.delta,
         "epsilon_budget": plan.epsilon_budget,
+        "implemented_guarantee": _implemented(plan, epsilons, ledger, coordinates),
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.noise_calibrated if private else None,
         "clip": plan.clip,
@@ -137,6 +154,19 @@ def build_summary(
         "normaliser": plan.normaliser if private else None,
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
+        **_final_metric(cfg, final, untrained),
+        "ledger": None
+        if ledger is None
+        else {"path": str(ledger.path), "records": ledger.position()},
+        "plan": None if fc is None else _forecast_dict(fc),
+        # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
+        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def _final_metric(cfg: Config, final: Any, untrained: float) -> dict[str, Any]:
+    """The summary's evaluation fields: the noisy model's metric on public held-out tasks."""
+    return {
         "metric": _metric_name(cfg),
         "final_metric": final.mean,
         "final_metric_ci95": [final.mean - final.ci95, final.mean + final.ci95],
@@ -144,12 +174,45 @@ def build_summary(
         "final_metric_pre_adaptation": final.pre_adaptation_mean,
         "test_tasks": final.n_tasks,
         "untrained_metric": untrained,
-        "ledger": None
-        if ledger is None
-        else {"path": str(ledger.path), "records": ledger.position()},
-        "plan": None if fc is None else _forecast_dict(fc),
-        "wall_seconds": round(wall_seconds, 1),
     }
+
+
+def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tuple[float, float]:
+    """The accountant's (epsilon, delta) with the release's floating-point residual folded in.
+
+    The one place a reported guarantee takes it (server/noise.py ``float_residual``; the arithmetic
+    is in docs/privacy.md): ``coordinates`` noisy values released over the ledger's spends.
+    """
+    return float_residual(coordinates, epsilon, delta)
+
+
+def released_coordinates(plan: RunPlan, dim: int) -> int:
+    """Noisy values one private round releases: the model's, plus adaptive clipping's count."""
+    return dim + (1 if plan.adaptive is not None else 0)
+
+
+def _implemented(
+    plan: RunPlan, epsilons: Mapping[str, Any], ledger: Any, coordinates: int | None
+) -> dict[str, Any] | None:
+    """The summary's guarantee of the implementation, over every spend in the ledger.
+
+    Every spend is taken to have released ``coordinates`` values (this run's model): a federation
+    whose runs used another model size must recompute it with that size.
+    """
+    eps = epsilons.get("epsilon_task")
+    if not plan.private or coordinates is None or eps is None or ledger is None:
+        return None
+    if plan.delta is None:
+        return None
+    released = coordinates * int(ledger.position())
+    epsilon, delta = implemented_guarantee(float(eps), plan.delta, released)
+    return {"epsilon": epsilon, "delta": delta, "released_coordinates": released,
+            "per_cell_residual": RESIDUAL_PER_COORDINATE}  # fmt: skip
+
+
+def _diagnostics(cfg: Config, plan: RunPlan) -> bool:
+    """Whether this run's outputs may hold private diagnostics (always in a non-private run)."""
+    return not plan.private or cfg.metrics.private_diagnostics
 
 
 def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[str, Any] | None:

@@ -32,7 +32,8 @@ from fedmeta.accounting import (
     participant_level_note,
     tombs2022_published_epsilon,
 )
-from fedmeta.accounting.schemes import Neighbouring
+from fedmeta.accounting.composition import Method
+from fedmeta.accounting.schemes import Neighbouring, Unit
 
 from fedmeta.config import Config
 
@@ -187,11 +188,11 @@ def _adaptive(cfg: Config, z: float, expected_lot: float) -> AdaptiveClipping | 
 #: Which accountant reports which unit. Task level: PLD, the enforced value. Participant level:
 #: RDP, an upper bound on the PLD value that costs milliseconds where a PLD grid at the
 #: participant-level sensitivity (up to hundreds of C) needs gigabytes; reported, never enforced.
-REPORTING_METHOD = {"task": "pld", "participant": "rdp"}
+REPORTING_METHOD: dict[Unit, Method] = {"task": "pld", "participant": "rdp"}
 
 
 def reported_epsilon(
-    groups: Sequence[tuple[GaussianRound, int]], delta: float, unit: str = "task"
+    groups: Sequence[tuple[GaussianRound, int]], delta: float, unit: Unit = "task"
 ) -> float | None:
     """Epsilon of ``groups`` as fedmeta reports it; None where the unit has no meaningful bound."""
     groups = [(e, int(n)) for e, n in groups if n > 0]
@@ -206,8 +207,7 @@ def ledger_epsilons(ledger: BudgetLedger, event: GaussianRound) -> dict[str, flo
     """What the ledger holds, as reported: task and participant epsilon and rounds affordable."""
     participant = None
     if all(e.participant_cap is not None for e, _ in ledger.rounds()):
-        unit = "participant"
-        participant = ledger.epsilon(unit=unit, method=REPORTING_METHOD[unit])
+        participant = ledger.epsilon(unit="participant", method=REPORTING_METHOD["participant"])
     return {
         "epsilon_task": ledger.epsilon(unit="task", method=REPORTING_METHOD["task"]),
         "epsilon_participant": participant,

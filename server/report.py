@@ -6,18 +6,24 @@ separately, so every output of a run says the same thing.
 
 **Everything here is a release.** In a private run a record holds only what the accountant covers
 or what is public: stage-1 facts (how many participants were sampled, which is fixed, and how many
-replied or failed, which depends on availability, not on data), the ledger's epsilon, the noise
-scale, and metrics computed from the noisy model on public held-out tasks. Anything that depends on
-stage-2 outcomes or on private values (realised task counts, clipping statistics, norm violations,
-per-round and per-participant timings) sits in :class:`RoundDiagnostics`, which a private run fills
-only when ``metrics.private_diagnostics`` is on. Never a participant or task id.
+were available or not: in a private run ``participants_replied``/``participants_failed`` and
+``failures`` count only Flower's ``node_unavailable``, server/releases.py), the ledger's epsilon,
+the noise scale, and metrics computed from the noisy model on public held-out tasks. Anything that
+depends on stage-2 outcomes or on private values (realised task counts, clipping statistics, norm
+violations, timeouts and rejected replies, per-round and per-participant timings) sits in
+:class:`RoundDiagnostics`, which a private run fills only when ``metrics.private_diagnostics`` is
+on. Never a participant or task id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger("fedmeta.server")
 
 STATUS_COMPLETED = "completed"
 STATUS_LOST_ON_RESUME = "lost_on_resume"
@@ -39,6 +45,11 @@ class RoundDiagnostics:
     round_seconds: float
     aggregation_seconds: float
     compute_seconds_per_task: tuple[float, ...] = ()
+    # Every failure by reason, replies accepted, stray replies: in a private run the record itself
+    # holds only availability failures (server/releases.py); the rest is here.
+    replies_accepted: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)
+    stray_replies: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,3 +140,40 @@ class RunObserver(Protocol):
 
     def run_finished(self, event: RunFinished) -> None:
         """Receive the run's end."""
+
+
+class Observers:
+    """A run's observers as one :class:`RunObserver`.
+
+    Each hears every record, in order; one that raises is logged and skipped (a failing sink must
+    never stop a private run).
+    """
+
+    def __init__(self, observers: Iterable[RunObserver] = ()) -> None:
+        self.members = tuple(observers)
+
+    def run_started(self, event: RunStarted) -> None:
+        """Tell every observer the run started."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.run_started(event)
+
+    def round_finished(self, outcome: RoundOutcome) -> None:
+        """Tell every observer a round finished."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.round_finished(outcome)
+
+    def run_finished(self, event: RunFinished) -> None:
+        """Tell every observer the run ended."""
+        for observer in self.members:
+            with _isolated(observer):
+                observer.run_finished(event)
+
+
+@contextlib.contextmanager
+def _isolated(observer: RunObserver) -> Iterator[None]:
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - a failing sink must never stop a private run
+        log.exception("observer %r failed", observer)

@@ -7,8 +7,11 @@
    list when it drew none), so who is contacted reveals nothing about stage 2.
 4. **Validate.** Structural problems drop a reply; value problems are neutralised and counted
    (server/validation.py). Missing, late and malformed replies never stop a round.
-5. **Spend.** ``ledger.spend(event, run_id, round)`` records the round durably *before* anything is
-   released; if another run spent the rest meanwhile it raises and nothing is released.
+5. **Pad, then spend.** The round waits until ``federation.round_min_seconds`` have passed since
+   it started (the work before depends on the stage-2 count), then ``ledger.spend(event, run_id,
+   round)`` records the round durably *before* anything is released; if another run spent the
+   rest meanwhile it raises and nothing is released. What follows the spend (sum, noise, step)
+   costs the same whatever was sampled.
 6. **Noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release grid
    (server/noise.py), divide by the public normaliser, and take the optimizer step. With adaptive
    clipping the round's bound ``C_t`` is the training state's, the centred count of the replies'
@@ -22,6 +25,7 @@ A non-private run skips 1, 5 and the noise, and averages over the tasks received
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,12 +43,13 @@ from fedmeta.accounting import (
 from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
 from fedmeta.server.optimizer import learning_rate, make_optimizer
 from fedmeta.server.plan import RunPlan
+from fedmeta.server.releases import split_failures
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome
 from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 from torch import Tensor
 
 from fedmeta.config import TrainingConfig
-from fedmeta.protocol import GradientReply, GradientRequest
+from fedmeta.protocol import GradientReply, GradientRequest, ReplyFormat
 
 STOP_PLANNED = "planned_rounds"
 STOP_BUDGET = "budget_exhausted"
@@ -69,6 +74,10 @@ class Exchange:
 
 #: Sends one round's requests (participant id -> request) and returns what came back.
 Transport = Callable[[Mapping[str, GradientRequest]], Exchange]
+
+
+class RoundAbandoned(RuntimeError):
+    """A stop request came before the round's spend: nothing of the round was spent or released."""
 
 
 class TrainingDiverged(ValueError):
@@ -142,12 +151,15 @@ class RoundSession:
     transport: Transport
     config_json: str
     dim: int
-    reply_format: str
+    reply_format: ReplyFormat
     tolerance: float
     diagnostics: bool
     round_min_seconds: float = 0.0
     ledger: BudgetLedger | None = None
     noise: NoiseSource | None = None
+    #: Set by SIGINT/SIGTERM: a round not yet spent is abandoned (RoundAbandoned); one spent goes
+    #: on to its release, since the ledger already counts it.
+    stop: threading.Event | None = None
 
 
 def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundOutcome | None:
@@ -159,15 +171,21 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     clip = _round_clip(session, state)
     sample = session.sampler.sample(session.task_counts)
     requests = _requests(session, state, index, sample, clip)
-    exchange = session.transport(requests)
+    exchange = session.transport(requests)  # returns early on a stop request (server/transport)
     checked = validate_round(
         {pid: d.reply for pid, d in exchange.deliveries.items() if d.reply is not None},
         _expectations(session, index, requests, clip),
     )
+    # Pad before the spend: the spend's time (kept in the ledger) and everything after it then
+    # follow the public minimum, not this round's stage-2 work; the spend still precedes the noise.
+    _pad(started, session.round_min_seconds)
+    received = time.perf_counter()
+    # The last moment to stop without a trace: after it come the spend and the release, no wait.
+    if session.stop is not None and session.stop.is_set():
+        raise RoundAbandoned(f"round {index + 1} abandoned before its spend: stop requested")
     position = _spend(session, index)
     if plan.private and position is None:
         return None
-    received = time.perf_counter()
     update, noise_std, count = _aggregate(session, checked, clip)
     if plan.adaptive is not None:  # the optimizer's noise correction follows the round's C
         assert noise_std is not None
@@ -177,10 +195,9 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
         assert clip is not None and count is not None
         state.clip = _next_clip(session, clip, count)
     outcome = _outcome(session, index, exchange, checked, position, noise_std, clip)
-    _pad(started, session.round_min_seconds)
     if not session.diagnostics:
         return outcome
-    return _with_diagnostics(outcome, requests, checked, started, received)
+    return _with_diagnostics(outcome, requests, exchange, checked, (started, received))
 
 
 def _round_clip(session: RoundSession, state: TrainingState) -> float | None:
@@ -289,26 +306,36 @@ def _outcome(
     noise_std: float | None,
     clip: float | None,
 ) -> RoundOutcome:
+    failures = all_failures(exchange, checked)
+    private = session.plan.private
+    split = split_failures(failures, private=private)
+    sampled = len(exchange.deliveries)
+    return RoundOutcome(
+        run_id=session.run_id,
+        federation_id=session.federation_id,
+        round=index + 1,
+        participants_registered=len(session.task_counts),
+        participants_sampled=sampled,
+        # Private: sampled participants whose node was available (server/releases.py).
+        participants_replied=sampled - split.released_count if private else len(checked.accepted),
+        participants_failed=split.released_count,
+        failures=dict(split.released),
+        stray_replies={} if private else dict(exchange.stray_replies),
+        ledger_position=position,
+        noise_std=noise_std,
+        clip=clip,
+    )
+
+
+def all_failures(exchange: Exchange, checked: RoundReplies) -> dict[str, int]:
+    """Every failed participant of a round under its one reason (transport, then validation)."""
     failures: dict[str, int] = {}
     for delivery in exchange.deliveries.values():
         if delivery.failure is not None:
             failures[delivery.failure] = failures.get(delivery.failure, 0) + 1
     for reason, count in checked.rejected_by_reason().items():
         failures[reason] = failures.get(reason, 0) + count
-    return RoundOutcome(
-        run_id=session.run_id,
-        federation_id=session.federation_id,
-        round=index + 1,
-        participants_registered=len(session.task_counts),
-        participants_sampled=len(exchange.deliveries),
-        participants_replied=len(checked.accepted),
-        participants_failed=sum(failures.values()),
-        failures=failures,
-        stray_replies=dict(exchange.stray_replies),
-        ledger_position=position,
-        noise_std=noise_std,
-        clip=clip,
-    )
+    return failures
 
 
 def _pad(started: float, minimum: float) -> None:
@@ -321,9 +348,9 @@ def _pad(started: float, minimum: float) -> None:
 def _with_diagnostics(
     outcome: RoundOutcome,
     requests: Mapping[str, GradientRequest],
+    exchange: Exchange,
     checked: RoundReplies,
-    started: float,
-    received: float,
+    times: tuple[float, float],
 ) -> RoundOutcome:
     """Attach the facts that depend on stage 2 or on private values (an opt-in in private runs)."""
     from dataclasses import replace
@@ -334,6 +361,7 @@ def _with_diagnostics(
         None if clip is None or not norms.size else float(np.mean(norms >= clip * (1 - 1e-5)))
     )
     quantiles = {q: float(np.quantile(norms, q)) for q in (0.5, 0.9, 0.99)} if norms.size else None
+    started, received = times
     now = time.perf_counter()
     diagnostics = RoundDiagnostics(
         tasks_requested=sum(len(r.task_ids) for r in requests.values()),
@@ -349,5 +377,8 @@ def _with_diagnostics(
             for a in checked.accepted
             if a.compute_seconds is not None and a.n_tasks
         ),
+        replies_accepted=len(checked.accepted),
+        failures=all_failures(exchange, checked),
+        stray_replies=dict(exchange.stray_replies),
     )
     return replace(outcome, diagnostics=diagnostics)

@@ -41,9 +41,17 @@ from fedmeta.accounting import (
 )
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
-from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast, ledger_epsilons
+from fedmeta.server.plan import (
+    BudgetForecast,
+    RunPlan,
+    build_plan,
+    forecast,
+    ledger_epsilons,
+    reported_epsilon,
+)
 from fedmeta.server.report import (
     STATUS_LOST_ON_RESUME,
+    Observers,
     RoundOutcome,
     RunFinished,
     RunObserver,
@@ -53,6 +61,7 @@ from fedmeta.server.round import (
     STOP_BUDGET,
     STOP_PLANNED,
     Exchange,
+    RoundAbandoned,
     RoundSession,
     TrainingState,
     run_round,
@@ -64,7 +73,7 @@ from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.workload import build_model, data_fingerprint, held_out_tasks, initial_params, workload
+from fedmeta.workload import HeldOut, Workload, build_workload, data_fingerprint
 
 log = logging.getLogger("fedmeta.server")
 
@@ -78,6 +87,10 @@ class FederationError(RuntimeError):
 
 class PlanError(ValueError):
     """The privacy plan cannot be made from this configuration (a one-line reason)."""
+
+
+class NoRoundAffordable(RuntimeError):
+    """A fresh private run whose budget affords no round: refused before anything is written."""
 
 
 @dataclass
@@ -157,9 +170,9 @@ class _Run:
     state: TrainingState
     outcomes: list[RoundOutcome]
     next_round: int
-    observers: list[RunObserver]
+    observers: Observers
     forecast: BudgetForecast | None
-    model: Any
+    workload: Workload  # built once, in _start; the server's model and held-out tasks
     membership: Membership
     ledger: BudgetLedger | None = None
     started_at: float = field(default_factory=time.monotonic)
@@ -177,20 +190,23 @@ def run_federation(
     announce: Callable[[str], None] = lambda text: log.info("%s", text),
     open_ledger: Callable[[Config, str], BudgetLedger] | None = None,
     stop: threading.Event | None = None,
+    workload: Workload | None = None,
 ) -> RunResult:
     """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
     ``open_ledger(cfg, data_identity)`` opens the budget (default :func:`open_budget`). Setting
     ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
-    output directory is held exclusively for the whole run (server/rundir.py).
+    output directory is held exclusively for the whole run (server/rundir.py). ``workload``: the
+    one ``cfg`` describes, when the caller has built it already (else it is built once here).
     """
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):
-        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget)
+        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget,
+                     workload)  # fmt: skip
         from fedmeta.server.outputs import format_plan
 
-        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered)))
-        _notify(run.observers, "run_started", _run_started(run))
+        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
+        run.observers.run_started(_run_started(run))
         _checkpoint(run)  # the run id is recoverable from the first moment
         first = run.next_round
         stopped = _rounds(run, stop or threading.Event())
@@ -206,6 +222,7 @@ def _start(
     resume: bool,
     observers: list[RunObserver],
     open_ledger: Callable[[Config, str], BudgetLedger],
+    workload: Workload | None,
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
@@ -217,15 +234,54 @@ def _start(
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
-    ledger = open_ledger(cfg, data_identity(cfg, registered)) if plan.private else None
+    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
+    ledger = open_ledger(opened_with, data_identity(cfg, registered)) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
-    model = build_model(cfg)
-    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, model)
+    wl = workload or build_workload(cfg)
+    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
+    if ckpt is None and predicted is not None and not predicted.rounds_to_run and ledger:
+        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
-                next_round, observers, predicted, model, membership, ledger)  # fmt: skip
+                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
+
+
+def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
+    """The configuration to open the ledger with: on resume, the ledger the run recorded.
+
+    A run records its ledger's absolute path before its first spend; resuming from another
+    directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
+    file. A recorded ledger that is gone is refused before anything is created.
+    """
+    recorded = (ckpt or {}).get("ledger") or {}
+    path = recorded.get("path")
+    if not path:
+        return cfg
+    if check and not Path(path).is_file():
+        raise FederationError(
+            f"the run spent from the ledger {path} (recorded in its checkpoint), which is missing; "
+            "restore that file there (a `fedmeta ledger backup` copy is a complete one) and "
+            "resume again"
+        )
+    privacy = cfg.privacy.model_copy(update={"ledger_path": str(path)})
+    return cfg.model_copy(update={"privacy": privacy})
+
+
+def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
+    """One line: why the budget affords no round, and what to change (public values only)."""
+    assert plan.event is not None and plan.delta is not None
+    spent = ledger.epsilon(unit="task")
+    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
+    return (
+        f"the budget affords no round: one round at noise multiplier "
+        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
+        f"over privacy.epsilon_budget={cfg.privacy.epsilon_budget:g} ({spent:.4g} already spent "
+        f"on this data in {ledger.path}); "
+        "raise privacy.noise_multiplier (or set privacy.target_epsilon) or use other data; "
+        "nothing was run or written"
+    )
 
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
@@ -296,11 +352,11 @@ def _initial_state(
     ckpt: dict[str, Any] | None,
     ledger: BudgetLedger | None,
     run_id: str,
-    model: Any,
+    workload: Workload,
 ) -> tuple[TrainingState, list[RoundOutcome], int]:
     """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
     if ckpt is None:
-        return TrainingState(initial_params(cfg, model), **_optimizer_args(cfg, plan)), [], 0
+        return TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan)), [], 0
     state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
                           optimizer_state=ckpt["optimizer"])  # fmt: skip
     if plan.adaptive is not None and ckpt.get("clip") is not None:
@@ -337,7 +393,7 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
     if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
         raise FederationError(
             f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
-            f"resume with --set privacy.ledger_path={saved.path}"
+            f"restore the run's ledger at {saved.path} and resume again"
         )
     ledger.check_resume(saved)
 
@@ -348,20 +404,25 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None
 def _rounds(run: _Run, stop: threading.Event) -> str:
     """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
     cfg = run.cfg
+    run.session.stop = run.membership.transport.stop = stop  # a round ends within seconds
     for index in range(run.next_round, cfg.rounds):
         if stop.is_set():
             log.info("stopping before round %d: interrupted", index + 1)
             return STOP_INTERRUPTED
         if not _prepare_round(run, index):
             return STOP_NO_PARTICIPANTS
-        outcome = run_round(run.session, run.state, index)
+        try:
+            outcome = run_round(run.session, run.state, index)
+        except RoundAbandoned as abandoned:
+            log.info("%s", abandoned)
+            return STOP_INTERRUPTED
         if outcome is None:
             log.info("round %d not run: budget exhausted", index + 1)
             return STOP_BUDGET
         outcome = _evaluate_round(run, outcome)
         run.outcomes.append(outcome)
         run.next_round = index + 1
-        _notify(run.observers, "round_finished", outcome)
+        run.observers.round_finished(outcome)
         if run.next_round % cfg.training.checkpoint_every == 0:
             _checkpoint(run)
     return STOP_PLANNED
@@ -420,8 +481,8 @@ def _epsilons(run: _Run) -> dict[str, Any]:
     return ledger_epsilons(run.ledger, run.plan.event)
 
 
-def _held_out(run: _Run, which: str, n_tasks: int) -> Any:
-    return held_out_tasks(run.cfg, which, n_tasks)
+def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
+    return run.workload.held_out(which, n_tasks)
 
 
 def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
@@ -429,7 +490,7 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
 
     cfg = run.cfg
     return evaluate(
-        run.model,
+        run.workload.model,
         (run.state.params if params is None else params).detach(),
         tasks,
         inner_steps=cfg.training.eval_inner_steps,
@@ -438,14 +499,6 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
         chunk_size=cfg.training.chunk_size,
         with_pre_adaptation=pre,
     )
-
-
-def _notify(observers: Sequence[RunObserver], method: str, record: Any) -> None:
-    for observer in observers:
-        try:
-            getattr(observer, method)(record)
-        except Exception:  # noqa: BLE001 - a failing sink must never stop a private run
-            log.exception("observer %r failed in %s", observer, method)
 
 
 def _checkpoint(run: _Run) -> None:
@@ -487,7 +540,7 @@ def _run_started(run: _Run) -> RunStarted:
         epsilon_spent_task=fc.epsilon_spent_before if fc else 0.0,
         epsilon_spent_participant=None,
         participants_registered=len(run.registered),
-        metric_name=workload(run.cfg).metric,
+        metric_name=run.workload.metric,
         diagnostics=run.session.diagnostics,
     )
 
@@ -496,11 +549,11 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, pre=True)
-    untrained = _evaluate(run, test_tasks, params=initial_params(run.cfg, run.model)).mean
+    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
     ci = (final.mean - final.ci95, final.mean + final.ci95)
-    _notify(run.observers, "run_finished", RunFinished(
+    run.observers.run_finished(RunFinished(
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), final.mean, ci,
     ))  # fmt: skip
@@ -512,5 +565,13 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
+        coordinates=_coordinates(run),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
+
+
+def _coordinates(run: _Run) -> int:
+    """Noisy values a round of this run releases (the floating-point residual's count)."""
+    from fedmeta.server.outputs import released_coordinates
+
+    return released_coordinates(run.plan, run.session.dim)

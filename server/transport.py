@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class GridTransport:
         self.grid = grid
         self.register_timeout_s = register_timeout_s
         self.round_timeout_s = round_timeout_s
+        #: Set on SIGINT/SIGTERM: a round's wait for replies ends at once (the round is abandoned).
+        self.stop: threading.Event | None = None
 
     # ------------------------------------------------------------------------------ registration
 
@@ -141,6 +144,8 @@ class GridTransport:
                 replies.append(reply)
                 waiting.discard(reply.metadata.reply_to_message_id)
             if not waiting or time.monotonic() >= deadline:
+                break
+            if self.stop is not None and self.stop.is_set():
                 break
             time.sleep(0.05)
         return replies

@@ -39,7 +39,7 @@ import torch
 from fedmeta.metalearning import clip_by_global_norm
 from torch import Tensor
 
-from fedmeta.protocol import GradientReply
+from fedmeta.protocol import GradientReply, ReplyFormat
 
 REASON_WRONG_RUN = "wrong_run"
 REASON_WRONG_ROUND = "wrong_round"
@@ -66,7 +66,7 @@ class Expectation:
     task_ids: tuple[int, ...]
     dim: int
     clip: float | None  # None: a non-private run, nothing is clipped
-    reply_format: str
+    reply_format: ReplyFormat
     tolerance: float = 1e-4  # relative slack before a norm counts as a violation
     clip_bits: bool = False  # adaptive clipping: the reply must carry one bit per task
 
@@ -109,8 +109,31 @@ class RoundReplies:
         return out
 
 
+def _payload(reply: GradientReply, exp: Expectation) -> Rejected | None:
+    """Sizes and dtypes, checked in O(1) before any set or array is built from the reply.
+
+    A reply cannot name more tasks than were requested without repeating or adding one, and only
+    real floating-point arrays are gradients (an integer, boolean, complex, object or text array
+    is malformed whatever its values): so an oversized or ill-typed payload is dropped with
+    bounded memory, never converted.
+    """
+    pid = exp.participant_id
+    if len(reply.task_ids) > len(exp.task_ids):
+        detail = f"{len(reply.task_ids)} task ids for {len(exp.task_ids)} requested"
+        return Rejected(pid, REASON_UNREQUESTED_TASK, detail)
+    for name in ("grads", "grad_sum"):
+        array = getattr(reply, name)
+        if array is not None and not (isinstance(array, np.ndarray) and array.dtype.kind == "f"):
+            got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+            return Rejected(pid, REASON_BAD_SHAPE, f"{name} of {got}, expected floating point")
+    return None
+
+
 def _structure(reply: GradientReply, exp: Expectation) -> Rejected | None:
     pid = exp.participant_id
+    early = _payload(reply, exp)
+    if early is not None:
+        return early
     checks = (
         (reply.run_id != exp.run_id, REASON_WRONG_RUN, f"run {reply.run_id!r}"),
         (reply.round_id != exp.round_id, REASON_WRONG_ROUND, f"round {reply.round_id}"),

@@ -12,13 +12,17 @@ tests). This harness wires the server and the client together in one process; it
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fedmeta.workload import Workload
 
 _QUIET_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -82,7 +86,7 @@ def _report(error: Exception) -> int:
     from fedmeta.accounting import LedgerError
     from fedmeta.metalearning import DataError
     from fedmeta.server.round import TrainingDiverged
-    from fedmeta.server.run import FederationError, PlanError
+    from fedmeta.server.run import FederationError, NoRoundAffordable, PlanError
     from fedmeta.server.rundir import RunDirectoryBusy
     from fedmeta.server.transport import RegistrationError
 
@@ -94,11 +98,12 @@ def _report(error: Exception) -> int:
                  TrainingDiverged)  # fmt: skip
     if isinstance(error, bad_input):
         status, text = exitcodes.BAD_INPUT, str(error)
+    elif isinstance(error, NoRoundAffordable):
+        status, text = exitcodes.BUDGET_EXHAUSTED, str(error)
     elif isinstance(error, RegistrationError | RunDirectoryBusy):
         status, text = exitcodes.UNAVAILABLE, str(error)
     elif isinstance(error, OSError):
-        where = f" {error.filename}" if error.filename else ""
-        status, text = exitcodes.BAD_INPUT, f"cannot write{where}: {error.strerror or error}"
+        status, text = exitcodes.BAD_INPUT, _resource_fault(error)
     else:
         status, text = exitcodes.INTERNAL_ERROR, f"internal error: {type(error).__name__}: {error}"
         if os.environ.get("FEDMETA_DEBUG"):
@@ -107,6 +112,24 @@ def _report(error: Exception) -> int:
             text += " (set FEDMETA_DEBUG=1 for the traceback)"
     print(f"fedmeta simulate: {text}", file=sys.stderr)
     return status
+
+
+#: What to do about a write that failed, by its cause.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _resource_fault(error: OSError) -> str:
+    """One line: the path that could not be written, the system's reason, and what to do."""
+    where = f" {error.filename}" if error.filename else ""
+    text = f"cannot write{where}: {error.strerror or error}"
+    if error.errno in _FULL:
+        return (f"{text}; free space on that file system (the ledger and the last checkpoint "
+                "are intact) and continue with --resume --out DIR, or start again with --out on "
+                "another file system")  # fmt: skip
+    if error.errno in _READ_ONLY:
+        return f"{text}; make that directory writable, or give --out a writable directory"
+    return text
 
 
 def _stop_on_signals(stop: threading.Event) -> Any:
@@ -187,17 +210,27 @@ def main(
     # Everything that can be refused is refused here, once, before Ray or any participant starts.
     with exclusive_run_directory(out):
         refuse_to_overwrite_run(out, resume)
-    check_data(cfg)
+    workload = check_data(cfg)  # the run's workload: built once, here
+    _check_round_fits(cfg, workload)
     if cfg.federation.backend == "inprocess":
         from fedmeta.server.app import execute
         from fedmeta.simulation.local_grid import InProcessGrid
 
         grid = InProcessGrid(cfg.federation.participants)
-        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
-    return _run_ray(cfg, out, resume, stop)
+        return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload)
+    return _run_ray(cfg, out, resume, stop, workload)
 
 
-def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) -> Any:
+def _check_round_fits(cfg: Any, workload: Workload) -> None:
+    """Refuse a configuration whose one round cannot fit in memory (fedmeta/capacity.py)."""
+    from fedmeta.capacity import check_round_fits
+
+    check_round_fits(cfg, sum(p.numel() for p in workload.model.parameters()))
+
+
+def _run_ray(
+    cfg: Any, out: Path, resume: bool, stop: threading.Event | None, workload: Workload
+) -> Any:
     import logging
 
     from fedmeta.client.app import app as client_app
@@ -211,7 +244,8 @@ def _run_ray(cfg: Any, out: Path, resume: bool, stop: threading.Event | None) ->
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
+        holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop,
+                                   workload=workload)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     import warnings

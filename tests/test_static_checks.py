@@ -43,6 +43,9 @@ def installed_layout(root: Path) -> Path:
             (package / entry.name).symlink_to(entry)
     for name in SUBPACKAGES:
         (package / name).symlink_to(REPO / name, target_is_directory=True)
+    # fedmeta.deploy is data (deploy/__init__.py): its module alone, not the scripts beside it.
+    (package / "deploy").mkdir()
+    (package / "deploy" / "__init__.py").symlink_to(REPO / "deploy" / "__init__.py")
     return package
 
 

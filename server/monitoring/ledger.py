@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedmeta.accounting.ledger import UNREADABLE_REASONS
 from fedmeta.server.monitoring.live import FED_LABELS, _finite, _remaining
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,18 +73,7 @@ LEDGER_METRICS: tuple[str, ...] = (
 )
 #: Values of the ``reason`` label of ``fedmeta_ledger_readable``: ``ok``, accounting's reasons for
 #: an unreadable ledger, and ``error`` for anything unexpected (see the exporter's log).
-READ_REASONS: tuple[str, ...] = (
-    "ok",
-    "missing",
-    "cannot_open",
-    "not_sqlite",
-    "not_ledger",
-    "corrupted",
-    "hot_journal",
-    "legacy_wal",
-    "busy",
-    "error",
-)
+READ_REASONS: tuple[str, ...] = ("ok", *UNREADABLE_REASONS, "error")
 _TOTALS_KEPT = 1024  # affordable totals cached (one per distinct history); cleared beyond
 
 
@@ -394,23 +384,7 @@ class LedgerCollector(Collector):
 
     def _run_records(self) -> Iterator[Metric]:
         """Yield the latest ``summary.json`` per federation under the run directories."""
-        latest: dict[str, tuple[float, dict[str, Any]]] = {}
-        for root in self.runs_dirs:
-            if not root.is_dir():
-                continue
-            for path in [
-                root / "summary.json",
-                *root.glob("*/summary.json"),
-                *root.glob("*/*/summary.json"),
-            ]:
-                try:
-                    mtime = path.stat().st_mtime
-                    summary = json.loads(path.read_text())
-                    fed = str(summary["federation_id"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
-                if fed not in latest or mtime > latest[fed][0]:
-                    latest[fed] = (mtime, summary)
+        latest = _latest_summaries(self.runs_dirs)
         labels = (*FED_LABELS, "run")
         fams = {
             "rounds_completed": GaugeMetricFamily(
@@ -466,6 +440,28 @@ class LedgerCollector(Collector):
                 log.exception("closing the ledgers failed")
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._searcher.shutdown(wait=False, cancel_futures=True)
+
+
+def _latest_summaries(runs_dirs: Iterable[Path]) -> dict[str, tuple[float, dict[str, Any]]]:
+    """Federation id -> (mtime, summary) of its newest readable ``summary.json``."""
+    latest: dict[str, tuple[float, dict[str, Any]]] = {}
+    for root in runs_dirs:
+        if not root.is_dir():
+            continue
+        for path in [
+            root / "summary.json",
+            *root.glob("*/summary.json"),
+            *root.glob("*/*/summary.json"),
+        ]:
+            try:
+                mtime = path.stat().st_mtime
+                summary = json.loads(path.read_text())
+                fed = str(summary["federation_id"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if fed not in latest or mtime > latest[fed][0]:
+                latest[fed] = (mtime, summary)
+    return latest
 
 
 def _parse_ts(text: str) -> float:

@@ -323,6 +323,7 @@ class PrometheusRunObserver:
                 gauge.labels(*lab).set(float(value))  # type: ignore[arg-type]
         if r.diagnostics is not None:
             self._diagnostics_of(lab, r.diagnostics)
+            self._withheld_failures(lab, r)
 
     def _diagnostics_of(self, lab: tuple[str, str], d: RoundDiagnostics) -> None:
         """Private diagnostics: present only in non-private runs or on the explicit opt-in."""
@@ -338,6 +339,16 @@ class PrometheusRunObserver:
         for s in d.compute_seconds_per_task:
             if _finite(s):
                 self.compute_seconds.labels(*lab).observe(max(0.0, float(s)))
+
+    def _withheld_failures(self, lab: tuple[str, str], r: RoundOutcome) -> None:
+        """Failures a private run's record leaves out (server/releases.py): a diagnostic here."""
+        d = r.diagnostics
+        assert d is not None
+        for table, released in ((d.failures, r.failures), (d.stray_replies, r.stray_replies)):
+            for reason, n in table.items():
+                extra = n - released.get(reason, 0)
+                if extra > 0:
+                    self.rejected.labels(*lab, str(reason)).inc(extra)
 
     def _run_finished(self, e: RunFinished) -> None:
         lab = (e.federation_id, e.run_id)

@@ -330,6 +330,7 @@ def test_cli_ledger_commands_default_to_the_state_directory_ledger(
 ) -> None:
     """`fedmeta ledger show` without --db reads the ledger `fedmeta simulate` spends from."""
     from fedmeta.cli import main
+
     from fedmeta.paths import default_ledger_path
 
     monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))

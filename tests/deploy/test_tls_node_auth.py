@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fedmeta.cli.deploy_local import free_port
 
 pytestmark = [pytest.mark.deploy, pytest.mark.integration]
 
@@ -35,12 +35,6 @@ def _need(*tools: str) -> None:
     for exe in ("flower-superlink", "flower-supernode", "flwr"):
         if not (BIN / exe).is_file():
             pytest.skip(f"{exe} not beside {sys.executable}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _digest(path: Path) -> str:
@@ -140,7 +134,7 @@ def test_flower_accepts_certificates_and_registered_keys(tmp_path: Path, procs: 
     _need("openssl", "ssh-keygen", "bash")
     certs = tmp_path / "certs"
     _make(certs, "--nodes", "2")
-    port = _free_port()
+    port = free_port()
     home = tmp_path / "home"
     home.mkdir()
     env = dict(os.environ, FLWR_HOME=str(home), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
@@ -183,7 +177,7 @@ def test_flower_accepts_certificates_and_registered_keys(tmp_path: Path, procs: 
             [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
              "--root-certificates", str(certs / "ca.crt"),
              "--auth-supernode-private-key", str(certs / "nodes" / f"participant-{i}.key"),
-             "--port", str(_free_port()), "--node-config", f"participant-id={i}"],
+             "--port", str(free_port()), "--node-config", f"participant-id={i}"],
             env, tmp_path / f"supernode{i}.log",
         )  # fmt: skip
 

@@ -257,7 +257,7 @@ def test_a_checkpoint_of_another_format_says_so(tmp_path: Path) -> None:
 
 def test_dataset_options_reach_the_workload(tmp_path: Path) -> None:
     """The Omniglot options of the config reach the workload package."""
-    from fedmeta.workload import build_model, data_fingerprint, workload
+    from fedmeta.workload import build_workload, data_fingerprint
 
     rng = np.random.default_rng(0)
     for name, chars in (("images_background", 12), ("images_evaluation", 8)):
@@ -270,10 +270,10 @@ def test_dataset_options_reach_the_workload(tmp_path: Path) -> None:
         "dataset.query=1", "dataset.shots=1", "federation.participants=2",
         "sampling.participants_per_round=1",
     ])  # fmt: skip
-    wl = workload(cfg)
+    wl = build_workload(cfg)
     assert wl.splits.train.n_classes == 12 and wl.splits.test.n_classes == 8
     assert sum(wl.task_set.task_counts().values()) == 6
-    blocks = [m for m in build_model(cfg).modules() if hasattr(m, "_norm")]
+    blocks = [m for m in wl.model.modules() if hasattr(m, "_norm")]
     assert blocks and all(m._norm == "group" for m in blocks)
     # The data's identity ignores seed, partition and participants; it follows the files.
     other = load_config(None, [

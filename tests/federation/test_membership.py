@@ -95,8 +95,9 @@ def test_a_dead_node_is_counted_once_then_suspended_until_it_reconnects(tmp_path
 
     grid.handler = handler
     rec = Back()
+    # Non-private: a timeout is released and suspends (a private run: the test below).
     cfg = small("federation.participants=4", "sampling.participants_per_round=4", "rounds=9",
-                "federation.max_consecutive_failures=3")  # fmt: skip
+                "federation.max_consecutive_failures=3", "privacy.enabled=false")  # fmt: skip
     _run(cfg, grid, tmp_path, [rec])
     failed = [r.failures.get("timeout", 0) for r in rec.rounds]
     assert failed[:3] == [1, 1, 1] and sum(failed) == 3  # counted once per round, then not asked
@@ -104,6 +105,28 @@ def test_a_dead_node_is_counted_once_then_suspended_until_it_reconnects(tmp_path
     # Suspended in rounds 4-5, gone in round 6, registered again from round 7.
     assert [r.participants_sampled for r in rec.rounds] == [4, 4, 4, 3, 3, 3, 4, 4, 4]
     assert all(r.participants_failed == 0 for r in rec.rounds[3:])
+
+
+def test_a_private_run_neither_releases_nor_suspends_on_timeouts(tmp_path: Path) -> None:
+    """A timeout can follow the stage-2 count: private, and it never changes who is sampled."""
+    grid = InProcessGrid(4)
+    slow = grid.node_ids[0]
+
+    def handler(msg: Message, ctx: Context) -> Any:
+        if msg.metadata.message_type == P.MSG_TRAIN and ctx.node_id == slow:
+            return None  # never answers in time
+        return client_app(msg, ctx)
+
+    grid.handler = handler
+    rec = Recorder()
+    cfg = small("federation.participants=4", "sampling.participants_per_round=4", "rounds=4",
+                "federation.max_consecutive_failures=2", "federation.round_timeout_s=0.3",
+                "metrics.private_diagnostics=true")  # fmt: skip
+    _run(cfg, grid, tmp_path, [rec])
+    assert [r.participants_suspended for r in rec.rounds] == [0] * 4
+    assert [r.participants_sampled for r in rec.rounds] == [4] * 4
+    assert all(dict(r.failures) == {} and r.participants_failed == 0 for r in rec.rounds)
+    assert all(r.diagnostics and dict(r.diagnostics.failures) == {"timeout": 1} for r in rec.rounds)
 
 
 def test_node_keys_bind_participant_ids(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ Scenarios (one private round each; gradients are 1-D, C = 1):
 * **substitution** (one participant, 1 of 2 tasks without replacement): adding a task to a fixed-
   size sample swaps it for another, moving the sum by 2C. Caught control: z not halved.
 * **lone task** (two participants, everything sampled, the target participant's only task): the
-  participant sends a canary of 5C. Caught controls: re-clipping disabled, noise halved.
+  participant sends a canary of 5C. Caught control: re-clipping disabled. The same canary at
+  z = 2 (delta 1e-2): caught control, noise of half the claimed standard deviation.
 * **count** (one participant, the target's gradient is 0): only the number of tasks differs.
   Caught control: the noisy sum divided by the realised count.
 * **adaptive clipping** (two participants, everything sampled; the target's gradient has norm
@@ -19,9 +20,16 @@ Scenarios (one private round each; gradients are 1-D, C = 1):
   sees only the gradient's ``z_grad`` (the count unaccounted), the count released without noise,
   and (slow only: it needs more trials) the count of bits not centred.
 
-Each check uses the claimed delta of its scenario (the accountant's claim holds for every delta;
-1e-3 gives these trial counts their power). Windows were fixed in advance from the mechanism's
-closed form, not from the samples.
+Each check uses the claimed delta of its scenario (the accountant's claim holds for every delta):
+1e-3, and 1e-2 for the substitution and halved-noise checks, where it gives these trial counts
+more power (at 1e-3 their margins at 6,000 trials were within sampling error of the bar). A
+control is **caught** when the audit's lower bound exceeds the epsilon the broken system claims by
+at least 20% of that claim (:func:`caught`); the honest path must stay below the accountant's
+epsilon. Windows and trial counts were fixed in advance from the mechanism's closed form, by a
+power analysis (the 0.1% quantile of the lower bound over simulated counts at 6,000 trials), not
+from the samples: siblings 2.30 against a bar of 1.77; substitution 2.57 against 1.74; noise
+halved 1.44 against 1.10; the count not centred (slow, 20,000 trials) 4.01 against 3.77; the
+others are caught by more than a whole epsilon.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ from .release_audit import (
 )
 
 DELTA = 1e-3
+LOUD_DELTA = 1e-2  # the substitution and halved-noise checks (see the module docstring)
+#: A control is caught when the audit exceeds its claimed epsilon by this factor.
+CAUGHT = 1.2
 SIBLINGS = GaussianRound(TwoStageFixedScheme(4, 2, 8, 16), 1.0)
 SIBLING_PAIR = Neighbours(
     {"t": [3.0] + [-3.0] * 15, **{f"p{i}": [1.0] * 16 for i in range(3)}},
@@ -59,6 +70,9 @@ SUBSTITUTION = GaussianRound(TwoStageFixedScheme(1, 1, 1, 2), 1.0)
 SUBSTITUTION_PAIR = Neighbours({"t": [2.0, -2.0]}, {"t": [-2.0]})
 LONE = GaussianRound(TwoStagePoissonScheme(2, 2, 1.0), 3.0)
 LONE_CANARY = Neighbours({"t": [5.0], "o": [0.0]}, {"t": [], "o": [0.0]})
+# The halved-noise control's scenario: the lone canary at z = 2 (claims 0.92 at delta 1e-2; with
+# half the noise the mechanism is z = 1, epsilon 3.14 there).
+LOUD = GaussianRound(TwoStagePoissonScheme(2, 2, 1.0), 2.0)
 COUNT = GaussianRound(TwoStagePoissonScheme(1, 1, 1.0), 4.0)
 COUNT_PAIR = Neighbours({"t": [0.0, 1.0]}, {"t": [1.0]})
 
@@ -71,17 +85,23 @@ Z_GRAD = gradient_noise_multiplier(ADAPTIVE.noise_multiplier, COUNT_NOISE)
 WITH, WITHOUT, STDS = (1.0, 1.0), (0.0, 0.5), (Z_GRAD, COUNT_NOISE)
 
 
-def eps(event: GaussianRound) -> float:
-    return epsilon([(event, 1)], DELTA)
+def eps(event: GaussianRound, delta: float = DELTA) -> float:
+    return epsilon([(event, 1)], delta)
+
+
+def caught(bound: float, claim: float) -> bool:
+    """The audit refutes the claim by at least 20% of it (issue 18)."""
+    return bound > CAUGHT * claim
 
 
 def check(trials: int, subtle: int) -> dict[str, float]:
     """Every check; ``subtle`` trials where a control is caught by a small margin."""
     bounds = {
         "siblings": audit(SIBLINGS, SIBLING_PAIR, subtle, (3.0, 9.0), DELTA),
-        "substitution": audit(SUBSTITUTION, SUBSTITUTION_PAIR, subtle, (2.25, float("inf")), DELTA),
+        "substitution": audit(SUBSTITUTION, SUBSTITUTION_PAIR, subtle, (2.0, float("inf")),
+                              LOUD_DELTA),
         "lone canary": audit(LONE, LONE_CANARY, trials, (3.5, float("inf")), DELTA),
-        "lone, noise halved": audit(LONE, LONE_CANARY, subtle, (3.5, float("inf")), DELTA,
+        "lone, noise halved": audit(LOUD, LONE_CANARY, subtle, (2.25, float("inf")), LOUD_DELTA,
                                     noise=HalvedNoise),
         "count": audit(COUNT, COUNT_PAIR, trials, (-float("inf"), -7.0), DELTA,
                        positive_is_without=True),
@@ -96,16 +116,16 @@ def check(trials: int, subtle: int) -> dict[str, float]:
                                                   DELTA, positive_is_without=True)  # fmt: skip
     # The real path stays within the accountant's epsilon.
     assert bounds["siblings"] < eps(SIBLINGS), bounds
-    assert bounds["substitution"] < eps(SUBSTITUTION), bounds
+    assert bounds["substitution"] < eps(SUBSTITUTION, LOUD_DELTA), bounds
     assert bounds["lone canary"] < eps(LONE) and bounds["lone canary, far tail"] < eps(LONE), bounds
     assert bounds["count"] < eps(COUNT), bounds
-    # Each negative control is caught.
-    assert bounds["siblings"] > tombs2022_published_epsilon(SIBLINGS, 1, DELTA) + 0.5, bounds
+    # Each negative control is caught, by at least 20% of what it claims.
+    assert caught(bounds["siblings"], tombs2022_published_epsilon(SIBLINGS, 1, DELTA)), bounds
     unhalved = GaussianRound(FlatPoissonScheme(SUBSTITUTION.scheme.task_rate), 1.0)
-    assert bounds["substitution"] > eps(unhalved) + 0.5, bounds
-    assert bounds["lone, noise halved"] > eps(LONE) + 0.1, bounds
-    assert bounds["lone canary, no re-clip"] > eps(LONE) + 1.0, bounds
-    assert bounds["count, divided by count"] > eps(COUNT) + 1.0, bounds
+    assert caught(bounds["substitution"], eps(unhalved, LOUD_DELTA)), bounds
+    assert caught(bounds["lone, noise halved"], eps(LOUD, LOUD_DELTA)), bounds
+    assert caught(bounds["lone canary, no re-clip"], eps(LONE)), bounds
+    assert caught(bounds["count, divided by count"], eps(COUNT)), bounds
     return bounds
 
 
@@ -130,13 +150,13 @@ def check_adaptive(trials: int, controls: int, *, slow: bool = False) -> dict[st
                 ADAPTIVE, ADAPTIVE_PAIR, trials, (1.8, float("inf")), DELTA, adaptive=on,
                 statistic=uncentred,
             )  # fmt: skip
-        assert bounds["adaptive, count not centred"] > eps(ADAPTIVE) + 0.5, bounds
+        assert caught(bounds["adaptive, count not centred"], eps(ADAPTIVE)), bounds
     # The real path stays within the accountant's epsilon for the total z ...
     assert bounds["adaptive, sum and count"] < eps(ADAPTIVE), bounds
     # ... and shows more than the gradient alone could: the count must be accounted.
     gradient_only = GaussianRound(ADAPTIVE.scheme, Z_GRAD)
-    assert bounds["adaptive, sum and count"] > eps(gradient_only) + 0.5, bounds
-    assert bounds["adaptive, count without noise"] > eps(ADAPTIVE) + 1.0, bounds
+    assert caught(bounds["adaptive, sum and count"], eps(gradient_only)), bounds
+    assert caught(bounds["adaptive, count without noise"], eps(ADAPTIVE)), bounds
     return bounds
 
 

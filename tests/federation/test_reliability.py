@@ -109,10 +109,12 @@ def test_exit_statuses_and_one_line_errors(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr[-2000:]
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["rounds_completed"] >= 1
     # z is calibrated so that the 2 rounds spend the budget; the same data in another directory
-    # then affords nothing (the budget follows the data, not the run): nothing runs, status 3.
+    # then affords nothing (the budget follows the data, not the run): refused before it starts,
+    # one line naming the fix, status 3, nothing written.
     again = _cli("simulate", "--out", str(tmp_path / "c"), *quick, state=state)
     assert again.returncode == 3, again.stderr[-2000:]
-    assert json.loads((tmp_path / "c" / "summary.json").read_text())["rounds_completed"] == 0
+    assert again.stderr.count("\n") == 1 and "the budget affords no round" in again.stderr
+    assert "privacy.noise_multiplier" in again.stderr and not (tmp_path / "c").exists()
     other = tmp_path / "other.toml"
     other.write_text("[privacy]\nepsilon_budget = 5.0\n")
     resumed = _cli("simulate", "--resume", "--out", str(tmp_path / "b"), "--config", str(other),

@@ -156,15 +156,56 @@ def test_each_failure_is_counted_once_with_its_true_reason(tmp_path: Path) -> No
             return reply
         return [client_app(msg, ctx), client_app(msg, ctx)]  # pid 5: a duplicate
 
+    every = {"timeout": 1, "node_unavailable": 1, "error_reply": 1, "wrong_round": 1,
+             "protocol_version": 1}  # fmt: skip
     rec = Recorder()
-    cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3")
-    result = run(cfg, tmp_path, fake_ledger(100.0, 0.1), handler=handler, observers=[rec])
+    cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3",
+                "privacy.enabled=false")  # fmt: skip
+    result = run(cfg, tmp_path / "n", fake_ledger(100.0, 0.1), handler=handler, observers=[rec])
     assert result.summary["rounds_completed"] == 3
     for r in rec.rounds:
-        assert dict(r.failures) == {"timeout": 1, "node_unavailable": 1, "error_reply": 1,
-                                    "wrong_round": 1, "protocol_version": 1}  # fmt: skip
+        assert dict(r.failures) == every
         assert dict(r.stray_replies) == {"duplicate_reply": 1}
         assert (r.participants_sampled, r.participants_replied, r.participants_failed) == (7, 2, 5)
+    # A private run releases only what follows availability (server/releases.py); the rest is a
+    # private diagnostic, here because the run opted in.
+    rec = Recorder()
+    cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3",
+                "metrics.private_diagnostics=true")  # fmt: skip
+    run(cfg, tmp_path / "p", fake_ledger(100.0, 0.1), handler=handler, observers=[rec])
+    for r in rec.rounds:
+        assert dict(r.failures) == {"node_unavailable": 1} and dict(r.stray_replies) == {}
+        assert (r.participants_sampled, r.participants_replied, r.participants_failed) == (7, 6, 1)
+        assert r.diagnostics is not None and dict(r.diagnostics.failures) == every
+        assert dict(r.diagnostics.stray_replies) == {"duplicate_reply": 1}
+        assert r.diagnostics.replies_accepted == 2
+
+
+def test_private_round_pads_then_spends_then_releases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spend's time follows the public minimum (not the round's work), and precedes noise."""
+    ledger = fake_ledger(100.0, 0.1)
+    events: list[str] = []
+    real_pad, real_spend, real_noise = round_mod._pad, ledger.spend, round_mod.noised_sum
+
+    def pad(started: float, minimum: float) -> None:
+        events.append(f"pad {minimum:g}")
+        real_pad(started, minimum)
+
+    def spend(*args: Any, **kw: Any) -> Any:
+        events.append("spend")
+        return real_spend(*args, **kw)
+
+    def noise(total: torch.Tensor, **kw: Any) -> Any:
+        events.append("noise")
+        return real_noise(total, **kw)
+
+    monkeypatch.setattr(round_mod, "_pad", pad)
+    monkeypatch.setattr(ledger, "spend", spend)
+    monkeypatch.setattr(round_mod, "noised_sum", noise)
+    run(small("rounds=2", "federation.round_min_seconds=0.2"), tmp_path, ledger)
+    assert events == ["pad 0.2", "spend", "noise"] * 2
 
 
 def test_every_stage_one_participant_is_contacted_even_without_tasks(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fedmeta.cli.deploy_local import free_port as free_port  # the one helper, re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -37,12 +37,6 @@ def need(tool: str) -> str:
 
 def run(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(
