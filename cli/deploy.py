@@ -82,9 +82,10 @@ def register(subparsers: Any) -> None:
     _register_run(sub)
     _register_participant(sub)
     _register_keys(sub)
-    from fedmeta.cli import deploy_local
+    from fedmeta.cli import deploy_local, deploy_status
 
     deploy_local.register(sub)
+    deploy_status.register(sub, _add_connection_args)
 
 
 # ------------------------------------------------------------------------------------ connection
@@ -409,24 +410,38 @@ def exit_status(outcome: Outcome) -> int:
     return exitcodes.INTERNAL_ERROR
 
 
-def report(outcome: Outcome, status: int) -> None:
-    """What happened and where everything is: stdout, and one line on stderr for a failure."""
+def report(outcome: Outcome, status: int, args: argparse.Namespace | None = None) -> None:
+    """What happened and where everything is: stdout, and one line on stderr for a failure.
+
+    Rounds *spent* (ledger) and rounds *applied* (in the saved model) are counted separately:
+    after a ServerApp crash they differ (deploy_status.run_progress). Only files that exist are
+    named; an unfinished run is followed by the command that resumes it.
+    """
+    from fedmeta.cli.deploy_status import describe_progress, resume_command, run_progress
+
+    out = outcome.out or ""
+    progress = run_progress(out, outcome.ledger)
     if outcome.rounds_completed is not None:
         print(f"run {outcome.run_id}: {outcome.status}; rounds completed "
               f"{outcome.rounds_completed}, stopped: {outcome.stopped_reason}")  # fmt: skip
     else:
         print(f"run {outcome.run_id}: {outcome.status}")
+    for line in describe_progress(progress, out):
+        print(line)
     where = "(on the ServerApp's host)"
-    print(f"outputs {where}: {outcome.out}/summary.json, rounds.csv, checkpoint.pt")
     ledger = outcome.ledger or "privacy.ledger_path, else $FEDMETA_STATE_DIR/ledger.sqlite"
     print(f"ledger {where}: {ledger} (back it up with `fedmeta ledger backup`)")
     if outcome.status != "finished:completed":
         error = f"{outcome.error}: " if outcome.error else ""
         print(f"fedmeta deploy run: {error}{outcome.details or outcome.status} (exit status "
               f"{status})", file=sys.stderr)  # fmt: skip
-    if status == exitcodes.INTERRUPTED:
-        print(f"continue with: fedmeta deploy run --resume --out {outcome.out} (same --config)",
-              file=sys.stderr)  # fmt: skip
+    unfinished = status == exitcodes.INTERRUPTED or outcome.status != "finished:completed"
+    if unfinished and args is not None and status != exitcodes.BAD_INPUT:
+        if progress.visible and "checkpoint.pt" not in progress.files:
+            print("nothing to resume (no checkpoint was written): start a new run with the same "
+                  "command; what was spent stays in the ledger", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"continue with: {resume_command(args, out)}", file=sys.stderr)
 
 
 def _register_run(sub: Any) -> None:
@@ -498,7 +513,7 @@ def _run(args: argparse.Namespace) -> int:
         outcome = read_outcome(env, run_id, status, details, out)
     outcome.ledger = outcome.ledger or cfg.privacy.ledger_path
     code = exit_status(outcome)
-    report(outcome, code)
+    report(outcome, code, args)
     return code
 
 

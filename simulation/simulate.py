@@ -363,12 +363,18 @@ def _run_ray(
                                    workload=workload, observers=observers)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
+    init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False}
+    if cfg.federation.ray_address:
+        # An existing cluster (docs/deploy.md): its nodes offer the resources; every node needs
+        # this fedmeta installed. Flower's backend sizes its actor pool from the cluster's
+        # resources and client_resources, so each participant's share is honoured cluster-wide.
+        init_args["address"] = cfg.federation.ray_address
     backend_config = {
         "client_resources": {
             "num_cpus": cfg.federation.client_num_cpus,
             "num_gpus": cfg.federation.client_num_gpus,
         },
-        "init_args": {"logging_level": "ERROR", "log_to_driver": False},
+        "init_args": init_args,
     }
     run_simulation(
         server_app=server_app,

