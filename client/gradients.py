@@ -43,6 +43,8 @@ def gradient_reply(
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
     from fedmeta.metalearning import per_task_clipped_grads
 
+    from fedmeta.adaptation import inner_kwargs
+
     cfg = Config.model_validate_json(request.config_json)
     dim = int(request.params.shape[0])
     started = time.perf_counter()
@@ -52,8 +54,7 @@ def gradient_reply(
             workload(cfg).model,
             torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32)),
             participant_tasks(cfg, participant_id, data_path).tasks(list(request.task_ids)),
-            inner_steps=cfg.training.inner_steps,
-            inner_lr=cfg.training.inner_lr,
+            **inner_kwargs(cfg.training, evaluation=False),
             first_order=cfg.training.first_order,
             clip=math.inf if request.clip is None else request.clip,
             device=cfg.federation.client_device,
