@@ -107,12 +107,20 @@ def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[s
             yield [*base, *sets, f"privacy.epsilon_budget={eps}"]
 
 
+# Each run's directory (checkpoint, rounds.csv, summary.json, ledger) is kept here so that a
+# result can be re-evaluated later (``fedmeta evaluate --checkpoint``); runs/ is not committed.
+KEEP = REPO / "runs" / "bench-results"
+
+
 def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
-    with tempfile.TemporaryDirectory(prefix="fedmeta-results-") as tmp, out.open("a") as sink:
+    KEEP.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
         for overrides in runs:
-            rec = run_one(config, overrides, Path(tmp))
+            work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=KEEP))
+            rec = run_one(config, overrides, work)
+            rec["run_dir"] = str(work.relative_to(REPO))
             now = datetime.now(UTC).isoformat(timespec="minutes")
             rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
                     "machine": machine}  # fmt: skip

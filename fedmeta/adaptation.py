@@ -3,7 +3,9 @@
 Training and evaluation adapt the same way unless ``training.eval_inner_steps`` /
 ``training.eval_inner_lr`` say otherwise: a meta-model trained for one step and adapted for three
 can be worse than untrained (the 20-way runs of docs/results.md), so a mismatch is a choice the
-summary names, never a silent default. The guards (``inner_grad_clip``, ``inner_step_check``,
+summary names, never a silent one. (The default job's 1 training and 10 test steps is such a
+named mismatch: Finn et al. 2017's sinusoid protocol, kept because it is what was measured.) The
+guards (``inner_grad_clip``, ``inner_step_check``,
 :class:`fedmeta.metalearning.maml.InnerLoop`) are the same at both.
 """
 

@@ -304,8 +304,10 @@ class TrainingConfig(_Section):
     )
     warmup_rounds: int = Field(0, ge=0, le=1_000_000, description="linear warm-up rounds")
     eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
+    # 10: Finn et al. (2017)'s sinusoid protocol (train 1 step, test 10), the default job's measured
+    # setting; a mismatch, which summary.json's `adaptation` states. None = inner_steps (matched).
     eval_inner_steps: int | None = Field(
-        None, ge=0, le=1000, description="test-time adaptation steps; None = inner_steps"
+        10, ge=0, le=1000, description="test-time adaptation steps; None = inner_steps"
     )
     eval_inner_lr: float | None = Field(
         None, gt=0, le=10, description="test-time inner rate; None = inner_lr"

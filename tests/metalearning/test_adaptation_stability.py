@@ -126,8 +126,8 @@ def test_evaluate_reports_median_interval_and_diverged() -> None:
     assert g.ci95_low <= g.mean <= g.ci95_high and g.ci95_low >= 0
 
 
-def test_matched_adaptation_is_the_default() -> None:
-    cfg = TrainingConfig(inner_steps=3, inner_lr=0.1)
+def test_matched_adaptation_unless_the_config_says_otherwise() -> None:
+    cfg = TrainingConfig(inner_steps=3, inner_lr=0.1, eval_inner_steps=None)
     assert inner_kwargs(cfg, evaluation=True) == inner_kwargs(cfg, evaluation=False)
     assert adaptation_summary(cfg)["matched"] is True
     odd = TrainingConfig(inner_steps=1, inner_lr=0.1, eval_inner_steps=10)
