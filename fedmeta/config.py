@@ -315,6 +315,9 @@ class TrainingConfig(_Section):
     inner_grad_clip: float | None = Field(
         None, gt=0, description="L2 bound on each inner-loop gradient (train and test); None = none"
     )
+    zero_head: bool = Field(
+        False, description="N-way models: start the classifier head at zero (Kao et al. 2022)"
+    )
     inner_step_check: bool = Field(
         True, description="keep an inner step only if the support loss does not rise (train/test)"
     )

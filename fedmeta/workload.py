@@ -61,7 +61,8 @@ def initial_params(cfg: Config, model: nn.Module) -> Tensor:
     """Flat float32 initial meta-parameters (a function of the public seed)."""
     from fedmeta.metalearning import flatten_params, init_params
 
-    return flatten_params(init_params(model, cfg.seed)).to(torch.float32).contiguous()
+    params = init_params(model, cfg.seed, zero_head=cfg.training.zero_head)
+    return flatten_params(params).to(torch.float32).contiguous()
 
 
 @functools.lru_cache(maxsize=4)

@@ -133,3 +133,21 @@ def test_matched_adaptation_unless_the_config_says_otherwise() -> None:
     odd = TrainingConfig(inner_steps=1, inner_lr=0.1, eval_inner_steps=10)
     summary = adaptation_summary(odd)
     assert summary["matched"] is False and summary["eval_steps"] == 10 and summary["note"]
+
+
+def test_zero_head_zeroes_only_the_head() -> None:
+    model = ml.ConvNet4(5, in_channels=1, image_size=28)
+    plain = ml.init_params(model, 3)
+    zero = ml.init_params(model, 3, zero_head=True)
+    heads = [n for n in zero if n.startswith("head.")]
+    assert heads and all(not bool(zero[n].any()) for n in heads)
+    assert any(bool(plain[n].any()) for n in heads)
+    assert all(torch.equal(plain[n], zero[n]) for n in zero if not n.startswith("head."))
+    # From a zero head every class is equally likely before adaptation, and one step learns.
+    x = torch.rand(5, 1, 28, 28)
+    y = torch.arange(5)
+    task = Task(x[None], y[None], x[None], y[None])
+    pre = ml.task_scores(model, zero, task, inner_steps=0, device="cpu", method="loop")
+    post = ml.task_scores(model, zero, task, inner_steps=5, inner_lr=0.4, device="cpu",
+                          method="loop")  # fmt: skip
+    assert float(post[0]) > float(pre[0])
