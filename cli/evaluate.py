@@ -122,8 +122,9 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"checkpoint {result['checkpoint']} ({'private' if result['private'] else 'NON-PRIVATE'}, "
         f"{result['rounds']} rounds)",
-        f"held-out test {result['metric']}: {result['mean']:.4f} (95% CI {lo:.4f} .. {hi:.4f}, "
-        f"{result['tasks']} tasks)",
+        f"held-out test {result['metric']}: {result['mean']:.4f} (95% bootstrap CI {lo:.4f} .. "
+        f"{hi:.4f}, median {result['median']:.4f}, {result['tasks']} tasks, "
+        f"{result['diverged_tasks']} diverged)",
     ]
     if "run_errors" in result:
         errors = " ".join(f"{e:.2f}" for e in result["run_errors"])
