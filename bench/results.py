@@ -3,6 +3,8 @@
     python bench/results.py sinusoid  --out results/sinusoid.jsonl     # MSE against epsilon
     python bench/results.py two-stage --out results/two-stage.jsonl    # sampler trade-off
     python bench/results.py plot results/sinusoid.jsonl results/two-stage.jsonl --png docs/img
+    python bench/results.py sinusoid --epsilons 8 --repeats 5 --out results/sinusoid-repeats.jsonl
+    python bench/results.py summary results/sinusoid-repeats.jsonl     # mean, range, ratio
     python bench/results.py plot results/omniglot-5way-cpu*.jsonl --figure omniglot-5way-cpu
     python bench/results.py sinusoid --epsilons 8 --set sampling.participants_per_round=20 ...
     python bench/results.py sinusoid --name omniglot-5way-cpu \
@@ -52,8 +54,9 @@ def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     cfg = load_config(config, sets)
     s = main(cfg, out_dir=work / tag).summary
-    keep = ("metric", "final_metric", "final_metric_ci95", "untrained_metric", "epsilon_spent",
-            "delta", "rounds_completed", "noise_multiplier", "normaliser",
+    keep = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
+            "final_metric_median", "adaptation_diverged_tasks", "adaptation", "untrained_metric",
+            "epsilon_spent", "delta", "rounds_completed", "noise_multiplier", "normaliser",
             "stopped_reason")  # fmt: skip
     return {
         "overrides": [portable(o) for o in overrides],
@@ -118,18 +121,64 @@ def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[s
             yield [*base, *sets, f"privacy.epsilon_budget={eps}"]
 
 
+# Each run's directory (checkpoint, rounds.csv, summary.json, ledger) is kept here so that a
+# result can be re-evaluated later (``fedmeta evaluate --checkpoint``); runs/ is not committed.
+KEEP = REPO / "runs" / "bench-results"
+
+
 def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
-    with tempfile.TemporaryDirectory(prefix="fedmeta-results-") as tmp, out.open("a") as sink:
+    KEEP.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
         for overrides in runs:
-            rec = run_one(config, overrides, Path(tmp))
+            work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=KEEP))
+            rec = run_one(config, overrides, work)
+            rec["run_dir"] = str(work.relative_to(REPO))
             now = datetime.now(UTC).isoformat(timespec="minutes")
             rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
                     "machine": machine}  # fmt: skip
             sink.write(json.dumps(rec) + "\n")
             sink.flush()
             print(json.dumps(rec), flush=True)
+
+
+def summarise(paths: list[Path]) -> list[dict[str, Any]]:
+    """Mean, range and diverged tasks of repeated runs, grouped by experiment and overrides.
+
+    Every run counts: a run whose mean is not finite makes its group's mean not finite (it is
+    reported, not dropped). ``ratio`` is a group's mean over the non-private group's mean of the
+    same experiment (and the same overrides apart from the privacy ones), when there is one.
+    """
+    import statistics
+
+    recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
+    groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    for r in recs:
+        groups.setdefault((r["experiment"], tuple(r["overrides"])), []).append(r)
+    rows = []
+    for (kind, overrides), runs in groups.items():
+        values = [float(r["final_metric"]) for r in runs]
+        rows.append({
+            "experiment": kind, "overrides": list(overrides), "runs": len(values),
+            "mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "values": values,
+            "diverged_tasks": sum(int(r.get("adaptation_diverged_tasks") or 0) for r in runs),
+            "private": runs[0]["epsilon_spent"] is not None,
+        })  # fmt: skip
+    for row in rows:
+        rest = [o for o in row["overrides"] if not o.startswith("privacy.")]
+        base = [
+            b
+            for b in rows
+            if b["experiment"] == row["experiment"]
+            and not b["private"]
+            and [o for o in b["overrides"] if not o.startswith("privacy.")] == rest
+        ]
+        if base and row["private"]:
+            row["ratio_of_means"] = row["mean"] / base[0]["mean"]
+            row["worst_run_ratio"] = row["max"] / base[0]["mean"]
+    return rows
 
 
 def _label(rec: dict[str, Any], with_experiment: bool) -> str:
@@ -190,13 +239,14 @@ def plot(paths: list[Path], png_dir: Path, figure: str | None = None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot"])
+    ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot", "summary"])
     ap.add_argument("inputs", nargs="*", type=Path, help="plot: the JSON-lines files")
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "sinusoid.toml")
     ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an override applied to every run (repeatable)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1, help="run each setting this many times")
     ap.add_argument("--no-baseline", action="store_true", help="sinusoid: skip the non-private run")
     ap.add_argument("--name", default=None, help="the experiment's name in the records and plot")
     ap.add_argument("--figure", default=None, help="plot: every input in one figure of this name")
@@ -206,11 +256,17 @@ def main() -> int:
     if args.experiment == "plot":
         plot(args.inputs, args.png, args.figure)
         return 0
+    if args.experiment == "summary":
+        for row in summarise(args.inputs):
+            print(json.dumps(row))
+        return 0
     if args.experiment == "sinusoid":
         runs = sinusoid_runs(args.epsilons, args.rounds, baseline=not args.no_baseline)
     else:
         runs = two_stage_runs(args.epsilons, args.rounds)
-    plan = ([*args.sets, *sets] for sets in runs)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1; got {args.repeats}")
+    plan = ([*args.sets, *sets] for sets in runs for _ in range(args.repeats))
     record(args.name or args.experiment, plan, args.config.resolve(), args.out)
     return 0
 

@@ -60,6 +60,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from fedmeta.metalearning import evaluate
 
+    from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
     from fedmeta.config import config_from_dict
     from fedmeta.workload import build_workload
@@ -71,17 +72,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     workload = build_workload(cfg)
     model = workload.model
     params = state["params"].to(torch.float32)
-    steps = cfg.training.eval_inner_steps if args.inner_steps is None else args.inner_steps
+    inner = inner_kwargs(cfg.training, evaluation=True)
+    if args.inner_steps is not None:
+        inner["inner_steps"] = args.inner_steps
+    steps = inner["inner_steps"]
     tasks = workload.held_out("test", args.tasks)
-    held_out = evaluate(model, params, tasks, inner_steps=steps, inner_lr=cfg.training.inner_lr,
-                        device="auto", chunk_size=cfg.training.chunk_size)  # fmt: skip
+    held_out = evaluate(model, params, tasks, device="auto", chunk_size=cfg.training.chunk_size,
+                        **inner)  # fmt: skip
     result: dict[str, Any] = {
         "checkpoint": str(args.checkpoint),
         "private": bool(state.get("private")),
         "rounds": int(state.get("next_round", 0)),
         "metric": held_out.metric,
         "mean": held_out.mean,
-        "ci95": [held_out.mean - held_out.ci95, held_out.mean + held_out.ci95],
+        "ci95": [held_out.ci95_low, held_out.ci95_high],
+        "ci95_method": "percentile bootstrap of the mean over test tasks",
+        "median": held_out.median,
+        "diverged_tasks": held_out.diverged,
         "tasks": held_out.n_tasks,
         **privacy_of(state, cfg),
     }
@@ -113,15 +120,17 @@ def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) ->
     from fedmeta.metalearning import evaluate_oneshot_runs, load_oneshot_runs
     from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE
 
+    from fedmeta.adaptation import inner_kwargs
+
     if cfg.dataset.name != "omniglot":
         raise ValueError(
             f"--omniglot-runs needs an Omniglot model; this checkpoint's dataset.name is "
             f"{cfg.dataset.name!r}"
         )
     runs = load_oneshot_runs(path, image_size=cfg.dataset.image_size)
-    scored = evaluate_oneshot_runs(model, params, runs, inner_steps=steps,
-                                   inner_lr=cfg.training.inner_lr,
-                                   image_size=cfg.dataset.image_size)  # fmt: skip
+    inner = {**inner_kwargs(cfg.training, evaluation=True), "inner_steps": steps}
+    scored = evaluate_oneshot_runs(model, params, runs, image_size=cfg.dataset.image_size,
+                                   **inner)  # fmt: skip
     return {
         "run_errors": [float(e) for e in scored.errors],
         "mean_error": float(scored.mean_error),
@@ -137,8 +146,9 @@ def _table(result: dict[str, Any]) -> str:
         guarantee = f"private: epsilon {eps}, delta {result['delta']:g}, {result['neighbouring']}"
     lines = [
         f"checkpoint {result['checkpoint']} ({guarantee}, {result['rounds']} rounds)",
-        f"held-out test {result['metric']}: {result['mean']:.4f} (95% CI {lo:.4f} .. {hi:.4f}, "
-        f"{result['tasks']} tasks)",
+        f"held-out test {result['metric']}: {result['mean']:.4f} (95% bootstrap CI {lo:.4f} .. "
+        f"{hi:.4f}, median {result['median']:.4f}, {result['tasks']} tasks, "
+        f"{result['diverged_tasks']} diverged)",
     ]
     if "run_errors" in result:
         errors = " ".join(f"{e:.2f}" for e in result["run_errors"])

@@ -296,10 +296,13 @@ class TrainingConfig(_Section):
     first_order: bool = False
     # 0.03: of 0.01, 0.02 and 0.03 the best private and non-private sinusoid MSE (docs/results.md).
     meta_lr: float = Field(0.03, gt=0, le=10)
-    optimizer: Literal["adam", "adam_bc", "sgd"] = Field(
+    optimizer: Literal["adam", "adam_bc", "sgd", "adam_floor"] = Field(
         "adam",
         description="adam (DP-MAML's), adam_bc (DP-AdamBC: Adam corrected for the DP noise "
-        "variance), or sgd with momentum",
+        "variance), sgd with momentum, or adam_floor (Adam, eps = adam_noise_floor x noise std)",
+    )
+    adam_noise_floor: float = Field(
+        1.0, ge=0, le=1000, description="adam_floor: eps as a multiple of the noise std"
     )
     momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum, [0, 1)")
     adam_bc_floor: float | None = Field(
@@ -314,7 +317,23 @@ class TrainingConfig(_Section):
     )
     warmup_rounds: int = Field(0, ge=0, le=1_000_000, description="linear warm-up rounds")
     eval_every: int = Field(25, ge=1, le=1_000_000, description="validate every k rounds")
-    eval_inner_steps: int = Field(10, ge=0, le=1000)
+    # 10: Finn et al. (2017)'s sinusoid protocol (train 1 step, test 10), the default job's measured
+    # setting; a mismatch, which summary.json's `adaptation` states. None = inner_steps (matched).
+    eval_inner_steps: int | None = Field(
+        10, ge=0, le=1000, description="test-time adaptation steps; None = inner_steps"
+    )
+    eval_inner_lr: float | None = Field(
+        None, gt=0, le=10, description="test-time inner rate; None = inner_lr"
+    )
+    inner_grad_clip: float | None = Field(
+        None, gt=0, description="L2 bound on each inner-loop gradient (train and test); None = none"
+    )
+    zero_head: bool = Field(
+        False, description="N-way models: start the classifier head at zero (Kao et al. 2022)"
+    )
+    inner_step_check: bool = Field(
+        True, description="keep an inner step only if the support loss does not rise (train/test)"
+    )
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
     chunk_size: int | None = Field(None, ge=1, le=100_000)
 

@@ -63,6 +63,7 @@ class Workload:
     splits: DataSplits | None  # None: the sinusoid has no image splits
     dataset: DatasetConfig
     seed: int
+    zero_head: bool = False  # training.zero_head: the N-way head starts at zero (Kao et al. 2022)
 
     @property
     def higher_is_better(self) -> bool:
@@ -71,7 +72,7 @@ class Workload:
 
     def initial_params(self) -> Tensor:
         """Flat float32 initial meta-parameters (a function of the public seed)."""
-        return _initial_params(self.model, self.seed)
+        return _initial_params(self.model, self.seed, self.zero_head)
 
     def held_out(self, which: HeldOut, n_tasks: int) -> Any:
         """Server-side held-out tasks (batched ``Task``).
@@ -109,13 +110,14 @@ def build_model(cfg: Config) -> nn.Module:
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:
     """Flat float32 initial meta-parameters (a function of the public seed)."""
-    return _initial_params(model, cfg.seed)
+    return _initial_params(model, cfg.seed, cfg.training.zero_head)
 
 
-def _initial_params(model: nn.Module, seed: int) -> Tensor:
+def _initial_params(model: nn.Module, seed: int, zero_head: bool) -> Tensor:
     from fedmeta.metalearning import flatten_params, init_params
 
-    return flatten_params(init_params(model, seed)).to(torch.float32).contiguous()
+    params = init_params(model, seed, zero_head=zero_head)
+    return flatten_params(params).to(torch.float32).contiguous()
 
 
 @functools.lru_cache(maxsize=4)
@@ -151,9 +153,10 @@ def build_workload(cfg: Config) -> Workload:
             k_query=ds.query,
             seed=cfg.seed,
         )
-        return Workload(model, "mse", tasks, None, ds, cfg.seed)
+        return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head)
     splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
-    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed)
+    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed,
+                    cfg.training.zero_head)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)

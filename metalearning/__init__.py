@@ -19,7 +19,10 @@ from fedmeta.metalearning.images import (
 )
 from fedmeta.metalearning.maml import (
     EvalResult,
+    InnerLoop,
+    bootstrap_interval,
     clip_by_global_norm,
+    diverged_tasks,
     evaluate,
     meta_train,
     per_task_clipped_grads,
@@ -54,6 +57,9 @@ __all__ = [
     "DataError",
     "DataSplits",
     "EvalResult",
+    "InnerLoop",
+    "bootstrap_interval",
+    "diverged_tasks",
     "FederatedTaskSet",
     "OneShotResult",
     "OneShotRun",

@@ -82,16 +82,25 @@ def unflatten_params(
     return out
 
 
-def init_params(model: nn.Module, seed: int) -> dict[str, Tensor]:
+def init_params(model: nn.Module, seed: int, *, zero_head: bool = False) -> dict[str, Tensor]:
     """Fresh parameters for ``model`` drawn from a ``torch.Generator`` seeded with ``seed``.
 
     The module's own initialisation uses the global RNG; this does not. Weights use Kaiming-uniform
     fan-in bounds (PyTorch's default layer initialisation), normalisation scales are 1, biases 0.
+    ``zero_head`` zeroes an N-way model's classifier (``head.*``): its class labels are arbitrary
+    per task, so a random head's preference for some labels is noise every task must undo; at zero
+    every class starts equal and the first inner step writes the support features into the head
+    (Kao et al., ICLR 2022, "MAML is a noisy contrastive learner", Sec. 4: the zeroing trick).
+    The other parameters are drawn exactly as without it.
     """
     gen = torch.Generator().manual_seed(int(seed))
     out: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
-        if name.endswith("norm_weight") or ".norm" in name and name.endswith("weight"):
+        if zero_head and name.startswith("head."):
+            if p.ndim > 1:  # draw as usual so that the other parameters do not change
+                torch.rand(p.shape, generator=gen, dtype=p.dtype)
+            t = torch.zeros_like(p)
+        elif name.endswith("norm_weight") or ".norm" in name and name.endswith("weight"):
             t = torch.ones_like(p)
         elif name.endswith("bias"):
             t = torch.zeros_like(p)

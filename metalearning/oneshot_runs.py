@@ -19,6 +19,7 @@ loop of :func:`~metalearning.maml.evaluate` and reports each run's error rate.
 
 from __future__ import annotations
 
+import math
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -237,6 +238,8 @@ def evaluate_oneshot_runs(
     inner_lr: float = 0.4,
     image_size: int = 28,
     device: str | torch.device | None = "auto",
+    inner_grad_clip: float = math.inf,
+    step_check: bool = False,
 ) -> OneShotResult:
     """Error rate of a meta-model on each official run, and their mean.
 
@@ -255,8 +258,9 @@ def evaluate_oneshot_runs(
     _check_model(model, loaded[0].task.support_x)
     tasks = stack_tasks([r.task for r in loaded])
     accuracy = task_scores(
-        model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr, device=device
-    )
+        model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr, device=device,
+        inner_grad_clip=inner_grad_clip, step_check=step_check,
+    )  # fmt: skip
     # Each score is k / 20 in float32: count the misclassified items exactly.
     items = int(tasks.query_y.shape[1])
     errors = tuple(round(float(1 - a) * items) / items for a in accuracy)

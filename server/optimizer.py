@@ -10,6 +10,13 @@ privacy. Three are offered (``training.optimizer``):
   which turns DP-Adam into sign-free DP-SGD when the signal is weaker than the noise. The update
   divides by ``sqrt(max(v_hat - Phi, floor))`` instead of ``sqrt(v_hat) + eps``.
 * ``sgd`` - SGD with (heavy-ball) momentum.
+* ``adam_floor`` - Adam whose ``eps`` is ``training.adam_noise_floor`` times the noise std
+  ``sqrt(Phi)``. Adam's step ``m / (sqrt(v) + eps)`` is about the learning rate on every
+  coordinate whatever the signal: under DP noise ``sqrt(v) ~ sqrt(Phi)`` even where the true
+  gradient is 0, so each coordinate takes a full-size step in a random direction (docs/results.md,
+  the 20-way runs). With ``eps = k sqrt(Phi)`` a noise-only coordinate's step shrinks by about
+  ``1 / (1 + k)``, while a coordinate whose signal is well above the noise keeps Adam's step.
+  Unlike DP-AdamBC's subtraction it cannot divide by a small difference.
 
 The learning rate follows ``training.lr_schedule``: ``constant``, or ``cosine`` decay to
 ``training.lr_min_factor`` of the base rate over the planned rounds, after
@@ -38,6 +45,25 @@ def learning_rate(cfg: TrainingConfig, step: int, planned: int) -> float:
     progress = min((step - cfg.warmup_rounds) / span, 1.0)
     low = base * cfg.lr_min_factor
     return low + (base - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NoiseFloorAdam(torch.optim.Adam):
+    """Adam with ``eps = max(1e-8, factor * sqrt(phi))``; ``phi`` follows the round's noise."""
+
+    def __init__(self, params: Any, lr: float, phi: float, factor: float) -> None:
+        """``phi``: per-coordinate noise variance of the update; ``factor``: k in k sqrt(phi)."""
+        if not (phi >= 0 and factor >= 0):
+            raise ValueError(f"phi and factor must be >= 0; got {phi}, {factor}")
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group["phi"], group["noise_floor_factor"] = phi, factor
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Adam's step after setting each group's eps from its current noise variance."""
+        for group in self.param_groups:
+            group["eps"] = max(1e-8, group["noise_floor_factor"] * math.sqrt(group["phi"]))
+        return super().step(closure)
 
 
 class AdamBC(torch.optim.Optimizer):
@@ -88,5 +114,7 @@ def make_optimizer(
         return torch.optim.Adam([params], lr=cfg.meta_lr)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD([params], lr=cfg.meta_lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adam_floor":
+        return NoiseFloorAdam([params], cfg.meta_lr, noise_variance, cfg.adam_noise_floor)
     floor = cfg.adam_bc_floor if cfg.adam_bc_floor is not None else max(noise_variance, 1e-12)
     return AdamBC([params], lr=cfg.meta_lr, phi=noise_variance, floor=floor)

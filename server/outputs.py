@@ -21,6 +21,7 @@ from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.report import RoundOutcome
 
+from fedmeta.adaptation import adaptation_summary
 from fedmeta.checkpoint import atomic_write_bytes
 from fedmeta.config import Config
 
@@ -169,8 +170,13 @@ def _final_metric(cfg: Config, final: Any, untrained: float) -> dict[str, Any]:
     return {
         "metric": _metric_name(cfg),
         "final_metric": final.mean,
-        "final_metric_ci95": [final.mean - final.ci95, final.mean + final.ci95],
+        # Percentile bootstrap over test tasks: within the metric's range, unlike mean +- 1.96 se.
+        "final_metric_ci95": [final.ci95_low, final.ci95_high],
+        "final_metric_ci95_method": "percentile bootstrap of the mean over test tasks",
         "final_metric_ci95_halfwidth": final.ci95,
+        "final_metric_median": final.median,
+        "adaptation_diverged_tasks": final.diverged,
+        "adaptation": adaptation_summary(cfg.training),
         "final_metric_pre_adaptation": final.pre_adaptation_mean,
         "test_tasks": final.n_tasks,
         "untrained_metric": untrained,
@@ -269,7 +275,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
     ci = s["final_metric_ci95"]
     lines.append(
         f"test {s['metric']} after adaptation: {_e(s['final_metric'], '.4f')} "
-        f"(95% CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, {s['test_tasks']} tasks); "
+        f"(95% bootstrap CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, median "
+        f"{_e(s.get('final_metric_median'), '.4f')}, {s['test_tasks']} tasks, "
+        f"{s.get('adaptation_diverged_tasks')} diverged); "
         f"untrained meta-model: {_e(s['untrained_metric'], '.4f')}"
     )
     if s.get("rounds_lost_on_resume"):

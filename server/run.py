@@ -490,13 +490,14 @@ def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
 def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
     from fedmeta.metalearning import evaluate
 
+    from fedmeta.adaptation import inner_kwargs
+
     cfg = run.cfg
     return evaluate(
         run.workload.model,
         (run.state.params if params is None else params).detach(),
         tasks,
-        inner_steps=cfg.training.eval_inner_steps,
-        inner_lr=cfg.training.inner_lr,
+        **inner_kwargs(cfg.training, evaluation=True),
         device="cpu",
         chunk_size=cfg.training.chunk_size,
         with_pre_adaptation=pre,
@@ -554,7 +555,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
-    ci = (final.mean - final.ci95, final.mean + final.ci95)
+    ci = (final.ci95_low, final.ci95_high)
     run.observers.run_finished(RunFinished(
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), final.mean, ci,

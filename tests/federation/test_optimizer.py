@@ -60,7 +60,7 @@ def test_schedules() -> None:
     assert {learning_rate(constant, t, 10) for t in range(10)} == {0.5}
 
 
-@pytest.mark.parametrize("name", ["adam", "adam_bc", "sgd"])
+@pytest.mark.parametrize("name", ["adam", "adam_bc", "sgd", "adam_floor"])
 def test_state_survives_a_checkpoint(name: str) -> None:
     cfg = load_config(None, [f"training.optimizer={name}"]).training
     one = TrainingState(torch.zeros(4), cfg, noise_variance=0.01, planned_rounds=10)
@@ -103,3 +103,33 @@ def test_adam_bc_steps_at_most_sqrt2_times_adams_by_default() -> None:
         step_bc = (bc.params.detach() - before_bc).abs()
         step_adam = (adam.params.detach() - before_adam).abs()
         assert bool((step_bc <= 2**0.5 * step_adam + 1e-7).all())
+
+
+def test_adam_floor_shrinks_noise_only_steps_and_keeps_signal_steps() -> None:
+    """eps = k * sigma: a coordinate of pure noise moves about 1/(1+k) of Adam's distance, one
+    whose signal dwarfs the noise keeps Adam's step (server/optimizer.py's argument)."""
+    from fedmeta.server.optimizer import NoiseFloorAdam
+
+    gen = torch.Generator().manual_seed(0)  # test data only
+    sigma, steps = 1.0, 2000
+    travelled = {}
+    for name in ("adam", "floor"):
+        p = torch.zeros(400, requires_grad=True)
+        opt = (torch.optim.Adam([p], lr=1e-3) if name == "adam"
+               else NoiseFloorAdam([p], lr=1e-3, phi=sigma**2, factor=3.0))  # fmt: skip
+        path = torch.zeros(400)
+        for _ in range(steps):
+            p.grad = sigma * torch.randn(400, generator=gen)
+            before = p.detach().clone()
+            opt.step()
+            path += (p.detach() - before).abs()
+        travelled[name] = float(path.mean())
+    # With k = 3 a noise-only step is at most 1/(1+3) of sqrt(v)-normalised Adam's, up to the
+    # fluctuation of sqrt(v) around sigma; 0.4 leaves room for that.
+    assert travelled["floor"] < 0.4 * travelled["adam"]
+    strong = torch.zeros(1, requires_grad=True)
+    opt = NoiseFloorAdam([strong], lr=1e-3, phi=1e-8, factor=3.0)  # sigma 1e-4 << signal 1
+    for _ in range(10):
+        strong.grad = torch.ones(1)
+        opt.step()
+    assert float(-strong.detach()) == pytest.approx(10 * 1e-3, rel=1e-3)

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 MODEL_DERIVED_COLUMNS = {"loss", "validation_metric", "clip"}
 MODEL_DERIVED_SUMMARY = {
     "final_metric", "final_metric_ci95", "final_metric_ci95_halfwidth",
-    "final_metric_pre_adaptation",
+    "final_metric_pre_adaptation", "final_metric_median", "adaptation_diverged_tasks",
 }  # fmt: skip
 # A random id; an HMAC under each ledger's random secret salt (independent of the data); a wall
 # clock; a temporary path.
