@@ -630,20 +630,11 @@ def per_task_clipped_grads(
         return c
 
     clipped = per_task_grads(
-        model,
-        params,
-        tasks,
-        inner_steps=inner_steps,
-        inner_lr=inner_lr,
-        first_order=first_order,
-        device=device,
-        chunk_size=chunk_size,
-        method=method,
-        on_chunk=clip_chunk,
-        deterministic=deterministic,
-        inner_grad_clip=inner_grad_clip,
+        model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr,
+        first_order=first_order, device=device, chunk_size=chunk_size, method=method,
+        on_chunk=clip_chunk, deterministic=deterministic, inner_grad_clip=inner_grad_clip,
         step_check=step_check,
-    )
+    )  # fmt: skip
     norms = torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
     assert norms.shape[0] == n
     return clipped, norms

@@ -135,7 +135,8 @@ def test_matched_adaptation_unless_the_config_says_otherwise() -> None:
     assert summary["matched"] is False and summary["eval_steps"] == 10 and summary["note"]
 
 
-def test_zero_head_zeroes_only_the_head() -> None:
+@pytest.mark.parametrize("seed", range(5))
+def test_zero_head_zeroes_only_the_head(seed: int) -> None:
     model = ml.ConvNet4(5, in_channels=1, image_size=28)
     plain = ml.init_params(model, 3)
     zero = ml.init_params(model, 3, zero_head=True)
@@ -144,7 +145,8 @@ def test_zero_head_zeroes_only_the_head() -> None:
     assert any(bool(plain[n].any()) for n in heads)
     assert all(torch.equal(plain[n], zero[n]) for n in zero if not n.startswith("head."))
     # From a zero head every class is equally likely before adaptation, and one step learns.
-    x = torch.rand(5, 1, 28, 28)
+    # Fixed images: with the global RNG the outcome depended on which tests ran before.
+    x = torch.rand(5, 1, 28, 28, generator=torch.Generator().manual_seed(seed))
     y = torch.arange(5)
     task = Task(x[None], y[None], x[None], y[None])
     pre = ml.task_scores(model, zero, task, inner_steps=0, device="cpu", method="loop")
