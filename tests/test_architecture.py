@@ -257,3 +257,18 @@ def test_ci_runs_the_readme_test_command_and_touches_only_its_own() -> None:
     assert not [line for line in code if "pkill" in line or "killall" in line], code
     assert not [line for line in code if "rm " in line and ".venv" in line], code
     assert "FEDMETA_VENV=" in ci and "mktemp -d" in ci
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject's explicit package list names every folder with an ``__init__.py`` (a missing one
+    works from the checkout and fails from a wheel: tests/test_packaging.py)."""
+    import tomllib
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder in ("fedmeta", "deploy", *SUBPACKAGES):
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO).parts
+            found.add(".".join(("fedmeta", *parts[parts[0] == "fedmeta" :])))
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
