@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import InvalidStateError, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -517,12 +518,33 @@ def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...
             if progress is not None:
                 progress(stage, len(done), len(jobs))
         return done
+    _quiet_broken_pool()
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_worker_init) as pool:
         for result in pool.map(fn, *zip(*jobs, strict=True)):
             done.append(result)
             if progress is not None:
                 progress(stage, len(done), len(jobs))
     return done
+
+
+def _quiet_broken_pool() -> None:
+    """Keep the pool's own thread from printing a traceback after Ctrl-C (installed once).
+
+    The workers die on the signal (``_worker_init``); while the pool shuts down, its management
+    thread may try to fail futures the shutdown already cancelled and raise InvalidStateError
+    (a race inside concurrent.futures). That is the interruption, which the command reports once;
+    InvalidStateError is raised by nothing else in a plan.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "_fedmeta_quiet_pool", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not issubclass(args.exc_type, InvalidStateError):
+            previous(args)
+
+    hook._fedmeta_quiet_pool = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def plan(

@@ -73,8 +73,8 @@ def _runnable(cmd: Command) -> str | None:
 def _argv(cmd: Command, short: bool) -> list[str]:
     words = [w.replace("/path/to/omniglot", os.environ.get("FEDMETA_OMNIGLOT_DIR", "")) for w in
              cmd.words]  # fmt: skip
-    if "&&" in words:  # `bash scripts/install.sh && .venv/bin/fedmeta simulate`: the part after
-        words = words[words.index("&&") + 1 :]
+    while "&&" in words:  # `bash scripts/install.sh && . .venv/bin/activate && fedmeta simulate`:
+        words = words[words.index("&&") + 1 :]  # the install and the venv are this test's own
     assert words[0] in ("fedmeta", ".venv/bin/fedmeta"), cmd.line
     argv = [FEDMETA, *words[1:]]
     if short and words[1] == "simulate" and "omniglot" not in cmd.line:

@@ -153,10 +153,14 @@ def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
     for o in outcomes:
         assert o["participants_failed"] == sum(o["failures"].values()), o
         assert o["participants_replied"] + o["participants_failed"] == o["participants_sampled"]
-        assert set(o["failures"]) <= {"timeout", "node_unavailable"}, o
+        # A private run releases availability failures only (server/releases.py): a timeout is a
+        # private diagnostic, and _check_no_private_diagnostics holds none are written.
+        assert set(o["failures"]) <= {"node_unavailable"}, o
         assert not o["stray_replies"], o
         failures += o["participants_failed"]
-    assert failures >= 1, "the killed participant was never asked again"
+    sampled = [o["participants_sampled"] for o in outcomes]
+    # The killed node is seen as gone: counted unavailable, or no longer among those asked.
+    assert failures >= 1 or min(sampled[2:]) < max(sampled[:2]), (sampled, failures)
     # Suspended after MAX_FAILURES in a row, or dropped when its node went away.
     assert failures <= MAX_FAILURES, [o["failures"] for o in outcomes]
 
