@@ -48,12 +48,14 @@ from fedmeta.accounting.planner import (
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
+    UNITS,
     FixedSizeScheme,
     FlatPoissonScheme,
     GaussianRound,
     Scheme,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
+    Unit,
     participant_level_note,
 )
 
@@ -164,7 +166,7 @@ def _add_scheme_args(
     )
     parser.add_argument(
         "--unit",
-        choices=("task", "participant"),
+        choices=UNITS,
         default="task",
         help="privacy unit (default task)",
     )
@@ -422,7 +424,7 @@ def _compare_rows(
     poisson = TwoStagePoissonScheme(args.participants, args.participants_per_round, q2)
     eta = fixed.largest_inclusion_probability
     cap = args.max_tasks_per_participant or n2
-    designs: list[tuple[str, GaussianRound, str]] = [
+    designs: list[tuple[str, GaussianRound, Unit]] = [
         (
             f"flat Poisson over all tasks, q={eta:g}",
             GaussianRound(FlatPoissonScheme(eta), z, None, rel),

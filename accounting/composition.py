@@ -117,11 +117,12 @@ from fedmeta.accounting.schemes import (
     Neighbouring,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
+    Unit,
 )
 from scipy import fft, signal
 
 Method: TypeAlias = Literal["pld", "rdp"]
-METHODS: tuple[str, ...] = ("pld", "rdp")
+METHODS: tuple[Method, ...] = ("pld", "rdp")
 RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
 #: ``add_remove``: Poisson-subsampled Gaussian pair, remove and add PLDs; ``replace``: the symmetric
 #: REPLACE pair of Poisson sampling; ``wor_replace``: the symmetrised pair of sampling without
@@ -158,12 +159,12 @@ def _check_delta(delta: float) -> None:
         raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
 
 
-def _check_unit(unit: str) -> None:
+def _check_unit(unit: object) -> None:
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}; got {unit!r}")
 
 
-def _check_method(method: str) -> None:
+def _check_method(method: object) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
 
@@ -231,7 +232,7 @@ def _check_noise(z: float) -> None:
         raise ValueError(f"noise_multiplier must be in [{low:g}, {high:g}]; got {z!r}")
 
 
-def round_components(event: GaussianRound, unit: str = "task") -> RoundModel:
+def round_components(event: GaussianRound, unit: Unit = "task") -> RoundModel:
     """Return the dominating pair of one round of ``event`` (derived in the module docstring)."""
     _check_unit(unit)
     scheme = event.scheme
@@ -703,7 +704,7 @@ def _composed_on(groups: ModelGroups, grid: float) -> tuple[_Pmf, ...]:
     return result
 
 
-def _model_groups(rounds: RoundGroups, unit: str) -> ModelGroups:
+def _model_groups(rounds: RoundGroups, unit: Unit) -> ModelGroups:
     """Validated groups as ``(RoundModel, count)``, rounds with the same pair merged."""
     merged: dict[RoundModel, int] = {}
     for event, count in _check_groups(rounds):
@@ -726,7 +727,7 @@ def _check_discretization(discretization: float) -> None:
 
 
 def round_pld(
-    event: GaussianRound, unit: str = "task", *, discretization: float = DEFAULT_DISCRETIZATION
+    event: GaussianRound, unit: Unit = "task", *, discretization: float = DEFAULT_DISCRETIZATION
 ) -> _PLD:
     """The pessimistic PLD of one round, on ``discretization`` or the finest coarser grid that fits.
 
@@ -736,7 +737,7 @@ def round_pld(
 
 
 def composed_pld(
-    rounds: RoundGroups, unit: str = "task", *, discretization: float = DEFAULT_DISCRETIZATION
+    rounds: RoundGroups, unit: Unit = "task", *, discretization: float = DEFAULT_DISCRETIZATION
 ) -> _PLD | None:
     """PLD of all rounds (identical rounds self-composed by count), or None for no rounds.
 
@@ -871,7 +872,9 @@ def _rdp_delta(groups: ModelGroups, epsilon_value: float) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def _groups_epsilon(groups: ModelGroups, delta: float, method: str, discretization: float) -> float:
+def _groups_epsilon(
+    groups: ModelGroups, delta: float, method: Method, discretization: float
+) -> float:
     if not groups:
         return 0.0
     rdp = _rdp_epsilon(groups, delta)
@@ -888,8 +891,8 @@ def _groups_epsilon(groups: ModelGroups, delta: float, method: str, discretizati
 def epsilon(
     rounds: RoundGroups,
     delta: float,
-    unit: str = "task",
-    method: str = "pld",
+    unit: Unit = "task",
+    method: Method = "pld",
     *,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
@@ -910,7 +913,7 @@ def epsilon(
 def pld_delta(
     rounds: RoundGroups,
     epsilon_value: float,
-    unit: str = "task",
+    unit: Unit = "task",
     *,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
@@ -979,7 +982,7 @@ def _check_target(name: str, value: object, *, allow_zero: bool) -> float:
 
 
 def _check_calibration(
-    rounds: int, target_epsilon: float, delta: float, unit: str, method: str, tolerance: float
+    rounds: int, target_epsilon: float, delta: float, unit: Unit, method: Method, tolerance: float
 ) -> tuple[int, float]:
     """:func:`calibrate_noise_multiplier`'s arguments checked: ``(rounds, target)``."""
     _check_delta(delta)
@@ -999,11 +1002,11 @@ def calibrate_noise_multiplier(
     rounds: int,
     target_epsilon: float,
     delta: float,
-    unit: str = "task",
+    unit: Unit = "task",
     *,
     max_tasks_per_participant: int | None = None,
     neighbouring: Neighbouring = ADD_REMOVE,
-    method: str = "pld",
+    method: Method = "pld",
     relative_tolerance: float = 1e-3,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
@@ -1017,7 +1020,7 @@ def calibrate_noise_multiplier(
         rounds, target_epsilon, delta, unit, method, relative_tolerance
     )
 
-    def eps_at(z: float, how: str) -> float:
+    def eps_at(z: float, how: Method) -> float:
         event = GaussianRound(scheme, z, max_tasks_per_participant, neighbouring)
         return epsilon([(event, rounds)], delta, unit, how, discretization=discretization)
 
@@ -1117,10 +1120,10 @@ def max_rounds(
     event: GaussianRound,
     epsilon_budget: float,
     delta: float,
-    unit: str = "task",
+    unit: Unit = "task",
     *,
     prior: RoundGroups = (),
-    method: str = "pld",
+    method: Method = "pld",
     limit: int = MAX_ROUNDS_LIMIT,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> int:
@@ -1151,9 +1154,9 @@ def max_rounds(
         merged[model] += extra
         return tuple(sorted(((m, c) for m, c in merged.items() if c), key=lambda kv: repr(kv[0])))
 
-    cache: dict[tuple[int, str], float] = {}
+    cache: dict[tuple[int, Method], float] = {}
 
-    def eps_of(extra: int, how: str) -> float:
+    def eps_of(extra: int, how: Method) -> float:
         if (extra, how) not in cache:
             cache[(extra, how)] = _groups_epsilon(groups_at(extra), delta, how, discretization)
         return cache[(extra, how)]

@@ -71,6 +71,7 @@ from fedmeta.accounting.adaptive import gradient_noise_multiplier
 from fedmeta.accounting.composition import (
     DEFAULT_DISCRETIZATION,
     MAX_ROUNDS_LIMIT,
+    Method,
     calibrate_noise_multiplier,
     epsilon,
 )
@@ -428,7 +429,7 @@ def design_candidate(
 class _Precision:
     """How one calibration is done: the accountant, its grid and tolerance; exact or screening."""
 
-    method: str
+    method: Method
     discretization: float
     exact: bool
 
@@ -551,7 +552,7 @@ def plan(
     request: PlanRequest,
     *,
     top: int = 10,
-    method: str = "pld",
+    method: Method = "pld",
     discretization: float = DEFAULT_DISCRETIZATION,
     workers: int = 1,
     progress: Progress | None = None,

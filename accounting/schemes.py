@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 Unit: TypeAlias = Literal["task", "participant"]
-UNITS: tuple[str, ...] = ("task", "participant")
+UNITS: tuple[Unit, ...] = ("task", "participant")
 
 #: The neighbouring relation a guarantee is stated for. ``add_remove``: one task is added to or
 #: removed from a participant's data (per-participant task counts are private). ``replace_one``: one
@@ -24,7 +24,17 @@ UNITS: tuple[str, ...] = ("task", "participant")
 Neighbouring: TypeAlias = Literal["add_remove", "replace_one"]
 ADD_REMOVE: Neighbouring = "add_remove"
 REPLACE_ONE: Neighbouring = "replace_one"
-NEIGHBOURING_RELATIONS: tuple[str, ...] = (ADD_REMOVE, REPLACE_ONE)
+NEIGHBOURING_RELATIONS: tuple[Neighbouring, ...] = (ADD_REMOVE, REPLACE_ONE)
+
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def one_of(name: str, value: object, allowed: tuple[_Choice, ...]) -> _Choice:
+    """``value`` as one of ``allowed``, for values read from JSON or a file (narrowed once)."""
+    for choice in allowed:
+        if value == choice:
+            return choice
+    raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
@@ -278,7 +288,9 @@ class GaussianRound:
             noise_multiplier=data["noise_multiplier"],
             max_tasks_per_participant=data.get("max_tasks_per_participant"),
             # Records written before the relation was recorded were all add/remove.
-            neighbouring=data.get("neighbouring", ADD_REMOVE),
+            neighbouring=one_of(
+                "neighbouring", data.get("neighbouring", ADD_REMOVE), NEIGHBOURING_RELATIONS
+            ),
         )
 
 

@@ -15,7 +15,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
@@ -237,7 +237,11 @@ def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[s
     }
 
 
-def _metric_name(cfg: Config) -> str:
+#: The held-out metric a summary reports: regression error or classification accuracy.
+MetricName: TypeAlias = Literal["mse", "accuracy"]
+
+
+def _metric_name(cfg: Config) -> MetricName:
     return "mse" if cfg.dataset.name == "sinusoid" else "accuracy"
 
 

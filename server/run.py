@@ -28,13 +28,14 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fedmeta.accounting import (
     BudgetLedger,
     InsecureSeededSource,
     LedgerCheckpoint,
+    LedgerMode,
     SystemRandomSource,
     TwoStageSampler,
     resolve_federation,
@@ -132,9 +133,7 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     (server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger refuses the other
     mode.
     """
-    mode: Literal["secure", "insecure"] = (
-        "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
-    )
+    mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
     path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
     path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
     ensure_directory(path)  # one line naming the path if read-only or full (issue 21)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from fedmeta.accounting.composition import (
     MAX_ROUNDS_LIMIT,
+    Method,
     _check_delta,
     _check_unit,
     epsilon,
@@ -55,6 +56,8 @@ from fedmeta.accounting.ledger.storage import (
 )
 from fedmeta.accounting.schemes import (
     GaussianRound,
+    Neighbouring,
+    Unit,
 )
 
 # --------------------------------------------------------------------------------- affordable
@@ -65,7 +68,7 @@ def affordable_rounds(
     event: GaussianRound,
     epsilon_budget: float,
     delta: float,
-    unit: str = "task",
+    unit: Unit = "task",
 ) -> int:
     """How many more rounds like ``event`` fit in the budget after ``groups`` (exact under PLD).
 
@@ -101,9 +104,9 @@ class BudgetLedger(LedgerHistory):
         epsilon_budget: float | None = None,
         delta: float | None = None,
         *,
-        unit: str = "task",
+        unit: Unit = "task",
         create: bool = True,
-        neighbouring: str | None = None,
+        neighbouring: Neighbouring | None = None,
         mode: LedgerMode = "secure",
         participants: Sequence[Participant] | None = None,
     ) -> BudgetLedger:
@@ -168,7 +171,7 @@ class BudgetLedger(LedgerHistory):
         order = {r.event: i for i, r in reversed(list(enumerate(self._records)))}
         return sorted(counts, key=lambda ec: order.get(ec[0], -1))
 
-    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
+    def epsilon(self, unit: Unit | None = None, method: Method = "pld") -> float:
         """Epsilon spent so far at the ledger's delta: the maximum over participants.
 
         Recomputed from the records: each participant's rounds composed (PLD or RDP), once per
@@ -177,7 +180,7 @@ class BudgetLedger(LedgerHistory):
         self._catch_up()
         return self._worst(unit or self.unit, method)[1]
 
-    def participants(self, unit: str | None = None) -> list[ParticipantExposure]:
+    def participants(self, unit: Unit | None = None) -> list[ParticipantExposure]:
         """Every participant of the federation with its own rounds and epsilon, by name.
 
         The operator's table: private like the ledger itself.
@@ -192,14 +195,14 @@ class BudgetLedger(LedgerHistory):
             out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
         return sorted(out, key=lambda p: (p.name, p.key))
 
-    def _composed(self, counts: Multiset, unit: str, method: str) -> float:
+    def _composed(self, counts: Multiset, unit: Unit, method: Method) -> float:
         """Epsilon of one participant's rounds (cached per distinct multiset)."""
         key = (counts, unit, method)
         if key not in self._epsilons:
             self._epsilons[key] = epsilon(list(counts), self.delta, unit, method)
         return self._epsilons[key]
 
-    def _worst(self, unit: str, method: str) -> tuple[Multiset, float]:
+    def _worst(self, unit: Unit, method: Method) -> tuple[Multiset, float]:
         """The most exposed participant's rounds and epsilon, over every participant."""
         worst: tuple[Multiset, float] = ((), 0.0)
         for sig in self._exposure.signatures(None):

@@ -22,6 +22,8 @@ from fedmeta.accounting.ledger.records import (
 )
 from fedmeta.accounting.schemes import (
     GaussianRound,
+    Neighbouring,
+    Unit,
 )
 
 # ------------------------------------------------------------------------------------ hashing
@@ -39,9 +41,9 @@ def _genesis_hash(
     federation_id: str,
     budget: float,
     delta: float,
-    unit: str,
+    unit: Unit,
     created: str,
-    neighbouring: str | None,
+    neighbouring: Neighbouring | None,
 ) -> str:
     data: dict[str, Any] = {
         "federation_id": federation_id,

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from fedmeta.accounting.composition import Method
 from fedmeta.accounting.ledger.anchor import LedgerRolledBack, accept_command, accepted
 from fedmeta.accounting.ledger.chain import (
     _genesis_hash,
@@ -30,6 +31,7 @@ from fedmeta.accounting.ledger.records import (
     LedgerCorrupted,
     LedgerError,
     LedgerInfo,
+    LedgerMode,
     LedgerReplaced,
     Participant,
     SpendRecord,
@@ -46,10 +48,13 @@ from fedmeta.accounting.ledger.storage import (
     _reading,
     _Registration,
     _registration,
+    _stored_mode,
 )
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     GaussianRound,
+    Neighbouring,
+    Unit,
 )
 
 
@@ -71,12 +76,12 @@ class LedgerHistory:
         self._conn = conn
         self.path = path
         self.ledger_id: str | None = meta.get("ledger_id")
-        self.mode: str | None = meta.get("mode")
+        self.mode: LedgerMode | None = _stored_mode(path, meta)
         self.federation_id = federation_id
         self.epsilon_budget = registration.epsilon_budget
         self.delta = registration.delta
         self.unit = registration.unit
-        self.neighbouring: str = registration.neighbouring or ADD_REMOVE
+        self.neighbouring: Neighbouring = registration.neighbouring or ADD_REMOVE
         self.readonly = readonly
         self._identity = identity
         self._genesis = _genesis_hash(
@@ -96,7 +101,7 @@ class LedgerHistory:
         self._cohort: tuple[str, frozenset[str]] | None = None
         self._pending: Sequence[Participant] | None = None
         self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
-        self._epsilons: dict[tuple[Multiset, str, str], float] = {}
+        self._epsilons: dict[tuple[Multiset, Unit, Method], float] = {}
 
     @classmethod
     def open_readonly(cls, path: str | Path, federation_id: str) -> Self:
@@ -117,7 +122,7 @@ class LedgerHistory:
                 if check != "ok":
                     raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
                 meta = _read_meta(conn)
-                row = _registration(conn, federation_id)
+                row = _registration(conn, path, federation_id)
                 if row is None:
                     known = [
                         str(r[0]) for r in conn.execute("SELECT federation_id FROM federations")
@@ -160,7 +165,7 @@ class LedgerHistory:
             ledger_id=meta.get("ledger_id"),
             # meta is append-only: a migrated ledger says so by the per-participant marker
             schema_version=3 if PER_PARTICIPANT in meta else int(meta.get("schema_version", "1")),
-            mode=meta.get("mode"),
+            mode=_stored_mode(path, meta),
             created_at=meta.get("created_at"),
             federations=feds,
         )

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from fedmeta.accounting.composition import Method
 from fedmeta.accounting.ledger.records import (
     SpendRecord,
 )
 from fedmeta.accounting.schemes import (
     GaussianRound,
+    Neighbouring,
+    Unit,
 )
 
 # ----------------------------------------------------------------------------- the protocol
@@ -51,12 +54,12 @@ class Ledger(Protocol):
         ...
 
     @property
-    def unit(self) -> str:
+    def unit(self) -> Unit:
         """The enforced privacy unit, ``task`` or ``participant``."""
         ...
 
     @property
-    def neighbouring(self) -> str:
+    def neighbouring(self) -> Neighbouring:
         """The neighbouring relation every recorded round is stated for."""
         ...
 
@@ -72,7 +75,7 @@ class Ledger(Protocol):
         """Records grouped by identical event, ``[(event, count)]``."""
         ...
 
-    def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
+    def epsilon(self, unit: Unit | None = None, method: Method = "pld") -> float:
         """Epsilon spent so far at ``delta``."""
         ...
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from fedmeta.accounting.schemes import (
     GaussianRound,
+    one_of,
 )
 
 SCHEMA_VERSION = 3
 LedgerMode: TypeAlias = Literal["secure", "insecure"]
-LEDGER_MODES: tuple[str, ...] = ("secure", "insecure")
+LEDGER_MODES: tuple[LedgerMode, ...] = ("secure", "insecure")
 #: Why a ledger could not be read: a bounded set, used as a metric label by the exporter.
 UNREADABLE_REASONS: tuple[str, ...] = (
     "missing",
@@ -79,6 +80,23 @@ class LedgerCorrupted(LedgerUnreadable):
     """The ledger file failed its integrity check; it is never silently reset."""
 
     reason = "corrupted"
+
+
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def stored_choice(where: str, name: str, value: object, allowed: tuple[_Choice, ...]) -> _Choice:
+    """``value``, read back from a ledger file, as one of ``allowed`` (narrowed once, here).
+
+    Every closed-set value a ledger stores was checked before it was written, so anything else
+    means the file was edited or written by a newer fedmeta: ``LedgerCorrupted``, one line.
+    """
+    try:
+        return one_of(f"stored {name}", value, allowed)
+    except ValueError as error:
+        raise LedgerCorrupted(
+            f"{where}: {error}; the file was edited or written by a newer fedmeta"
+        ) from None
 
 
 class LedgerReplaced(LedgerError):
@@ -170,7 +188,7 @@ class LedgerInfo:
     path: Path
     ledger_id: str | None
     schema_version: int
-    mode: str | None
+    mode: LedgerMode | None
     created_at: str | None
     federations: tuple[str, ...]
 

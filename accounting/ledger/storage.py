@@ -6,7 +6,7 @@ import os
 import sqlite3
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,11 +25,15 @@ from fedmeta.accounting.ledger.records import (
     LedgerReadOnly,
     LedgerUnreadable,
     NotALedger,
+    stored_choice,
 )
 from fedmeta.accounting.randomness import SystemRandomSource
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
+    UNITS,
+    Neighbouring,
+    Unit,
 )
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -316,6 +320,12 @@ def _read_meta(conn: sqlite3.Connection) -> dict[str, str]:
     return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
 
 
+def _stored_mode(path: Path, meta: Mapping[str, str]) -> LedgerMode | None:
+    """The meta table's mode, checked; ``None`` for a schema-1 ledger, which recorded none."""
+    mode = meta.get("mode")
+    return None if mode is None else stored_choice(f"ledger {path}", "mode", mode, LEDGER_MODES)
+
+
 def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None) -> dict[str, str]:
     """Create or migrate the schema and the identity; check the mode. Returns the meta table.
 
@@ -418,9 +428,9 @@ class _Registration:
 
     epsilon_budget: float
     delta: float
-    unit: str
+    unit: Unit
     created_at: str
-    neighbouring: str | None  # None: schema 1, all add/remove
+    neighbouring: Neighbouring | None  # None: schema 1, all add/remove
 
 
 def _register(
@@ -429,13 +439,13 @@ def _register(
     federation_id: str,
     epsilon_budget: float | None,
     delta: float | None,
-    unit: str,
-    neighbouring: str | None,
+    unit: Unit,
+    neighbouring: Neighbouring | None,
     create: bool,
 ) -> _Registration:
     """The federation's row, inserted first if it is new (and ``create`` allows it)."""
     with _immediate(conn):
-        row = _registration(conn, federation_id)
+        row = _registration(conn, path, federation_id)
         if row is not None:
             return row
         if not create or epsilon_budget is None or delta is None:
@@ -458,7 +468,7 @@ def _register(
         return row
 
 
-def _registration(conn: sqlite3.Connection, federation_id: str) -> _Registration | None:
+def _registration(conn: sqlite3.Connection, path: Path, federation_id: str) -> _Registration | None:
     columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(federations)")}
     # A schema-1 ledger read without migrating (read-only) has no relation column.
     relation = "neighbouring" if "neighbouring" in columns else "NULL"
@@ -469,12 +479,15 @@ def _registration(conn: sqlite3.Connection, federation_id: str) -> _Registration
     ).fetchone()
     if row is None:
         return None
+    where = f"ledger {path}, federation {federation_id!r}"
     return _Registration(
         float(row[0]),
         float(row[1]),
-        str(row[2]),
+        stored_choice(where, "unit", row[2], UNITS),
         str(row[3]),
-        None if row[4] is None else str(row[4]),
+        None
+        if row[4] is None
+        else stored_choice(where, "neighbouring", row[4], NEIGHBOURING_RELATIONS),
     )
 
 
@@ -483,8 +496,8 @@ def _check_registration(
     row: _Registration,
     epsilon_budget: float | None,
     delta: float | None,
-    unit: str,
-    neighbouring: str | None,
+    unit: Unit,
+    neighbouring: Neighbouring | None,
 ) -> None:
     """A federation's budget, delta, unit and relation are fixed when it is registered."""
     for name, given, stored in (

@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fedmeta.accounting.ledger import UNREADABLE_REASONS
 from fedmeta.server.monitoring.live import FED_LABELS, _finite, _remaining
@@ -48,8 +48,14 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from fedmeta.accounting import BudgetLedger, GaussianRound
+    from fedmeta.accounting.schemes import Unit
 
 log = logging.getLogger("fedmeta.metrics")
+
+#: What the rounds still affordable depend on: budget, delta, unit, the other rounds, the event.
+_TotalsKey: TypeAlias = tuple[
+    float, float, "Unit", tuple[tuple["GaussianRound", int], ...], "GaussianRound"
+]
 
 #: Exporter (ledger) metric names.
 LEDGER_METRICS: tuple[str, ...] = (
@@ -141,7 +147,7 @@ class LedgerCollector(Collector):
         self._last_problem: dict[str, str] = {}
         # Shared with the search thread.
         self._totals_lock = threading.Lock()
-        self._totals: dict[tuple[Any, ...], int | None] = {}
+        self._totals: dict[_TotalsKey, int | None] = {}
 
     def describe(self) -> list[Metric]:
         """Describe nothing up front (an unchecked collector)."""
@@ -280,7 +286,7 @@ class LedgerCollector(Collector):
         return float(max(0, total - counts.get(event, 0)))
 
     # ------------------------------------------------------------ on the search thread only
-    def _search(self, key: tuple[Any, ...]) -> None:
+    def _search(self, key: _TotalsKey) -> None:
         from fedmeta.accounting import affordable_rounds
 
         budget, delta, unit, base, event = key

@@ -126,6 +126,49 @@ def test_tampering_is_detected_on_open(tmp_path: Path, sql: str, message: str) -
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("table", "sql", "message"),
+    [
+        (
+            "federations",
+            "UPDATE federations SET unit = 'household'",
+            r"federation 'fed': stored unit must be one of \('task', 'participant'\); "
+            "got 'household'",
+        ),
+        (
+            "federations",
+            "UPDATE federations SET neighbouring = 'swap'",
+            r"federation 'fed': stored neighbouring must be one of .*; got 'swap'",
+        ),
+        (
+            "meta",
+            "UPDATE meta SET value = 'lax' WHERE key = 'mode'",
+            r"stored mode must be one of \('secure', 'insecure'\); got 'lax'",
+        ),
+    ],
+)
+def test_unknown_stored_choice_is_corruption(
+    tmp_path: Path, table: str, sql: str, message: str
+) -> None:
+    # A closed-set value read back from the file is checked once, where it is read: a value no
+    # fedmeta writes is corruption (one line naming the ledger), never carried on as a string.
+    db = tmp_path / "l.db"
+    with BudgetLedger.open(db, "fed", 2.0, 1e-6) as ledger:
+        ledger.spend(ROUND, "r", 0)
+    conn = sqlite3.connect(db)
+    conn.execute(f"DROP TRIGGER {table}_append_only_update")
+    conn.execute(sql)
+    conn.commit()
+    conn.close()
+    with pytest.raises(LedgerCorrupted, match=message) as refused:
+        BudgetLedger.open_readonly(db, "fed")
+    assert str(db) in str(refused.value) and "\n" not in str(refused.value)
+    if table == "meta":
+        with pytest.raises(LedgerCorrupted, match=message):
+            BudgetLedger.describe(db)
+
+
+@pytest.mark.unit
 def test_append_only_triggers_and_garbage_file(tmp_path: Path) -> None:
     db = tmp_path / "l.db"
     with BudgetLedger.open(db, "fed", 2.0, 1e-6) as ledger:
