@@ -20,8 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-#: Exit statuses of the conventions handled here (the values of fedmeta.exitcodes).
-_USAGE, _INTERRUPTED = 2, 130
+from fedmeta import exitcodes
 
 
 def _version() -> str:
@@ -43,7 +42,8 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # noqa: D102
         hint = _did_you_mean(self, message)
-        self.exit(_USAGE, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+        line = f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n"
+        self.exit(exitcodes.BAD_INPUT, line)
 
 
 def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
     except KeyboardInterrupt:
         print(f"\n{_command(argv)}: interrupted", file=sys.stderr)
-        return _INTERRUPTED
+        return exitcodes.INTERRUPTED
     except BrokenPipeError:
         # The reader has what it wanted (`| head`): nothing more to say, and nothing failed.
         _quiet_stdout()

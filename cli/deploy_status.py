@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta import exitcodes
+from fedmeta.paths import LEDGER_NAME, STATE_DIR_ENV
 
 #: What a run's output directory may hold, in the order the summary lists them.
 OUTPUT_FILES = ("summary.json", "rounds.csv", "checkpoint.pt")
@@ -148,11 +149,11 @@ def register(sub: Any, add_connection_args: Any) -> None:
     )  # fmt: skip
     add_connection_args(p, "Control API (the server host's own)")
     env = os.environ.get
-    state = env("FEDMETA_STATE_DIR")
+    state = env(STATE_DIR_ENV)
     p.add_argument("--node-keys", type=Path, default=env("FEDMETA_NODE_KEYS") or None,
                    help="[federation.node_keys] TOML: show which participant each key is bound "
                    "to (default $FEDMETA_NODE_KEYS)")  # fmt: skip
-    p.add_argument("--db", type=Path, default=Path(state, "ledger.sqlite") if state else None,
+    p.add_argument("--db", type=Path, default=Path(state, LEDGER_NAME) if state else None,
                    help="the budget ledger (default $FEDMETA_STATE_DIR/ledger.sqlite)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(func=_handle_status)

@@ -23,7 +23,7 @@ from fedmeta.accounting.planner import PlanRequest, PlanRow
 from fedmeta.config import to_toml
 from fedmeta.paths import default_ledger_path
 
-__all__ = ["plan_keys", "register", "to_toml", "write_config"]
+__all__ = ["plan_keys", "register", "write_config"]
 
 
 def register(subparsers: Any) -> None:

@@ -76,24 +76,26 @@ def available_bytes() -> float:
     return max(0.0, min(limits))
 
 
-def _meminfo_available() -> float:
+def _proc_bytes(path: str, field: str) -> float | None:
+    """A ``field:  N kB`` line of a /proc file, in bytes; None where it cannot be read."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return float(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _meminfo_available() -> float:
+    found = _proc_bytes("/proc/meminfo", "MemAvailable")
+    if found is not None:
+        return found
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _virtual_size() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0.0
+    return _proc_bytes("/proc/self/status", "VmSize") or 0.0
 
 
 def _gb(value: float) -> str:

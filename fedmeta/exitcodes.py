@@ -11,4 +11,4 @@ INTERNAL_ERROR: Final = 1  #: a bug or an unexpected failure; rerun with FEDMETA
 BAD_INPUT: Final = 2  #: configuration, checkpoint, data, ledger or output directory refused
 BUDGET_EXHAUSTED: Final = 3  #: the budget allowed not a single round: nothing was run
 UNAVAILABLE: Final = 4  #: too few participants registered, or the output directory is in use
-INTERRUPTED: Final = 130  #: SIGINT/SIGTERM: the current round finished, a final checkpoint written
+INTERRUPTED: Final = 130  #: SIGINT/SIGTERM: no round left half-done, a final checkpoint written

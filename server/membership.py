@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from fedmeta.server.releases import suspending_failures
-from fedmeta.server.transport import GridTransport, Registered
+from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE, suspending_failures
+from fedmeta.server.transport import FAILURE_TIMEOUT, GridTransport, Registered
 
 from fedmeta.config import Config
 from fedmeta.protocol import RegisterRequest
@@ -43,7 +43,7 @@ REFUSED_WRONG_KEY = "wrong_key"
 REFUSED_DUPLICATE = "duplicate_participant"
 REFUSED_TOO_FEW_TASKS = "too_few_tasks"
 #: Delivery failures that count towards suspension (an error reply is the participant's own).
-SUSPENDING_FAILURES = frozenset({"timeout", "node_unavailable"})
+SUSPENDING_FAILURES = frozenset({FAILURE_TIMEOUT, FAILURE_NODE_UNAVAILABLE})
 #: Refusals that hold for the whole run: the node is not asked again until it reconnects.
 FINAL_REFUSALS = frozenset({REFUSED_UNBOUND, REFUSED_WRONG_KEY, REFUSED_TOO_FEW_TASKS})
 

@@ -194,9 +194,10 @@ def run_federation(
     """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
     ``open_ledger(cfg, registered)`` opens the budget (default :func:`open_budget`). Setting
-    ``stop`` ends the run after the round in progress, with a final checkpoint and summary. The
-    output directory is held exclusively for the whole run (server/rundir.py). ``workload``: the
-    one ``cfg`` describes, when the caller has built it already (else it is built once here).
+    ``stop`` ends the run within the round in progress (abandoned if not yet spent, finished if
+    spent), with a final checkpoint and summary. The output directory is held exclusively for the
+    whole run (server/rundir.py). ``workload``: the one ``cfg`` describes, when the caller has
+    built it already (else it is built once here).
     """
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):

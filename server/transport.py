@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
+from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE
 from fedmeta.server.round import Delivery, Exchange
 from flwr.app import Message
 
@@ -28,7 +29,6 @@ from fedmeta import protocol as P
 log = logging.getLogger("fedmeta.server")
 
 FAILURE_TIMEOUT = "timeout"
-FAILURE_NODE_UNAVAILABLE = "node_unavailable"
 FAILURE_ERROR_REPLY = "error_reply"
 STRAY_DUPLICATE = "duplicate_reply"
 STRAY_UNEXPECTED = "unexpected_reply"

@@ -241,13 +241,17 @@ def _resource_fault(error: OSError) -> str:
 
 
 def _stop_on_signals(stop: threading.Event) -> Any:
-    """First SIGINT/SIGTERM: finish the round in progress, checkpoint, stop. Second: abort."""
+    """First SIGINT/SIGTERM: stop and checkpoint. Second: abort at once.
+
+    A round not yet spent is abandoned, one already spent finishes (server/round.py).
+    """
 
     def handler(signum: int, _frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print("\nstopping after the current round (signal again to abort at once)", file=sys.stderr)
+        print("\nstopping: a round not yet spent is abandoned, one spent finishes (signal again "
+              "to abort at once)", file=sys.stderr)  # fmt: skip
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None

@@ -96,9 +96,6 @@ from fedmeta.accounting.ledger.records import (
     ParticipantExposure,
     SpendRecord,
 )
-from fedmeta.accounting.ledger.storage import (
-    _immediate,
-)
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -128,7 +125,6 @@ __all__ = [
     "SpendRecord",
     "UNREADABLE_REASONS",
     "_genesis_hash",
-    "_immediate",
     "_record_hash",
     "affordable_rounds",
     "accept_rollback",

@@ -47,6 +47,7 @@ from fedmeta.accounting.ledger.storage import (
     _check_neighbouring,
     _check_registration,
     _classify,
+    _closed_on_error,
     _connect_writable,
     _ensure_schema,
     _file_identity,
@@ -136,7 +137,7 @@ class BudgetLedger(LedgerHistory):
         _check_neighbouring(neighbouring)
         _check_mode(mode)
         conn = _connect_writable(path, create=create)
-        try:
+        with _closed_on_error(conn, path):
             identity = _file_identity(path)
             meta = _ensure_schema(conn, path, mode)
             row = _register(
@@ -150,12 +151,6 @@ class BudgetLedger(LedgerHistory):
                 check_anchor(conn, path, meta.get("ledger_id"))
             if participants is not None:
                 ledger.use_cohort(participants)
-        except sqlite3.Error as error:
-            conn.close()
-            raise _classify(path, error) from error
-        except BaseException:
-            conn.close()
-            raise
         return ledger
 
     # ---------------------------------------------------------------------------------- reading

@@ -41,6 +41,7 @@ from fedmeta.accounting.ledger.storage import (
     _abs,
     _check_federation_id,
     _classify,
+    _closed_on_error,
     _column_or_null,
     _connect_readonly,
     _file_identity,
@@ -115,7 +116,7 @@ class LedgerHistory:
         path = _abs(path)
         _check_federation_id(federation_id)
         conn = _connect_readonly(path)
-        try:
+        with _closed_on_error(conn, path):
             identity = _file_identity(path)
             with _reading(conn):
                 check = conn.execute("PRAGMA quick_check").fetchone()[0]
@@ -134,12 +135,6 @@ class LedgerHistory:
             ledger = cls(conn, path, meta, federation_id, row, readonly=True, identity=identity)
             ledger._inherit()
             ledger._catch_up()
-        except sqlite3.Error as error:
-            conn.close()
-            raise _classify(path, error) from error
-        except BaseException:
-            conn.close()
-            raise
         return ledger
 
     @staticmethod

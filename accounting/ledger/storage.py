@@ -209,6 +209,19 @@ def _not_a_ledger(path: Path, header: bytes) -> NotALedger:
     return NotALedger(f"{path} is a SQLite database but not a fedmeta ledger{hint}")
 
 
+@contextmanager
+def _closed_on_error(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
+    """Close ``conn`` if the block raises; a SQLite error becomes the one-line ledger error."""
+    try:
+        yield
+    except sqlite3.Error as error:
+        conn.close()
+        raise _classify(path, error) from error
+    except BaseException:
+        conn.close()
+        raise
+
+
 def _connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection that writes nothing: ``mode=ro``, no pragma that changes the file."""
     header = _read_header(path)
@@ -231,15 +244,9 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
         conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
     except sqlite3.Error as error:
         raise _classify(path, error) from error
-    try:
+    with _closed_on_error(conn, path):
         if not _LEDGER_TABLES <= _tables(conn):
             raise _not_a_ledger(path, header)
-    except sqlite3.Error as error:
-        conn.close()
-        raise _classify(path, error) from error
-    except BaseException:
-        conn.close()
-        raise
     return conn
 
 
@@ -274,7 +281,7 @@ def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     except sqlite3.Error as error:
         raise _classify(path, error) from error
-    try:
+    with _closed_on_error(conn, path):
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         _use_rollback_journal(conn, path)
         # EXTRA: also fsync the directory after deleting the journal (the commit point), so a
@@ -284,12 +291,6 @@ def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
         check = conn.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
-    except sqlite3.Error as error:
-        conn.close()
-        raise _classify(path, error) from error
-    except BaseException:
-        conn.close()
-        raise
     return conn
 
 

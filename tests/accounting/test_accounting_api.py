@@ -107,8 +107,8 @@ def test_sampler_poisson_rate() -> None:
 @pytest.mark.integration
 def test_import_loads_no_torch_flwr_or_prometheus() -> None:
     code = (
-        "import sys, accounting, accounting.cli, accounting.ledger, accounting.sampler\n"
-        "import accounting.randomness\n"
+        "import sys, fedmeta.accounting, fedmeta.accounting.cli, fedmeta.accounting.ledger\n"
+        "import fedmeta.accounting.sampler, fedmeta.accounting.randomness\n"
         "bad = [m for m in ('torch', 'flwr', 'prometheus_client') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

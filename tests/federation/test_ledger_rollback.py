@@ -1,5 +1,6 @@
-"""Rollback detection (issue 18, item 4): an older ledger copy, or a deleted state directory, is
-refused in one line naming what was found and the command that accepts it (recorded)."""
+"""Rollback detection (issue 18, item 4): an older ledger copy is refused in one line naming what
+was found and the command that accepts it (recorded); a resume after the state directory was
+deleted is refused in one line naming the file to restore, before any new ledger is created."""
 
 from __future__ import annotations
 

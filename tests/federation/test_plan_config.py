@@ -15,10 +15,10 @@ from fedmeta.accounting.planner import (
     PlanRequest,
     plan,
 )
-from fedmeta.cli.plan_config import to_toml, write_config
+from fedmeta.cli.plan_config import write_config
 from fedmeta.server.plan import build_plan
 
-from fedmeta.config import load_config
+from fedmeta.config import load_config, to_toml
 from tests.federation.test_e2e import fedmeta, sets
 
 GRID = 1e-3

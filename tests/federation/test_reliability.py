@@ -35,7 +35,7 @@ def test_one_run_per_output_directory(tmp_path: Path) -> None:
 
 def test_the_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
     code = (
-        "import sys, time; from server.rundir import exclusive_run_directory\n"
+        "import sys, time; from fedmeta.server.rundir import exclusive_run_directory\n"
         f"with exclusive_run_directory({str(tmp_path)!r}):\n"
         "    print('held', flush=True); time.sleep(60)\n"
     )
