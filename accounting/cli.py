@@ -500,13 +500,15 @@ def _federation_report(db: str, fid: str, participants: bool = False) -> dict[st
         table = _participant_rows(ledger, participants)
         runs: dict[str, dict[str, int]] = {}
         for rec in ledger.records():
+            # Rounds are numbered from 1, as in summary.json and rounds.csv; the ledger keeps the
+            # 0-based index it was spent with.
+            number = rec.round_index + 1
             run = runs.setdefault(
-                rec.run_id,
-                {"spends": 0, "first_round": rec.round_index, "last_round": rec.round_index},
+                rec.run_id, {"spends": 0, "first_round": number, "last_round": number}
             )
             run["spends"] += 1
-            run["first_round"] = min(run["first_round"], rec.round_index)
-            run["last_round"] = max(run["last_round"], rec.round_index)
+            run["first_round"] = min(run["first_round"], number)
+            run["last_round"] = max(run["last_round"], number)
         notes = [n for n in (participant_level_note(e) for e, _ in groups) if n is not None]
         try:
             # Participant level: RDP, as the run summary reports it (PLD would need gigabytes).

@@ -292,7 +292,8 @@ def test_cli_show_new_budget_and_backup(tmp_path: Path) -> None:
     [fed] = report["federations"]  # the new budget has no federation row until a run opens it
     assert fed["neighbouring"] == "add_remove" and fed["records"] == 2
     assert fed["participant_level_note"] == PARTICIPANT_LEVEL_NOT_MEANINGFUL
-    assert fed["runs"]["run-1"] == {"spends": 2, "first_round": 0, "last_round": 1}
+    # Numbered from 1, as summary.json and rounds.csv number rounds (spent as indices 0 and 1).
+    assert fed["runs"]["run-1"] == {"spends": 2, "first_round": 1, "last_round": 2}
     text = _fedmeta("ledger", "show", "--db", str(db))
     assert (
         "relation add_remove" in text.stdout and "participant level: not meaningful" in text.stdout
