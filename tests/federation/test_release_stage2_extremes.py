@@ -39,11 +39,13 @@ from prometheus_client import generate_latest
 
 from fedmeta.config import load_config
 
+from . import test_release_invariance as invariance
+
 pytestmark = pytest.mark.integration
 
-MODEL_DERIVED_COLUMNS = ("loss", "validation_metric", "clip")
-MODEL_DERIVED_SUMMARY = ("final_metric", "final_metric_ci95", "final_metric_ci95_halfwidth",
-                         "final_metric_pre_adaptation")  # fmt: skip
+# The same model-derived fields as the neighbouring-datasets test, from one list.
+MODEL_DERIVED_COLUMNS = tuple(sorted(invariance.MODEL_DERIVED_COLUMNS))
+MODEL_DERIVED_SUMMARY = tuple(sorted(invariance.MODEL_DERIVED_SUMMARY))
 MODEL_DERIVED_METRICS = ("fedmeta_train_loss", "fedmeta_validation_metric", "fedmeta_final_metric",
                          "fedmeta_clip_bound", "fedmeta_noise_std",
                          "fedmeta_last_run_final_metric")  # fmt: skip
