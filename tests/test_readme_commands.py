@@ -32,7 +32,7 @@ SHORT = ["rounds=4", "training.eval_every=2", "privacy.report_every=2",
 #: Commands (by what they contain) that need what this test lacks, and where they are tested.
 NOT_HERE = {
     "bash scripts/install.sh": "the install itself (CI runs it; this test runs in its venv)",
-    ".venv/bin/python -m pytest": "the test suite itself",
+    "python -m pytest": "the test suite itself",
     "flwr run": "tests/federation/test_e2e.py::test_flwr_run_dot (slow)",
     "docker compose": "tests/deploy/test_compose_podman.py (slow)",
 }
