@@ -142,7 +142,7 @@ def _server_log(fed: LocalFederation, run_log: str) -> str:
 
 
 def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
-    """Each failure counted once with one reason; the killed node stops being asked."""
+    """Each released failure counted once, with an availability reason only."""
     from fedmeta.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(out)
@@ -158,10 +158,10 @@ def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
         assert set(o["failures"]) <= {"node_unavailable"}, o
         assert not o["stray_replies"], o
         failures += o["participants_failed"]
-    sampled = [o["participants_sampled"] for o in outcomes]
-    # The killed node is seen as gone: counted unavailable, or no longer among those asked.
-    assert failures >= 1 or min(sampled[2:]) < max(sampled[:2]), (sampled, failures)
-    # Suspended after MAX_FAILURES in a row, or dropped when its node went away.
+    # The killed node's timeouts are private diagnostics in a private run, and only availability
+    # failures suspend (server/releases.py): whether it is still asked does not show in what the
+    # run releases (suspension is tested non-private in tests/federation/test_membership.py).
+    # What shows is at most MAX_FAILURES availability failures before it is dropped.
     assert failures <= MAX_FAILURES, [o["failures"] for o in outcomes]
 
 
