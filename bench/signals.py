@@ -24,17 +24,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.federation.test_signals import _CHILD, SLOW_TIMEOUT  # noqa: E402
+from tests.federation.test_signals import _CHILD, sigterm_settings  # noqa: E402
 
 
 def once(work: Path) -> tuple[float, float]:
     """(seconds from SIGTERM to exit, seconds from SIGTERM to the round's end) of one run."""
-    sets = ["federation.backend=inprocess", "federation.participants=4",
-            "sampling.participants_per_round=2", "dataset.tasks_per_participant=20",
-            "dataset.test_tasks=8", "dataset.validation_tasks=8", "output.plots=false",
-            "output.progress=false", "privacy.noise_multiplier=1.0",
-            "privacy.epsilon_budget=1000", "rounds=50", "training.checkpoint_every=100",
-            SLOW_TIMEOUT, f"privacy.ledger_path={work / 'ledger.sqlite'}"]  # fmt: skip
+    sets = sigterm_settings(work / "ledger.sqlite")
     env = {**os.environ, "FEDMETA_STATE_DIR": str(work / "state")}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(work / "run"), "2", *sets],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip

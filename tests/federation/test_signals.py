@@ -145,6 +145,16 @@ sys.exit(130 if result.summary["stopped_reason"] == "interrupted" else 0)
 """
 
 
+def sigterm_settings(ledger: Path) -> list[str]:
+    """The run the SIGTERM scenario interrupts (also timed by bench/signals.py)."""
+    return ["federation.backend=inprocess", "federation.participants=4",
+            "sampling.participants_per_round=2", "dataset.tasks_per_participant=20",
+            "dataset.test_tasks=8", "dataset.validation_tasks=8", "output.plots=false",
+            "output.progress=false", "privacy.noise_multiplier=1.0",
+            "privacy.epsilon_budget=1000", "rounds=50", "training.checkpoint_every=100",
+            SLOW_TIMEOUT, f"privacy.ledger_path={ledger}"]  # fmt: skip
+
+
 @pytest.mark.e2e
 def test_sigterm_while_a_round_waits_exits_within_seconds_with_nothing_half_done(
     tmp_path: Path,
@@ -152,12 +162,7 @@ def test_sigterm_while_a_round_waits_exits_within_seconds_with_nothing_half_done
     from .test_e2e import _spends
 
     ledger = tmp_path / "ledger.sqlite"
-    sets = ["federation.backend=inprocess", "federation.participants=4",
-            "sampling.participants_per_round=2", "dataset.tasks_per_participant=20",
-            "dataset.test_tasks=8", "dataset.validation_tasks=8", "output.plots=false",
-            "output.progress=false", "privacy.noise_multiplier=1.0",
-            "privacy.epsilon_budget=1000", "rounds=50", "training.checkpoint_every=100",
-            SLOW_TIMEOUT, f"privacy.ledger_path={ledger}"]  # fmt: skip
+    sets = sigterm_settings(ledger)
     env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "run"), "2", *sets],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
