@@ -648,11 +648,22 @@ def _cmd_ledger_backup(args: argparse.Namespace) -> int:
 
 
 def _cmd_ledger_new_budget(args: argparse.Namespace) -> int:
-    new_id = start_new_budget(args.db, args.federation, args.reason, who=args.who)
+    new_id = start_new_budget(args.db, args.federation, args.reason, who=args.who,
+                              epsilon_budget=args.epsilon, delta=args.delta)  # fmt: skip
+    terms = (
+        f"epsilon {args.epsilon:g}" + (f", delta {args.delta:g}" if args.delta is not None else "")
+        if args.epsilon is not None
+        else "terms set by the next run's privacy.epsilon_budget and privacy.delta"
+    )
     if args.json:
-        print(json.dumps({"previous": args.federation, "federation_id": new_id}, indent=2))
+        out = {"previous": args.federation, "federation_id": new_id,
+               "epsilon_budget": args.epsilon, "delta": args.delta}  # fmt: skip
+        print(json.dumps(out, indent=2))
     else:
-        print(f"new budget {new_id} for the data of {args.federation} (recorded: {args.reason})")
+        print(
+            f"new budget {new_id} for the data of {args.federation}, {terms} "
+            f"(recorded: {args.reason})"
+        )
     return 0
 
 
@@ -1087,6 +1098,14 @@ def _add_ledger_budget_parsers(lsub: Any, default_ledger: Path | None) -> None:
     _add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
     p.add_argument("--federation", required=True, help="the data's current federation id")
     p.add_argument("--reason", required=True, help="why a new budget (recorded for good)")
+    p.add_argument(
+        "--epsilon", type=_epsilon_value,
+        help="the new budget's epsilon, set now (default: the next run's privacy.epsilon_budget)",
+    )  # fmt: skip
+    p.add_argument(
+        "--delta", type=float,
+        help="the new budget's delta, fixed with it (default: the old budget's); needs --epsilon",
+    )  # fmt: skip
     p.add_argument("--who", help="who starts it (default user@host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run("ledger new-budget", _cmd_ledger_new_budget))

@@ -103,8 +103,10 @@ def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
     Epsilon is the latest the run recorded (its rounds' records in the checkpoint), at the task
     level (enforced) and the participant level (reported); a non-private model has none.
     """
+    experiment = cfg.privacy.experiment  # an experiment's model says so wherever it goes
     if not state.get("private"):
-        return {"epsilon": None, "epsilon_participant": None, "delta": None, "neighbouring": None}
+        return {"epsilon": None, "epsilon_participant": None, "delta": None, "neighbouring": None,
+                "experiment": experiment}  # fmt: skip
     reported = [o for o in state.get("outcomes", []) if o.get("epsilon_task") is not None]
     last = reported[-1] if reported else {}
     return {
@@ -113,6 +115,7 @@ def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
         "epsilon_at_round": last.get("round"),
         "delta": cfg.privacy.delta,
         "neighbouring": cfg.privacy.neighbouring,
+        "experiment": experiment,
     }
 
 
@@ -144,6 +147,8 @@ def _table(result: dict[str, Any]) -> str:
     if result["private"]:
         eps = "-" if result["epsilon"] is None else f"{result['epsilon']:.4g}"
         guarantee = f"private: epsilon {eps}, delta {result['delta']:g}, {result['neighbouring']}"
+    if result.get("experiment"):
+        guarantee += f"; EXPERIMENT {result['experiment']}"
     lines = [
         f"checkpoint {result['checkpoint']} ({guarantee}, {result['rounds']} rounds)",
         f"held-out test {result['metric']}: {result['mean']:.4f} (95% bootstrap CI {lo:.4f} .. "

@@ -2,9 +2,9 @@
 
 ``accounting`` knows no configuration, so the fedmeta command line registers the ``privacy``
 commands through :func:`register`, handing them :func:`write_config`. The file holds only the keys
-the plan decides (rounds, participants, sampling, the privacy budget, noise, clip and normaliser,
-and the task count the plan assumed), on top of an optional base configuration; it is validated
-with the configuration schema before it is written and read back after.
+the plan decides (rounds, participants, sampling, the run's target epsilon and delta, noise, clip
+and normaliser, and the task count the plan assumed), on top of an optional base configuration; it
+is validated with the configuration schema before it is written and read back after.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:
         "federation.participants": fed.participants,
         "sampling.participants_per_round": c.participants_per_round,
         "privacy.enabled": True,
-        "privacy.epsilon_budget": budget.epsilon,
+        # The plan's epsilon is this run's target; the data's budget stays the one recorded for
+        # it (or the base configuration's, for data not yet spent on): docs/ledger.md.
+        "privacy.target_epsilon": budget.epsilon,
         "privacy.delta": budget.delta,
         "privacy.neighbouring": budget.neighbouring,
         "privacy.noise_multiplier": row.noise_multiplier,
@@ -64,8 +66,7 @@ def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:
 
 def _merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(json.dumps(base))
-    # Keys of the base that would contradict the plan: the other stage 2's, a calibration target.
-    out.get("privacy", {}).pop("target_epsilon", None)
+    # Keys of the base that would contradict the plan: the other stage 2's.
     if keys["sampling.stage2"] == "poisson":
         for stale in ("tasks_per_round", "min_tasks"):
             out.get("sampling", {}).pop(stale, None)

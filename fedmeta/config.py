@@ -86,10 +86,19 @@ class PrivacyConfig(_Section):
     enabled: bool = Field(
         True, description="false = non-private baseline: no clip, no noise, no ledger"
     )
+    # The budget belongs to the data (docs/ledger.md): these two set it when a run first spends
+    # on this data; afterwards the recorded budget rules, and a different value given here is
+    # refused, never applied (`fedmeta ledger new-budget` is the one way to another budget).
     epsilon_budget: float = Field(
-        8.0, gt=0, le=1000, description="task-level epsilon budget, (0, 1000]"
+        8.0,
+        gt=0,
+        le=1000,
+        description="task-level epsilon budget of the data, (0, 1000]; set when a run first "
+        "spends on this data, then fixed (unset: the recorded one)",
     )
-    delta: float = Field(1e-5, gt=0, lt=1, description="delta, (0, 1)")
+    delta: float = Field(
+        1e-5, gt=0, lt=1, description="delta, (0, 1); fixed per budget (unset: the budget's)"
+    )
     noise_multiplier: float | None = Field(
         None,
         ge=1e-4,
@@ -97,7 +106,18 @@ class PrivacyConfig(_Section):
         description="z; None = calibrate z so that `rounds` rounds spend the budget",
     )
     target_epsilon: float | None = Field(
-        None, gt=0, le=1000, description="calibrate z for this epsilon instead of the budget"
+        None,
+        gt=0,
+        le=1000,
+        description="this run's own epsilon: z is calibrated to it, and the run starts only if "
+        "it fits what every participant has left of the budget; None = the whole budget",
+    )
+    experiment: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="an experiment on public benchmark data: a ledger of its own "
+        "(experiments/NAME.sqlite in the state directory) and every output marked as an "
+        "experiment; None = the data's own budget",
     )
     clip: float = Field(1.0, gt=0, le=1e6, description="per-task L2 clip bound C, (0, 1e6]")
     clip_tolerance: float = Field(
@@ -130,6 +150,15 @@ class PrivacyConfig(_Section):
         None, ge=0, description="TESTS ONLY: seeds noise and sampling reproducibly (not private)"
     )
     adaptive_clipping: AdaptiveClippingConfig = AdaptiveClippingConfig()
+
+    @model_validator(mode="after")
+    def _one_ledger(self) -> PrivacyConfig:
+        if self.experiment is not None and self.ledger_path is not None:
+            raise ValueError(
+                "privacy.experiment and privacy.ledger_path both name a ledger: give one (an "
+                "experiment's ledger is experiments/NAME.sqlite in the state directory)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _adaptive(self) -> PrivacyConfig:
@@ -382,6 +411,16 @@ class Config(_Section):
             raise ValueError(
                 "sampling.participants_per_round must be in [1, federation.participants="
                 f"{self.federation.participants}]; got {self.sampling.participants_per_round}"
+            )
+        if self.privacy.experiment is not None and "dir" not in self.output.model_fields_set:
+            # An experiment's outputs go apart from the main job's by default (runs/NAME).
+            mine = {"dir": f"runs/{self.privacy.experiment}"}
+            object.__setattr__(self, "output", self.output.model_copy(update=mine))
+        if self.privacy.experiment is not None and self.dataset.name == "image_folder":
+            raise ValueError(
+                "privacy.experiment is for public benchmark data (sinusoid, omniglot); "
+                "dataset.name = 'image_folder' is the participants' own data, which spends from "
+                "its own budget: leave privacy.experiment unset"
             )
         if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
             raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")

@@ -34,3 +34,12 @@ def state_dir() -> Path:
 def default_ledger_path(*, secure: bool) -> Path:
     """The default ledger: one per state directory for secure runs, another for test-mode runs."""
     return state_dir() / (LEDGER_NAME if secure else INSECURE_LEDGER_NAME)
+
+
+def experiment_ledger_path(name: str, *, secure: bool) -> Path:
+    """An experiment's own ledger (``privacy.experiment``), beside the default one.
+
+    Test-mode runs keep theirs apart as well, as the default ledgers are kept apart.
+    """
+    folder = "experiments" if secure else "insecure-test-experiments"
+    return state_dir() / folder / f"{name}.sqlite"

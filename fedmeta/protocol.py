@@ -79,7 +79,8 @@ RUN_CONFIG_RESUME: Final = "resume"
 #: configuration's value": every mapped key's valid range excludes it.
 RUN_CONFIG_TYPED: Final = {
     "num-server-rounds": "rounds",
-    "epsilon": "privacy.epsilon_budget",
+    "epsilon": "privacy.target_epsilon",
+    "epsilon-budget": "privacy.epsilon_budget",
     "delta": "privacy.delta",
     "noise-multiplier": "privacy.noise_multiplier",
     "clip": "privacy.clip",
@@ -89,6 +90,7 @@ RUN_CONFIG_TYPED: Final = {
     "dataset": "dataset.name",
     "dataset-path": "dataset.path",
     "ledger-path": "privacy.ledger_path",
+    "experiment": "privacy.experiment",
 }
 
 # Reasons a message is refused; the server counts replies by these (and its own validation reasons).

@@ -59,18 +59,23 @@ def format_plan(
         f"({plan.scheme.participants_per_round} per round, stage 2 {cfg.sampling.stage2}) | "
         f"planned rounds {plan.planned_rounds}",
     ]
+    if cfg.privacy.experiment:
+        lines.append(experiment_line(cfg.privacy.experiment))
     if not plan.private or fc is None:
         lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
                      "NO privacy guarantee")  # fmt: skip
         return "\n".join(lines)
     calibrated = (
-        " (calibrated so the planned rounds spend the budget)" if plan.noise_calibrated else ""
+        f" (calibrated so the planned rounds spend the "
+        f"{'budget' if cfg.privacy.target_epsilon is None else 'target'})"
+        if plan.noise_calibrated
+        else ""
     )
     lines += [
         f"mode: private (task-level DP, {plan.neighbouring} neighbours, PLD accounting, enforced "
         "by the ledger)",
-        f"budget: epsilon {_e(plan.epsilon_budget, 'g')}, delta {_e(plan.delta, 'g')} | "
-        f"clip C = {_e(plan.clip, 'g')}",
+        f"budget of the data: epsilon {_e(plan.epsilon_budget, 'g')}, delta "
+        f"{_e(plan.delta, 'g')} | {_target(cfg)} | clip C = {_e(plan.clip, 'g')}",
         f"noise multiplier z = {_e(plan.noise_multiplier, '.4f')}{calibrated}",
         *_adaptive_lines(plan),
         f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
@@ -91,6 +96,19 @@ def format_plan(
         lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
                      "NOT a valid guarantee, not enforced)")  # fmt: skip
     return "\n".join(lines)
+
+
+def experiment_line(name: str) -> str:
+    """The mark every output of an experiment carries (``privacy.experiment``)."""
+    return (
+        f"EXPERIMENT {name}: public benchmark data, spent from the experiment's own ledger, "
+        "not from a production budget"
+    )
+
+
+def _target(cfg: Config) -> str:
+    t = cfg.privacy.target_epsilon
+    return "this run's target: the whole budget" if t is None else f"this run's target: {t:g}"
 
 
 def _adaptive_lines(plan: RunPlan) -> list[str]:
@@ -135,6 +153,7 @@ def build_summary(
         "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
         "private": private,
         "neighbouring": plan.neighbouring if private else None,
+        "experiment": cfg.privacy.experiment,
         "run_id": run_id,
         "federation_id": federation_id,
         "rounds_planned": plan.planned_rounds,
@@ -146,6 +165,7 @@ def build_summary(
         "participant_level_note": plan.participant_level_note,
         "delta": plan.delta,
         "epsilon_budget": plan.epsilon_budget,
+        "target_epsilon": cfg.privacy.target_epsilon if private else None,
         "implemented_guarantee": _implemented(plan, epsilons, ledger, coordinates),
         "noise_multiplier": plan.noise_multiplier,
         "noise_calibrated": plan.noise_calibrated if private else None,
@@ -259,7 +279,9 @@ def _forecast_dict(fc: BudgetForecast) -> dict[str, Any]:
 
 def format_summary(s: Mapping[str, Any]) -> str:
     """The summary printed at the end."""
-    lines = ["== fedmeta summary ==", f"mode: {s['mode']}",
+    lines = ["== fedmeta summary ==",
+             *([experiment_line(s["experiment"])] if s.get("experiment") else []),
+             f"mode: {s['mode']}",
              f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | "
              f"stopped: {s['stopped_reason']}"]  # fmt: skip
     if s["private"]:
@@ -344,6 +366,8 @@ def write_plots(
 
     private = bool(summary["private"])
     tag = "" if private else " [NON-PRIVATE]"
+    if summary.get("experiment"):
+        tag += f" [EXPERIMENT {summary['experiment']}]"
     done = [o for o in outcomes if o.status == "completed"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if private:

@@ -136,6 +136,7 @@ def build_plan(
         return RunPlan(False, cfg.privacy.neighbouring, scheme, None, None, norm, False, None,
                        None, cfg.rounds)  # fmt: skip
     calibrated = noise_multiplier is None and cfg.privacy.noise_multiplier is None
+    resumed_z = noise_multiplier
     if noise_multiplier is None:
         noise_multiplier = cfg.privacy.noise_multiplier
     if noise_multiplier is None:
@@ -145,6 +146,8 @@ def build_plan(
             neighbouring=cfg.privacy.neighbouring,
         )  # fmt: skip
     event = GaussianRound(scheme, float(noise_multiplier), _cap(scheme), cfg.privacy.neighbouring)
+    if not calibrated and resumed_z is None:
+        _check_noise_meets_target(cfg, event)
     adaptive = _adaptive(cfg, float(noise_multiplier), norm)
     return RunPlan(
         private=True,
@@ -159,6 +162,25 @@ def build_plan(
         planned_rounds=cfg.rounds,
         adaptive=adaptive,
     )
+
+
+#: Slack of the target check below: the planner and this check may discretise the PLD apart. It
+#: is a consistency check of the configuration, not the guarantee (the ledger enforces the budget).
+TARGET_CHECK_SLACK = 1e-2
+
+
+def _check_noise_meets_target(cfg: Config, event: GaussianRound) -> None:
+    """A run given both ``noise_multiplier`` and ``target_epsilon`` must not exceed its target."""
+    target = cfg.privacy.target_epsilon
+    if target is None:
+        return
+    own = reported_epsilon([(event, cfg.rounds)], cfg.privacy.delta) or 0.0
+    if own > target * (1 + TARGET_CHECK_SLACK):
+        raise ValueError(
+            f"privacy.noise_multiplier={event.noise_multiplier:g} over rounds={cfg.rounds} spends "
+            f"epsilon {own:.4g} > privacy.target_epsilon={target:g}: leave "
+            "privacy.noise_multiplier unset to calibrate it to the target, or lower rounds"
+        )
 
 
 def _adaptive(cfg: Config, z: float, expected_lot: float) -> AdaptiveClipping | None:

@@ -42,6 +42,13 @@ from fedmeta.accounting import (
 )
 from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.server.budget_keys import budget_identity, ledger_participants, use_round_cohort
+from fedmeta.server.data_budget import (
+    BudgetMismatch,
+    adopt_data_budget,
+    ledger_file,
+    no_fit_reason,
+    other_budget_hint,
+)
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import (
@@ -74,7 +81,6 @@ from fedmeta.server.transport import GridTransport, Registered, RegistrationErro
 
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
-from fedmeta.paths import default_ledger_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.workload import HeldOut, Workload, build_workload
 
@@ -134,8 +140,7 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     mode.
     """
     mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
-    path = Path(cfg.privacy.ledger_path) if cfg.privacy.ledger_path else None
-    path = (path or default_ledger_path(secure=mode == "secure")).expanduser().resolve()
+    path = ledger_file(cfg)
     ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
     identity = budget_identity(cfg, registered)
     federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
@@ -230,11 +235,16 @@ def _start(
     registered = list(membership.members.values())
     task_counts = membership.eligible()
     z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
+    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
+    if open_ledger is open_budget:  # the data's recorded budget, not the run's configuration
+        try:
+            cfg = opened_with = adopt_data_budget(opened_with, registered)
+        except BudgetMismatch as error:
+            raise FederationError(str(error)) from None
     try:
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
-    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
     ledger = open_ledger(opened_with, registered) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     wl = workload or build_workload(cfg)
@@ -242,8 +252,8 @@ def _start(
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
-    if ckpt is None and predicted is not None and not predicted.rounds_to_run and ledger:
-        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
+    if ckpt is None and predicted is not None and ledger:
+        _check_target_fits(cfg, plan, ledger, predicted)
     return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
                 next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
 
@@ -269,6 +279,20 @@ def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check:
     return cfg.model_copy(update={"privacy": privacy})
 
 
+def _check_target_fits(
+    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
+) -> None:
+    """Refuse, before any round, a run the budget affords no round of, or whose target misses.
+
+    A run with ``privacy.target_epsilon`` asks for all its rounds: it starts only if they fit
+    what every participant it may sample has left. Without one it spends what is left.
+    """
+    if not predicted.rounds_to_run:
+        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
+    if cfg.privacy.target_epsilon is not None and predicted.rounds_to_run < cfg.rounds:
+        raise NoRoundAffordable(no_fit_reason(cfg, plan, ledger, predicted))
+
+
 def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
     """One line: why the budget affords no round, and what to change (public values only)."""
     assert plan.event is not None and plan.delta is not None
@@ -277,10 +301,11 @@ def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
     return (
         f"the budget affords no round: one round at noise multiplier "
         f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
-        f"over privacy.epsilon_budget={cfg.privacy.epsilon_budget:g} ({spent:.4g} already spent "
+        f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
         f"on this data in {ledger.path}); "
-        "raise privacy.noise_multiplier (or set privacy.target_epsilon) or use other data; "
-        "nothing was run or written"
+        "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
+        + other_budget_hint(cfg, ledger.path, ledger.federation_id)
+        + "; nothing was run or written"
     )
 
 

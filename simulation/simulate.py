@@ -55,6 +55,12 @@ def register(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="output directory (default output.dir)")
     p.add_argument("--resume", action="store_true", help="continue the run checkpointed in --out")
+    p.add_argument(
+        "--experiment", metavar="NAME", type=_experiment_override, dest="experiment",
+        help="an experiment on public benchmark data (sweeps, ablations): a ledger of its own "
+        "(experiments/NAME.sqlite in the state directory), outputs marked as an experiment, "
+        "default --out runs/NAME; the same as --set privacy.experiment=NAME",
+    )  # fmt: skip
     p.add_argument("--print-config", action="store_true",
                    help="print the validated configuration as TOML and exit")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
@@ -64,6 +70,11 @@ def register(subparsers: Any) -> None:
                    help="also log the run's public values (epsilon, loss, validation) to a "
                    "TensorBoard directory (needs the tensorboard package)")  # fmt: skip
     p.set_defaults(func=_handle)
+
+
+def _experiment_override(text: str) -> str:
+    """``--experiment NAME`` as the override it stands for (the configuration checks the name)."""
+    return f"privacy.experiment={text}"
 
 
 def key_value(text: str) -> str:
@@ -82,6 +93,8 @@ def _handle(args: argparse.Namespace) -> int:
     from fedmeta import exitcodes
     from fedmeta.config import load_config
 
+    if args.experiment:
+        args.overrides = [*args.overrides, args.experiment]
     if args.print_config or args.dry_run:
         return _preview(args)
     stop = threading.Event()
@@ -280,7 +293,8 @@ def _resume_config(args: argparse.Namespace) -> Any:
     assert ckpt is not None
     resumed = config_from_dict(apply_overrides(ckpt["config"], args.overrides))
     changed = _differences(ckpt["config"], given.to_dict()) if args.config else []
-    changed += [o.split("=", 1)[0].strip() for o in args.overrides]
+    # An override counts when it changes a value (``--experiment NAME`` names the same ledger).
+    changed += _differences(config_from_dict(ckpt["config"]).to_dict(), resumed.to_dict())
     refused = sorted({k for k in changed if not k.startswith(RESUMABLE_KEYS)})
     if refused:
         raise ConfigError(

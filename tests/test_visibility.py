@@ -116,8 +116,10 @@ def test_evaluate_reports_the_guarantee_of_the_checkpoint() -> None:
               {"round": 11, "epsilon_task": None}]  # fmt: skip
     got = privacy_of({"private": True, "outcomes": rounds}, cfg)
     assert got == {"epsilon": 2.0, "epsilon_participant": None, "epsilon_at_round": 10,
-                   "delta": 1e-5, "neighbouring": "add_remove"}  # fmt: skip
+                   "delta": 1e-5, "neighbouring": "add_remove", "experiment": None}  # fmt: skip
     assert privacy_of({"private": False}, cfg)["epsilon"] is None
+    marked = Config.model_validate({"privacy": {"experiment": "sweep-4"}})
+    assert privacy_of({"private": False}, marked)["experiment"] == "sweep-4"
 
 
 @pytest.mark.unit
@@ -136,9 +138,12 @@ def test_typed_run_config_keys_map_onto_the_tree() -> None:
     cfg, out, resume = config_from_run_config(dict(defaults))
     assert cfg == Config() and out is None and resume is False
     given = {**defaults, "num-server-rounds": 20, "epsilon": 4.0, "noise-multiplier": 1.5,
-             "dataset-path": "/data", "set": "training.meta_lr=0.01"}  # fmt: skip
+             "dataset-path": "/data", "set": "training.meta_lr=0.01", "epsilon-budget": 6.0,
+             "experiment": "sweep-4"}  # fmt: skip
     cfg, _, _ = config_from_run_config(given)
-    assert cfg.rounds == 20 and cfg.privacy.epsilon_budget == 4.0
+    # `epsilon` is the run's target; the data's budget is its own key (issue 22).
+    assert cfg.rounds == 20 and cfg.privacy.target_epsilon == 4.0
+    assert cfg.privacy.epsilon_budget == 6.0 and cfg.privacy.experiment == "sweep-4"
     assert cfg.privacy.noise_multiplier == 1.5 and cfg.dataset.path == "/data"
     assert cfg.training.meta_lr == 0.01
     # `set` comes last: it wins over a typed key.

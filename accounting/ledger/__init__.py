@@ -61,9 +61,11 @@ from fedmeta.accounting.ledger.chain import (
 )
 from fedmeta.accounting.ledger.faults import ensure_directory
 from fedmeta.accounting.ledger.operations import (
+    BudgetTerms,
     accept_rollback,
     backup,
     budgets,
+    current_budget,
     migrate_to_participants,
     resolve_federation,
     start_new_budget,
@@ -103,6 +105,7 @@ __all__ = [
     "BudgetExhausted",
     "BudgetLedger",
     "BudgetRecord",
+    "BudgetTerms",
     "FIRST_BUDGET_REASON",
     "LEDGER_MODES",
     "Ledger",
@@ -130,6 +133,7 @@ __all__ = [
     "accept_rollback",
     "backup",
     "budgets",
+    "current_budget",
     "ensure_directory",
     "migrate_to_participants",
     "resolve_federation",

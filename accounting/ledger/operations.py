@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sqlite3
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from fedmeta.accounting.composition import _check_delta
 from fedmeta.accounting.ledger.anchor import (
     Anchor,
     anchor_path,
@@ -48,8 +51,10 @@ from fedmeta.accounting.ledger.storage import (
     _immediate,
     _read_meta,
     _reading,
+    _registration,
     _sidecar,
 )
+from fedmeta.accounting.schemes import Neighbouring, Unit
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -229,16 +234,114 @@ def _resolve_readonly(path: Path, data_identity: str, label: str) -> str:
     return chain[-1].federation_id
 
 
+@dataclass(frozen=True)
+class BudgetTerms:
+    """The current budget of one data set: its federation id and, once set, epsilon and delta.
+
+    ``epsilon_budget``/``delta`` are None while the budget is started but not yet set (a
+    ``new-budget`` without terms: the next run's configuration sets them).
+    """
+
+    federation_id: str
+    epsilon_budget: float | None
+    delta: float | None
+
+
+def current_budget(path: str | Path, data_identity: str, *, label: str) -> BudgetTerms | None:
+    """The terms of the data's current budget in the ledger at ``path``; None if it has none.
+
+    Read-only and cheap (no chain verification: the run that spends opens the ledger, which
+    verifies everything). None when the file does not exist or holds no budget for this data.
+    """
+    path = _abs(path)
+    if not path.is_file():
+        return None
+    try:
+        federation = _resolve_readonly(path, data_identity, label)
+    except LedgerError as error:
+        if "has no budget for this data" in str(error):
+            return None
+        raise
+    conn = _connect_readonly(path)
+    try:
+        with _reading(conn):
+            row = _registration(conn, path, federation)
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
+    if row is None:
+        return BudgetTerms(federation, None, None)
+    return BudgetTerms(federation, row.epsilon_budget, row.delta)
+
+
 def start_new_budget(
-    path: str | Path, federation_id: str, reason: str, *, who: str | None = None
+    path: str | Path,
+    federation_id: str,
+    reason: str,
+    *,
+    who: str | None = None,
+    epsilon_budget: float | None = None,
+    delta: float | None = None,
 ) -> str:
     """Start a new budget for the data whose *current* budget is ``federation_id``; return its id.
 
     An explicit, recorded act (who, when, why; hash-chained and append-only): afterwards
     ``resolve_federation`` returns the new id and runs spend from a fresh budget. The old
     federation and its spends stay in the ledger. ``federation_id`` must be the current budget
-    (two operators cannot both start "the next" one).
+    (two operators cannot both start "the next" one). ``epsilon_budget`` (with ``delta``, default
+    the old budget's) sets the new budget's terms now, with the old one's unit and relation;
+    without it the next run's configuration sets them.
     """
+    if delta is not None and epsilon_budget is None:
+        raise ValueError("delta needs epsilon_budget: a new budget's terms are set together")
+    terms = _terms_like(path, federation_id, epsilon_budget, delta)
+    new_id = _start_new_budget(path, federation_id, reason, who=who)
+    if terms is not None:
+        eps, dlt, unit, relation, mode = terms
+        BudgetLedger.open(
+            path, new_id, eps, dlt, unit=unit, neighbouring=relation, mode=mode, create=True
+        ).close()
+    return new_id
+
+
+def _terms_like(
+    path: str | Path, federation_id: str, epsilon_budget: float | None, delta: float | None
+) -> tuple[float, float, Unit, Neighbouring, LedgerMode] | None:
+    """A new budget's terms: the given epsilon (and delta), the old budget's unit and relation.
+
+    Checked before anything is recorded, so a bad value starts no budget.
+    """
+    if epsilon_budget is None:
+        return None
+    try:
+        old = BudgetLedger.open_readonly(path, federation_id)
+    except LedgerError:  # a budget started but never set: no old terms to carry
+        if delta is None:
+            raise LedgerError(
+                f"federation {federation_id!r} has no terms to carry over (never spent on): "
+                "give the new budget's delta too"
+            ) from None
+        _check_terms(epsilon_budget, delta)
+        return float(epsilon_budget), float(delta), "task", "add_remove", "secure"
+    try:
+        terms = (float(epsilon_budget), float(old.delta if delta is None else delta), old.unit,
+                 old.neighbouring, old.mode or "secure")  # fmt: skip
+    finally:
+        old.close()
+    _check_terms(terms[0], terms[1])
+    return terms
+
+
+def _check_terms(epsilon_budget: float, delta: float) -> None:
+    if not (math.isfinite(epsilon_budget) and epsilon_budget > 0):
+        raise ValueError(f"epsilon_budget must be a finite number > 0; got {epsilon_budget!r}")
+    _check_delta(delta)
+
+
+def _start_new_budget(
+    path: str | Path, federation_id: str, reason: str, *, who: str | None = None
+) -> str:
     _check_federation_id(federation_id)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")

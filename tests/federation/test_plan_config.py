@@ -54,7 +54,10 @@ def test_written_config_loads_and_the_server_records_the_planned_event(
     path = write_config(str(tmp_path / "plan.toml"), row, req, str(base))
     cfg = load_config(path)
     assert cfg.seed == 7 and cfg.training.meta_lr == 0.002  # the base's other keys are kept
-    assert cfg.privacy.target_epsilon is None  # the plan's noise, not a calibration target
+    # The plan's epsilon is the run's target (its rounds must fit what the data has left); the
+    # noise is the plan's, and the data's budget is not the plan's to set (issue 22).
+    assert cfg.privacy.target_epsilon == 8.0
+    assert "epsilon_budget" not in cfg.privacy.model_fields_set
     assert cfg.rounds == 6 and cfg.federation.participants == 6
     assert cfg.sampling.stage2 == ("fixed" if design == "two_stage_fixed" else "poisson")
     server = build_plan(cfg, {str(i): 20 for i in range(6)})

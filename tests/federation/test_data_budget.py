@@ -1,0 +1,138 @@
+"""A data budget apart from a run's target, and experiment ledgers (issue 22).
+
+The data's (epsilon, delta) are recorded by the first run that spends on it and change only by
+``fedmeta ledger new-budget``; a run's ``privacy.target_epsilon`` is allowed when it fits what is
+left; an experiment (``--experiment NAME``) spends from a ledger of its own and says so everywhere.
+The runs go through ``fedmeta simulate`` in this process (the CLI's exit codes and one-line errors).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fedmeta.accounting import BudgetLedger
+from fedmeta.cli import main
+
+from fedmeta.config import ConfigError, load_config
+
+from .test_round import SMALL
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def _simulate(out: Path, *args: str) -> int:
+    # z calibrated to the run's target (SMALL fixes it for speed elsewhere).
+    extra = ["rounds=3", "output.plots=false", "output.progress=false",
+             "privacy.noise_multiplier=none"]  # fmt: skip
+    sets = [w for s in [*SMALL, *extra] for w in ("--set", s)]
+    return main(["simulate", "--out", str(out), *sets, *args])
+
+
+def _summary(out: Path) -> dict[str, object]:
+    return json.loads((out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def _spends(db: Path) -> int:
+    return sum(
+        len(BudgetLedger.open_readonly(db, f).records()) for f in BudgetLedger.federations(db)
+    )
+
+
+@pytest.mark.integration
+def test_a_target_runs_within_the_data_budget_and_a_budget_is_not_a_runs_to_set(
+    tmp_path: Path, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = state / "ledger.sqlite"
+    assert _simulate(tmp_path / "a", "--set", "privacy.target_epsilon=1") == 0
+    first = _summary(tmp_path / "a")
+    assert first["epsilon_budget"] == 8.0 and first["target_epsilon"] == 1.0
+    assert 0.9 < float(first["epsilon_spent"]) <= 1.0  # type: ignore[arg-type]
+    spent = _spends(db)
+    # Another budget in a run's configuration is refused, naming the recorded one and the fixes.
+    capsys.readouterr()
+    assert _simulate(tmp_path / "b", "--set", "privacy.epsilon_budget=4") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "privacy.epsilon_budget=4 is not the budget of this data (epsilon 8" in err
+    assert "privacy.target_epsilon" in err and "fedmeta ledger new-budget" in err
+    assert "--experiment NAME" in err
+    # So is another delta: delta is fixed per budget.
+    assert _simulate(tmp_path / "c", "--set", "privacy.delta=1e-6") == 2
+    assert "delta is fixed per budget" in capsys.readouterr().err
+    # A target that does not fit what is left is refused before any round (exit 3): the whole
+    # budget after a first run (composition under PLD is far from additive: 1 then 7.9 fits 8).
+    assert _simulate(tmp_path / "d", "--set", "privacy.target_epsilon=8") == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit what is left" in err, err
+    assert "new-budget --db" in err and "nothing was run or written" in err
+    assert _spends(db) == spent, "a refused run recorded a spend"
+    assert not (tmp_path / "d" / "summary.json").exists()
+    # A target that fits runs, and composes with the first run in the same budget.
+    assert _simulate(tmp_path / "e", "--set", "privacy.target_epsilon=7.5") == 0
+    assert _spends(db) == spent + 3 and len(BudgetLedger.federations(db)) == 1
+
+
+@pytest.mark.integration
+def test_an_operators_new_budget_sets_the_terms_the_next_run_adopts(
+    tmp_path: Path, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = state / "ledger.sqlite"
+    assert _simulate(tmp_path / "a") == 0  # the whole default budget
+    assert _simulate(tmp_path / "b") == 3
+    (old,) = BudgetLedger.federations(db)
+    capsys.readouterr()
+    assert main(["ledger", "new-budget", "--db", str(db), "--federation", old, "--epsilon", "3",
+                 "--reason", "test: the data was refreshed"]) == 0  # fmt: skip
+    assert "epsilon 3" in capsys.readouterr().out
+    # Unset in the configuration: the recorded budget (3, the old delta) is the run's.
+    assert _simulate(tmp_path / "c") == 0
+    summary = _summary(tmp_path / "c")
+    assert summary["epsilon_budget"] == 3.0 and summary["delta"] == 1e-5
+    assert summary["federation_id"] != old
+    with BudgetLedger.open_readonly(db, str(summary["federation_id"])) as ledger:
+        assert (ledger.epsilon_budget, ledger.delta) == (3.0, 1e-5)
+
+
+@pytest.mark.integration
+def test_an_experiment_has_its_own_ledger_and_every_output_says_so(
+    tmp_path: Path, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _simulate(tmp_path / "main") == 0  # spends the production budget
+    production = _spends(state / "ledger.sqlite")
+    for eps in ("1", "2"):  # a sweep: one experiment per value
+        out = tmp_path / f"eps-{eps}"
+        capsys.readouterr()
+        assert _simulate(out, "--experiment", f"eps-{eps}", "--set",
+                         f"privacy.epsilon_budget={eps}") == 0  # fmt: skip
+        printed = capsys.readouterr().out
+        assert f"EXPERIMENT eps-{eps}" in printed  # the plan and the summary
+        summary = _summary(out)
+        assert summary["experiment"] == f"eps-{eps}" and summary["epsilon_budget"] == float(eps)
+        assert _spends(state / "experiments" / f"eps-{eps}.sqlite") == 3
+    assert _spends(state / "ledger.sqlite") == production, "an experiment spent production budget"
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "eps-1" / "checkpoint.pt"),
+                 "--tasks", "8", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["experiment"] == "eps-1"
+    # A second run of the same experiment composes within it (budget 1 is spent): refused.
+    assert _simulate(tmp_path / "again", "--experiment", "eps-1") == 3
+
+
+@pytest.mark.unit
+def test_experiments_are_for_public_benchmark_data_and_name_one_ledger(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="privacy.experiment is for public benchmark data"):
+        load_config(None, ["dataset.name=image_folder", f"dataset.path={tmp_path}",
+                           "privacy.experiment=x"])  # fmt: skip
+    with pytest.raises(ConfigError, match="both name a ledger"):
+        load_config(None, ["privacy.experiment=x", "privacy.ledger_path=l.sqlite"])
+    with pytest.raises(ConfigError, match="privacy.experiment"):
+        load_config(None, ["privacy.experiment=../escape"])
+    cfg = load_config(None, ["privacy.experiment=sweep.1"])
+    assert cfg.output.dir == "runs/sweep.1"
+    assert load_config(None, ["privacy.experiment=s", "output.dir=o"]).output.dir == "o"
