@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -985,14 +986,30 @@ def _add_epsilon_arg(p: Any, help_text: str, old: str | None = None) -> None:
         p.add_argument(old, dest="old_epsilon", type=_epsilon_value, help=argparse.SUPPRESS)
 
 
-def _add_db_arg(p: Any, help_text: str, default_ledger: Path | None) -> None:
-    """``--db``: required unless the caller knows the default ledger (fedmeta's state dir)."""
-    if default_ledger is None:
+@dataclass(frozen=True)
+class LedgerLocations:
+    """Where fedmeta keeps ledgers (``accounting`` cannot know): the default one, experiments'."""
+
+    default: Path
+    experiment: Callable[[str], Path]
+
+
+def _add_db_arg(p: Any, help_text: str, where: LedgerLocations | None) -> None:
+    """``--db``: required unless the caller knows the default ledger (fedmeta's state dir).
+
+    With it, ``--experiment NAME`` names an experiment's own ledger instead.
+    """
+    if where is None:
         p.add_argument("--db", required=True, help=help_text)
-    else:
-        p.add_argument(
-            "--db", default=str(default_ledger), help=f"{help_text} (default: %(default)s)"
-        )
+        return
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--db", default=str(where.default), help=f"{help_text} (default: %(default)s)"
+    )
+    group.add_argument(
+        "--experiment", dest="db", metavar="NAME", type=lambda name: str(where.experiment(name)),
+        help="the ledger of experiment NAME (fedmeta simulate --experiment NAME)",
+    )  # fmt: skip
 
 
 def register(
@@ -1000,6 +1017,7 @@ def register(
     *,
     config_writer: ConfigWriter | None = None,
     default_ledger: Path | None = None,
+    experiment_ledger: Callable[[str], Path] | None = None,
 ) -> None:
     """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser.
 
@@ -1007,7 +1025,7 @@ def register(
     command line passes one (``fedmeta.cli.plan_config``), since ``accounting`` knows no
     configuration.
     ``default_ledger`` makes ``--db`` optional (fedmeta passes its state directory's ledger, which
-    ``accounting`` cannot know).
+    ``accounting`` cannot know); ``experiment_ledger`` maps ``--experiment NAME`` to a ledger.
     """
     privacy = subparsers.add_parser("privacy", help="privacy accounting and planning")
     psub = privacy.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND")
@@ -1032,10 +1050,19 @@ def register(
     p.set_defaults(func=_run("privacy compare", _cmd_compare))
 
     _add_plan_parser(psub, config_writer)
-    _add_ledger_parser(subparsers, default_ledger)
+    where = (
+        None
+        if default_ledger is None
+        else LedgerLocations(default_ledger, experiment_ledger or _no_experiments)
+    )
+    _add_ledger_parser(subparsers, where)
 
 
-def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
+def _no_experiments(name: str) -> Path:
+    raise argparse.ArgumentTypeError("experiments need fedmeta's state directory; use --db")
+
+
+def _add_ledger_parser(subparsers: Any, default_ledger: LedgerLocations | None) -> None:
     """``fedmeta ledger show|migrate|backup|new-budget|accept-rollback``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
@@ -1073,7 +1100,7 @@ def _add_ledger_parser(subparsers: Any, default_ledger: Path | None) -> None:
     _add_ledger_budget_parsers(lsub, default_ledger)
 
 
-def _add_ledger_budget_parsers(lsub: Any, default_ledger: Path | None) -> None:
+def _add_ledger_budget_parsers(lsub: Any, default_ledger: LedgerLocations | None) -> None:
     """``fedmeta ledger backup|new-budget``: the copies and the deliberate new budget."""
     p = lsub.add_parser(
         "backup",

@@ -9,8 +9,10 @@ is validated with the configuration schema before it is written and read back af
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import tempfile
 import tomllib
 from datetime import UTC, datetime
@@ -21,7 +23,7 @@ from fedmeta.accounting import cli as accounting_cli
 from fedmeta.accounting.planner import PlanRequest, PlanRow
 
 from fedmeta.config import to_toml
-from fedmeta.paths import default_ledger_path
+from fedmeta.paths import default_ledger_path, experiment_ledger_path
 
 __all__ = ["plan_keys", "register", "write_config"]
 
@@ -29,8 +31,20 @@ __all__ = ["plan_keys", "register", "write_config"]
 def register(subparsers: Any) -> None:
     """Add ``privacy`` and ``ledger`` (accounting's commands) with the configuration writer."""
     accounting_cli.register(
-        subparsers, config_writer=write_config, default_ledger=default_ledger_path(secure=True)
-    )
+        subparsers, config_writer=write_config, default_ledger=default_ledger_path(secure=True),
+        experiment_ledger=lambda name: experiment_ledger_path(_experiment_name(name), secure=True),
+    )  # fmt: skip
+
+
+def _experiment_name(name: str) -> str:
+    """``--experiment NAME`` of the ledger commands: a name ``privacy.experiment`` accepts."""
+    from fedmeta.config import EXPERIMENT_NAME
+
+    if not re.fullmatch(EXPERIMENT_NAME, name):
+        raise argparse.ArgumentTypeError(
+            f"must be 1-64 letters, digits, '.', '_' or '-' (as privacy.experiment); got {name!r}"
+        )
+    return name
 
 
 def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:

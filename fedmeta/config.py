@@ -80,6 +80,10 @@ class AdaptiveClippingConfig(_Section):
         return self
 
 
+#: An experiment's name (``privacy.experiment``): it names a file in the state directory.
+EXPERIMENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
 class PrivacyConfig(_Section):
     """Task-level (epsilon, delta)-DP: budget, noise, clipping and the durable ledger."""
 
@@ -114,7 +118,7 @@ class PrivacyConfig(_Section):
     )
     experiment: str | None = Field(
         None,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        pattern=EXPERIMENT_NAME,
         description="an experiment on public benchmark data: a ledger of its own "
         "(experiments/NAME.sqlite in the state directory) and every output marked as an "
         "experiment; None = the data's own budget",

@@ -133,8 +133,8 @@ def _no_round_hint(cfg: Any) -> str:
         )
     return (
         "the budget of these participants' data is spent (`fedmeta ledger show` says how); an "
-        "experiment on public benchmark data can keep a ledger of its own: "
-        "--set privacy.ledger_path=PATH"
+        "experiment on public benchmark data keeps a ledger of its own (--experiment NAME); a "
+        "separate budget for this data starts only with `fedmeta ledger new-budget`"
     )
 
 

@@ -16,6 +16,7 @@ import pytest
 from fedmeta.accounting import (
     PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     BudgetLedger,
+    BudgetTerms,
     FlatPoissonScheme,
     GaussianRound,
     LedgerCheckpoint,
@@ -24,6 +25,7 @@ from fedmeta.accounting import (
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
     budgets,
+    current_budget,
     epsilon,
     participant_level_note,
     resolve_federation,
@@ -256,6 +258,33 @@ def test_a_new_budget_is_an_explicit_recorded_act(tmp_path: Path) -> None:
         budgets(db)
     with pytest.raises(LedgerCorrupted, match="budget 2 of .*edited"):
         resolve_federation(db, DATA, label="omniglot")
+
+
+@pytest.mark.integration
+def test_a_new_budget_can_set_its_terms_and_current_budget_reads_them(tmp_path: Path) -> None:
+    """Issue 22: the operator sets the new budget's epsilon (delta kept, or given) on record."""
+    db = tmp_path / "ledger.sqlite"
+    assert current_budget(db, DATA, label="omniglot") is None  # no file yet: nothing created
+    assert not db.exists()
+    first = resolve_federation(db, DATA, label="omniglot")
+    assert current_budget(db, DATA, label="omniglot") == BudgetTerms(first, None, None)
+    with BudgetLedger.open(db, first, 2.0, 1e-6, neighbouring="replace_one") as ledger:
+        ledger.spend(GaussianRound(FlatPoissonScheme(0.01), 1.0, neighbouring="replace_one"),
+                     "r", 0)  # fmt: skip
+    assert current_budget(db, DATA, label="omniglot") == BudgetTerms(first, 2.0, 1e-6)
+    assert current_budget(db, "other data", label="omniglot") is None
+    with pytest.raises(ValueError, match="epsilon_budget must be a finite number > 0"):
+        start_new_budget(db, first, "bad", epsilon_budget=-1.0)
+    with pytest.raises(ValueError, match="delta needs epsilon_budget"):
+        start_new_budget(db, first, "bad", delta=1e-5)
+    assert [r.number for r in budgets(db)] == [1], "a refused new budget recorded something"
+    second = start_new_budget(db, first, "refresh", epsilon_budget=4.0)
+    assert current_budget(db, DATA, label="omniglot") == BudgetTerms(second, 4.0, 1e-6)
+    with BudgetLedger.open_readonly(db, second) as ledger:  # the old relation is carried over
+        assert (ledger.epsilon_budget, ledger.delta, ledger.neighbouring) == (
+            4.0, 1e-6, "replace_one")  # fmt: skip
+    third = start_new_budget(db, second, "new delta", epsilon_budget=3.0, delta=1e-7)
+    assert current_budget(db, DATA, label="omniglot") == BudgetTerms(third, 3.0, 1e-7)
 
 
 @pytest.mark.unit
