@@ -41,16 +41,16 @@ def ledger_file(cfg: Config) -> Path:
     return path.expanduser().resolve()
 
 
-def adopt_data_budget(cfg: Config, registered: Sequence[Registered]) -> Config:
+def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path) -> Config:
     """``cfg`` with the data's recorded budget in ``privacy.epsilon_budget``/``privacy.delta``.
 
-    A read-only look (nothing is created): data with no budget yet keeps the configuration's
+    ``path``: the ledger the run spends from (on resume, the one its checkpoint recorded). A
+    read-only look (nothing is created): data with no budget yet keeps the configuration's
     values, which the run's first spend records. A value left unset takes the recorded one; a
     value set to anything else is refused (``BudgetMismatch``, one line with the fix).
     """
     if not cfg.privacy.enabled:
         return cfg
-    path = ledger_file(cfg)
     terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
     if terms is None or terms.epsilon_budget is None or terms.delta is None:
         return cfg

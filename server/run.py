@@ -238,9 +238,10 @@ def _start(
     opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
     if open_ledger is open_budget:  # the data's recorded budget, not the run's configuration
         try:
-            cfg = opened_with = adopt_data_budget(opened_with, registered)
+            cfg = adopt_data_budget(cfg, registered, ledger_file(opened_with))
         except BudgetMismatch as error:
             raise FederationError(str(error)) from None
+        opened_with = _with_recorded_ledger(cfg, ckpt, check=False)
     try:
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches

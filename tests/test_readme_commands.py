@@ -1,5 +1,5 @@
-"""The README as a test: its commands run in a fresh state, in the order shown, with the exit status
-it states.
+"""The README as a test: its commands (and the docs' quick starts) run in a fresh state, in the
+order shown, with the exit status it states.
 
 Every line of a ``bash`` block in README.md that runs ``fedmeta`` is run in a fresh working
 directory (holding a copy of ``configs/``) with a fresh ``FEDMETA_STATE_DIR``, one after the other,
@@ -86,6 +86,19 @@ def _run_readme(tmp_path: Path, short: bool) -> None:
     text = (REPO / "README.md").read_text(encoding="utf-8")
     commands = readme_commands(text)
     assert len(commands) >= 10, "the README's commands were not found"
+    assert _run_in_order(tmp_path, commands, short) >= 10
+
+
+def quick_start(doc: str) -> list[Command]:
+    """The commands of a document's first ``bash`` block (its quick start)."""
+    text = (REPO / doc).read_text(encoding="utf-8")
+    first = re.search(r"```bash\n.*?```", text, flags=re.S)
+    assert first is not None, f"{doc} has no bash block"
+    return readme_commands(first.group(0))
+
+
+def _run_in_order(tmp_path: Path, commands: list[Command], short: bool) -> int:
+    """Run ``commands`` one after the other in a fresh directory and state; how many ran."""
     work = tmp_path / "clone"
     shutil.copytree(REPO / "configs", work / "configs")
     env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state"), "FEDMETA_DEBUG": "1"}
@@ -102,7 +115,7 @@ def _run_readme(tmp_path: Path, short: bool) -> None:
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
         print(f"ok (exit {res.returncode}): {cmd.line}", flush=True)
         ran += 1
-    assert ran >= 10
+    return ran
 
 
 def test_readme_commands_are_found() -> None:
@@ -126,3 +139,15 @@ def test_readme_commands_run_in_order_short(tmp_path: Path) -> None:
 @pytest.mark.timeout(7200)
 def test_readme_commands_run_in_order_as_written(tmp_path: Path) -> None:
     _run_readme(tmp_path, short=False)
+
+
+#: The docs' quick starts (a document's first bash block) that run as the README's do.
+QUICK_STARTS = ["docs/federation.md"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("doc", QUICK_STARTS)
+def test_docs_quick_start_runs_in_order_short(tmp_path: Path, doc: str) -> None:
+    commands = quick_start(doc)
+    assert _run_in_order(tmp_path, commands, short=True) >= 3, [c.line for c in commands]

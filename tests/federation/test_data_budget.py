@@ -116,6 +116,8 @@ def test_an_experiment_has_its_own_ledger_and_every_output_says_so(
         assert summary["experiment"] == f"eps-{eps}" and summary["epsilon_budget"] == float(eps)
         assert _spends(state / "experiments" / f"eps-{eps}.sqlite") == 3
     assert _spends(state / "ledger.sqlite") == production, "an experiment spent production budget"
+    # Resumed (nothing left to run), its checkpoint still names the experiment and no path.
+    assert _simulate(tmp_path / "eps-1", "--experiment", "eps-1", "--resume") == 0
     capsys.readouterr()
     assert main(["evaluate", "--checkpoint", str(tmp_path / "eps-1" / "checkpoint.pt"),
                  "--tasks", "8", "--json"]) == 0  # fmt: skip
