@@ -720,6 +720,9 @@ _DESIGN_LABELS = {
 }
 #: Writes a plan's row as a configuration file: ``(path, row, request, base_config) -> text``.
 ConfigWriter = Callable[[str, PlanRow, PlanRequest, "str | None"], str]
+#: The delta of the budget recorded for the data a written plan runs on (``base_config`` -> delta,
+#: None when that data has no budget yet): a budget's delta is fixed, so the plan uses it.
+BudgetDelta = Callable[["str | None"], "float | None"]
 
 
 def _ints(flag: str, text: str | None) -> tuple[int, ...] | None:
@@ -876,11 +879,32 @@ def _progress_line(stream: Any) -> Callable[[str, int, int], None]:
     return show
 
 
-def _cmd_plan(args: argparse.Namespace, writer: ConfigWriter | None) -> int:
+def _plan_delta(args: argparse.Namespace, budget_delta: BudgetDelta | None) -> float:
+    """``--delta``: given, else the budget's of the data a written plan runs on, else the default.
+
+    A plan written for data whose budget has another delta would be refused by the run, so an
+    explicit ``--delta`` that differs is refused here already.
+    """
+    recorded = budget_delta(args.base_config) if args.write_config and budget_delta else None
+    if args.delta is None:
+        return DEFAULT_DELTA if recorded is None else recorded
+    if recorded is not None and args.delta != recorded:
+        raise UsageError(
+            f"--delta {args.delta:g} is not the delta of the budget recorded for this data "
+            f"({recorded:g}; delta is fixed per budget): leave --delta out to plan at it, or "
+            "start a separate budget with `fedmeta ledger new-budget`"
+        )
+    return float(args.delta)
+
+
+def _cmd_plan(
+    args: argparse.Namespace, writer: ConfigWriter | None, budget_delta: BudgetDelta | None
+) -> int:
     if args.base_config and not args.write_config:
         raise UsageError("--base-config must come with --write-config")
     if args.write_config and writer is None:
         raise UsageError("--write-config must be run as `fedmeta privacy plan` (needs fedmeta)")
+    args.delta = _plan_delta(args, budget_delta)
     request = _plan_request(args)
     result = plan(request, top=args.top, workers=args.jobs, progress=_progress_line(sys.stderr))
     written = None
@@ -915,7 +939,9 @@ def _cmd_plan(args: argparse.Namespace, writer: ConfigWriter | None) -> int:
     return 0
 
 
-def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
+def _add_plan_parser(
+    psub: Any, writer: ConfigWriter | None, budget_delta: BudgetDelta | None
+) -> None:
     p = psub.add_parser(
         "plan",
         help="search sampling, rounds and noise for the least noise per averaged gradient",
@@ -925,8 +951,11 @@ def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
         "a run').",
     )
     _add_epsilon_arg(p, "epsilon budget (task level)")
-    p.add_argument("--delta", type=float, default=DEFAULT_DELTA,
-                   help=f"delta (default {DEFAULT_DELTA:g}, as privacy.delta)")  # fmt: skip
+    p.add_argument(
+        "--delta", type=float, default=None,
+        help=f"delta (default: with --write-config, the delta of the budget recorded for the data "
+        f"the configuration runs on; else {DEFAULT_DELTA:g}, as privacy.delta)",
+    )  # fmt: skip
     p.add_argument("--neighbouring", choices=NEIGHBOURING_RELATIONS, default=ADD_REMOVE)
     p.add_argument("--participants", type=int, required=True, help="P, registered participants")
     p.add_argument(
@@ -960,7 +989,9 @@ def _add_plan_parser(psub: Any, writer: ConfigWriter | None) -> None:
     p.add_argument("--base-config", metavar="PATH",
                    help="TOML configuration whose other keys the written one keeps")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_run("privacy plan", lambda args: _cmd_plan(args, writer), _PLAN_FLAGS))
+    p.set_defaults(
+        func=_run("privacy plan", lambda args: _cmd_plan(args, writer, budget_delta), _PLAN_FLAGS)
+    )
 
 
 # ------------------------------------------------------------------------------------ register
@@ -1018,6 +1049,7 @@ def register(
     config_writer: ConfigWriter | None = None,
     default_ledger: Path | None = None,
     experiment_ledger: Callable[[str], Path] | None = None,
+    budget_delta: BudgetDelta | None = None,
 ) -> None:
     """Add ``privacy`` and ``ledger`` to the top-level ``fedmeta`` parser.
 
@@ -1025,7 +1057,8 @@ def register(
     command line passes one (``fedmeta.cli.plan_config``), since ``accounting`` knows no
     configuration.
     ``default_ledger`` makes ``--db`` optional (fedmeta passes its state directory's ledger, which
-    ``accounting`` cannot know); ``experiment_ledger`` maps ``--experiment NAME`` to a ledger.
+    ``accounting`` cannot know); ``experiment_ledger`` maps ``--experiment NAME`` to a ledger;
+    ``budget_delta`` gives ``privacy plan --write-config`` the delta of the data's budget.
     """
     privacy = subparsers.add_parser("privacy", help="privacy accounting and planning")
     psub = privacy.add_subparsers(dest="privacy_command", metavar="SUBCOMMAND")
@@ -1049,7 +1082,7 @@ def register(
     _add_scheme_args(p)
     p.set_defaults(func=_run("privacy compare", _cmd_compare))
 
-    _add_plan_parser(psub, config_writer)
+    _add_plan_parser(psub, config_writer, budget_delta)
     where = (
         None
         if default_ledger is None

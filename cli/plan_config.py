@@ -33,7 +33,25 @@ def register(subparsers: Any) -> None:
     accounting_cli.register(
         subparsers, config_writer=write_config, default_ledger=default_ledger_path(secure=True),
         experiment_ledger=lambda name: experiment_ledger_path(_experiment_name(name), secure=True),
+        budget_delta=budget_delta,
     )  # fmt: skip
+
+
+def budget_delta(base_config: str | None) -> float | None:
+    """The delta of the budget recorded for the data ``base_config`` (or the defaults) runs on.
+
+    None when that data has no budget yet in the ledger the configuration spends from (the run
+    then records the plan's). Read-only.
+    """
+    from fedmeta.accounting import current_budget
+    from fedmeta.server.budget_keys import budget_identity
+    from fedmeta.server.data_budget import ledger_file
+
+    from fedmeta.config import Config, load_config
+
+    cfg = load_config(base_config) if base_config else Config()
+    terms = current_budget(ledger_file(cfg), budget_identity(cfg, []), label=cfg.dataset.name)
+    return None if terms is None else terms.delta
 
 
 def _experiment_name(name: str) -> str:

@@ -138,3 +138,30 @@ def test_experiments_are_for_public_benchmark_data_and_name_one_ledger(tmp_path:
     cfg = load_config(None, ["privacy.experiment=sweep.1"])
     assert cfg.output.dir == "runs/sweep.1"
     assert load_config(None, ["privacy.experiment=s", "output.dir=o"]).output.dir == "o"
+
+
+PLAN = ["privacy", "plan", "--epsilon", "2", "--participants", "6", "--tasks-per-participant",
+        "20", "--max-tasks-per-round", "6", "--rounds", "6", "--designs", "flat_poisson",
+        "--jobs", "1"]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_written_plan_takes_the_delta_of_the_datas_budget(
+    tmp_path: Path, state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Data with no budget yet: the default delta.
+    assert main([*PLAN, "--write-config", str(tmp_path / "p0.toml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["delta"] == 1e-5
+    # The first run records this data's budget with delta 1e-6: plans for it use that delta.
+    assert _simulate(tmp_path / "a", "--set", "privacy.delta=1e-6",
+                     "--set", "privacy.target_epsilon=1") == 0  # fmt: skip
+    capsys.readouterr()
+    written = tmp_path / "p1.toml"
+    assert main([*PLAN, "--write-config", str(written), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["delta"] == 1e-6
+    assert load_config(written).privacy.delta == 1e-6
+    # Another delta is refused before planning, in one line naming the budget's.
+    assert main([*PLAN, "--delta", "1e-5", "--write-config", str(tmp_path / "p2.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not the delta of the budget recorded" in err, err
+    assert not (tmp_path / "p2.toml").exists()
