@@ -74,12 +74,29 @@ def _mismatch(cfg: Config, name: str, value: float, terms: BudgetTerms, path: Pa
     return (
         f"privacy.{name}={value:g} is not the budget of this data (epsilon "
         f"{terms.epsilon_budget:g} at delta {terms.delta:g}, recorded in {path}): {fix}; "
-        + other_budget_hint(cfg, path, terms.federation_id)
+        + other_budget_hint(cfg, path, terms.federation_id, _asked(cfg, name, value, terms))
     )
 
 
-def other_budget_hint(cfg: Config, path: Path, federation_id: str) -> str:
-    """The two ways to another budget: an experiment (public data), or the operator's command."""
+def _asked(cfg: Config, name: str, value: float, terms: BudgetTerms) -> tuple[float, float]:
+    """The terms the configuration asked for: its value in place of the recorded one."""
+    assert terms.epsilon_budget is not None and terms.delta is not None
+    if name == "epsilon_budget":
+        return (
+            value,
+            terms.delta if "delta" not in cfg.privacy.model_fields_set else cfg.privacy.delta,
+        )
+    return terms.epsilon_budget, value
+
+
+def other_budget_hint(
+    cfg: Config, path: Path, federation_id: str, terms: tuple[float, float] | None = None
+) -> str:
+    """The two ways to another budget: an experiment (public data), or the operator's command.
+
+    ``terms``: the (epsilon, delta) to put in the command; else placeholders.
+    """
+    eps, delta = ("E", "D") if terms is None else (f"{terms[0]:g}", f"{terms[1]:g}")
     experiment = (
         "another --experiment NAME"
         if cfg.privacy.experiment
@@ -90,7 +107,7 @@ def other_budget_hint(cfg: Config, path: Path, federation_id: str) -> str:
         experiment = "this is the participants' own data, so no experiment ledger applies"
     return (
         f"{experiment}; a separate budget for this data starts only with `fedmeta ledger "
-        f"new-budget --db {path} --federation {federation_id} --epsilon E --delta D "
+        f"new-budget --db {path} --federation {federation_id} --epsilon {eps} --delta {delta} "
         "--reason WHY` (recorded)"
     )
 
@@ -99,13 +116,14 @@ def no_fit_reason(
     cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
 ) -> str:
     """One line: a run's target does not fit what its participants have left, and the fixes."""
-    assert plan.event is not None
+    assert plan.event is not None and cfg.privacy.target_epsilon is not None
+    target = cfg.privacy.target_epsilon
     return (
-        f"privacy.target_epsilon={cfg.privacy.target_epsilon:g} does not fit what is left of "
+        f"privacy.target_epsilon={target:g} does not fit what is left of "
         f"this data's budget: epsilon {predicted.epsilon_spent_before:.4g} of "
         f"{ledger.epsilon_budget:g} spent (delta {ledger.delta:g}), and "
         f"{predicted.rounds_affordable} of this run's {cfg.rounds} rounds at noise multiplier "
         f"{plan.event.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
-        + other_budget_hint(cfg, ledger.path, ledger.federation_id)
+        + other_budget_hint(cfg, ledger.path, ledger.federation_id, (target, ledger.delta))
         + "; nothing was run or written"
     )

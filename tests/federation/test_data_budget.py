@@ -60,8 +60,8 @@ def test_a_target_runs_within_the_data_budget_and_a_budget_is_not_a_runs_to_set(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "privacy.epsilon_budget=4 is not the budget of this data (epsilon 8" in err
-    assert "privacy.target_epsilon" in err and "fedmeta ledger new-budget" in err
-    assert "--experiment NAME" in err
+    assert "privacy.target_epsilon" in err and "--experiment NAME" in err
+    assert "fedmeta ledger new-budget --db" in err and "--epsilon 4 --delta 1e-05" in err
     # So is another delta: delta is fixed per budget.
     assert _simulate(tmp_path / "c", "--set", "privacy.delta=1e-6") == 2
     assert "delta is fixed per budget" in capsys.readouterr().err
@@ -70,7 +70,7 @@ def test_a_target_runs_within_the_data_budget_and_a_budget_is_not_a_runs_to_set(
     assert _simulate(tmp_path / "d", "--set", "privacy.target_epsilon=8") == 3
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not fit what is left" in err, err
-    assert "new-budget --db" in err and "nothing was run or written" in err
+    assert "--epsilon 8 --delta 1e-05 --reason WHY" in err and "nothing was run or written" in err
     assert _spends(db) == spent, "a refused run recorded a spend"
     assert not (tmp_path / "d" / "summary.json").exists()
     # A target that fits runs, and composes with the first run in the same budget.
