@@ -25,7 +25,7 @@ namespaces on a bridge), the SuperLink with TLS, node authentication and its sta
 4. **The ledger:** each run's rounds spent once (no round of run 1 spent again by run 2), epsilon
    within the budget.
 
-About 4-6 minutes on 2 cores (``slow``).
+About 5-8 minutes on 2 shared cores (``slow``).
 """
 
 from __future__ import annotations
@@ -252,8 +252,12 @@ def revoke(fed: LocalFederation, net: Network, node: Node) -> str:
 
 
 def wait_spent(fed: LocalFederation, run: Any, count: int) -> None:
-    total = lambda: sum(len(v) for v in ledger_spends(ledger_path(fed)).values())  # noqa: E731
-    wait_until(lambda: total() >= count or run.poll() is not None, 600, f"{count} spends")
+    """Until the ledger holds ``count`` spends (of any run), or ``run`` has ended."""
+
+    def spent() -> int:
+        return sum(len(v) for v in ledger_spends(ledger_path(fed)).values())
+
+    wait_until(lambda: spent() >= count or run.poll() is not None, 600, f"{count} spends")
 
 
 def completed_tasks(fed: LocalFederation, node: Node) -> int:
