@@ -297,6 +297,7 @@ def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Networ
     print(f"\nSuperLink restart gaps (s): {gaps}", file=sys.stderr)
     assert presented_certificate(local, fed.control_address, fed.certs / "ca.crt") == new
     assert node_ids(fed) == ids_before  # node authentication: the same node ids after a restart
+    assert all(n.proc is not None and n.proc.poll() is None for n in nodes)  # none restarted
 
     run2 = fed.deploy_run(
         fed.work / "runs" / "run2",
