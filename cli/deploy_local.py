@@ -269,20 +269,30 @@ class LocalFederation:
         env = dict(self.env("operator"), FLWR_HOME=str(home))
         return self.server.run([str(BIN / "flwr"), *args], env=env, timeout=timeout, check=False)
 
-    def start_superlink(self, timeout: float = 180) -> None:
-        """The SuperLink (TLS, node auth, ServerApp in a subprocess); wait until it answers."""
+    def start_superlink(
+        self, timeout: float = 180, *, database: Path | None = None, proxy: bool = True,
+        log_name: str = "superlink",
+    ) -> subprocess.Popen[Any]:  # fmt: skip
+        """The SuperLink (TLS, node auth, ServerApp in a subprocess); wait until it answers.
+
+        ``database``: its state file (registered keys, node ids, runs), so that a restart keeps
+        them (docs/deploy.md, "Certificates"); without it the state is in memory. ``proxy``: also
+        start the Fleet-only proxy when this federation has one (a restart leaves it running).
+        """
         bind = "127.0.0.1" if self.fleet_proxy or self.server.address == "127.0.0.1" else "0.0.0.0"
         c = self.certs
-        self.start(self.server, "superlink", [
+        state = ["--database", str(database)] if database is not None else []
+        proc = self.start(self.server, log_name, [
             str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(c / "ca.crt"),
             "--ssl-certfile", str(c / "server.crt"), "--ssl-keyfile", str(c / "server.key"),
             "--enable-supernode-auth", "--disable-runtime-dependency-installation",
-            "--isolation", "subprocess", "--host", bind, "--port", str(self.port),
+            "--isolation", "subprocess", "--host", bind, "--port", str(self.port), *state,
         ])  # fmt: skip
         wait_until(lambda: self.flwr("ls", "--format", "json").returncode == 0, timeout,
                    "the SuperLink's Control API")  # fmt: skip
-        if self.fleet_proxy:
+        if self.fleet_proxy and proxy:
             self._start_proxy()
+        return proc
 
     def _start_proxy(self) -> None:
         nginx = shutil.which("nginx")
@@ -293,7 +303,16 @@ class LocalFederation:
         conf = self.work / "nginx.conf"
         conf.write_text(proxy_config(self.work, self.certs, self.fleet_address,
                                      f"127.0.0.1:{self.port}"))  # fmt: skip
-        self.start(self.server, "nginx", [nginx, "-c", str(conf)])
+        pid_file = self.work / "nginx.pid"
+        pid_file.unlink(missing_ok=True)
+        proc = self.start(self.server, "nginx", [nginx, "-c", str(conf)])
+        # nginx writes its pid file once it listens; one that exits first (a port in use, a bad
+        # certificate) is reported with its own error, not as nodes that never come online.
+        wait_until(lambda: pid_file.is_file() or proc.poll() is not None, 60, "nginx to listen")
+        if proc.poll() is not None:
+            logs = [self.logs / "nginx.log", self.logs / "nginx-error.log"]
+            errors = " ".join(p.read_text()[-600:] for p in logs if p.is_file())
+            raise RuntimeError(f"nginx (the Fleet-only proxy) exited {proc.returncode}: {errors}")
 
     def register(self, key_names: Sequence[str], attempts: int = 5) -> None:
         """Register node public keys with the SuperLink (Control API, from the server host).
@@ -381,17 +400,21 @@ class LocalFederation:
 
     def deploy_run(
         self, out: Path, *, config: Path | None = None, sets: Sequence[str] = (),
-        timeout: float = 1800,
+        timeout: float = 1800, node_keys: Path | None = None, log_name: str = "deploy-run",
     ) -> subprocess.Popen[Any]:  # fmt: skip
-        """``fedmeta deploy run`` on the server host (bound nodes' keys sent with the run)."""
+        """``fedmeta deploy run`` on the server host (bound nodes' keys sent with the run).
+
+        ``node_keys``: the binding to send (e.g. make-certs.sh's ``node-keys.toml``); by default
+        that of ``self.nodes``. Its output goes to logs/LOG_NAME.log.
+        """
         cmd = [str(BIN / "fedmeta"), "deploy", "run", "--superlink", self.control_address,
                "--root-certificates", str(self.certs / "ca.crt"), "--out", str(out),
                "--poll", "0.5", "--timeout", str(timeout)]  # fmt: skip
-        cmd += ["--node-keys", str(self.node_keys_file())]
+        cmd += ["--node-keys", str(node_keys or self.node_keys_file())]
         if config is not None:
             cmd += ["--config", str(config)]
         cmd += [a for s in sets for a in ("--set", s)]
-        return self.start(self.server, "deploy-run", cmd)
+        return self.start(self.server, log_name, cmd)
 
     def close(self) -> None:
         """End every process started here (SIGTERM, then SIGKILL), by its process group."""

@@ -1,14 +1,22 @@
 """Fixtures for the deployment tests: the network-namespace harness, skipped with the reason printed
-where this machine cannot create namespaces (not root, no `ip`)."""
+where this machine cannot create namespaces (not root, no `ip`) or lacks a tool the multi-host
+federation runs."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.deploy.netns import Network, netns_unavailable
+from tests.deploy.netns import Network, netns_unavailable, nginx_unavailable, tc_unavailable
+
+
+def _skip(reason: str) -> None:
+    print(f"\n[deploy] skipping: {reason}", file=sys.stderr)  # shown even without -ra
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
@@ -16,8 +24,26 @@ def netns_ok() -> None:
     """Skip when namespaces are unusable, and say why on stderr (shown even without -ra)."""
     reason = netns_unavailable()
     if reason is not None:
-        print(f"\n[deploy] skipping network-namespace tests: {reason}", file=sys.stderr)
-        pytest.skip(reason)
+        _skip(f"network-namespace tests: {reason}")
+
+
+@pytest.fixture(scope="session")
+def multihost_tools(netns_ok: None) -> None:
+    """Skip, with the reason, where this machine lacks a tool the multi-host federation runs."""
+    for tool in ("openssl", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            _skip(f"`{tool}` not found (Debian: apt-get install openssl openssh-client)")
+    reason = tc_unavailable()
+    if reason:
+        _skip(reason)
+    if not (Path(sys.executable).parent / "flower-superlink").is_file():
+        _skip(f"flower-superlink not beside {sys.executable}")
+    reason = nginx_unavailable()
+    if reason:
+        # The multi-machine layout lets participants in only through the Fleet-only proxy: the
+        # tests check that layout or nothing, never a quieter one. nginx that is there but fails
+        # to start fails the test (LocalFederation reports nginx's own error).
+        _skip(f"{reason}: the Fleet-only proxy of the multi-machine guide is part of this test")
 
 
 @pytest.fixture

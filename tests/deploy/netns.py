@@ -63,6 +63,27 @@ def tc_unavailable() -> str | None:
     return None
 
 
+def nginx_unavailable() -> str | None:
+    """Why nginx cannot serve the Fleet-only proxy here, or None (probed by running it).
+
+    Absent, or present but unable to run (``nginx -V`` fails) or built without TLS: only then may
+    a test that needs the proxy skip. Anything else (a configuration it refuses, a port it cannot
+    bind) is a failure of the test, reported by ``LocalFederation`` with nginx's own error.
+    """
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        return "nginx not installed (Debian: apt-get install nginx-light)"
+    try:
+        res = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=30)
+    except OSError as error:
+        return f"nginx at {nginx} cannot run: {error}"
+    if res.returncode != 0:
+        return f"`{nginx} -V` exited {res.returncode}: {res.stderr.strip()[-300:]}"
+    if "http_ssl_module" not in res.stderr + res.stdout:
+        return f"{nginx} is built without http_ssl_module (Debian's nginx-light has it)"
+    return None
+
+
 def _ip(*args: str, ns: str | None = None) -> None:
     cmd = ["ip", *(["-n", ns] if ns else []), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,34 +31,16 @@ from typing import Any
 import pytest
 from fedmeta.cli.deploy_local import LocalFederation, Node, wait_until
 
-from tests.deploy.netns import Network, tc_unavailable
+from tests.deploy.netns import Network
 
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e]
 
-BIN = Path(sys.executable).parent
 MAX_FAILURES = 2
 BUDGET = 3.0
 
 
-def _need_tools() -> None:
-    for tool in ("openssl", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"`{tool}` not found (Debian: apt-get install openssl openssh-client)")
-    reason = tc_unavailable()
-    if reason:
-        pytest.skip(reason)
-    if not (BIN / "flower-superlink").is_file():
-        pytest.skip(f"flower-superlink not beside {sys.executable}")
-    if shutil.which("nginx") is None:
-        # The multi-machine layout lets participants in only through the Fleet-only proxy: the
-        # test checks that layout or nothing, never a quieter one.
-        pytest.skip("nginx not installed (Debian: apt-get install nginx-light): the Fleet-only "
-                    "proxy of the multi-machine guide is part of this test")  # fmt: skip
-
-
 @pytest.fixture
-def federation(netns_ok: None, tmp_path: Path) -> Iterator[tuple[LocalFederation, Network]]:
-    _need_tools()
+def federation(multihost_tools: None, tmp_path: Path) -> Iterator[tuple[LocalFederation, Network]]:
     with Network(participants=3, shaped={1: "8mbit"}) as net:
         fed = LocalFederation(tmp_path, net.server, port=8000, fleet_proxy=True)
         try:

@@ -1,0 +1,389 @@
+"""Certificate renewal and node-key revocation on a live federation, step by step as docs/deploy.md
+("Certificates: renewal, rollover, revocation") says.
+
+The hosts of test_federation_netns.py (one server host, three participant hosts, network
+namespaces on a bridge), the SuperLink with TLS, node authentication and its state in
+``--database``, participants coming in through the Fleet-only proxy (nginx):
+
+1. **Renewal, the proxy.** Run 1 (private, ``RUN1_ROUNDS`` planned rounds) is started; once it
+   has spent a round, the server certificate is renewed as the guide says (``mv server.crt
+   server.crt.old``; ``make-certs.sh`` with the same ``--san``: a new certificate of the same CA
+   for the same key) and the proxy reloaded (``nginx -s reload``). Checked: from a participant host
+   the proxy presents the new certificate while run 1 goes on, and run 1 completes every planned
+   round (exit 0) with no failure released.
+2. **Renewal, the SuperLink.** It reads its certificate only at start (uvicorn's TLS context), so
+   it is restarted between runs on the same ``--database``: measured, the seconds until its
+   Control API answers again and until each participant's SuperNode has reconnected; checked: it
+   presents the new certificate, every node kept its node id.
+3. **Revocation.** Run 2 is started on the same ledger with make-certs.sh's ``node-keys.toml``;
+   once it has spent a round, participant 2's key is revoked: ``fedmeta deploy status`` gives the
+   node id of its key's fingerprint, ``flwr supernode unregister NODE_ID``, its ``.pub`` removed,
+   ``make-certs.sh`` rewrites ``node-keys.toml`` without it. Checked: its SuperNode is refused and
+   exits; started again (as a supervisor's restart policy would) it is refused at once; the
+   others go on answering, run 2 reaches ``budget_exhausted``; ``fedmeta deploy status`` no longer
+   lists the key.
+4. **The ledger:** each run's rounds spent once (no round of run 1 spent again by run 2), epsilon
+   within the budget.
+
+About 5-8 minutes on 2 shared cores (``slow``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fedmeta.cli.deploy_local import LocalFederation, Node, key_fingerprint, wait_until
+
+from tests.deploy.netns import Network
+
+pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE_CERTS = REPO / "deploy" / "tls" / "make-certs.sh"
+BIN = Path(sys.executable).parent
+BUDGET = 4.0
+RUN1_ROUNDS = 3
+MAX_FAILURES = 2
+#: A SuperNode that reconnects after a failed request logs this (flwr/supercore/retry).
+RECONNECTED = re.compile(r"Connection successful after ([0-9.]+) seconds")
+
+
+@pytest.fixture
+def lifecycle(multihost_tools: None, tmp_path: Path) -> Iterator[tuple[LocalFederation, Network]]:
+    with Network(participants=3) as net:
+        fed = LocalFederation(tmp_path, net.server, port=8000, fleet_proxy=True)
+        try:
+            yield fed, net
+        finally:
+            fed.close()  # every process started, by its process group; then the namespaces
+
+
+def superlink_db(fed: LocalFederation) -> Path:
+    """The SuperLink's state file (the guide's ``--database``)."""
+    return fed.work / "state" / "superlink.db"
+
+
+def start_federation(fed: LocalFederation, net: Network) -> tuple[list[Node], Any]:
+    """Certificates (SAN: the server's bridge address), SuperLink on its database, keys, nodes."""
+    nodes = [Node(net.participants[i], str(i), f"participant-{i}") for i in range(3)]
+    fed.nodes = nodes
+    fed.make_certs([n.key_name for n in nodes], sans=[net.server.address])
+    superlink_db(fed).parent.mkdir(parents=True, exist_ok=True)
+    link = fed.start_superlink(database=superlink_db(fed))
+    fed.register([n.key_name for n in nodes])
+    for node in nodes:
+        fed.start_node(node)
+    wait_until(lambda: fed.online() >= len(nodes), 300, "3 nodes online", 1)
+    wait_until(lambda: fed.workers_ready(nodes), 600, "the workers' warm-up", 1)
+    return nodes, link
+
+
+def run_settings(fed: LocalFederation, rounds: int) -> list[str]:
+    return [
+        f"rounds={rounds}", f"privacy.epsilon_budget={BUDGET}", "privacy.noise_multiplier=1.5",
+        "federation.participants=3", "sampling.participants_per_round=2",
+        "sampling.task_rate=0.2", "dataset.tasks_per_participant=20", "dataset.test_tasks=16",
+        "dataset.validation_tasks=16", "dataset.probe_tasks=0", "training.eval_every=1000000",
+        "privacy.report_every=1000000", "output.plots=false", "output.progress=false",
+        "federation.round_timeout_s=30", "federation.register_timeout_s=180",
+        f"privacy.ledger_path={ledger_path(fed)}", "federation.min_participants=3",
+        f"federation.max_consecutive_failures={MAX_FAILURES}",
+    ]  # fmt: skip
+
+
+def ledger_path(fed: LocalFederation) -> Path:
+    return fed.work / "state" / "ledger.sqlite"
+
+
+def ledger_spends(path: Path) -> dict[str, list[int]]:
+    """Run id -> round indices spent, over every federation in the ledger (read-only)."""
+    from fedmeta.accounting import BudgetLedger, LedgerError
+
+    out: dict[str, list[int]] = {}
+    try:
+        for fid in BudgetLedger.describe(path).federations:
+            book = BudgetLedger.open_readonly(path, fid)
+            try:
+                for record in book.records():
+                    out.setdefault(record.run_id, []).append(record.round_index)
+            finally:
+                book.close()
+    except (LedgerError, OSError):
+        return {}
+    return out
+
+
+def make_certs(fed: LocalFederation, net: Network) -> None:
+    """The guide's ``deploy/tls/make-certs.sh --out certs --san ...`` (the same --san as before)."""
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "--out", str(fed.certs), "--san", net.server.address],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def presented_certificate(host: Any, address: str, ca: Path) -> bytes:
+    """The DER certificate ``address`` presents to ``host``, verified against ``ca``."""
+    where, port = address.rsplit(":", 1)
+    probe = (
+        f"import ssl\nprint(ssl.get_server_certificate(({where!r}, {port}), ca_certs={str(ca)!r}))"
+    )
+    pem = host.run([sys.executable, "-c", probe], timeout=60).stdout
+    return ssl.PEM_cert_to_DER_cert(pem.strip() + "\n")
+
+
+def file_certificate(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+def renew_and_reload_proxy(fed: LocalFederation, net: Network) -> tuple[bytes, bytes]:
+    """Step 1: a new server certificate of the same CA; nginx reloaded. (old, new) certificates."""
+    old_file = fed.certs / "server.crt.old"
+    (fed.certs / "server.crt").rename(old_file)
+    make_certs(fed, net)
+    old, new = file_certificate(old_file), file_certificate(fed.certs / "server.crt")
+    assert old != new
+    subprocess.run(
+        ["openssl", "verify", "-CAfile", str(fed.certs / "ca.crt"), str(fed.certs / "server.crt")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    fed.server.run(["nginx", "-c", str(fed.work / "nginx.conf"), "-s", "reload"], timeout=60)
+    ca, member = fed.certs / "ca.crt", net.participants[0]
+    wait_until(
+        lambda: presented_certificate(member, fed.fleet_address, ca) == new,
+        60,
+        "the proxy to present the renewed certificate",
+        1,
+    )
+    return old, new
+
+
+def reconnections(fed: LocalFederation, node: Node) -> int:
+    path = fed.logs / f"node-{node.key_name}.log"
+    return len(RECONNECTED.findall(path.read_text())) if path.is_file() else 0
+
+
+def restart_superlink(
+    fed: LocalFederation, link: Any, nodes: list[Node]
+) -> tuple[Any, dict[str, float]]:
+    """Step 2: SIGTERM the SuperLink, start it on the same database; the gaps, in seconds.
+
+    ``stopped``: until the old process has exited; ``control``: until the new one's Control API
+    answers (``flwr ls``, polled every 0.5 s: about 1 s resolution); ``nodes``: until every
+    SuperNode has logged its reconnection (Flower's retry backoff, at most 20 s between tries).
+    """
+    before = {n.key_name: reconnections(fed, n) for n in nodes}
+    t0 = time.monotonic()
+    fed.server.kill(link, signal.SIGTERM)
+    link.wait(timeout=60)
+    stopped = time.monotonic() - t0
+    restarted = fed.start_superlink(
+        database=superlink_db(fed), proxy=False, log_name=f"superlink-{time.time_ns()}"
+    )
+    control = time.monotonic() - t0
+    wait_until(
+        lambda: all(reconnections(fed, n) > before[n.key_name] for n in nodes),
+        180,
+        "every SuperNode to reconnect",
+        0.2,
+    )
+    return restarted, {"stopped": stopped, "control": control, "nodes": time.monotonic() - t0}
+
+
+def deploy_status(fed: LocalFederation, node_keys: Path) -> dict[str, Any]:
+    res = fed.server.run(
+        [
+            str(BIN / "fedmeta"),
+            "deploy",
+            "status",
+            "--superlink",
+            fed.control_address,
+            "--root-certificates",
+            str(fed.certs / "ca.crt"),
+            "--node-keys",
+            str(node_keys),
+            "--db",
+            str(ledger_path(fed)),
+            "--json",
+        ],
+        env=fed.env("status"),
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    status: dict[str, Any] = json.loads(res.stdout)
+    return status
+
+
+def node_ids(fed: LocalFederation) -> dict[str, str]:
+    """Key fingerprint -> node id, of the nodes the SuperLink knows."""
+    status = deploy_status(fed, fed.certs / "node-keys.toml")
+    return {n["key"]: n["node_id"] for n in status["nodes"]}
+
+
+def revoke(fed: LocalFederation, net: Network, node: Node) -> str:
+    """Step 3, as the guide says: status -> node id, unregister, remove the .pub, re-bind.
+
+    Returns the revoked key's fingerprint."""
+    pub = fed.certs / "nodes" / f"{node.key_name}.key.pub"
+    fingerprint = key_fingerprint(pub)
+    status = deploy_status(fed, fed.certs / "node-keys.toml")
+    (node_id,) = [n["node_id"] for n in status["nodes"] if n["key"] == fingerprint]
+    res = fed.flwr("supernode", "unregister", node_id)
+    assert res.returncode == 0, res.stdout + res.stderr
+    pub.unlink()
+    make_certs(fed, net)
+    return fingerprint
+
+
+def wait_spent(fed: LocalFederation, run: Any, count: int) -> None:
+    """Until the ledger holds ``count`` spends (of any run), or ``run`` has ended."""
+
+    def spent() -> int:
+        return sum(len(v) for v in ledger_spends(ledger_path(fed)).values())
+
+    wait_until(lambda: spent() >= count or run.poll() is not None, 600, f"{count} spends")
+
+
+def completed_tasks(fed: LocalFederation, node: Node) -> int:
+    path = fed.logs / f"node-{node.key_name}.timings.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(json.loads(line)["status"] == "completed" for line in path.read_text().splitlines())
+
+
+@pytest.mark.timeout(1800)
+def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Network]) -> None:
+    fed, net = lifecycle
+    nodes, link = start_federation(fed, net)
+    ids_before = node_ids(fed)
+
+    run1 = fed.deploy_run(
+        fed.work / "runs" / "run1",
+        sets=run_settings(fed, RUN1_ROUNDS),
+        timeout=900,
+        node_keys=fed.certs / "node-keys.toml",
+        log_name="run1",
+    )
+    wait_spent(fed, run1, 1)
+    assert run1.poll() is None, "run 1 ended before the renewal: " + _log(fed, "run1")
+    old, new = renew_and_reload_proxy(fed, net)
+    assert run1.wait(timeout=900) == 0, _log(fed, "run1")
+    summary1 = _summary(fed, "run1")
+    assert summary1["stopped_reason"] == "planned_rounds", summary1
+    assert summary1["rounds_completed"] == RUN1_ROUNDS, summary1
+    assert _released_failures(fed, "run1") == 0
+
+    # The SuperLink still presents the old certificate (read at its start) until it restarts.
+    local = fed.server
+    assert presented_certificate(local, fed.control_address, fed.certs / "ca.crt") == old
+    link, gaps = restart_superlink(fed, link, nodes)
+    (fed.logs / "superlink-restart.json").write_text(json.dumps(gaps))
+    print(f"\nSuperLink restart gaps (s): {gaps}", file=sys.stderr)
+    assert presented_certificate(local, fed.control_address, fed.certs / "ca.crt") == new
+    assert node_ids(fed) == ids_before  # node authentication: the same node ids after a restart
+    assert all(n.proc is not None and n.proc.poll() is None for n in nodes)  # none restarted
+
+    run2 = fed.deploy_run(
+        fed.work / "runs" / "run2",
+        sets=run_settings(fed, 1000),
+        timeout=900,
+        node_keys=fed.certs / "node-keys.toml",
+        log_name="run2",
+    )
+    wait_spent(fed, run2, RUN1_ROUNDS + 1)
+    assert run2.poll() is None, "run 2 ended before the revocation: " + _log(fed, "run2")
+    revoked, others = nodes[2], nodes[:2]
+    revoked_key = revoke(fed, net, revoked)
+    _check_refused(fed, revoked)
+    answered = {n.key_name: completed_tasks(fed, n) for n in others}
+    assert run2.wait(timeout=900) == 0, _log(fed, "run2")
+    summary2 = _summary(fed, "run2")
+    assert summary2["stopped_reason"] == "budget_exhausted", summary2
+    assert sum(completed_tasks(fed, n) > answered[n.key_name] for n in others) >= 1
+    assert _released_failures(fed, "run2") <= MAX_FAILURES
+    _check_bindings_and_status(fed, revoked_key)
+    _check_ledger(fed, [summary1, summary2])
+
+
+def _log(fed: LocalFederation, name: str) -> str:
+    return (fed.logs / f"{name}.log").read_text()[-3000:]
+
+
+def _summary(fed: LocalFederation, run: str) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((fed.work / "runs" / run / "summary.json").read_text())
+    return summary
+
+
+def _released_failures(fed: LocalFederation, run: str) -> int:
+    """Failures the run released (availability only, in a private run), over its rounds."""
+    from fedmeta.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(fed.work / "runs" / run)
+    assert ckpt is not None
+    done = [o for o in ckpt["outcomes"] if o["status"] == "completed"]
+    for o in done:
+        assert set(o["failures"]) <= {"node_unavailable"}, o
+        assert o["participants_replied"] + o["participants_failed"] == o["participants_sampled"]
+    return sum(int(o["participants_failed"]) for o in done)
+
+
+def _check_refused(fed: LocalFederation, node: Node) -> None:
+    """The revoked SuperNode is refused (HTTP 401 from its next request) and exits; started again,
+    as a restart policy would, it is refused at registration (412, ApiError 2004)."""
+    assert node.proc is not None
+    # Flower takes a 401 as a request to shut down (flwr/supercore/retry): the SuperNode exits
+    # "gracefully", status 0, and `fedmeta deploy participant` with it.
+    node.proc.wait(timeout=180)
+    log = fed.logs / f"node-{node.key_name}.log"
+    assert "SuperNode terminated" in log.read_text(), log.read_text()[-2000:]
+    access = "".join(p.read_text() for p in fed.logs.glob("superlink*.log"))
+    refused = re.findall(r'"POST /v1/fleet/[a-z-]+ HTTP/1.1" 401', access)
+    assert refused, access[-3000:]
+    log.rename(log.with_suffix(".revoked.log"))
+    again = fed.start_node(node)  # what a restart policy (always, unless-stopped) does
+    assert again.wait(timeout=180) != 0
+    text = log.read_text()
+    assert "2004" in text or "412" in text, text[-2000:]
+
+
+def _check_bindings_and_status(fed: LocalFederation, revoked_key: str) -> None:
+    """node-keys.toml binds only the remaining keys; the SuperLink no longer lists the key."""
+    bound = tomllib.loads((fed.certs / "node-keys.toml").read_text())["federation"]["node_keys"]
+    pubs = {p.name.removesuffix(".key.pub").removeprefix("participant-"): key_fingerprint(p)
+            for p in (fed.certs / "nodes").glob("*.key.pub")}  # fmt: skip
+    assert bound == pubs and set(bound) == {"0", "1"}, bound
+    listed = node_ids(fed)
+    assert revoked_key not in listed and set(listed) == set(pubs.values()), listed
+
+
+def _check_ledger(fed: LocalFederation, summaries: list[dict[str, Any]]) -> None:
+    """Each run's rounds spent once, as many as it completed; epsilon within the budget."""
+    from fedmeta.accounting import BudgetLedger
+
+    spends = ledger_spends(ledger_path(fed))
+    assert set(spends) == {s["run_id"] for s in summaries}, spends
+    for s in summaries:
+        rounds = spends[s["run_id"]]
+        assert rounds == list(range(s["rounds_completed"])), (s["run_id"], rounds)
+    for fid in BudgetLedger.describe(ledger_path(fed)).federations:
+        book = BudgetLedger.open_readonly(ledger_path(fed), fid)
+        try:
+            assert book.epsilon() <= BUDGET
+        finally:
+            book.close()
