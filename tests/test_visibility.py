@@ -178,4 +178,5 @@ def test_a_run_that_affords_no_round_says_why() -> None:
     tiny = _no_round_hint(load_config(None, ["privacy.noise_multiplier=0.0001"]))
     assert "privacy.noise_multiplier=0.0001" in tiny and "fedmeta privacy calibrate" in tiny
     spent = _no_round_hint(Config())
-    assert "fedmeta ledger show" in spent and "privacy.ledger_path" in spent
+    assert "fedmeta ledger show" in spent and "--experiment NAME" in spent
+    assert "fedmeta ledger new-budget" in spent
