@@ -215,6 +215,17 @@ def test_supernode_waits_are_where_the_shim_expects_them() -> None:
     assert sci.time is time, "start_client_internal no longer reads the time module as `time`"
 
 
+def test_sleep_finder_sees_each_wait_in_its_innermost_function() -> None:
+    """A release whose idle poll became 1 s would show as ("start_client_internal", 1.0) and fail
+    the test above (no wait of >= 3 s left for the shim to shorten)."""
+    finder = _SleepFinder()
+    finder.visit(ast.parse(
+        "def loop():\n    time.sleep(1)\n    def inner():\n        time.sleep(0.5)\n"
+        "    time.sleep(delay)\n"
+    ))  # fmt: skip
+    assert finder.found == [("loop", 1.0), ("inner", 0.5)]
+
+
 def test_message_metadata_keeps_the_private_fields_fedmeta_sets() -> None:
     """worker and local_grid set these through ``metadata.__dict__``, as Flower's runtimes do."""
     from flwr.app import Message, RecordDict
@@ -228,11 +239,17 @@ def test_message_metadata_keeps_the_private_fields_fedmeta_sets() -> None:
     assert (metadata.message_id, metadata.src_node_id) == ("m", 7)
 
 
-def test_task_identity_is_set_through_its_public_setters() -> None:
+def test_task_identity_is_set_through_its_properties_and_never_overwritten() -> None:
     from flwr.supercore.task_identity import TaskIdentity
 
     fi.ensure_task_identity()
-    assert isinstance(TaskIdentity.run_id, int) and isinstance(TaskIdentity.task_id, int)
+    before = TaskIdentity.run_id
+    TaskIdentity.run_id = 41  # as a real task sets it
+    try:
+        fi.ensure_task_identity()
+        assert TaskIdentity.run_id == 41 and isinstance(TaskIdentity.task_id, int)
+    finally:
+        TaskIdentity.run_id = before
 
 
 def test_transport_copy_of_node_unavailable_matches_flower() -> None:
