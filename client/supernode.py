@@ -17,7 +17,8 @@ wait polls every ``--reply-poll`` seconds and ends the process (exit status 75) 
 ``--reply-timeout`` seconds, so that its supervisor restarts the node and its worker together; the
 object pulls retry after ``--pull-backoff``. Every other argument is ``flower-supernode``'s.
 
-**What it relies on in Flower 1.41** (another version is refused): the module-level names
+**What it relies on in Flower 1.41** (another version is refused; ``client/flower_internals.py``
+lists these and a unit test checks them): the module-level names
 ``time``, ``pull_objects`` and ``_push_messages`` of ``flwr.supernode.start_client_internal``, the
 3 s idle sleep being the only sleep of 3 s or more there, and ``flower_supernode()`` reading
 ``sys.argv``.
@@ -37,6 +38,8 @@ import time as _time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from fedmeta.client import flower_internals
 
 EXIT_REPLY_TIMEOUT = 75  # EX_TEMPFAIL: restart the node and its worker
 
@@ -85,11 +88,9 @@ class TimeShim:
 
 def install(polls: Polls, pull_backoff_s: float) -> None:
     """Patch ``flwr.supernode.start_client_internal`` (Flower 1.41 only)."""
-    import flwr
     import flwr.supernode.start_client_internal as sci
 
-    if not flwr.__version__.startswith("1.41."):
-        raise SystemExit(f"fedmeta supernode: written against flwr 1.41, found {flwr.__version__}")
+    flower_internals.check_flower("supernode")
     push = sci._push_messages
 
     @functools.wraps(push)

@@ -12,7 +12,8 @@ calls as ``flwr/supernode/runtime/run_clientapp.py``::
 
 without the process exit, so the workload cache stays warm across messages.
 
-**What it relies on in Flower 1.41** (checked at start: another Flower version is refused):
+**What it relies on in Flower 1.41** (checked at start: another Flower version is refused; the
+full list, checked by a unit test, is ``client/flower_internals.py``):
 the Runtime API's HTTP client (``flwr.supercore.runtime.RuntimeHttpClient``) and its interceptors
 (``RuntimeVersionHttpInterceptor``, ``RuntimeTokenHttpInterceptor``,
 ``SuperExecAuthHttpInterceptor``); ``flwr.supernode.runtime.run_clientapp.push_message`` and
@@ -47,9 +48,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-FLOWER_SERIES = "1.41."
+from fedmeta.client import flower_internals
+
+FLOWER_SERIES = flower_internals.FLOWER_SERIES
 APP_ID = "fedmeta/fedmeta"
-EXIT_FLOWER_VERSION = 78  # EX_CONFIG: this worker cannot run against this Flower
+EXIT_FLOWER_VERSION = flower_internals.EXIT_FLOWER_VERSION  # EX_CONFIG: not this Flower
 EXIT_TASK_TIMEOUT = 75  # EX_TEMPFAIL: a task overran; restart the node and the worker
 EXIT_API_UNREACHABLE = 69  # EX_UNAVAILABLE: the SuperNode's Runtime API stopped answering
 
@@ -59,15 +62,8 @@ MODULE = __spec__.name if __spec__ is not None else __name__
 
 
 def check_flower(version: str | None = None) -> None:
-    """Refuse any Flower but 1.41.x: the worker calls internals that change between minors."""
-    import flwr
-
-    found = version if version is not None else flwr.__version__
-    if not found.startswith(FLOWER_SERIES):
-        raise SystemExit(
-            f"fedmeta worker: written against flwr {FLOWER_SERIES}x, found {found}; install "
-            f"flwr=={FLOWER_SERIES}* (the version fedmeta pins) on this node"
-        )
+    """Refuse any Flower but the pinned series: the worker calls internals that change."""
+    flower_internals.check_flower("worker", version)
 
 
 def expected_app() -> tuple[str, str]:
@@ -410,16 +406,13 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
     """
     import numpy as np
     from flwr.app import Context, Message, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
 
     from fedmeta import protocol as P
     from fedmeta.config import load_config
 
     t0 = time.perf_counter()
     cfg = load_config(config_path)
-    for name in ("_run_id", "_node_id", "_task_id"):
-        if getattr(TaskIdentity, name) is None:
-            setattr(TaskIdentity, name, 0)  # Message() reads it; a real task sets it again
+    flower_internals.ensure_task_identity()  # Message() reads it; a real task sets it again
     context = Context(run_id=0, node_id=0, node_config=dict(node_config), state=RecordDict(),
                       run_config={})  # fmt: skip
     query = Message(P.encode_register_request(P.RegisterRequest("warm-up", cfg.model_dump_json())),

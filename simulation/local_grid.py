@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from fedmeta.client.flower_internals import ensure_task_identity
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
@@ -20,15 +21,6 @@ from flwr.serverapp import Grid
 from fedmeta import protocol as P
 
 Handler = Callable[[Message, Context], Any]
-
-
-def ensure_task_identity() -> None:
-    """Set the task identity Flower's Message constructor reads (its runtimes set it themselves)."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name in ("_run_id", "_node_id", "_task_id"):
-        if getattr(TaskIdentity, name) is None:
-            setattr(TaskIdentity, name, 0)
 
 
 class InProcessGrid(Grid):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fedmeta.client.app import app as client_app
-from fedmeta.simulation.local_grid import ensure_task_identity
+from fedmeta.client.flower_internals import ensure_task_identity
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedmeta import protocol as P
