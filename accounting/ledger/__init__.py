@@ -68,6 +68,7 @@ from fedmeta.accounting.ledger.operations import (
     resolve_federation,
     start_new_budget,
 )
+from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
 )
@@ -103,6 +104,7 @@ __all__ = [
     "BudgetExhausted",
     "BudgetLedger",
     "BudgetRecord",
+    "Exposures",
     "FIRST_BUDGET_REASON",
     "LEDGER_MODES",
     "Ledger",
@@ -122,6 +124,7 @@ __all__ = [
     "ParticipantExposure",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
+    "SpendProjection",
     "SpendRecord",
     "UNREADABLE_REASONS",
     "_genesis_hash",

@@ -1,0 +1,170 @@
+"""Task-level epsilon in every round's record, computed ahead of the rounds in a background thread.
+
+The enforced epsilon after a round is a PLD composition: 0.1-0.4 s for the default job, about 1 s
+for configs/omniglot-5way-cpu.toml's scheme, up to 2 s for a fixed stage 2 (docs/benchmarks.md,
+"Epsilon every round"), too slow to compute inside every round. But it is a function of the
+ledger's exposures alone (accounting/ledger/projection.py), and a run's next spends are known
+before they happen: the same event, charged to the same cohort. So before each round the run asks
+the ledger for its :class:`SpendProjection` and :class:`EpsilonCurve` computes, in a background
+thread, the epsilon of the exposures after this and the next few rounds. After the spend the run
+reads the ledger's *actual* exposures and looks up their epsilon: when the guess held (nothing
+else was spent, the cohort stayed) the value is already there; when it did not, the actual
+exposures are computed next. Either way the value is ``Exposures.epsilon``, the function
+``BudgetLedger.epsilon`` evaluates on the same exposures: the same float, never a guess, and a
+pessimistic PLD bound that errs high (accounting/composition.py).
+
+A round whose value is not computed yet when its record is made gets none in the record (the
+progress line shows the latest computed value with the round it belongs to); it is filled in when
+the run checkpoints and at the end, before ``rounds.csv``, the plots and the summary are written.
+The values are public (the event, the ledger's counts), so computing them ahead releases nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+from fedmeta.accounting import Exposures, SpendProjection
+from fedmeta.accounting.ledger.projection import GroupCache
+from fedmeta.server.report import RoundOutcome
+
+log = logging.getLogger("fedmeta.server")
+
+#: Rounds computed ahead of the one in progress (values of rounds a run never reaches are wasted:
+#: at most this many compositions).
+AHEAD = 3
+
+
+class EpsilonCurve:
+    """Epsilons of exposures, computed by one background thread: needed ones first, then guesses.
+
+    ``need`` queues the exposures a finished round's record wants (the newest first, so the
+    progress line stays current); ``guess`` replaces the exposures the next rounds will probably
+    want; ``get`` answers without waiting, ``wait`` waits. A failed composition is logged and leaves
+    its value absent; nothing here raises into the run.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._values: dict[Exposures, float] = {}
+        self._failed: set[Exposures] = set()
+        self._needed: list[Exposures] = []
+        self._guesses: list[Exposures] = []
+        self._busy: Exposures | None = None
+        self._closed = False
+        self._groups: GroupCache = {}  # the worker's alone
+        self._thread = threading.Thread(target=self._work, name="fedmeta-epsilon", daemon=True)
+        self._thread.start()
+
+    def need(self, exposures: Exposures) -> None:
+        """Compute ``exposures`` before any guess."""
+        with self._cond:
+            self._needed.append(exposures)
+            self._cond.notify_all()
+
+    def guess(self, exposures: Sequence[Exposures]) -> None:
+        """Compute these next, in order, once nothing is needed (replaces the earlier guesses)."""
+        with self._cond:
+            self._guesses = list(exposures)
+            self._cond.notify_all()
+
+    def get(self, exposures: Exposures) -> float | None:
+        """The value if computed, else None."""
+        with self._cond:
+            return self._values.get(exposures)
+
+    def wait(self, exposures: Exposures, timeout: float | None = None) -> float | None:
+        """The value, waiting up to ``timeout`` seconds (None: until computed or failed)."""
+        with self._cond:
+            if exposures not in self._values and exposures not in self._failed:
+                if exposures not in self._needed and exposures != self._busy:
+                    self._needed.append(exposures)
+                    self._cond.notify_all()
+            self._cond.wait_for(
+                lambda: exposures in self._values or exposures in self._failed or self._closed,
+                timeout,
+            )
+            return self._values.get(exposures)
+
+    def close(self) -> None:
+        """Stop the thread (a composition in progress finishes first; its value is dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _next(self) -> Exposures | None:
+        """The next exposures to compute (under the lock): newest needed, then guesses in order."""
+        for queue, pop in ((self._needed, -1), (self._guesses, 0)):
+            while queue:
+                exposures = queue.pop(pop)
+                if exposures not in self._values and exposures not in self._failed:
+                    return exposures
+        return None
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                job = None
+                while not self._closed and (job := self._next()) is None:
+                    self._cond.wait()
+                if job is None:
+                    return
+                self._busy = job
+            try:
+                value: float | None = job.epsilon(self._groups)
+            except Exception:  # noqa: BLE001 - a reporting failure must never stop a private run
+                log.exception("epsilon for a round's record could not be computed")
+                value = None
+            with self._cond:
+                self._busy = None
+                if value is None:
+                    self._failed.add(job)
+                else:
+                    self._values[job] = value
+                self._cond.notify_all()
+
+
+class RoundEpsilons:
+    """Which exposures each round's record wants, and its value once :class:`EpsilonCurve` has it.
+
+    ``wanted(round)`` (1-based) says whether a round's record carries epsilon at all
+    (``privacy.report_every``).
+    """
+
+    def __init__(self, wanted: Callable[[int], bool], ahead: int = AHEAD) -> None:
+        self.curve = EpsilonCurve()
+        self.wanted = wanted
+        self.ahead = ahead
+        self.pending: dict[int, Exposures] = {}  # round -> exposures not computed when recorded
+
+    def before_round(self, projection: SpendProjection, round_: int) -> None:
+        """Guess, from the ledger's projection before ``round_``, the values of the next rounds."""
+        ahead = range(round_, round_ + self.ahead)
+        self.curve.guess([projection.after(r - round_ + 1) for r in ahead if self.wanted(r)])
+
+    def after_spend(self, exposures: Exposures, round_: int) -> float | None:
+        """The epsilon of the ledger's ``exposures`` after ``round_``'s spend, if computed yet."""
+        value = self.curve.get(exposures)
+        if value is None:
+            self.curve.need(exposures)
+            self.pending[round_] = exposures
+        return value
+
+    def filled(self, outcomes: Iterable[RoundOutcome], wait: bool) -> list[RoundOutcome]:
+        """``outcomes`` with the pending values computed by now (``wait``: waiting for them)."""
+        out = []
+        for outcome in outcomes:
+            exposures = self.pending.get(outcome.round)
+            if exposures is not None and outcome.epsilon_task is None:
+                value = self.curve.wait(exposures) if wait else self.curve.get(exposures)
+                if value is not None:
+                    outcome = replace(outcome, epsilon_task=value)
+                    del self.pending[outcome.round]
+            out.append(outcome)
+        return out
+
+    def close(self) -> None:
+        """Stop the background thread."""
+        self.curve.close()
