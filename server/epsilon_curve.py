@@ -13,22 +13,22 @@ exposures are computed next. Either way the value is ``Exposures.epsilon``, the 
 ``BudgetLedger.epsilon`` evaluates on the same exposures: the same float, never a guess, and a
 pessimistic PLD bound that errs high (accounting/composition.py).
 
-A round whose value is not computed yet when its record is made gets none in the record (the
-progress line shows the latest computed value with the round it belongs to); it is filled in when
-the run checkpoints and at the end, before ``rounds.csv``, the plots and the summary are written.
-The values are public (the event, the ledger's counts), so computing them ahead releases nothing.
+A round whose value is not computed yet when the round ends waits for it (its record is made
+after): whether a value were ready would depend on how long the round's work took, which depends
+on its stage-2 sample, so "not yet" in a record or progress line would publish that. The wait is
+one composition at most and usually none: the thread computes each round's value while the round
+runs (docs/benchmarks.md). The values are public (the event, the ledger's counts), so computing
+them ahead releases nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 
 from fedmeta.accounting import Exposures, SpendProjection
 from fedmeta.accounting.ledger.projection import GroupCache
-from fedmeta.server.report import RoundOutcome
 
 log = logging.getLogger("fedmeta.server")
 
@@ -40,9 +40,8 @@ AHEAD = 3
 class EpsilonCurve:
     """Epsilons of exposures, computed by one background thread: needed ones first, then guesses.
 
-    ``need`` queues the exposures a finished round's record wants (the newest first, so the
-    progress line stays current); ``guess`` replaces the exposures the next rounds will probably
-    want; ``get`` answers without waiting, ``wait`` waits. A failed composition is logged and leaves
+    ``guess`` replaces the exposures the next rounds will probably want; ``get`` answers without
+    waiting; ``wait`` puts its exposures first and waits. A failed composition is logged and leaves
     its value absent; nothing here raises into the run.
     """
 
@@ -57,12 +56,6 @@ class EpsilonCurve:
         self._groups: GroupCache = {}  # the worker's alone
         self._thread = threading.Thread(target=self._work, name="fedmeta-epsilon", daemon=True)
         self._thread.start()
-
-    def need(self, exposures: Exposures) -> None:
-        """Compute ``exposures`` before any guess."""
-        with self._cond:
-            self._needed.append(exposures)
-            self._cond.notify_all()
 
     def guess(self, exposures: Sequence[Exposures]) -> None:
         """Compute these next, in order, once nothing is needed (replaces the earlier guesses)."""
@@ -95,10 +88,10 @@ class EpsilonCurve:
             self._cond.notify_all()
 
     def _next(self) -> Exposures | None:
-        """The next exposures to compute (under the lock): newest needed, then guesses in order."""
-        for queue, pop in ((self._needed, -1), (self._guesses, 0)):
+        """The next exposures to compute (under the lock): needed ones, then guesses, in order."""
+        for queue in (self._needed, self._guesses):
             while queue:
-                exposures = queue.pop(pop)
+                exposures = queue.pop(0)
                 if exposures not in self._values and exposures not in self._failed:
                     return exposures
         return None
@@ -127,43 +120,30 @@ class EpsilonCurve:
 
 
 class RoundEpsilons:
-    """Which exposures each round's record wants, and its value once :class:`EpsilonCurve` has it.
+    """Each round's task-level epsilon: guessed ahead from the ledger's projection, looked up after.
 
-    ``wanted(round)`` (1-based) says whether a round's record carries epsilon at all
-    (``privacy.report_every``).
+    ``wanted(round)`` (1-based) says which rounds' records carry epsilon (``privacy.report_every``).
     """
 
     def __init__(self, wanted: Callable[[int], bool], ahead: int = AHEAD) -> None:
         self.curve = EpsilonCurve()
         self.wanted = wanted
         self.ahead = ahead
-        self.pending: dict[int, Exposures] = {}  # round -> exposures not computed when recorded
 
     def before_round(self, projection: SpendProjection, round_: int) -> None:
         """Guess, from the ledger's projection before ``round_``, the values of the next rounds."""
         ahead = range(round_, round_ + self.ahead)
         self.curve.guess([projection.after(r - round_ + 1) for r in ahead if self.wanted(r)])
 
-    def after_spend(self, exposures: Exposures, round_: int) -> float | None:
-        """The epsilon of the ledger's ``exposures`` after ``round_``'s spend, if computed yet."""
-        value = self.curve.get(exposures)
-        if value is None:
-            self.curve.need(exposures)
-            self.pending[round_] = exposures
-        return value
+    def after_spend(self, exposures: Exposures) -> float | None:
+        """The epsilon of the ledger's ``exposures`` (read after a spend), waiting for it.
 
-    def filled(self, outcomes: Iterable[RoundOutcome], wait: bool) -> list[RoundOutcome]:
-        """``outcomes`` with the pending values computed by now (``wait``: waiting for them)."""
-        out = []
-        for outcome in outcomes:
-            exposures = self.pending.get(outcome.round)
-            if exposures is not None and outcome.epsilon_task is None:
-                value = self.curve.wait(exposures) if wait else self.curve.get(exposures)
-                if value is not None:
-                    outcome = replace(outcome, epsilon_task=value)
-                    del self.pending[outcome.round]
-            out.append(outcome)
-        return out
+        Waiting, not answering "not yet": whether a value is ready when a round ends depends on
+        how long the round's work took, so a record or progress line that showed it would publish
+        the round's duration, a function of its stage-2 sample. None only if the composition
+        failed (logged).
+        """
+        return self.curve.wait(exposures)
 
     def close(self) -> None:
         """Stop the background thread."""

@@ -2,9 +2,9 @@
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
 Each line is a release: it shows only what a round's record shows (server/report.py). Epsilon is
-the task-level value after the round; a round whose value is still being computed
-(server/epsilon_curve.py) shows the latest computed one and the round it belongs to, e.g.
-``eps 2.978/8 (after round 9)``. Elapsed time and rate only where they are not a release: in a
+the task-level value after the round (server/epsilon_curve.py); with ``privacy.report_every > 1``
+a round whose record carries none shows the latest one and the round it belongs to, e.g.
+``eps 2.978/8 (after round 10)``. Elapsed time and rate only where they are not a release: in a
 non-private run, or a private one whose rounds are padded (``federation.round_min_seconds > 0``:
 a round's end then follows the public minimum, docs/privacy.md "Timing") or that records private
 diagnostics (``metrics.private_diagnostics``, announced in the plan); otherwise a round's duration
@@ -86,7 +86,7 @@ class ProgressBar:
             pass
 
     def _eps(self, r: int) -> str:
-        """Epsilon spent / budget; the round it is for when that is not ``r`` (still computing)."""
+        """Epsilon spent / budget; the round it is for when that is not ``r`` (``report_every``)."""
         if not self.private:
             return "NON-PRIVATE"
         text = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"

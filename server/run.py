@@ -258,7 +258,7 @@ def _start(
         raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
     run = _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
-    if ledger is not None:
+    if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
         run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
     return run
 
@@ -459,7 +459,8 @@ def _prepare_round(run: _Run, index: int) -> bool:
     session.task_counts = eligible
     use_round_cohort(run.ledger, run.cfg, membership.members, eligible)  # who this round may sample
     session.plan = run.plan.for_population(run.cfg, eligible)
-    if run.epsilons is not None and run.ledger is not None and session.plan.event is not None:
+    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
+        assert session.plan.event is not None
         run.epsilons.before_round(run.ledger.projection(session.plan.event), index + 1)
     seed = run.cfg.privacy.insecure_test_seed
     if seed is None:
@@ -491,7 +492,7 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
         validation = _evaluate(run, _held_out(run, "validation", cfg.dataset.validation_tasks)).mean
     eps: dict[str, Any] = {}
     if run.ledger is not None and _reports_epsilon(cfg, r):
-        eps = _round_epsilons(run, r)
+        eps = _epsilons(run)
     return replace(
         outcome,
         train_loss=loss,
@@ -503,20 +504,18 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
 
 
 def _epsilons(run: _Run) -> dict[str, Any]:
-    """The ledger's epsilons now; the task-level one from the curve when it has it."""
+    """The ledger's epsilons now; the task-level one from the curve (server/epsilon_curve.py).
+
+    The curve's value is ``Exposures.epsilon`` of the ledger's exposures read here, the value
+    ``ledger.epsilon()`` would compute; the ledger computes it itself only without a curve (a
+    test's fake ledger) or if the curve's composition failed.
+    """
     assert run.ledger is not None and run.plan.event is not None
     task = None
-    if run.epsilons is not None:
-        task = run.epsilons.curve.wait(run.ledger.exposures(unit="task"))
+    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
+        task = run.epsilons.after_spend(run.ledger.exposures(unit="task"))
     if task is None:
         return ledger_epsilons(run.ledger, run.plan.event)
-    return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
-
-
-def _round_epsilons(run: _Run, r: int) -> dict[str, Any]:
-    """Round ``r``'s accounting: task-level epsilon from the curve (None until computed)."""
-    assert run.ledger is not None and run.plan.event is not None and run.epsilons is not None
-    task = run.epsilons.after_spend(run.ledger.exposures(unit="task"), r)
     return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
 
 
@@ -541,10 +540,8 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
     )
 
 
-def _checkpoint(run: _Run, wait: bool = False) -> None:
+def _checkpoint(run: _Run) -> None:
     ledger = run.ledger
-    if run.epsilons is not None:  # rounds recorded before their epsilon was computed
-        run.outcomes = run.epsilons.filled(run.outcomes, wait=wait)
     save_checkpoint(
         run.out,
         {
@@ -589,8 +586,7 @@ def _run_started(run: _Run) -> RunStarted:
 
 
 def _finish(run: _Run, stopped: str) -> RunResult:
-    # Wait for the rounds' epsilons unless interrupted (a stop request ends the run within seconds).
-    _checkpoint(run, wait=stopped != STOP_INTERRUPTED)
+    _checkpoint(run)
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, pre=True)
     untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
