@@ -213,7 +213,9 @@ def ledger_epsilons(
     cost milliseconds (RDP, and a cached affordability search).
     """
     participant = None
-    if all(e.participant_cap is not None for e, _ in ledger.rounds()):
+    # Every recorded kind of round, not ``ledger.rounds()``: that picks the most exposed
+    # participant by its PLD epsilon, the costly composition this function may leave out.
+    if all(e.participant_cap is not None for e in {r.event for r in ledger.records()}):
         participant = ledger.epsilon(unit="participant", method=REPORTING_METHOD["participant"])
     values: dict[str, float | int | None] = {
         "epsilon_participant": participant,

@@ -479,7 +479,7 @@ def _reports_epsilon(cfg: Config, r: int) -> bool:
     Also round 1, the evaluated rounds (the validation-vs-epsilon plot) and the last.
     """
     every, evaluated = cfg.privacy.report_every, cfg.training.eval_every
-    return r == 1 or r % every == 0 or r % evaluated == 0 or r == cfg.rounds
+    return r <= cfg.rounds and (r == 1 or r % every == 0 or r % evaluated == 0 or r == cfg.rounds)
 
 
 def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
