@@ -1,13 +1,16 @@
 """The cost of task-level epsilon after every round (server/epsilon_curve.py).
 
-    python bench/epsilon_curve.py compositions --config default --config \
-        configs/omniglot-5way-cpu.toml --rounds 1,2,10,100,200 --repeat 3
+    python bench/epsilon_curve.py compositions --config default \
+        --config configs/omniglot-5way-cpu.toml --config "default sampling.stage2=fixed \
+        sampling.tasks_per_round=5 sampling.participants_per_round=5 privacy.noise_multiplier=1" \
+        --rounds 1,2,10,100,200,300 --repeat 3
     python bench/epsilon_curve.py job --repeat 3 -- --set rounds=200
 
 ``compositions``: seconds per composition of the run's event ``k`` times (the value the curve
 computes for round ``k``), in a fresh process per repeat (composition.py's caches start empty),
 for each configuration's plan at its registered population (every participant with
-``dataset.tasks_per_participant`` tasks).
+``dataset.tasks_per_participant`` tasks); a configuration is a TOML path or ``default``, then
+``key=value`` overrides.
 
 ``job``: ``fedmeta simulate`` (the default job plus the given arguments) with the curve's waits
 timed: how long rounds waited for their epsilon (the thread computes it while the round runs),
@@ -28,21 +31,20 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _config(name: str) -> Any:
-    from fedmeta.config import Config
+def _config(spec: str) -> Any:
+    """``PATH`` or ``default``, then ``key=value`` overrides, separated by spaces."""
+    from fedmeta.config import load_config
 
+    name, *overrides = spec.split()
     if name == "default":
-        return Config()
-    data = tomllib.loads(Path(name).read_text(encoding="utf-8"))
-    data.setdefault("dataset", {}).setdefault("path", "/unused")  # the plan reads no data
-    return Config.model_validate(data)
+        return load_config(None, overrides)
+    return load_config(name, ["dataset.path=/unused", *overrides])  # the plan reads no data
 
 
 def compositions_once(name: str, rounds: list[int]) -> dict[str, Any]:
