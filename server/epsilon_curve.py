@@ -1,8 +1,8 @@
 """Task-level epsilon in every round's record, computed ahead of the rounds in a background thread.
 
-The enforced epsilon after a round is a PLD composition: 0.1-0.4 s for the default job, about 1 s
-for configs/omniglot-5way-cpu.toml's scheme, up to 2 s for a fixed stage 2 (docs/benchmarks.md,
-"Epsilon every round"), too slow to compute inside every round. But it is a function of the
+The enforced epsilon after a round is a PLD composition: 0.01-0.45 s for the default job, 0.01-1.1
+s for configs/omniglot-5way-cpu.toml's scheme, 0.5-1.9 s for a fixed stage 2 (means on a loaded
+core, docs/benchmarks.md "Epsilon every round"), too slow to compute inside every round. But it is a function of the
 ledger's exposures alone (accounting/ledger/projection.py), and a run's next spends are known
 before they happen: the same event, charged to the same cohort. So before each round the run asks
 the ledger for its :class:`SpendProjection` and :class:`EpsilonCurve` computes, in a background
@@ -17,7 +17,7 @@ A round whose value is not computed yet when the round ends waits for it (its re
 after): whether a value were ready would depend on how long the round's work took, which depends
 on its stage-2 sample, so "not yet" in a record or progress line would publish that. The wait is
 one composition at most and usually none: the thread computes each round's value while the round
-runs (docs/benchmarks.md). The values are public (the event, the ledger's counts), so computing
+runs (no wait in 600 rounds of the default job, docs/benchmarks.md). The values are public (the event, the ledger's counts), so computing
 them ahead releases nothing.
 """
 
