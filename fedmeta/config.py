@@ -108,7 +108,7 @@ class PrivacyConfig(_Section):
         ge=1,
         le=1_000_000,
         description="task-level epsilon in the record of every k-th round (and of round 1, the "
-        "evaluated rounds and the last), computed in the background (a PLD composition, 0.1-2 s "
+        "evaluated rounds and the last), computed in the background (a PLD composition, up to 2 s "
         "of one core each); raise it only to save that CPU",
     )
     neighbouring: Literal["add_remove", "replace_one"] = Field(

@@ -1,24 +1,24 @@
 """Task-level epsilon in every round's record, computed ahead of the rounds in a background thread.
 
-The enforced epsilon after a round is a PLD composition: 0.01-0.45 s for the default job, 0.01-1.1
-s for configs/omniglot-5way-cpu.toml's scheme, 0.5-1.9 s for a fixed stage 2 (means on a loaded
-core, docs/benchmarks.md "Epsilon every round"), too slow to compute inside every round. But it is a function of the
-ledger's exposures alone (accounting/ledger/projection.py), and a run's next spends are known
-before they happen: the same event, charged to the same cohort. So before each round the run asks
-the ledger for its :class:`SpendProjection` and :class:`EpsilonCurve` computes, in a background
-thread, the epsilon of the exposures after this and the next few rounds. After the spend the run
-reads the ledger's *actual* exposures and looks up their epsilon: when the guess held (nothing
-else was spent, the cohort stayed) the value is already there; when it did not, the actual
+The enforced epsilon after a round is a PLD composition: 0.01-0.45 s for the default job, 0.01-1.1 s
+for configs/omniglot-5way-cpu.toml's scheme, 0.5-1.9 s for a fixed stage 2 (means on a loaded core,
+docs/benchmarks.md "Epsilon every round"), too slow to compute inside every round. But it is a
+function of the ledger's exposures alone (accounting/ledger/projection.py), and a run's next spends
+are known before they happen: the same event, charged to the same cohort. So before each round the
+run asks the ledger for its :class:`SpendProjection` and :class:`EpsilonCurve` computes, in a
+background thread, the epsilon of the exposures after this and the next few rounds. After the spend
+the run reads the ledger's *actual* exposures and looks up their epsilon: when the guess held
+(nothing else was spent, the cohort stayed) the value is already there; when it did not, the actual
 exposures are computed next. Either way the value is ``Exposures.epsilon``, the function
 ``BudgetLedger.epsilon`` evaluates on the same exposures: the same float, never a guess, and a
 pessimistic PLD bound that errs high (accounting/composition.py).
 
-A round whose value is not computed yet when the round ends waits for it (its record is made
-after): whether a value were ready would depend on how long the round's work took, which depends
-on its stage-2 sample, so "not yet" in a record or progress line would publish that. The wait is
-one composition at most and usually none: the thread computes each round's value while the round
-runs (no wait in 600 rounds of the default job, docs/benchmarks.md). The values are public (the event, the ledger's counts), so computing
-them ahead releases nothing.
+A round whose value is not computed yet when the round ends waits for it (its record is made after):
+whether a value were ready would depend on how long the round's work took, which depends on its
+stage-2 sample, so "not yet" in a record or progress line would publish that. The wait is one
+composition at most and usually none: the thread computes each round's value while the round runs
+(no wait in 600 rounds of the default job, docs/benchmarks.md). The values are public (the event,
+the ledger's counts), so computing them ahead releases nothing.
 """
 
 from __future__ import annotations
