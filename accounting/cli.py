@@ -865,7 +865,11 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
 
 
 def _progress_line(stream: Any) -> Callable[[str, int, int], None]:
-    """The planner's progress on stderr: one redrawn line on a terminal, a line per stage else."""
+    """The planner's progress on stderr, terminal or not, while it searches.
+
+    On a terminal one redrawn line; else (a log) a line when a stage starts, at each tenth of it
+    and when it is done.
+    """
     tty = bool(getattr(stream, "isatty", lambda: False)())
 
     def show(stage: str, done: int, total: int) -> None:
@@ -874,6 +878,8 @@ def _progress_line(stream: Any) -> Callable[[str, int, int], None]:
             stream.write(f"\r{stage}: {done}/{total} calibrations{end}")
         elif done == total:
             stream.write(f"{stage}: {total} calibrations done\n")
+        elif done * 10 // total > (done - 1) * 10 // total or done == 0:
+            stream.write(f"{stage}: {done}/{total} calibrations\n")
         stream.flush()
 
     return show

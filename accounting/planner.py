@@ -499,7 +499,8 @@ def _climb(request: PlanRequest, precision: _Precision, design: Design, n1: int)
     return found
 
 
-#: ``progress(stage, done, total)``: called after each calibration of a stage finishes.
+#: ``progress(stage, done, total)``: called when a stage starts (``done = 0``) and after each of
+#: its calibrations finishes.
 Progress: TypeAlias = Callable[[str, int, int], None]
 
 
@@ -513,6 +514,8 @@ def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...
               workers: int, stage: str = "", progress: Progress | None = None,
               ) -> list[PlanRow | str]:  # fmt: skip
     done: list[PlanRow | str] = []
+    if progress is not None:
+        progress(stage, 0, len(jobs))
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             done.append(fn(*job))

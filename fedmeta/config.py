@@ -128,10 +128,12 @@ class PrivacyConfig(_Section):
         1e-4, ge=0, le=0.1, description="relative slack before a reply's norm counts as a violation"
     )
     report_every: int = Field(
-        10,
+        1,
         ge=1,
         le=1_000_000,
-        description="recompute epsilon (PLD, ~0.5 s) every k rounds and at the end",
+        description="task-level epsilon in the record of every k-th round (and of round 1, the "
+        "evaluated rounds and the last), computed in the background (a PLD composition, up to 2 s "
+        "of one core each); raise it only to save that CPU",
     )
     neighbouring: Literal["add_remove", "replace_one"] = Field(
         "add_remove",

@@ -225,16 +225,27 @@ def reported_epsilon(
     return float(epsilon(groups, delta, unit, REPORTING_METHOD[unit]))
 
 
-def ledger_epsilons(ledger: BudgetLedger, event: GaussianRound) -> dict[str, float | int | None]:
-    """What the ledger holds, as reported: task and participant epsilon and rounds affordable."""
+def ledger_epsilons(
+    ledger: BudgetLedger, event: GaussianRound, *, task: bool = True
+) -> dict[str, float | int | None]:
+    """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
+
+    ``task=False`` leaves out the task-level epsilon, the one costly value (a PLD composition,
+    seconds; server/epsilon_curve.py computes it for every round in the background); the others
+    cost milliseconds (RDP, and a cached affordability search).
+    """
     participant = None
-    if all(e.participant_cap is not None for e, _ in ledger.rounds()):
+    # Every recorded kind of round, not ``ledger.rounds()``: that picks the most exposed
+    # participant by its PLD epsilon, the costly composition this function may leave out.
+    if all(e.participant_cap is not None for e in {r.event for r in ledger.records()}):
         participant = ledger.epsilon(unit="participant", method=REPORTING_METHOD["participant"])
-    return {
-        "epsilon_task": ledger.epsilon(unit="task", method=REPORTING_METHOD["task"]),
+    values: dict[str, float | int | None] = {
         "epsilon_participant": participant,
         "rounds_affordable": ledger.rounds_affordable(event),
     }
+    if task:
+        values["epsilon_task"] = ledger.epsilon(unit="task", method=REPORTING_METHOD["task"])
+    return values
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,14 @@
 """A dependency-free progress bar, a ``RunObserver``: round, eps spent/budget, loss, validation.
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
-Each line is a release: it shows only what a round's record shows (server/report.py), and in a
-private run no elapsed time or rate (a round's duration depends on how many tasks it sampled).
+Each line is a release: it shows only what a round's record shows (server/report.py). Epsilon is
+the task-level value after the round (server/epsilon_curve.py); with ``privacy.report_every > 1``
+a round whose record carries none shows the latest one and the round it belongs to, e.g.
+``eps 2.978/8 (after round 10)``. Elapsed time and rate only where they are not a release: in a
+non-private run, or a private one whose rounds are padded (``federation.round_min_seconds > 0``:
+a round's end then follows the public minimum, docs/privacy.md "Timing") or that records private
+diagnostics (``metrics.private_diagnostics``, announced in the plan); otherwise a round's duration
+would tell how many tasks it sampled.
 
 :class:`TensorBoardLog` writes the same public values as TensorBoard scalars (``simulate
 --tensorboard DIR``), with the run's start as every event's time in a private run.
@@ -38,12 +44,15 @@ class ProgressBar:
         self.metric = ""
         self.t0 = time.monotonic()
         self.last_eps: float | None = None
+        self.last_eps_round = 0
         self.last_val: float | None = None
+        self.show_time = False
 
     def run_started(self, event: RunStarted) -> None:  # noqa: D102
         self.planned = max(event.planned_rounds, 1)
         self.budget = event.epsilon_budget
         self.private = event.private
+        self.show_time = not event.private or event.round_min_seconds > 0 or event.diagnostics
         self.metric = event.metric_name
         self.t0 = time.monotonic()
         if self.every is None:
@@ -53,24 +62,18 @@ class ProgressBar:
         try:
             r = report.round
             if report.epsilon_task is not None:
-                self.last_eps = report.epsilon_task
+                self.last_eps, self.last_eps_round = report.epsilon_task, r
             if report.validation_metric is not None:
                 self.last_val = report.validation_metric
             frac = min(r / self.planned, 1.0)
             filled = int(round(frac * self.width))
             bar = "#" * filled + "." * (self.width - filled)
-            if self.private:
-                eps = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"
-            else:
-                eps = "NON-PRIVATE"
             line = (
-                f"[{bar}] round {r}/{self.planned} | {eps} | loss {_f(report.train_loss)} | "
-                f"val {self.metric} {_f(self.last_val)} | "
+                f"[{bar}] round {r}/{self.planned} | {self._eps(r)} | "
+                f"loss {_f(report.train_loss)} | val {self.metric} {_f(self.last_val)} | "
                 f"{report.participants_replied}/{report.participants_sampled} replied"
             )
-            if not self.private:
-                # Timings are private diagnostics in a private run (a round's duration depends on
-                # how many tasks it sampled): elapsed time and rate only in a non-private one.
+            if self.show_time:  # see the module docstring: never a release
                 elapsed = max(time.monotonic() - self.t0, 1e-9)
                 line += f" | {elapsed:.0f}s, {r / elapsed:.2f} r/s"
             if self.tty:
@@ -81,6 +84,15 @@ class ProgressBar:
                 self.stream.flush()
         except Exception:  # noqa: BLE001 - observers never raise
             pass
+
+    def _eps(self, r: int) -> str:
+        """Epsilon spent / budget; the round it is for when that is not ``r`` (``report_every``)."""
+        if not self.private:
+            return "NON-PRIVATE"
+        text = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"
+        if self.last_eps is not None and self.last_eps_round != r:
+            text += f" (after round {self.last_eps_round})"
+        return text
 
     def run_finished(self, event: RunFinished) -> None:  # noqa: D102
         if self.tty:

@@ -109,6 +109,7 @@ class RunStarted:
     participants_registered: int
     metric_name: str
     diagnostics: bool  # whether rounds carry RoundDiagnostics
+    round_min_seconds: float = 0.0  # rounds padded to this long (0: no padding)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from fedmeta.server.data_budget import (
     no_fit_reason,
     other_budget_hint,
 )
+from fedmeta.server.epsilon_curve import RoundEpsilons
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import (
@@ -179,6 +180,7 @@ class _Run:
     workload: Workload  # built once, in _start; the server's model and held-out tasks
     membership: Membership
     ledger: BudgetLedger | None = None
+    epsilons: RoundEpsilons | None = None  # task-level epsilon per round (server/epsilon_curve.py)
     started_at: float = field(default_factory=time.monotonic)
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
@@ -208,16 +210,26 @@ def run_federation(
     with exclusive_run_directory(out):
         run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget,
                      workload)  # fmt: skip
-        from fedmeta.server.outputs import format_plan
+        try:
+            return _run(run, stop or threading.Event(), announce)
+        finally:
+            if run.epsilons is not None:
+                run.epsilons.close()
 
-        announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
-        run.observers.run_started(_run_started(run))
-        _checkpoint(run)  # the run id is recoverable from the first moment
-        first = run.next_round
-        stopped = _rounds(run, stop or threading.Event())
-        result = _finish(run, stopped)
-        result.rounds_run = run.next_round - first
-        return result
+
+def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> RunResult:
+    """Announce the plan, run the rounds and finish."""
+    from fedmeta.server.outputs import format_plan
+
+    cfg = run.cfg
+    announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
+    run.observers.run_started(_run_started(run))
+    _checkpoint(run)  # the run id is recoverable from the first moment
+    first = run.next_round
+    stopped = _rounds(run, stop)
+    result = _finish(run, stopped)
+    result.rounds_run = run.next_round - first
+    return result
 
 
 def _start(
@@ -255,8 +267,11 @@ def _start(
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
     if ckpt is None and predicted is not None and ledger:
         _check_target_fits(cfg, plan, ledger, predicted)
-    return _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
-                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
+    run = _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
+               next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
+    if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
+        run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
+    return run
 
 
 def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
@@ -470,6 +485,9 @@ def _prepare_round(run: _Run, index: int) -> bool:
     session.task_counts = eligible
     use_round_cohort(run.ledger, run.cfg, membership.members, eligible)  # who this round may sample
     session.plan = run.plan.for_population(run.cfg, eligible)
+    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
+        assert session.plan.event is not None
+        run.epsilons.before_round(run.ledger.projection(session.plan.event), index + 1)
     seed = run.cfg.privacy.insecure_test_seed
     if seed is None:
         session.sampler = TwoStageSampler(session.plan.scheme, SystemRandomSource())
@@ -481,6 +499,15 @@ def _prepare_round(run: _Run, index: int) -> bool:
     return True
 
 
+def _reports_epsilon(cfg: Config, r: int) -> bool:
+    """Whether round ``r``'s record carries epsilon (``privacy.report_every``, default every round).
+
+    Also round 1, the evaluated rounds (the validation-vs-epsilon plot) and the last.
+    """
+    every, evaluated = cfg.privacy.report_every, cfg.training.eval_every
+    return r <= cfg.rounds and (r == 1 or r % every == 0 or r % evaluated == 0 or r == cfg.rounds)
+
+
 def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     """Add the public evaluation (held-out tasks, noisy model) and, on report rounds, epsilon."""
     cfg, r = run.cfg, outcome.round
@@ -489,10 +516,8 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     validation = None
     if r % cfg.training.eval_every == 0 or r == cfg.rounds:
         validation = _evaluate(run, _held_out(run, "validation", cfg.dataset.validation_tasks)).mean
-    # Also after round 1 (one event: cheap), so the progress line and the plot start at round 1.
-    report = r == 1 or r % cfg.privacy.report_every == 0 or r % cfg.training.eval_every == 0
     eps: dict[str, Any] = {}
-    if run.ledger is not None and (report or r == cfg.rounds):
+    if run.ledger is not None and _reports_epsilon(cfg, r):
         eps = _epsilons(run)
     return replace(
         outcome,
@@ -505,8 +530,19 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
 
 
 def _epsilons(run: _Run) -> dict[str, Any]:
+    """The ledger's epsilons now; the task-level one from the curve (server/epsilon_curve.py).
+
+    The curve's value is ``Exposures.epsilon`` of the ledger's exposures read here, the value
+    ``ledger.epsilon()`` would compute; the ledger computes it itself only without a curve (a
+    test's fake ledger) or if the curve's composition failed.
+    """
     assert run.ledger is not None and run.plan.event is not None
-    return ledger_epsilons(run.ledger, run.plan.event)
+    task = None
+    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
+        task = run.epsilons.after_spend(run.ledger.exposures(unit="task"))
+    if task is None:
+        return ledger_epsilons(run.ledger, run.plan.event)
+    return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
 
 
 def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
@@ -571,6 +607,7 @@ def _run_started(run: _Run) -> RunStarted:
         participants_registered=len(run.registered),
         metric_name=run.workload.metric,
         diagnostics=run.session.diagnostics,
+        round_min_seconds=run.cfg.federation.round_min_seconds,
     )
 
 

@@ -270,13 +270,16 @@ def test_privacy_plan_shows_its_progress(tty: bool) -> None:
 
     stream = _Stream(tty)
     show = _progress_line(stream)
-    for done in (1, 2, 3):
-        show("searching", done, 3)
+    for done in range(21):
+        show("searching", done, 20)
+    lines = stream.text.replace("\r", "\n").strip("\n").split("\n")
     if tty:  # one line redrawn per calibration, ended when the stage is done
-        assert stream.text == "\rsearching: 1/3 calibrations\rsearching: 2/3 calibrations" \
-            "\rsearching: 3/3 calibrations\n"
-    else:  # a log gets one line per stage
-        assert stream.text == "searching: 3 calibrations done\n"
+        assert stream.text.startswith("\rsearching: 0/20 calibrations\rsearching: 1/20")
+        assert stream.text.endswith("\rsearching: 20/20 calibrations\n") and len(lines) == 21
+    else:  # a log gets a line when the stage starts, at each tenth of it, and at its end
+        assert lines == ["searching: 0/20 calibrations"] + [
+            f"searching: {d}/20 calibrations" for d in range(2, 20, 2)
+        ] + ["searching: 20 calibrations done"]
 
 
 @pytest.mark.unit
@@ -285,4 +288,5 @@ def test_the_planner_reports_every_calibration() -> None:
 
     heard: list[tuple[str, int, int]] = []
     got = _pool_map(str, [(1,), (2,), (3,)], 1, "stage", lambda *a: heard.append(a))
-    assert got == ["1", "2", "3"] and heard == [("stage", 1, 3), ("stage", 2, 3), ("stage", 3, 3)]
+    assert got == ["1", "2", "3"]
+    assert heard == [("stage", 0, 3), ("stage", 1, 3), ("stage", 2, 3), ("stage", 3, 3)]

@@ -17,11 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _started(private: bool) -> Any:
+def _started(private: bool, padded: float = 0.0, diagnostics: bool = False) -> Any:
     from fedmeta.server.report import RunStarted
 
     return RunStarted("run", "fed", private, 8.0 if private else None, 1e-5, 1.0, 1.0, 4, 4, 0.0,
-                      None, 20, "mse", False)  # fmt: skip
+                      None, 20, "mse", diagnostics, round_min_seconds=padded)  # fmt: skip
 
 
 def _round(r: int, eps: float | None) -> Any:
@@ -33,18 +33,31 @@ def _round(r: int, eps: float | None) -> Any:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("private", [True, False])
-def test_progress_shows_time_only_where_it_is_not_a_release(private: bool) -> None:
+@pytest.mark.parametrize(
+    ("private", "padded", "diagnostics", "timed"),
+    [
+        (True, 0.0, False, False),
+        (False, 0.0, False, True),
+        (True, 2.0, False, True),
+        (True, 0.0, True, True),
+    ],  # fmt: skip
+    ids=["private", "non-private", "private-padded", "private-with-diagnostics"],
+)
+def test_progress_shows_time_only_where_it_is_not_a_release(
+    private: bool, padded: float, diagnostics: bool, timed: bool
+) -> None:
     from fedmeta.server.progress import ProgressBar
 
     stream = io.StringIO()
     bar = ProgressBar(stream=stream, every=1)
-    bar.run_started(_started(private))
+    bar.run_started(_started(private, padded, diagnostics))
     bar.round_finished(_round(1, 0.5))
     line = stream.getvalue()
     assert "round 1/4" in line
     assert ("eps 0.500/8" in line) == private
-    assert (" r/s" in line) == (not private)  # elapsed and rate: non-private runs only
+    # Elapsed time and rate: a non-private run, a padded private one (a round's end follows the
+    # public minimum), or one that records private diagnostics (announced in its plan).
+    assert (" r/s" in line) == timed
 
 
 class _Writer:

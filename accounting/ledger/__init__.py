@@ -70,6 +70,7 @@ from fedmeta.accounting.ledger.operations import (
     resolve_federation,
     start_new_budget,
 )
+from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "BudgetLedger",
     "BudgetRecord",
     "BudgetTerms",
+    "Exposures",
     "FIRST_BUDGET_REASON",
     "LEDGER_MODES",
     "Ledger",
@@ -125,6 +127,7 @@ __all__ = [
     "ParticipantExposure",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
+    "SpendProjection",
     "SpendRecord",
     "UNREADABLE_REASONS",
     "_genesis_hash",

@@ -30,6 +30,7 @@ from fedmeta.accounting.ledger.cohorts import (
 )
 from fedmeta.accounting.ledger.history import LedgerHistory
 from fedmeta.accounting.ledger.participants import Multiset, multiset
+from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.records import (
     SPEND_ATTEMPTS,
     BudgetExhausted,
@@ -174,6 +175,26 @@ class BudgetLedger(LedgerHistory):
         """
         self._catch_up()
         return self._worst(unit or self.unit, method)[1]
+
+    def exposures(self, unit: Unit | None = None) -> Exposures:
+        """What ``epsilon`` maximises over now: each maximal participant group's rounds.
+
+        ``exposures().epsilon()`` equals ``epsilon(unit)`` (projection.py), and is pure data.
+        """
+        self._catch_up()
+        groups = tuple(multiset(self._exposure.counts(s)) for s in self._exposure.signatures(None))
+        return Exposures(groups, self.delta, unit or self.unit)
+
+    def projection(self, event: GaussianRound, unit: Unit | None = None) -> SpendProjection:
+        """The exposures now and which groups this ledger's next spends of ``event`` reach.
+
+        Those of the current cohort (``use_cohort``), or every group without one; a guess of the
+        exposures to come (projection.py), never a substitute for reading them after a spend.
+        """
+        now = self.exposures(unit)
+        cohort = None if self._cohort is None else self._cohort[0]
+        charged = tuple(cohort is None or cohort in s for s in self._exposure.signatures(None))
+        return SpendProjection(now, event, charged)
 
     def participants(self, unit: Unit | None = None) -> list[ParticipantExposure]:
         """Every participant of the federation with its own rounds and epsilon, by name.
