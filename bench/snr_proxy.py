@@ -112,8 +112,9 @@ def design_rows(work: Path, signal: list[Path]) -> list[dict[str, Any]]:
         if not runs:
             continue
         summaries = [json.loads(p.read_text()) for p in runs]
+        g = g_by_clip[clip]
         request = PlanRequest(PlanBudget(8.0, 1e-5), Federation(20, (200,)), rounds=(rounds,),
-                              clip=clip, dimension=dimension, signal_norm=g_by_clip[clip])  # fmt: skip
+                              clip=clip, dimension=dimension, signal_norm=g)  # fmt: skip
         row = evaluate(request, Candidate(design, n1, rounds, task_rate=q),  # type: ignore[arg-type]
                        _Precision("pld", 1e-4, True))  # fmt: skip
         assert not isinstance(row, str), row
@@ -122,7 +123,7 @@ def design_rows(work: Path, signal: list[Path]) -> list[dict[str, Any]]:
             "design": name, "sampling": f"{n1}/20, q={q:g}", "rounds": rounds, "clip": clip,
             "expected_lot": row.expected_lot, "z": row.noise_multiplier,
             "z_runs": [s["noise_multiplier"] for s in summaries],
-            "old_proxy": row.proxy, "signal_norm": g_by_clip[clip], "dimension": dimension,
+            "old_proxy": row.proxy, "signal_norm": g, "dimension": dimension,
             "round_snr": row.round_snr, "run_snr": row.run_snr,
             "test_mse_runs": mses, "test_mse_mean": statistics.fmean(mses),
             "test_mse_median_runs": [s["final_metric_median"] for s in summaries],
