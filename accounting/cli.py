@@ -709,6 +709,8 @@ _PLAN_FLAGS = {
     "designs": "--designs",
     "clip": "--clip",
     "adaptive_count_noise": "--adaptive-count-noise",
+    "dimension": "--dimension",
+    "signal_norm": "--signal-norm",
     "top": "--top",
     "workers": "--jobs",
     "baseline": "--baseline",
@@ -781,6 +783,8 @@ def _plan_request(args: argparse.Namespace) -> PlanRequest:
         clip=args.clip,
         adaptive_count_noise=args.adaptive_count_noise,
         baseline=_baseline(args.baseline, rounds),
+        dimension=args.dimension,
+        signal_norm=args.signal_norm,
     )
 
 
@@ -807,11 +811,22 @@ def _row_json(row: PlanRow, request: PlanRequest, baseline: PlanRow | None) -> d
         "clip": row.clip,
         "noise_std": row.noise_std,
         "proxy": row.proxy,
+        "round_snr": row.round_snr,
+        "run_snr": row.run_snr,
         "epsilon": _json_eps(row.epsilon),
         "task_gradients": row.task_gradients,
         "noise_vs_baseline": baseline.noise_std / row.noise_std if baseline else None,
         "event": row.event.to_dict(),
     }
+
+
+_RANKED_BY_NOISE = (
+    "ranked by noise std on the averaged gradient z_grad*C/E[lot], divided by sqrt(T)"
+)
+_RANKED_BY_SNR = (
+    "ranked by signal-to-noise SNR*sqrt(T), SNR = G / sqrt(d*std^2 + (C^2-G^2)/E[lot]) with d={d} "
+    "and G={g:g}: a heuristic for accuracy, not a privacy quantity (docs/privacy.md)"
+)
 
 
 def _print_plan(result: Plan, written: str | None, row: int) -> None:
@@ -830,11 +845,13 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
         f"{f.participants} participants, {tasks} ({f.total_tasks} in all); compute: "
         f"{caps or 'no cap'}; clip C={req.clip:g}"
     )
-    print("ranked by noise std on the averaged gradient z_grad*C/E[lot], divided by sqrt(T)")
+    snr = req.signal_norm is not None
+    print(_RANKED_BY_SNR.format(d=req.dimension, g=req.signal_norm) if snr else _RANKED_BY_NOISE)
     adaptive = req.adaptive_count_noise is not None
     head = ["#", "design", "n1/P", "stage 2", "E[lot]", "T", "z"]
     head += ["z_grad"] if adaptive else []
-    head += ["noise std", "std/sqrtT", "epsilon", "task-grads"]
+    head += ["noise std", "std/sqrtT"] + (["SNR/round", "SNR*sqrtT"] if snr else [])
+    head += ["epsilon", "task-grads"]
     head += ["x less noise"] if result.baseline else []
     lines = [head]
     listed = [(str(i), r) for i, r in enumerate(result.rows, 1)]
@@ -848,6 +865,7 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
         cells += [
             f"{r.noise_std:.4g}",
             f"{r.proxy:.3g}",
+            *([f"{r.round_snr:.3g}", f"{r.run_snr:.3g}"] if snr else []),
             _eps(r.epsilon),
             f"{r.task_gradients:.0f}",
         ]
@@ -932,6 +950,12 @@ def _cmd_plan(
             "adaptive_count_noise": request.adaptive_count_noise,
             "proxy": "noise_std / sqrt(rounds), noise_std = gradient_noise_multiplier * clip / "
             "expected_lot",
+            "dimension": request.dimension,
+            "signal_norm": request.signal_norm,
+            "ranked_by": "run_snr = round_snr * sqrt(rounds), round_snr = signal_norm / "
+            "sqrt(dimension * noise_std^2 + (clip^2 - signal_norm^2) / expected_lot)"
+            if request.signal_norm is not None
+            else "proxy",
             "rows": [_row_json(r, request, result.baseline) for r in result.rows],
             "baseline": _row_json(result.baseline, request, result.baseline)
             if result.baseline
@@ -980,6 +1004,19 @@ def _add_plan_parser(
     p.add_argument("--clip", type=float, default=1.0, help="clip bound C (default 1.0)")
     p.add_argument("--adaptive-count-noise", type=float,
                    help="adaptive clipping's count noise sigma_b (shows its cost)")  # fmt: skip
+    p.add_argument(
+        "--dimension",
+        type=int,
+        metavar="D",
+        help="trained parameters d; with --signal-norm, rank by signal-to-noise",
+    )
+    p.add_argument(
+        "--signal-norm",
+        type=float,
+        metavar="G",
+        help="norm of the mean clipped per-task gradient at --clip, measured on public "
+        "or synthetic tasks (python bench/signal_norm.py); with --dimension",
+    )
     p.add_argument("--baseline", metavar="KEY=VALUE,...",
                    help="a configuration to compare, e.g. participants_per_round=5,task_rate=0.05,"
                    "rounds=400")  # fmt: skip

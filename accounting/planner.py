@@ -23,7 +23,32 @@ What it ignores, and which way that errs: the optimisation term ``O(1/T)`` of th
 model needs enough rounds to converge, whatever the noise), the sampling variance of the gradient
 (small beside the DP noise for any real model) and the bias of clipping. At an equal compute budget
 the proxy therefore prefers fewer rounds with larger lots; give it the rounds your model needs
-(``rounds``) when that matters. The proxy ranks configurations; it does not predict accuracy.
+(``rounds``) when that matters. The proxy ranks configurations; it does not predict accuracy
+(the signal-to-noise proxy below tries to, as a heuristic).
+
+The signal-to-noise proxy (optional)
+------------------------------------
+``sigma_avg`` is noise per coordinate; what moved accuracy in the runs of issue 19 is the noise's
+whole norm against the gradient it hides: the averaged noise has norm about
+``sigma_avg sqrt(d)`` (``d`` trained parameters), the signal is ``G = ||E[clip_C(g_i)]||``, the
+norm of the mean clipped per-task gradient (measured on public or synthetic tasks, ``python
+bench/signal_norm.py``). Given ``d`` (``dimension``) and ``G`` (``signal_norm``, measured at the
+same clip bound ``C``), the planner ranks by
+
+    round_snr = G / sqrt(d sigma_avg^2 + (C^2 - G^2) / E[lot])
+    run_snr   = round_snr * sqrt(T)           (larger is better)
+
+The second term under the root is the sampling variance of the averaged gradient,
+``E||clip_C(g_i) - mean||^2 / lot``, with ``E||clip_C(g_i)||^2 <= C^2``: exact when every task's
+gradient is clipped (at initialisation task norms are several times ``C = 1``), an over-estimate of
+the sampling noise otherwise. ``round_snr * sqrt(T)`` is the SNR of the sum of ``T`` steps when the
+signal keeps its direction and the noise is independent across rounds (the same ``sqrt(T)`` as the
+default proxy's Ghadimi-Lan argument). Because ``G`` depends on ``C``, the SNR puts plans at
+different clip bounds on one scale (the default proxy is in units of ``C``); it also counts clipping
+bias only as far as clipping shortens the mean. It is a heuristic for ranking designs, fitted to
+nothing and checked on the sinusoid in docs/results.md; it is not a privacy quantity and changes no
+noise multiplier and no epsilon. It ignores how ``G`` shrinks as the model trains, the optimiser
+(Adam rescales every coordinate) and the variance of a Poisson lot around its mean.
 
 Search space
 ------------
@@ -254,6 +279,8 @@ class PlanRequest:
     clip: float = 1.0
     adaptive_count_noise: float | None = None
     baseline: Candidate | None = None
+    dimension: int | None = None
+    signal_norm: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("budget", PlanBudget), ("federation", Federation),
@@ -268,6 +295,25 @@ class PlanRequest:
             _number("adaptive_count_noise", self.adaptive_count_noise, low=0.0, high=1e9)
         if self.baseline is not None and not isinstance(self.baseline, Candidate):
             raise ValueError(f"baseline must be a Candidate; got {self.baseline!r}")
+        self._check_signal()
+
+    def _check_signal(self) -> None:
+        """``dimension`` and ``signal_norm`` come together; ``G <= C`` (a mean of clipped rows)."""
+        if (self.dimension is None) != (self.signal_norm is None):
+            name = "signal_norm" if self.signal_norm is None else "dimension"
+            raise ValueError(
+                f"{name} must be given too: the signal-to-noise proxy needs both dimension and "
+                "signal_norm (or neither, for the default proxy)"
+            )
+        if self.dimension is not None:
+            _integer("dimension", self.dimension, minimum=1, maximum=10**12)
+        if self.signal_norm is not None:
+            g = _number("signal_norm", self.signal_norm, low=0.0, high=1e6)
+            if g > self.clip:
+                raise ValueError(
+                    f"signal_norm must be at most the clip bound C={self.clip:g} (it is the norm "
+                    f"of a mean of gradients clipped to C; measure it at this clip); got {g:g}"
+                )
 
     def _check_search_space(self) -> None:
         if self.rounds is not None:
@@ -330,6 +376,8 @@ class PlanRow:
     clip: float
     epsilon: float
     exact: bool
+    dimension: int | None = None
+    signal_norm: float | None = None
 
     @property
     def noise_std(self) -> float:
@@ -340,6 +388,29 @@ class PlanRow:
     def proxy(self) -> float:
         """The ranking key, ``noise_std / sqrt(T)`` (smaller is better; module docstring)."""
         return self.noise_std / math.sqrt(self.candidate.rounds)
+
+    @property
+    def round_snr(self) -> float | None:
+        """``G / sqrt(d sigma_avg^2 + (C^2 - G^2) / E[lot])``; None without ``d`` and ``G``."""
+        if self.dimension is None or self.signal_norm is None:
+            return None
+        g = self.signal_norm
+        variance = self.dimension * self.noise_std**2 + (self.clip**2 - g**2) / self.expected_lot
+        return g / math.sqrt(variance) if variance > 0 else math.inf
+
+    @property
+    def run_snr(self) -> float | None:
+        """``round_snr * sqrt(T)``, the SNR of the sum of the rounds' steps (module docstring)."""
+        snr = self.round_snr
+        return None if snr is None else snr * math.sqrt(self.candidate.rounds)
+
+    @property
+    def rank_key(self) -> float:
+        """What ranks rows (smaller is better): ``1 / run_snr`` when known, else ``proxy``."""
+        snr = self.run_snr
+        if snr is None:
+            return self.proxy
+        return 1.0 / snr if snr > 0 else math.inf
 
     @property
     def task_gradients(self) -> float:
@@ -460,11 +531,12 @@ def evaluate(request: PlanRequest, candidate: Candidate, precision: _Precision) 
         eps = epsilon(groups, budget.delta, method=precision.method,
                       discretization=precision.discretization)  # fmt: skip
     lot = expected_lot(candidate, fed)
-    return PlanRow(candidate, event, lot, z, z_grad, request.clip, eps, precision.exact)
+    return PlanRow(candidate, event, lot, z, z_grad, request.clip, eps, precision.exact,
+                   request.dimension, request.signal_norm)  # fmt: skip
 
 
 def _key(row: PlanRow | str | None) -> float:
-    return row.proxy if isinstance(row, PlanRow) else math.inf
+    return row.rank_key if isinstance(row, PlanRow) else math.inf
 
 
 def _climb(request: PlanRequest, precision: _Precision, design: Design, n1: int) -> PlanRow | str:
@@ -560,7 +632,7 @@ def plan(
     workers: int = 1,
     progress: Progress | None = None,
 ) -> Plan:
-    """Search ``request``'s space and return the ``top`` feasible rows, best proxy first.
+    """Search ``request``'s space and return the ``top`` feasible rows, best ``rank_key`` first.
 
     Every returned row is calibrated exactly with ``method`` (``"pld"``: the enforced accountant)
     on ``discretization``; ``workers > 1`` runs calibrations in that many processes;
@@ -578,8 +650,8 @@ def plan(
     notes = tuple(f for f in found if isinstance(f, str))
     screened = sorted((f for f in found if isinstance(f, PlanRow)), key=_key)
     if screened:  # re-calibrate exactly the best, and any within screening error of the last
-        last = screened[min(top, len(screened)) - 1].proxy * (1 + 3 * SCREEN_TOLERANCE)
-        screened = [r for i, r in enumerate(screened) if i < top or r.proxy <= last]
+        last = screened[min(top, len(screened)) - 1].rank_key * (1 + 3 * SCREEN_TOLERANCE)
+        screened = [r for i, r in enumerate(screened) if i < top or r.rank_key <= last]
     todo = [r.candidate for r in screened if not r.exact]
     if request.baseline is not None:
         todo.append(request.baseline)
@@ -592,7 +664,7 @@ def plan(
     notes += tuple(r for r in rows if isinstance(r, str))
     ranked = sorted(
         (r for r in rows if isinstance(r, PlanRow)),
-        key=lambda r: (r.proxy, r.candidate.participants_per_round, r.candidate.rounds),
+        key=lambda r: (r.rank_key, r.candidate.participants_per_round, r.candidate.rounds),
     )
     if not ranked:
         raise ValueError(notes[0] if notes else "designs must leave a configuration to search")

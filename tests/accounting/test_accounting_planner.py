@@ -16,8 +16,11 @@ from fedmeta.accounting.planner import (
     Federation,
     PlanBudget,
     PlanRequest,
+    PlanRow,
     _gradient_share,
+    _Precision,
     design_candidate,
+    evaluate,
     expected_lot,
     plan,
 )
@@ -74,6 +77,11 @@ def test_adaptive_clipping_takes_its_share_of_the_noise() -> None:
         ),
         (lambda: tiny(designs=("flat",)), "designs must be a non-empty subset"),
         (lambda: tiny(clip=0.0), "clip must be a number in"),
+        (lambda: tiny(dimension=100), "signal_norm must be given too"),
+        (lambda: tiny(signal_norm=0.5), "dimension must be given too"),
+        (lambda: tiny(dimension=0, signal_norm=0.5), "dimension must be an integer in"),
+        (lambda: tiny(dimension=10, signal_norm=-1.0), "signal_norm must be a number in"),
+        (lambda: tiny(dimension=10, signal_norm=2.0), "signal_norm must be at most the clip"),
         (lambda: Candidate("two_stage_fixed", 2, 10, task_rate=0.1), "tasks_per_round must be set"),
     ],
 )
@@ -232,6 +240,11 @@ PLAN = ["privacy", "plan", "--epsilon", "4", "--participants", "6", "--tasks-per
         (["--rounds", "30", "--baseline", "n=3"], "--baseline must be key=value pairs"),
         (["--rounds", "30", "--base-config", "x.toml"], "--base-config must come with"),
         (["--rounds", "30", "--top", "0"], "--top: top must be an integer"),
+        (["--rounds", "30", "--dimension", "10"], "--signal-norm: signal_norm must be given"),
+        (["--rounds", "30", "--signal-norm", "0.5"], "--dimension: dimension must be given"),
+        (["--rounds", "30", "--dimension", "0", "--signal-norm", "0.5"], "--dimension: "),
+        (["--rounds", "30", "--dimension", "9", "--signal-norm", "nan"], "--signal-norm: "),
+        (["--rounds", "30", "--dimension", "9", "--signal-norm", "1.5"], "--signal-norm: "),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(
@@ -289,3 +302,69 @@ def test_cli_shows_adaptive_clippings_share(capsys: pytest.CaptureFixture[str]) 
     # Off a terminal the planner may report a finished stage first; the error is one line.
     assert code == 2
     assert err.splitlines()[-1].startswith("fedmeta privacy plan: error: --adaptive-count-noise: ")
+
+
+# ------------------------------------------------------------------ the signal-to-noise proxy
+
+
+def _row(req: PlanRequest, rounds: int, q: float) -> PlanRow:
+    row = evaluate(req, Candidate("flat_poisson", 6, rounds, task_rate=q), _Precision("pld", GRID,
+                   True))  # fmt: skip
+    assert isinstance(row, PlanRow)
+    return row
+
+
+@pytest.mark.integration
+def test_snr_is_its_formula_and_without_signal_nothing_changes() -> None:
+    plain = _row(tiny(), 30, 0.1)
+    assert plain.round_snr is None and plain.run_snr is None and plain.rank_key == plain.proxy
+    # G = C: every clipped task gradient is the mean, no sampling term; SNR = E[lot]/(sqrt(d) z).
+    row = _row(tiny(dimension=400, signal_norm=1.0), 30, 0.1)
+    assert row.round_snr == pytest.approx(row.expected_lot / (20 * row.noise_multiplier))
+    assert row.run_snr == pytest.approx(row.round_snr * math.sqrt(30))
+    assert row.noise_multiplier == plain.noise_multiplier and row.epsilon == plain.epsilon
+    half = _row(tiny(dimension=400, signal_norm=0.5), 30, 0.1)
+    expected = 0.5 / math.sqrt(400 * half.noise_std**2 + (1 - 0.25) / half.expected_lot)
+    assert half.round_snr == pytest.approx(expected)
+
+
+@pytest.mark.integration
+def test_the_sampling_term_reorders_rows_only_when_it_matters() -> None:
+    """Few rounds at every task against 4x the rounds at half the rate (tiny federation, eps 4).
+
+    The old proxy prefers the first (less noise per coordinate over sqrt(T)); with a small ``d``
+    the sampling noise dominates and twice the task-gradients win; with a large ``d`` the DP
+    noise dominates again and the SNR ranks as the old proxy does.
+    """
+    few, many = (10, 1.0), (40, 0.5)
+    old = [_row(tiny(), *c) for c in (few, many)]
+    assert old[0].rank_key < old[1].rank_key
+    small_d = [_row(tiny(dimension=1, signal_norm=0.5), *c) for c in (few, many)]
+    assert small_d[0].rank_key > small_d[1].rank_key
+    large_d = [_row(tiny(dimension=10_000, signal_norm=0.5), *c) for c in (few, many)]
+    assert large_d[0].rank_key < large_d[1].rank_key
+
+
+@pytest.mark.integration
+def test_plan_ranks_by_snr_when_given() -> None:
+    req = tiny(rounds=(10, 40, 160), designs=("flat_poisson",), dimension=1, signal_norm=0.5,
+               compute=ComputeBudget(max_tasks_per_round=120))  # fmt: skip
+    rows = plan(req, top=3, discretization=GRID).rows
+    snrs = [r.run_snr for r in rows]
+    assert all(s is not None for s in snrs)
+    assert snrs == sorted(snrs, reverse=True)  # type: ignore[type-var]
+    assert rows[0].candidate.rounds == 160  # sampling-dominated: the most task-gradients
+
+
+@pytest.mark.integration
+def test_cli_shows_the_snr_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*PLAN, "--rounds", "30", "--designs", "flat_poisson", "--dimension", "400",
+            "--signal-norm", "0.5"]  # fmt: skip
+    code, table, _ = run_cli(args, capsys)
+    lines = table.splitlines()
+    assert code == 0 and "not a privacy quantity" in lines[1] and "SNR*sqrtT" in lines[2]
+    code, text, _ = run_cli([*args, "--json"], capsys)
+    data = json.loads(text)
+    assert data["dimension"] == 400 and data["ranked_by"].startswith("run_snr")
+    row = data["rows"][0]
+    assert row["run_snr"] == pytest.approx(row["round_snr"] * math.sqrt(30))
