@@ -145,12 +145,13 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> Non
 
 
 def summarise(paths: list[Path]) -> list[dict[str, Any]]:
-    """Mean, range and diverged tasks of repeated runs, grouped by experiment and overrides.
+    """Mean, median, range, diverged tasks and runs of repeated runs, by experiment and overrides.
 
     Every run counts: a run whose mean is not finite makes its group's mean not finite (it is
     reported, not dropped). ``ratio`` is a group's mean over the non-private group's mean of the
     same experiment (and the same overrides apart from the privacy ones), when there is one.
     """
+    import math
     import statistics
 
     recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
@@ -163,8 +164,12 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
         rows.append({
             "experiment": kind, "overrides": list(overrides), "runs": len(values),
             "mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "values": values,
+            "median": statistics.median(values), "values": values,
+            "task_medians": [r.get("final_metric_median") for r in runs],
             "diverged_tasks": sum(int(r.get("adaptation_diverged_tasks") or 0) for r in runs),
+            # a run with any diverged test task, or whose mean is not finite
+            "diverged_runs": sum(bool(r.get("adaptation_diverged_tasks"))
+                                 or not math.isfinite(float(r["final_metric"])) for r in runs),
             "private": runs[0]["epsilon_spent"] is not None,
         })  # fmt: skip
     for row in rows:
