@@ -1004,19 +1004,7 @@ def _add_plan_parser(
     p.add_argument("--clip", type=float, default=1.0, help="clip bound C (default 1.0)")
     p.add_argument("--adaptive-count-noise", type=float,
                    help="adaptive clipping's count noise sigma_b (shows its cost)")  # fmt: skip
-    p.add_argument(
-        "--dimension",
-        type=int,
-        metavar="D",
-        help="trained parameters d; with --signal-norm, rank by signal-to-noise",
-    )
-    p.add_argument(
-        "--signal-norm",
-        type=float,
-        metavar="G",
-        help="norm of the mean clipped per-task gradient at --clip, measured on public "
-        "or synthetic tasks (python bench/signal_norm.py); with --dimension",
-    )
+    _add_signal_args(p)
     p.add_argument("--baseline", metavar="KEY=VALUE,...",
                    help="a configuration to compare, e.g. participants_per_round=5,task_rate=0.05,"
                    "rounds=400")  # fmt: skip
@@ -1034,6 +1022,23 @@ def _add_plan_parser(
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(
         func=_run("privacy plan", lambda args: _cmd_plan(args, writer, budget_delta), _PLAN_FLAGS)
+    )
+
+
+def _add_signal_args(p: Any) -> None:
+    """``--dimension`` and ``--signal-norm``: the inputs of the signal-to-noise ranking."""
+    p.add_argument(
+        "--dimension",
+        type=int,
+        metavar="D",
+        help="trained parameters d; with --signal-norm, rank by signal-to-noise",
+    )
+    p.add_argument(
+        "--signal-norm",
+        type=float,
+        metavar="G",
+        help="norm of the mean clipped per-task gradient at --clip, measured on public "
+        "or synthetic tasks (python bench/signal_norm.py); with --dimension",
     )
 
 

@@ -5,6 +5,7 @@
     python bench/results.py plot results/sinusoid.jsonl results/two-stage.jsonl --png docs/img
     python bench/results.py sinusoid --epsilons 8 --repeats 5 --out results/sinusoid-repeats.jsonl
     python bench/results.py summary results/sinusoid-repeats.jsonl     # mean, range, ratio
+    python bench/results.py summary results/sinusoid-repeats20.jsonl --subset 5  # 5-run pass rate
     python bench/results.py plot results/omniglot-5way-cpu*.jsonl --figure omniglot-5way-cpu
     python bench/results.py sinusoid --epsilons 8 --set sampling.participants_per_round=20 ...
     python bench/results.py sinusoid --name omniglot-5way-cpu \
@@ -144,12 +145,13 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> Non
 
 
 def summarise(paths: list[Path]) -> list[dict[str, Any]]:
-    """Mean, range and diverged tasks of repeated runs, grouped by experiment and overrides.
+    """Mean, median, range, diverged tasks and runs of repeated runs, by experiment and overrides.
 
     Every run counts: a run whose mean is not finite makes its group's mean not finite (it is
     reported, not dropped). ``ratio`` is a group's mean over the non-private group's mean of the
     same experiment (and the same overrides apart from the privacy ones), when there is one.
     """
+    import math
     import statistics
 
     recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
@@ -162,8 +164,12 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
         rows.append({
             "experiment": kind, "overrides": list(overrides), "runs": len(values),
             "mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "values": values,
+            "median": statistics.median(values), "values": values,
+            "task_medians": [r.get("final_metric_median") for r in runs],
             "diverged_tasks": sum(int(r.get("adaptation_diverged_tasks") or 0) for r in runs),
+            # a run with any diverged test task, or whose mean is not finite
+            "diverged_runs": sum(bool(r.get("adaptation_diverged_tasks"))
+                                 or not math.isfinite(float(r["final_metric"])) for r in runs),
             "private": runs[0]["epsilon_spent"] is not None,
         })  # fmt: skip
     for row in rows:
@@ -178,7 +184,63 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
         if base and row["private"]:
             row["ratio_of_means"] = row["mean"] / base[0]["mean"]
             row["worst_run_ratio"] = row["max"] / base[0]["mean"]
+            row["_base"] = base[0]["values"]
     return rows
+
+
+def ratio_interval(private: list[float], base: list[float]) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of mean(private) / mean(base), the runs resampled.
+
+    The two groups are resampled independently (they are independent training runs); the seed
+    is fixed so that a summary is repeatable from its records.
+    """
+    import numpy as np
+    from scipy import stats
+
+    def ratio(p: Any, b: Any, axis: int = -1) -> Any:
+        return np.mean(p, axis=axis) / np.mean(b, axis=axis)
+
+    res = stats.bootstrap((np.asarray(private), np.asarray(base)), ratio, paired=False,
+                          vectorized=True, n_resamples=10_000, method="percentile",
+                          random_state=np.random.default_rng(0))  # fmt: skip
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def subset_pass_rate(
+    private: list[float], base: list[float], k: int, targets: tuple[float, float], draws: int
+) -> float:
+    """Fraction of random (k private, k non-private) draws of the recorded runs meeting targets.
+
+    ``targets`` is (mean ratio, worst-run ratio): a draw passes when the mean of its k private runs
+    is at most ``targets[0]`` times the mean of its k non-private runs and none of the k private
+    runs exceeds ``targets[1]`` times that mean. This is how often a done-when stated over k runs
+    would pass if run again, estimated from the runs at hand (each draw without replacement).
+    """
+    import random
+
+    rng = random.Random(0)
+    passed = 0
+    for _ in range(draws):
+        p, b = rng.sample(private, k), rng.sample(base, k)
+        base_mean = sum(b) / k
+        passed += sum(p) / k <= targets[0] * base_mean and max(p) <= targets[1] * base_mean
+    return passed / draws
+
+
+def add_comparisons(rows: list[dict[str, Any]], subset: int | None,
+                    targets: tuple[float, float]) -> None:  # fmt: skip
+    """The ratio's bootstrap interval and, with ``subset``, its k-run pass rate, per private row."""
+    for row in rows:
+        base = row.pop("_base", None)
+        if base is None:
+            continue
+        if row["runs"] >= 2 and len(base) >= 2:
+            row["ratio_of_means_ci95"] = ratio_interval(row["values"], base)
+        if subset is not None and min(row["runs"], len(base)) >= subset:
+            row[f"pass_rate_{subset}_runs"] = subset_pass_rate(
+                row["values"], base, subset, targets, draws=20_000
+            )
+            row["targets"] = list(targets)
 
 
 def _label(rec: dict[str, Any], with_experiment: bool) -> str:
@@ -248,6 +310,22 @@ def main() -> int:
                     help="an override applied to every run (repeatable)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1, help="run each setting this many times")
     ap.add_argument("--no-baseline", action="store_true", help="sinusoid: skip the non-private run")
+    ap.add_argument(
+        "--subset",
+        type=int,
+        default=None,
+        metavar="K",
+        help="summary: how often K private and K non-private runs drawn from the "
+        "records meet --targets",
+    )
+    ap.add_argument(
+        "--targets",
+        type=float,
+        nargs=2,
+        default=[1.15, 1.4],
+        metavar=("MEAN", "WORST"),
+        help="summary: mean ratio and worst-run ratio targets (issue 19's 1.15, 1.4)",
+    )
     ap.add_argument("--name", default=None, help="the experiment's name in the records and plot")
     ap.add_argument("--figure", default=None, help="plot: every input in one figure of this name")
     ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
@@ -257,7 +335,9 @@ def main() -> int:
         plot(args.inputs, args.png, args.figure)
         return 0
     if args.experiment == "summary":
-        for row in summarise(args.inputs):
+        rows = summarise(args.inputs)
+        add_comparisons(rows, args.subset, (args.targets[0], args.targets[1]))
+        for row in rows:
             print(json.dumps(row))
         return 0
     if args.experiment == "sinusoid":

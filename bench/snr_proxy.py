@@ -129,7 +129,7 @@ def design_rows(work: Path, signal: list[Path]) -> list[dict[str, Any]]:
             "test_mse_median_runs": [s["final_metric_median"] for s in summaries],
             "diverged_tasks": sum(int(s["adaptation_diverged_tasks"]) for s in summaries),
             "epsilon_runs": [s["epsilon_spent"] for s in summaries],
-            "run_dirs": [str(p.parent) for p in runs],
+            "runs": [p.parent.name for p in runs],  # names only: no machine path in results/
         })  # fmt: skip
     return rows
 

@@ -1,0 +1,52 @@
+"""bench/results.py's summary of repeated runs: the ratio's interval and the k-run pass rate."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _results() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_results", REPO / "bench" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pass_rate_is_all_or_nothing_when_every_draw_agrees() -> None:
+    results = _results()
+    base = [1.0, 0.9, 1.1, 1.0, 1.0, 0.95]
+    assert results.subset_pass_rate(base, base[::-1], 6, (1.15, 1.4), draws=200) == 1.0
+    doubled = [2 * v for v in base]
+    assert results.subset_pass_rate(doubled, base, 3, (1.15, 1.4), draws=200) == 0.0
+
+
+def test_pass_rate_counts_the_worst_run_target() -> None:
+    # Four private runs at the base mean and one at 1.5 times it: the mean of any 4 of the 5 is
+    # at most 1.125 (within 1.15), so a draw fails exactly when it holds the 1.5 run, which 4 of
+    # every 5 draws of 4 do. The estimate over n draws has standard error sqrt(p(1-p)/n); the
+    # tolerance is 6 of them.
+    results = _results()
+    private, base, draws = [1.0, 1.0, 1.0, 1.0, 1.5], [1.0] * 5, 20_000
+    rate = results.subset_pass_rate(private, base, 4, (1.15, 1.4), draws=draws)
+    assert abs(rate - 0.2) <= 6 * math.sqrt(0.2 * 0.8 / draws)
+
+
+def test_ratio_interval_brackets_the_ratio_of_means_within_its_extremes() -> None:
+    results = _results()
+    base = [0.20, 0.25, 0.30, 0.35, 0.40]
+    private = [0.30, 0.33, 0.36, 0.40, 0.45]
+    low, high = results.ratio_interval(private, base)
+    point = (sum(private) / 5) / (sum(base) / 5)
+    # Every resampled ratio is a ratio of means of observed runs, so the percentile interval
+    # lies within [min(private) / max(base), max(private) / min(base)].
+    assert min(private) / max(base) <= low < point < high <= max(private) / min(base)
