@@ -146,6 +146,7 @@ QUICK_STARTS = ["docs/federation.md"]
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 2-3 minutes; the README's own commands run in the default suite
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("doc", QUICK_STARTS)
 def test_docs_quick_start_runs_in_order_short(tmp_path: Path, doc: str) -> None:
