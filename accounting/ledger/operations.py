@@ -215,23 +215,31 @@ def _resolve_readonly(path: Path, data_identity: str, label: str) -> str:
     conn = _connect_readonly(path)
     try:
         with _reading(conn):
-            meta = _read_meta(conn)
-            if "salt" not in meta:
-                raise LedgerError(
-                    f"ledger {path} has no budgets (legacy, no id: written by an older fedmeta)"
-                )
-            key = _data_key(meta["salt"], data_identity, label)
-            chain = _budget_chain(conn, path, meta["ledger_id"], key)
+            federation = _current_federation(conn, path, data_identity, label)
     except sqlite3.Error as error:
         raise _classify(path, error) from error
     finally:
         conn.close()
-    if not chain:
+    if federation is None:
         raise LedgerError(
             f"ledger {path} has no budget for this data under label {label!r}; resolve with "
             "create=True (a run) to start one"
         )
-    return chain[-1].federation_id
+    return federation
+
+
+def _current_federation(
+    conn: sqlite3.Connection, path: Path, data_identity: str, label: str
+) -> str | None:
+    """The id of the data's current budget, read inside the caller's transaction; None if none."""
+    meta = _read_meta(conn)
+    if "salt" not in meta:
+        raise LedgerError(
+            f"ledger {path} has no budgets (legacy, no id: written by an older fedmeta)"
+        )
+    key = _data_key(meta["salt"], data_identity, label)
+    chain = _budget_chain(conn, path, meta["ledger_id"], key)
+    return chain[-1].federation_id if chain else None
 
 
 @dataclass(frozen=True)
@@ -250,26 +258,24 @@ class BudgetTerms:
 def current_budget(path: str | Path, data_identity: str, *, label: str) -> BudgetTerms | None:
     """The terms of the data's current budget in the ledger at ``path``; None if it has none.
 
-    Read-only and cheap (no chain verification: the run that spends opens the ledger, which
-    verifies everything). None when the file does not exist or holds no budget for this data.
+    Read-only and cheap (spends are not verified here: the run that spends opens the ledger,
+    which verifies everything). None when the file does not exist or holds no budget for this
+    data.
     """
     path = _abs(path)
     if not path.is_file():
         return None
-    try:
-        federation = _resolve_readonly(path, data_identity, label)
-    except LedgerError as error:
-        if "has no budget for this data" in str(error):
-            return None
-        raise
     conn = _connect_readonly(path)
     try:
-        with _reading(conn):
-            row = _registration(conn, path, federation)
+        with _reading(conn):  # one snapshot: the current budget and its terms
+            federation = _current_federation(conn, path, data_identity, label)
+            row = None if federation is None else _registration(conn, path, federation)
     except sqlite3.Error as error:
         raise _classify(path, error) from error
     finally:
         conn.close()
+    if federation is None:
+        return None
     if row is None:
         return BudgetTerms(federation, None, None)
     return BudgetTerms(federation, row.epsilon_budget, row.delta)
