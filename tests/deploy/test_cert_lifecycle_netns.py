@@ -46,6 +46,7 @@ import pytest
 from fedmeta.cli.deploy_local import LocalFederation, Node, key_fingerprint, wait_until
 
 from tests.deploy.netns import Network
+from tests.deploy.spends import ledger_spends
 
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.slow]
 
@@ -104,24 +105,6 @@ def run_settings(fed: LocalFederation, rounds: int) -> list[str]:
 
 def ledger_path(fed: LocalFederation) -> Path:
     return fed.work / "state" / "ledger.sqlite"
-
-
-def ledger_spends(path: Path) -> dict[str, list[int]]:
-    """Run id -> round indices spent, over every federation in the ledger (read-only)."""
-    from fedmeta.accounting import BudgetLedger, LedgerError
-
-    out: dict[str, list[int]] = {}
-    try:
-        for fid in BudgetLedger.describe(path).federations:
-            book = BudgetLedger.open_readonly(path, fid)
-            try:
-                for record in book.records():
-                    out.setdefault(record.run_id, []).append(record.round_index)
-            finally:
-                book.close()
-    except (LedgerError, OSError):
-        return {}
-    return out
 
 
 def make_certs(fed: LocalFederation, net: Network) -> None:

@@ -38,6 +38,8 @@ from fedmeta.cli.deploy_local import (
     wait_until,
 )
 
+from tests.deploy.spends import ledger_spends
+
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
@@ -69,24 +71,6 @@ def federation(tmp_path: Path) -> Iterator[LocalFederation]:
         yield fed
     finally:
         fed.close()
-
-
-def _ledger_spends(ledger: Path) -> dict[str, list[int]]:
-    """Run id -> round indices spent, from the ledger (read-only)."""
-    from fedmeta.accounting import BudgetLedger, LedgerError
-
-    out: dict[str, list[int]] = {}
-    try:
-        for fid in BudgetLedger.describe(ledger).federations:
-            book = BudgetLedger.open_readonly(ledger, fid)
-            try:
-                for record in book.records():
-                    out.setdefault(record.run_id, []).append(record.round_index)
-            finally:
-                book.close()
-    except (LedgerError, OSError):
-        return {}
-    return out
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -133,13 +117,13 @@ def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFeder
     sets = [*quick_check_sets(len(NAMES), fed.work), "privacy.epsilon_budget=6",
             "training.checkpoint_every=3"]  # fmt: skip
     run = fed.deploy_run(out, sets=sets, timeout=900)
-    wait_until(lambda: sum(len(v) for v in _ledger_spends(ledger).values()) >= 5, 600,
+    wait_until(lambda: sum(len(v) for v in ledger_spends(ledger).values()) >= 5, 600,
                "5 spends in the ledger", every=0.5)  # fmt: skip
     _kill_serverapp(fed)
     run.wait(timeout=600)
     text = (fed.logs / "deploy-run.log").read_text()
     assert run.returncode != 0, text
-    ((run_id, spent_rounds),) = _ledger_spends(ledger).items()
+    ((run_id, spent_rounds),) = ledger_spends(ledger).items()
     spent, applied = _counts(text)
     assert spent == len(spent_rounds), text  # the ledger's truth, not the rounds attempted
     assert 3 <= applied <= spent and applied % 3 == 0, text  # whole checkpoints only
@@ -159,7 +143,7 @@ def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFeder
     assert res.returncode == 0, after
     assert "stopped: budget_exhausted" in after, after
     total, applied_total = _counts(after)
-    rounds = _ledger_spends(ledger)[run_id]
+    rounds = ledger_spends(ledger)[run_id]
     assert total == len(rounds) == len(set(rounds)), after  # no round spent twice
     summary = json.loads((out / "summary.json").read_text())
     lost = summary["rounds_lost_on_resume"]
@@ -184,5 +168,5 @@ def _check_status(fed: LocalFederation, ledger: Path) -> None:
     assert online == keys, status["nodes"]
     assert len(status["runs"]) == 2, status["runs"]  # the crashed run and its resumption
     (book,) = status["budget"]["federations"]
-    assert book["spends"] == sum(len(v) for v in _ledger_spends(ledger).values())
+    assert book["spends"] == sum(len(v) for v in ledger_spends(ledger).values())
     assert 0 <= book["epsilon_left"] < book["epsilon_budget"] and book["epsilon_spent"] > 0
