@@ -144,3 +144,30 @@ def test_validate_round_reports_rejections_by_reason() -> None:
     )
     assert len(out.accepted) == 1 and out.rejected_by_reason() == {V.REASON_WRONG_ROUND: 1}
     assert math.isclose(float(out.accepted[0].grad_sum[0]), 0.3, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [0.5, 3.0, math.inf])
+@pytest.mark.parametrize("rows_per_block", [1, 3, 8, 64])
+def test_blocked_row_check_equals_the_whole_reply_at_once(clip: float, rows_per_block: int) -> None:
+    """Checking rows a block at a time (for speed) changes no row's result and the sum by rounding.
+
+    The reference converts the whole reply to float64 and clips it in one call, as the server did
+    before blocks; norms and post-clip norms must agree bit for bit, the sum to float64 rounding.
+    """
+    rng = np.random.default_rng(7)
+    rows = (rng.standard_normal((21, 257)) * rng.choice([0.01, 1.0, 50.0], (21, 1))).astype(
+        np.float32
+    )
+    rows[4, 9] = np.nan
+    rows[13, 0] = np.inf
+    rows[17] = 0.0
+    total, norms, post, nonfinite = V.clipped_row_sum(rows, clip, rows_per_block)
+    whole = torch.from_numpy(rows.astype(np.float64))
+    ref_clipped, ref_norms = V.clip_by_global_norm(whole, clip, nonfinite="zero")
+    assert nonfinite == 2
+    assert torch.equal(norms, ref_norms)
+    assert torch.equal(post, torch.linalg.vector_norm(ref_clipped, dim=1))
+    tol = 1e-12 * max(1.0, float(ref_clipped.abs().sum(0).max()))
+    assert torch.allclose(total, ref_clipped.sum(0), rtol=0, atol=tol)
+    if math.isfinite(clip):
+        assert float(post.max()) <= clip
