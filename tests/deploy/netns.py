@@ -233,6 +233,7 @@ class Network:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+        _end_stragglers(self._made)
         for ns in reversed(self._made):
             # Deleting a namespace destroys its veth ends (and so their peers) and its bridge.
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
@@ -243,6 +244,36 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _namespace_pids(namespaces: Sequence[str]) -> list[int]:
+    pids: list[int] = []
+    for ns in namespaces:
+        cmd = ["ip", "netns", "pids", ns]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        pids += [int(x) for x in res.stdout.split() if x.isdigit()]
+    return pids
+
+
+def _end_stragglers(namespaces: Sequence[str]) -> None:
+    """End what still runs inside the namespaces this network made, after their process groups.
+
+    A program started here can start another in a session of its own (the SuperLink starts its
+    ServerApp executor so), which the process-group signal misses; every process in these
+    namespaces descends from one this test started, as nothing else enters them.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = _namespace_pids(namespaces)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while _namespace_pids(namespaces) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 @atexit.register

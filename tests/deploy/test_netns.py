@@ -3,9 +3,11 @@ shaped link is shaped, and teardown removes namespaces and processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,30 @@ def test_teardown_ends_processes_and_namespaces(netns_ok: None) -> None:
     net.close()
     assert proc.poll() is not None
     assert not (names & _namespaces())
+
+
+def test_teardown_ends_a_process_that_left_its_group(netns_ok: None, tmp_path: Path) -> None:
+    """A grandchild in a session of its own (as the SuperLink starts its ServerApp) is ended too."""
+    net = Network(participants=1)
+    pidfile = tmp_path / "escaped.pid"
+    # setsid: the grandchild leaves the process group that close() signals first.
+    net.server.popen(["sh", "-c", f"setsid sleep 300 & echo $! > {pidfile}; wait"])
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    escaped = int(pidfile.read_text())
+    assert os.getpgid(escaped) != os.getpgid(net.server.procs[0].pid)
+    net.close()
+    deadline = time.monotonic() + 10
+    while _running(escaped) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(escaped), "a process in a deleted namespace outlived close()"
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an ended process its parent has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
