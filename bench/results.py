@@ -21,6 +21,10 @@ participant every round (flat Poisson), two-stage with Poisson stage 2, and two-
 size stage 2, each calibrated by the accountant to the target epsilon. Each run has its own ledger
 (runs on the same data would otherwise compose against one budget, as they must in production).
 Output: one JSON object per run.
+
+A first SIGINT or SIGTERM (a time limit's) ends the run in progress after its round: it is still
+evaluated and recorded, with ``stopped_reason`` "interrupted" and its ``rounds_completed``, and no
+further run starts; ``summary`` keeps such runs in groups of their own. A second signal aborts.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -44,8 +50,14 @@ REPO = _HERE.parent
 QUIET = ["federation.backend=inprocess", "output.progress=false", "output.plots=false"]
 
 
-def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
-    """One simulated federation; its summary's result fields and wall time."""
+def run_one(
+    config: Path, overrides: list[str], work: Path, stop: threading.Event | None = None
+) -> dict[str, Any]:
+    """One simulated federation; its summary's result fields and wall time.
+
+    ``stop`` set ends the run after the round in progress, evaluated and summarised as usual
+    (``stopped_reason`` "interrupted", ``rounds_completed`` below the plan).
+    """
     from fedmeta.simulation.simulate import main
 
     from fedmeta.config import load_config
@@ -54,7 +66,7 @@ def run_one(config: Path, overrides: list[str], work: Path) -> dict[str, Any]:
     sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]
     t0 = time.perf_counter()
     cfg = load_config(config, sets)
-    s = main(cfg, out_dir=work / tag).summary
+    s = main(cfg, out_dir=work / tag, stop=stop).summary
     keep = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
             "final_metric_median", "adaptation_diverged_tasks", "adaptation", "untrained_metric",
             "epsilon_spent", "delta", "rounds_completed", "noise_multiplier", "normaliser",
@@ -127,14 +139,38 @@ def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[s
 KEEP = REPO / "runs" / "bench-results"
 
 
+def _stop_on_signals() -> threading.Event:
+    """First SIGINT/SIGTERM: the run in progress stops after its round and is still recorded
+    (marked interrupted), and no further run starts. Second: abort at once.
+
+    A run cut short by a time limit (a lent GPU's, a CI job's) then leaves a record of what it
+    reached instead of nothing.
+    """
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        print("stopping after this round; the run is recorded as interrupted (signal again to "
+              "abort)", file=sys.stderr, flush=True)  # fmt: skip
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    return stop
+
+
 def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
     KEEP.mkdir(parents=True, exist_ok=True)
+    stop = _stop_on_signals()
     with out.open("a") as sink:
         for overrides in runs:
+            if stop.is_set():
+                break
             work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=KEEP))
-            rec = run_one(config, overrides, work)
+            rec = run_one(config, overrides, work, stop)
             rec["run_dir"] = str(work.relative_to(REPO))
             now = datetime.now(UTC).isoformat(timespec="minutes")
             rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
@@ -155,14 +191,17 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
     import statistics
 
     recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
-    groups: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, tuple[str, ...], bool], list[dict[str, Any]]] = {}
     for r in recs:
-        groups.setdefault((r["experiment"], tuple(r["overrides"])), []).append(r)
+        # A run stopped before its plan ended is its own group, never averaged with whole runs.
+        cut = r.get("stopped_reason") == "interrupted"
+        groups.setdefault((r["experiment"], tuple(r["overrides"]), cut), []).append(r)
     rows = []
-    for (kind, overrides), runs in groups.items():
+    for (kind, overrides, cut), runs in groups.items():
         values = [float(r["final_metric"]) for r in runs]
         rows.append({
-            "experiment": kind, "overrides": list(overrides), "runs": len(values),
+            "experiment": kind, "overrides": list(overrides), "interrupted": cut,
+            "rounds_completed": [r.get("rounds_completed") for r in runs], "runs": len(values),
             "mean": statistics.fmean(values), "min": min(values), "max": max(values),
             "median": statistics.median(values), "values": values,
             "task_medians": [r.get("final_metric_median") for r in runs],
@@ -179,9 +218,10 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
             for b in rows
             if b["experiment"] == row["experiment"]
             and not b["private"]
+            and not b["interrupted"]
             and [o for o in b["overrides"] if not o.startswith("privacy.")] == rest
         ]
-        if base and row["private"]:
+        if base and row["private"] and not row["interrupted"]:
             row["ratio_of_means"] = row["mean"] / base[0]["mean"]
             row["worst_run_ratio"] = row["max"] / base[0]["mean"]
             row["_base"] = base[0]["values"]
