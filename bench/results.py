@@ -22,9 +22,11 @@ size stage 2, each calibrated by the accountant to the target epsilon. Each run 
 (runs on the same data would otherwise compose against one budget, as they must in production).
 Output: one JSON object per run.
 
-A first SIGINT or SIGTERM (a time limit's) ends the run in progress after its round: it is still
-evaluated and recorded, with ``stopped_reason`` "interrupted" and its ``rounds_completed``, and no
-further run starts; ``summary`` keeps such runs in groups of their own. A second signal aborts.
+A first SIGINT or SIGTERM (a time limit's) stops the run in progress (a round not yet spent is
+abandoned, one already spent finishes): it is still evaluated and recorded, with
+``stopped_reason`` "interrupted" and its ``rounds_completed``, and no further run starts;
+``summary`` keeps such runs in groups of their own and ``plot`` leaves them out. A second signal
+aborts. ``--keep DIR`` keeps the runs' directories there instead of ``runs/bench-results``.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def run_one(
 ) -> dict[str, Any]:
     """One simulated federation; its summary's result fields and wall time.
 
-    ``stop`` set ends the run after the round in progress, evaluated and summarised as usual
-    (``stopped_reason`` "interrupted", ``rounds_completed`` below the plan).
+    ``stop`` set stops the run (a round not yet spent is abandoned, one spent finishes); it is
+    evaluated and summarised as usual (``stopped_reason`` "interrupted", ``rounds_completed`` below
+    the plan).
     """
     from fedmeta.simulation.simulate import main
 
@@ -139,52 +142,58 @@ def two_stage_runs(epsilons: list[float], rounds: int | None) -> Iterator[list[s
 KEEP = REPO / "runs" / "bench-results"
 
 
-def _stop_on_signals() -> threading.Event:
-    """First SIGINT/SIGTERM: the run in progress stops after its round and is still recorded
-    (marked interrupted), and no further run starts. Second: abort at once.
+def _stop_on_signals(stop: threading.Event) -> Any:
+    """First SIGINT/SIGTERM: ``stop`` is set, so the run in progress stops and is still recorded
+    (marked interrupted), and no further run starts. Second: abort at once. Returns a function
+    that restores the previous handlers.
 
     A run cut short by a time limit (a lent GPU's, a CI job's) then leaves a record of what it
     reached instead of nothing.
     """
-    stop = threading.Event()
 
     def handler(signum: int, _frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print("stopping after this round; the run is recorded as interrupted (signal again to "
-              "abort)", file=sys.stderr, flush=True)  # fmt: skip
+        print("stopping: a round not yet spent is abandoned; the run is recorded as interrupted "
+              "(signal again to abort)", file=sys.stderr, flush=True)  # fmt: skip
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
-    return stop
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signal handlers can only be set from the main thread
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
 
 
-def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path) -> None:
+def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path, keep: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
-    KEEP.mkdir(parents=True, exist_ok=True)
-    stop = _stop_on_signals()
-    with out.open("a") as sink:
-        for overrides in runs:
-            if stop.is_set():
-                break
-            work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=KEEP))
-            rec = run_one(config, overrides, work, stop)
-            rec["run_dir"] = str(work.relative_to(REPO))
-            now = datetime.now(UTC).isoformat(timespec="minutes")
-            rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
-                    "machine": machine}  # fmt: skip
-            sink.write(json.dumps(rec) + "\n")
-            sink.flush()
-            print(json.dumps(rec), flush=True)
+    keep.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    restore = _stop_on_signals(stop)
+    try:
+        with out.open("a") as sink:
+            for overrides in runs:
+                if stop.is_set():
+                    break
+                work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=keep))
+                rec = run_one(config, overrides, work, stop)
+                rec["run_dir"] = str(work.relative_to(REPO) if work.is_relative_to(REPO) else work)
+                now = datetime.now(UTC).isoformat(timespec="minutes")
+                rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
+                        "machine": machine}  # fmt: skip
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
+                print(json.dumps(rec), flush=True)
+    finally:
+        restore()
 
 
 def summarise(paths: list[Path]) -> list[dict[str, Any]]:
     """Mean, median, range, diverged tasks and runs of repeated runs, by experiment and overrides.
 
     Every run counts: a run whose mean is not finite makes its group's mean not finite (it is
-    reported, not dropped). ``ratio`` is a group's mean over the non-private group's mean of the
+    reported, not dropped); runs stopped early (interrupted) form groups of their own, flagged, and
+    are never a baseline. ``ratio`` is a group's mean over the non-private group's mean of the
     same experiment (and the same overrides apart from the privacy ones), when there is one.
     """
     import math
@@ -330,6 +339,8 @@ def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
 def plot(paths: list[Path], png_dir: Path, figure: str | None = None) -> None:
     """A figure per experiment, or all the records in one figure named ``figure``."""
     recs = [json.loads(line) for p in paths for line in p.read_text().splitlines() if line]
+    # A run stopped before its plan ended would sit at a lower epsilon as if it were whole.
+    recs = [r for r in recs if r.get("stopped_reason") != "interrupted"]
     png_dir.mkdir(parents=True, exist_ok=True)
     if figure is not None:
         _figure(recs, png_dir / f"results-{figure}.png", prefix_series=True)
@@ -370,6 +381,7 @@ def main() -> int:
     ap.add_argument("--figure", default=None, help="plot: every input in one figure of this name")
     ap.add_argument("--out", type=Path, default=Path("results") / "results.jsonl")
     ap.add_argument("--png", type=Path, default=REPO / "docs" / "img")
+    ap.add_argument("--keep", type=Path, default=KEEP, help="where each run's directory is kept")
     args = ap.parse_args()
     if args.experiment == "plot":
         plot(args.inputs, args.png, args.figure)
@@ -387,7 +399,7 @@ def main() -> int:
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1; got {args.repeats}")
     plan = ([*args.sets, *sets] for sets in runs for _ in range(args.repeats))
-    record(args.name or args.experiment, plan, args.config.resolve(), args.out)
+    record(args.name or args.experiment, plan, args.config.resolve(), args.out, args.keep.resolve())
     return 0
 
 

@@ -167,7 +167,8 @@ def _under_clip(reply: GradientReply, exp: Expectation) -> int:
 # Rows are re-checked in float64 a few at a time. The float64 copy of a block (4 rows of the
 # Omniglot net's 113k parameters: 3.6 MB) stays in cache, where the whole reply converted at once
 # (80 rows: 72 MB; 1.45 GB a round at DP-MAML's lot of 1,600) streams through memory in each of the
-# check's passes: about 4x faster on one core (bench/server_validation.py, docs/benchmarks.md).
+# check's passes: about 3x faster on one thread, under 2x on two (bench/server_validation.py,
+# docs/benchmarks.md; a loaded machine).
 # Every row's norm, clip and post-clip norm are bit for bit what one block gives; the sum differs
 # only by the order of float64 additions.
 ROWS_PER_BLOCK = 4
@@ -178,15 +179,19 @@ def clipped_row_sum(
 ) -> tuple[Tensor, Tensor, Tensor, int]:
     """(sum of the rows clipped to ``clip``, pre-clip norms, post-clip norms, non-finite rows).
 
-    ``grads`` is ``[n, dim]`` float32; each row is clipped in float64 by
-    :func:`~metalearning.clip_by_global_norm` (a non-finite row counts and contributes zero).
+    ``grads`` is ``[n, dim]`` floating point (float32 from the wire); each row is clipped in
+    float64 by :func:`~metalearning.clip_by_global_norm` (a non-finite row counts and contributes
+    zero).
     """
-    g32 = torch.from_numpy(np.asarray(grads))
-    total = torch.zeros(g32.shape[1], dtype=torch.float64)
+    rows = np.asarray(grads)
+    if rows.dtype.itemsize > 8 or not rows.dtype.isnative:
+        rows = rows.astype(np.float64)  # torch takes neither long double nor a foreign byte order
+    data = torch.from_numpy(rows)
+    total = torch.zeros(data.shape[1], dtype=torch.float64)
     norms: list[Tensor] = []
     post: list[Tensor] = []
     nonfinite = 0
-    for block in torch.split(g32, max(1, rows_per_block)):
+    for block in torch.split(data, max(1, rows_per_block)):
         g = block.to(torch.float64)
         nonfinite += int((~torch.isfinite(g).all(dim=1)).sum())
         clipped, pre = clip_by_global_norm(g, clip, nonfinite="zero")

@@ -255,6 +255,25 @@ def _namespace_pids(namespaces: Sequence[str]) -> list[int]:
     return pids
 
 
+def _signal_if_inside(pid: int, inodes: set[int], sig: int) -> None:
+    """Signal ``pid`` only while it is still in one of the namespaces (``inodes``).
+
+    A pid can end and be reused between listing and signalling; a pidfd pins the process, and its
+    namespace is checked after the pin, so an unrelated process that took the pid is never hit.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
+            signal.pidfd_send_signal(fd, sig)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    finally:
+        os.close(fd)
+
+
 def _end_stragglers(namespaces: Sequence[str]) -> None:
     """End what still runs inside the namespaces this network made, after their process groups.
 
@@ -266,11 +285,9 @@ def _end_stragglers(namespaces: Sequence[str]) -> None:
         pids = _namespace_pids(namespaces)
         if not pids:
             return
+        inodes = {os.stat(f"/run/netns/{ns}").st_ino for ns in namespaces}
         for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+            _signal_if_inside(pid, inodes, sig)
         deadline = time.monotonic() + 5
         while _namespace_pids(namespaces) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -76,8 +76,10 @@ def test_teardown_ends_a_process_that_left_its_group(netns_ok: None, tmp_path: P
     deadline = time.monotonic() + 10
     while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    escaped = int(pidfile.read_text())
-    assert os.getpgid(escaped) != os.getpgid(net.server.procs[0].pid)
+    escaped, group = int(pidfile.read_text()), os.getpgid(net.server.procs[0].pid)
+    while os.getpgid(escaped) == group and time.monotonic() < deadline:  # setsid() is under way
+        time.sleep(0.05)
+    assert os.getpgid(escaped) != group
     net.close()
     deadline = time.monotonic() + 10
     while _running(escaped) and time.monotonic() < deadline:

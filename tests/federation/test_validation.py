@@ -171,3 +171,12 @@ def test_blocked_row_check_equals_the_whole_reply_at_once(clip: float, rows_per_
     assert torch.allclose(total, ref_clipped.sum(0), rtol=0, atol=tol)
     if math.isfinite(clip):
         assert float(post.max()) <= clip
+
+
+def test_a_long_double_or_big_endian_reply_is_checked_like_float64() -> None:
+    rows = np.array([[3.0, 4.0], [0.3, 0.4]])
+    expected = V.clipped_row_sum(rows, 1.0)
+    for odd in (rows.astype(np.longdouble), rows.astype(">f8")):
+        total, norms, post, nonfinite = V.clipped_row_sum(odd, 1.0)
+        assert torch.equal(total, expected[0]) and torch.equal(norms, expected[1])
+        assert torch.equal(post, expected[2]) and nonfinite == 0
