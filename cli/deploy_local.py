@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -197,6 +198,44 @@ def _children(pid: int) -> dict[int, str]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc (Linux)."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        below = [c for p in frontier for c in _children(p)]
+        found += below
+        frontier = below
+    return found
+
+
+def _pin(pids: Sequence[int]) -> list[int]:
+    """Pin the processes of ``pids`` still running, as pidfds.
+
+    A pidfd names its process even after the pid is reused, so a signal sent through it later can
+    only reach that process.
+    """
+    fds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            fds.append(os.pidfd_open(pid))
+    return fds
+
+
+def _end_pinned(fds: Sequence[int], grace_s: float) -> None:
+    """SIGTERM each pinned process, SIGKILL what still runs after ``grace_s``; close the fds."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        for fd in fds:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
+        # A pidfd turns readable when its process ends.
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and len(select.select(fds, [], [], 0)[0]) < len(fds):
+            time.sleep(0.1)
+    for fd in fds:
+        os.close(fd)
 
 
 class LocalFederation:
@@ -417,7 +456,13 @@ class LocalFederation:
         return self.start(self.server, log_name, cmd)
 
     def close(self) -> None:
-        """End every process started here (SIGTERM, then SIGKILL), by its process group."""
+        """End every process started here (SIGTERM, then SIGKILL), by its process group.
+
+        Then whatever they started in sessions of their own, which a group signal misses: the
+        SuperLink's executor and its ServerApp, should the SuperLink not end them itself. They
+        are pinned before any signal, while they are still known as descendants.
+        """
+        pinned = _pin([d for _, proc in self.procs for d in _descendants(proc.pid)])
         for host, proc in reversed(self.procs):
             host.kill(proc, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -428,6 +473,7 @@ class LocalFederation:
                 host.kill(proc, signal.SIGKILL)
                 proc.wait(timeout=10)
         self.procs.clear()
+        _end_pinned(pinned, grace_s=5.0)
 
 
 # ------------------------------------------------------------------------------------ command line

@@ -1,0 +1,58 @@
+"""`fedmeta deploy local`'s teardown ends what its processes started in sessions of their own.
+
+The SuperLink starts its executor (and the executor its ServerApp) detached, in a session of its
+own, so the process-group signals that end the SuperLink miss them; the teardown pins every
+descendant first and ends those still running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fedmeta.cli.deploy_local import _descendants, _end_pinned, _pin
+
+pytestmark = pytest.mark.integration
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (ended, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_detached_grandchild_is_pinned_and_ended_after_its_parents_group(tmp_path: Path) -> None:
+    pidfile = tmp_path / "detached.pid"
+    parent = subprocess.Popen(["sh", "-c", f"setsid sleep 300 & echo $! > {pidfile}; wait"],
+                              start_new_session=True)  # fmt: skip
+    detached = 0
+    try:
+        deadline = time.monotonic() + 10
+        while not (pidfile.exists() and pidfile.read_text().strip()):
+            assert time.monotonic() < deadline, "the grandchild never started"
+            time.sleep(0.05)
+        detached = int(pidfile.read_text())
+        while os.getpgid(detached) == parent.pid and time.monotonic() < deadline:
+            time.sleep(0.05)  # setsid() is under way
+        assert os.getpgid(detached) != parent.pid
+        assert detached in _descendants(parent.pid)
+        pinned = _pin(_descendants(parent.pid))
+        os.killpg(parent.pid, signal.SIGKILL)  # the group signal: the detached one survives it
+        parent.wait(timeout=10)
+        assert _running(detached)
+        _end_pinned(pinned, grace_s=5.0)
+        deadline = time.monotonic() + 10
+        while _running(detached) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(detached)
+    finally:
+        parent.kill()
+        if detached and _running(detached):  # the test failed: end what it started
+            os.kill(detached, signal.SIGKILL)
