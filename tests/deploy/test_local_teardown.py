@@ -16,16 +16,9 @@ from pathlib import Path
 import pytest
 from fedmeta.cli.deploy_local import _descendants, _end_pinned, _pin
 
+from tests.deploy.procs import running
+
 pytestmark = pytest.mark.integration
-
-
-def _running(pid: int) -> bool:
-    """``pid`` exists and is not a zombie (ended, not yet reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_detached_grandchild_is_pinned_and_ended_after_its_parents_group(tmp_path: Path) -> None:
@@ -46,13 +39,13 @@ def test_a_detached_grandchild_is_pinned_and_ended_after_its_parents_group(tmp_p
         pinned = _pin(_descendants(parent.pid))
         os.killpg(parent.pid, signal.SIGKILL)  # the group signal: the detached one survives it
         parent.wait(timeout=10)
-        assert _running(detached)
+        assert running(detached)
         _end_pinned(pinned, grace_s=5.0)
         deadline = time.monotonic() + 10
-        while _running(detached) and time.monotonic() < deadline:
+        while running(detached) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _running(detached)
+        assert not running(detached)
     finally:
         parent.kill()
-        if detached and _running(detached):  # the test failed: end what it started
+        if detached and running(detached):  # the test failed: end what it started
             os.kill(detached, signal.SIGKILL)

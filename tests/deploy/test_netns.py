@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.netns import Network
+from tests.deploy.procs import running
 
 pytestmark = [pytest.mark.deploy, pytest.mark.integration]
 
@@ -82,15 +83,6 @@ def test_teardown_ends_a_process_that_left_its_group(netns_ok: None, tmp_path: P
     assert os.getpgid(escaped) != group
     net.close()
     deadline = time.monotonic() + 10
-    while _running(escaped) and time.monotonic() < deadline:
+    while running(escaped) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(escaped), "a process in a deleted namespace outlived close()"
-
-
-def _running(pid: int) -> bool:
-    """``pid`` exists and is not a zombie (an ended process its parent has not reaped yet)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    assert not running(escaped), "a process in a deleted namespace outlived close()"
