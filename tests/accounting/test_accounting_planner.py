@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
 from fedmeta.accounting import cli as accounting_cli
@@ -368,3 +369,18 @@ def test_cli_shows_the_snr_columns(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["dimension"] == 400 and data["ranked_by"].startswith("run_snr")
     row = data["rows"][0]
     assert row["run_snr"] == pytest.approx(row["round_snr"] * math.sqrt(30))
+
+
+def _die(_: int) -> str:
+    os._exit(3)  # a worker that crashes without any signal
+
+
+@pytest.mark.integration
+def test_a_pool_broken_without_a_signal_is_still_an_error() -> None:
+    """The planner waits for a pending Ctrl-C after a broken pool, then raises what broke it."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from fedmeta.accounting import planner
+
+    with pytest.raises(BrokenProcessPool):
+        planner._pool_map(_die, [(1,), (2,)], workers=2)
