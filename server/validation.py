@@ -167,8 +167,8 @@ def _under_clip(reply: GradientReply, exp: Expectation) -> int:
 # Rows are re-checked in float64 a few at a time. The float64 copy of a block (4 rows of the
 # Omniglot net's 113k parameters: 3.6 MB) stays in cache, where the whole reply converted at once
 # (80 rows: 72 MB; 1.45 GB a round at DP-MAML's lot of 1,600) streams through memory in each of the
-# check's passes: about 3x faster on one thread, under 2x on two (bench/server_validation.py,
-# docs/benchmarks.md; a loaded machine).
+# check's passes: 3.4x faster on one or two threads of a quiet 2-core machine
+# (bench/server_validation.py, docs/benchmarks.md).
 # Every row's norm, clip and post-clip norm are bit for bit what one block gives; the sum differs
 # only by the order of float64 additions.
 ROWS_PER_BLOCK = 4
