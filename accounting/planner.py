@@ -87,10 +87,8 @@ from __future__ import annotations
 import math
 import signal
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import InvalidStateError, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -580,8 +578,11 @@ Progress: TypeAlias = Callable[[str, int, int], None]
 
 def _worker_init() -> None:
     # Ctrl-C reaches the whole process group: a worker ends at once, without a traceback of its
-    # own, and the parent reports the interruption once.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # own, and the parent reports the interruption once. Only where the parent turns SIGINT into
+    # KeyboardInterrupt: a parent that ignores it (started under nohup or as a background job of
+    # a script) must not lose its workers to a signal it will never report.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...]],
@@ -597,25 +598,12 @@ def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...
                 progress(stage, len(done), len(jobs))
         return done
     _quiet_broken_pool()
-    try:
-        with ProcessPoolExecutor(
-            max_workers=min(workers, len(jobs)), initializer=_worker_init
-        ) as pool:
-            for result in pool.map(fn, *zip(*jobs, strict=True)):
-                done.append(result)
-                if progress is not None:
-                    progress(stage, len(done), len(jobs))
-    except BrokenProcessPool:
-        # Ctrl-C reaches the whole group and the workers die at once (_worker_init); on a loaded
-        # machine the pool can report them broken before this process has run its own SIGINT.
-        # The pending signal surfaces during the wait as KeyboardInterrupt (the command's
-        # "interrupted", exit 130); a pool broken by anything else is raised as it is.
-        time.sleep(_SIGNAL_GRACE_S)
-        raise
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_worker_init) as pool:
+        for result in pool.map(fn, *zip(*jobs, strict=True)):
+            done.append(result)
+            if progress is not None:
+                progress(stage, len(done), len(jobs))
     return done
-
-
-_SIGNAL_GRACE_S = 2.0
 
 
 def _quiet_broken_pool() -> None:

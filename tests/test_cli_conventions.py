@@ -199,7 +199,17 @@ def test_tensorboard_without_the_package_is_one_line(
 def _spawn(argv: list[str], tmp_path: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
     return subprocess.Popen([FEDMETA, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
+                            text=True, env=env, start_new_session=True,
+                            preexec_fn=_as_from_a_terminal)  # fmt: skip
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default, as a command typed at a terminal has it.
+
+    The test run itself may have inherited SIGINT ignored (a background job of a script, nohup),
+    and a child inherits that, which would make every Ctrl-C test meaningless.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.integration

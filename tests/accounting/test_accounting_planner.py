@@ -377,10 +377,29 @@ def _die(_: int) -> str:
 
 @pytest.mark.integration
 def test_a_pool_broken_without_a_signal_is_still_an_error() -> None:
-    """The planner waits for a pending Ctrl-C after a broken pool, then raises what broke it."""
+    """A pool broken by a crashed worker is an error, never reported as an interruption."""
     from concurrent.futures.process import BrokenProcessPool
 
     from fedmeta.accounting import planner
 
     with pytest.raises(BrokenProcessPool):
         planner._pool_map(_die, [(1,), (2,)], workers=2)
+
+
+@pytest.mark.unit
+def test_workers_die_on_ctrl_c_only_where_the_parent_reports_it() -> None:
+    """A parent that ignores SIGINT (nohup, a script's background job) keeps its workers."""
+    import signal
+
+    from fedmeta.accounting import planner
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        planner._worker_init()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        planner._worker_init()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
