@@ -201,30 +201,36 @@ def _children(pid: int) -> dict[int, str]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from /proc (Linux)."""
+    """Every process below ``pid`` (children, their children, ...), from one read of /proc."""
+    parent_of: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
     found: list[int] = []
-    frontier = [pid]
+    frontier = {pid}
     while frontier:
-        below = [c for p in frontier for c in _children(p)]
+        below = [child for child, parent in parent_of.items() if parent in frontier]
         found += below
-        frontier = below
+        frontier = set(below)
     return found
 
 
-def _pin(pids: Sequence[int]) -> list[int]:
-    """Pin the processes of ``pids`` still running, as pidfds.
+def pin(pids: Sequence[int]) -> dict[int, int]:
+    """Pin the processes of ``pids`` still running: pid -> pidfd.
 
     A pidfd names its process even after the pid is reused, so a signal sent through it later can
     only reach that process.
     """
-    fds = []
+    fds: dict[int, int] = {}
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            fds.append(os.pidfd_open(pid))
+            fds[pid] = os.pidfd_open(pid)
     return fds
 
 
-def _end_pinned(fds: Sequence[int], grace_s: float) -> None:
+def end_pinned(fds: Sequence[int], grace_s: float) -> None:
     """SIGTERM each pinned process, SIGKILL what still runs after ``grace_s``; close the fds."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
         for fd in fds:
@@ -462,7 +468,7 @@ class LocalFederation:
         SuperLink's executor and its ServerApp, should the SuperLink not end them itself. They
         are pinned before any signal, while they are still known as descendants.
         """
-        pinned = _pin([d for _, proc in self.procs for d in _descendants(proc.pid)])
+        pinned = pin([d for _, proc in self.procs for d in _descendants(proc.pid)])
         for host, proc in reversed(self.procs):
             host.kill(proc, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -473,7 +479,7 @@ class LocalFederation:
                 host.kill(proc, signal.SIGKILL)
                 proc.wait(timeout=10)
         self.procs.clear()
-        _end_pinned(pinned, grace_s=5.0)
+        end_pinned(list(pinned.values()), grace_s=5.0)
 
 
 # ------------------------------------------------------------------------------------ command line

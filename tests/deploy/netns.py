@@ -25,6 +25,7 @@ Runs as root only (creating namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -35,6 +36,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from fedmeta.cli.deploy_local import end_pinned, pin
 
 _LIVE: weakref.WeakSet[Network] = weakref.WeakSet()
 
@@ -255,42 +258,27 @@ def _namespace_pids(namespaces: Sequence[str]) -> list[int]:
     return pids
 
 
-def _signal_if_inside(pid: int, inodes: set[int], sig: int) -> None:
-    """Signal ``pid`` only while it is still in one of the namespaces (``inodes``).
-
-    A pid can end and be reused between listing and signalling; a pidfd pins the process, and its
-    namespace is checked after the pin, so an unrelated process that took the pid is never hit.
-    """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
-            signal.pidfd_send_signal(fd, sig)
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    finally:
-        os.close(fd)
-
-
 def _end_stragglers(namespaces: Sequence[str]) -> None:
     """End what still runs inside the namespaces this network made, after their process groups.
 
     A program started here can start another in a session of its own (the SuperLink starts its
     ServerApp executor so), which the process-group signal misses; every process in these
-    namespaces descends from one this test started, as nothing else enters them.
+    namespaces descends from one this test started, as nothing else enters them. Each is pinned
+    (a pidfd) before its namespace is checked, so a pid reused meanwhile is never signalled.
     """
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = _namespace_pids(namespaces)
-        if not pids:
+    inodes = {os.stat(f"/run/netns/{ns}").st_ino for ns in namespaces}
+    for _ in range(3):  # what ends may have started more
+        pinned = pin(_namespace_pids(namespaces))
+        if not pinned:
             return
-        inodes = {os.stat(f"/run/netns/{ns}").st_ino for ns in namespaces}
-        for pid in pids:
-            _signal_if_inside(pid, inodes, sig)
-        deadline = time.monotonic() + 5
-        while _namespace_pids(namespaces) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        inside = []
+        for pid, fd in pinned.items():
+            with contextlib.suppress(FileNotFoundError):  # ended since it was listed
+                if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
+                    inside.append(fd)
+        for fd in set(pinned.values()) - set(inside):
+            os.close(fd)
+        end_pinned(inside, grace_s=5.0)
 
 
 @atexit.register

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fedmeta.cli.deploy_local import _descendants, _end_pinned, _pin
+from fedmeta.cli.deploy_local import _descendants, end_pinned, pin
 
 from tests.deploy.procs import running
 
@@ -36,11 +36,11 @@ def test_a_detached_grandchild_is_pinned_and_ended_after_its_parents_group(tmp_p
             time.sleep(0.05)  # setsid() is under way
         assert os.getpgid(detached) != parent.pid
         assert detached in _descendants(parent.pid)
-        pinned = _pin(_descendants(parent.pid))
+        pinned = pin(_descendants(parent.pid))
         os.killpg(parent.pid, signal.SIGKILL)  # the group signal: the detached one survives it
         parent.wait(timeout=10)
         assert running(detached)
-        _end_pinned(pinned, grace_s=5.0)
+        end_pinned(list(pinned.values()), grace_s=5.0)
         deadline = time.monotonic() + 10
         while running(detached) and time.monotonic() < deadline:
             time.sleep(0.05)
