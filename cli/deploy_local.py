@@ -183,31 +183,32 @@ def proxy_config(work: Path, certs: Path, listen: str, upstream: str) -> str:
     return NGINX_MAIN.format(work=work, server=server)
 
 
-def _children(pid: int) -> dict[int, str]:
-    """Child process id -> command line, from /proc (Linux)."""
-    out: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out[int(entry.name)] = (
-                    (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                )
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from one read of /proc."""
+def _parents() -> dict[int, int]:
+    """Process id -> its parent's id, from one read of /proc (Linux)."""
     parent_of: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 stat = (entry / "stat").read_text()
                 parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parent_of
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Child process id -> command line, from /proc (Linux)."""
+    out: dict[int, str] = {}
+    for child, parent in _parents().items():
+        if parent == pid:
+            with contextlib.suppress(OSError):
+                out[child] = (
+                    Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                )
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from one read of /proc."""
+    parent_of = _parents()
     found: list[int] = []
     frontier = {pid}
     while frontier:
