@@ -11,7 +11,11 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import signal
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +25,7 @@ from fedmeta.metalearning.sinusoid import SinusoidTasks
 from fedmeta.metalearning.tasks import (
     Task,
     check_task_shape,
-    draw_plan,
+    numbered_plans,
     seeded_rng,
     stack_tasks,
     task_from_plan,
@@ -274,33 +278,62 @@ class FederatedTaskSet:
         if not disjoint_examples and (tasks_per_participant is None or tasks_per_participant < 1):
             raise ValueError(f"tasks_per_participant must be >= 1; got {tasks_per_participant}")
         owned = partition_classes(ds, n_participants, mode=partition, seed=seed)
-        parts: dict[str, ParticipantTasks | SinusoidParticipant] = {}
+        eligible = []
         for i, classes in enumerate(owned):
-            where = f"participant {i}"
             try:
                 check_task_shape(ds, classes, n_way, per)
             except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-            eligible = classes[ds.counts[classes] >= per]
-            if not disjoint_examples:
-                assert tasks_per_participant is not None
-                plan = np.stack(
-                    [
-                        draw_plan(ds, eligible, n_way, per, seeded_rng(seed, 0x7A5C, i, t))
-                        for t in range(tasks_per_participant)
-                    ]
-                )
-            else:
+                raise ValueError(f"participant {i}: {e}") from None
+            eligible.append(classes[ds.counts[classes] >= per])
+        if disjoint_examples:
+            plans = []
+            for i, classes in enumerate(eligible):
                 rng = seeded_rng(seed, 0xD15, i)
-                plan = _disjoint_plan(ds, eligible, n_way, per, tasks_per_participant, rng)
-                if not len(plan):
-                    raise ValueError(f"{where}: not enough examples for one disjoint task")
-            parts[str(i)] = ParticipantTasks(str(i), ds, classes, plan.astype(np.int64), k_shot)
+                plans.append(_disjoint_plan(ds, classes, n_way, per, tasks_per_participant, rng))
+                if not len(plans[-1]):
+                    raise ValueError(f"participant {i}: not enough examples for one disjoint task")
+        else:
+            assert tasks_per_participant is not None
+            jobs = [(ds.offsets, classes, n_way, per, tasks_per_participant, seed, 0x7A5C, i)
+                    for i, classes in enumerate(eligible)]  # fmt: skip
+            plans = _draw_lists(jobs, parallel=len(jobs) * tasks_per_participant >= PARALLEL_TASKS)
+        parts: dict[str, ParticipantTasks | SinusoidParticipant] = {
+            str(i): ParticipantTasks(str(i), ds, classes, plan.astype(np.int64), k_shot)
+            for i, (classes, plan) in enumerate(zip(owned, plans, strict=True))
+        }
         cfg = {
             "kind": "classes", "n_way": n_way, "k_shot": k_shot, "q_query": q_query,
             "partition": partition, "disjoint_examples": disjoint_examples, "seed": seed,
         }  # fmt: skip
         return cls(parts, cfg)
+
+
+#: Numbering at least this many tasks in all spreads the participants' lists over processes: about
+#: 180 us a task in one process (400,000 tasks, DP-MAML's universe: 73 s on one core of a 2-core
+#: VM), against a few seconds to start the workers (docs/benchmarks.md).
+PARALLEL_TASKS = 100_000
+
+
+def _draw_lists(jobs: Sequence[tuple[Any, ...]], *, parallel: bool) -> list[np.ndarray]:
+    """:func:`numbered_plans` of each job, in worker processes when ``parallel`` and cores allow.
+
+    A task depends on its seed path only, so the lists are the same either way. Workers ignore
+    Ctrl-C: the parent stops (cancelling the lists not yet begun) and reports it once.
+    """
+    workers = min(len(jobs), len(os.sched_getaffinity(0)))
+    if not parallel or workers < 2:
+        return [numbered_plans(*job) for job in jobs]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that runs torch threads
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_ignore_sigint) as pool:
+        try:
+            return list(pool.map(numbered_plans, *zip(*jobs, strict=True)))
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _disjoint_plan(

@@ -4,9 +4,9 @@
   leading task dimension (:func:`stack_tasks`).
 * :func:`sample_tasks` - held-out evaluation tasks from all classes of a
   :class:`~metalearning.images.ClassDataset`; task ``i`` depends on ``(seed, i)`` only.
-* :func:`seeded_rng`, :func:`draw_plan`, :func:`task_from_plan` - the draws every task builder in
-  this package shares (:mod:`metalearning.sinusoid`, :mod:`metalearning.federated`), so that a
-  task is a pure function of its seed path.
+* :func:`seeded_rng`, :func:`draw_plan`, :func:`numbered_plans`, :func:`task_from_plan` - the
+  draws every task builder in this package shares (:mod:`metalearning.sinusoid`,
+  :mod:`metalearning.federated`), so that a task is a pure function of its seed path.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "Task",
     "check_task_shape",
     "draw_plan",
+    "numbered_plans",
     "sample_tasks",
     "seeded_rng",
     "stack_tasks",
@@ -79,15 +80,40 @@ def task_from_plan(ds: ClassDataset, plan: np.ndarray, k_shot: int) -> Task:
 
 
 def draw_plan(
-    ds: ClassDataset, classes: np.ndarray, n_way: int, per: int, rng: np.random.Generator
+    offsets: np.ndarray, classes: np.ndarray, n_way: int, per: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """``n_way`` of ``classes`` without replacement, then ``per`` examples of each: [n_way, per]."""
+    """``n_way`` of ``classes`` without replacement, then ``per`` examples of each: [n_way, per].
+
+    ``offsets`` is a :class:`~metalearning.images.ClassDataset`'s: class ``c`` holds the examples
+    ``offsets[c]`` to ``offsets[c + 1]`` (exclusive). Taking the offsets rather than the dataset
+    keeps the draw cheap to ship to another process (:func:`numbered_plans`).
+    """
     chosen = rng.choice(classes, size=n_way, replace=False)
     rows = []
     for c in chosen:
-        lo, hi = int(ds.offsets[c]), int(ds.offsets[c + 1])
+        lo, hi = int(offsets[c]), int(offsets[c + 1])
         rows.append(lo + rng.choice(hi - lo, size=per, replace=False))
     return np.stack(rows)
+
+
+def numbered_plans(
+    offsets: np.ndarray,
+    classes: np.ndarray,
+    n_way: int,
+    per: int,
+    n_tasks: int,
+    seed: int,
+    *path: int,
+) -> np.ndarray:
+    """Tasks ``0 .. n_tasks - 1`` of one list, task ``t`` drawn from ``seeded_rng(seed, *path, t)``.
+
+    Returns ``[n_tasks, n_way, per]`` int64. Each task depends on its own seed path only, so lists
+    (or parts of one) drawn in different processes are the same as drawn in one.
+    """
+    plans = np.empty((n_tasks, n_way, per), np.int64)
+    for t in range(n_tasks):
+        plans[t] = draw_plan(offsets, classes, n_way, per, seeded_rng(seed, *path, t))
+    return plans
 
 
 def check_task_shape(ds: ClassDataset, classes: np.ndarray, n_way: int, per: int) -> None:
@@ -116,7 +142,7 @@ def sample_tasks(
     return stack_tasks(
         [
             task_from_plan(
-                ds, draw_plan(ds, classes, n_way, per, seeded_rng(seed, 0x7E57, i)), k_shot
+                ds, draw_plan(ds.offsets, classes, n_way, per, seeded_rng(seed, 0x7E57, i)), k_shot
             )
             for i in range(n_tasks)
         ]

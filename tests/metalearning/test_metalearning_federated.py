@@ -102,6 +102,33 @@ def test_federated_task_lists_stable_and_reuse_reported() -> None:
     )
 
 
+def test_task_lists_drawn_in_worker_processes_match_one_process(monkeypatch) -> None:
+    # DP-MAML's 400,000-task universe is numbered in worker processes; the lists must be the very
+    # tasks one process draws (a task is a pure function of its seed path), whatever the cores.
+    from fedmeta.metalearning import federated
+
+    ds = _fake_classes()
+    serial = ml.FederatedTaskSet.from_classes(
+        ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=40, seed=5
+    )
+    monkeypatch.setattr(federated, "PARALLEL_TASKS", 1)
+    monkeypatch.setattr(federated.os, "sched_getaffinity", lambda pid: {0, 1})
+    drawn = []
+    real = federated._draw_lists
+    monkeypatch.setattr(
+        federated,
+        "_draw_lists",
+        lambda jobs, parallel: drawn.append(parallel) or real(jobs, parallel=parallel),
+    )
+    pooled = ml.FederatedTaskSet.from_classes(
+        ds, 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=40, seed=5
+    )
+    assert drawn == [True]
+    for pid in serial.ids:
+        assert pooled.participant(pid).plan.dtype == np.int64
+        assert np.array_equal(pooled.participant(pid).plan, serial.participant(pid).plan)
+
+
 def test_disjoint_example_mode() -> None:
     ds = _fake_classes()
     fts = ml.FederatedTaskSet.from_classes(
