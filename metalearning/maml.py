@@ -290,7 +290,12 @@ def clip_by_global_norm(
     if grads.ndim != 2:
         raise ValueError(f"grads must be [n_tasks, dim]; got shape {tuple(grads.shape)}")
     norms = torch.linalg.vector_norm(grads, dim=1)
-    finite = torch.isfinite(grads).all(dim=1)
+    # A NaN or infinite entry makes its row's norm non-finite, so only rows whose norm is not
+    # finite need the entry-wise check (a finite float64 row can still overflow its norm): one
+    # pass over the rows fewer, on the client and on the server's re-check alike.
+    finite = torch.isfinite(norms)
+    if not bool(finite.all()):
+        finite = torch.isfinite(grads).all(dim=1)
     if not bool(finite.all()):
         if nonfinite == "raise":
             bad = torch.nonzero(~finite).flatten().tolist()
@@ -304,8 +309,9 @@ def clip_by_global_norm(
     safe = torch.clamp(torch.where(finite, norms, torch.zeros_like(norms)), min=1e-30)
     inside = norms <= clip
     scale = torch.where(inside, torch.ones_like(safe), clip / safe)
-    # Rows within the bound are returned bit for bit; zero rows are inside, so no 0/0 arises.
-    clipped = torch.where(inside[:, None], grads, grads * scale[:, None].to(grads.dtype))
+    # Rows within the bound are scaled by exactly 1, which returns them bit for bit (x * 1.0 == x
+    # for every finite or infinite x, signed zeros included); zero rows are inside, so no 0/0.
+    clipped = grads * scale[:, None].to(grads.dtype)
     # Guard the float rounding of norm * (clip / norm): never exceed clip.
     renorm = torch.linalg.vector_norm(clipped, dim=1)
     over = renorm > clip

@@ -193,8 +193,10 @@ def clipped_row_sum(
     nonfinite = 0
     for block in torch.split(data, max(1, rows_per_block)):
         g = block.to(torch.float64)
-        nonfinite += int((~torch.isfinite(g).all(dim=1)).sum())
         clipped, pre = clip_by_global_norm(g, clip, nonfinite="zero")
+        unbounded = ~torch.isfinite(pre)  # a NaN or infinite entry, or (float64) an overflow
+        if bool(unbounded.any()):
+            nonfinite += int((~torch.isfinite(g[unbounded]).all(dim=1)).sum())
         total += clipped.sum(0)
         norms.append(pre)
         post.append(torch.linalg.vector_norm(clipped, dim=1))

@@ -162,6 +162,47 @@ def test_clip_zero_and_nonfinite() -> None:
         ml.clip_by_global_norm(z, 0.0)
 
 
+def _clip_reference(grads: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """clip_by_global_norm(nonfinite="zero") as first written: an entry-wise finiteness pass and
+    a select between the row and its scaled copy; the faster version must agree bit for bit."""
+    norms = torch.linalg.vector_norm(grads, dim=1)
+    finite = torch.isfinite(grads).all(dim=1)
+    grads = torch.where(finite[:, None], grads, torch.zeros_like(grads))
+    norms = torch.where(finite, norms, torch.full_like(norms, math.inf))
+    if math.isinf(clip):
+        return grads, norms
+    safe = torch.clamp(torch.where(finite, norms, torch.zeros_like(norms)), min=1e-30)
+    inside = norms <= clip
+    scale = torch.where(inside, torch.ones_like(safe), clip / safe)
+    clipped = torch.where(inside[:, None], grads, grads * scale[:, None].to(grads.dtype))
+    renorm = torch.linalg.vector_norm(clipped, dim=1)
+    over = renorm > clip
+    clipped = torch.where(over[:, None], clipped * (clip / renorm)[:, None] * (1 - 1e-6), clipped)
+    return clipped, norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("clip", [1e-3, 0.5, 3.0, math.inf])
+def test_clip_equals_the_entrywise_reference_bit_for_bit(dtype: torch.dtype, clip: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    grads = (
+        torch.randn(12, 301, generator=g, dtype=dtype)
+        * torch.tensor([1e-6, 0.01, 0.3, 1.0, 7.0, 1e3] * 2, dtype=dtype)[:, None]
+    )
+    grads[1, 5] = float("nan")
+    grads[2, 0] = float("inf")
+    grads[3, -1] = -float("inf")
+    grads[4] = 0.0
+    grads[5, :3] = -0.0
+    if dtype == torch.float64:
+        grads[6, :2] = 1e200  # finite entries whose norm overflows: not a non-finite row
+    clipped, norms = ml.clip_by_global_norm(grads, clip, nonfinite="zero")
+    ref_clipped, ref_norms = _clip_reference(grads, clip)
+    assert torch.equal(norms, ref_norms)
+    assert torch.equal(clipped, ref_clipped)
+    assert torch.equal(torch.signbit(clipped), torch.signbit(ref_clipped))  # -0.0 stays -0.0
+
+
 def test_per_task_grads_clip_and_leave_model_untouched() -> None:
     model = ml.SinusoidMLP()
     before = ml.flatten_params(model).clone()
