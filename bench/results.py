@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import signal
 import sys
@@ -164,9 +165,18 @@ def _stop_on_signals(stop: threading.Event) -> Any:
     return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
 
 
+def machine_description() -> str:
+    """Host, architecture, usable cores and accelerator, for the record (a GPU run must say so)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    cores = len(os.sched_getaffinity(0))
+    return f"{platform.node()} {platform.machine()}, {cores} cores, {gpu}"
+
+
 def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path, keep: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = f"{platform.node()} {platform.machine()} ({platform.processor() or 'cpu'})"
+    machine = machine_description()
     keep.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     restore = _stop_on_signals(stop)

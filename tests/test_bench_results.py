@@ -77,3 +77,16 @@ def test_interrupted_runs_are_their_own_group_and_never_a_baseline(tmp_path: Pat
     assert whole[("privacy.epsilon_budget=8",)]["ratio_of_means"] == pytest.approx(2.0)
     assert "ratio_of_means" not in cut[("privacy.epsilon_budget=8",)]
     assert cut[("privacy.enabled=false",)]["rounds_completed"] == [3]
+
+
+def test_machine_description_names_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A record from a GPU machine once said only "vm x86_64 (x86_64)": a reader could not tell it
+    # from a CPU run. The description names the cores and the GPU, or says there is none.
+    import torch
+
+    results = _results()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert results.machine_description().endswith(" cores, no GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert results.machine_description().endswith(" cores, NVIDIA H200")
