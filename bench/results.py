@@ -74,7 +74,7 @@ def run_one(
     keep = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
             "final_metric_median", "adaptation_diverged_tasks", "adaptation", "untrained_metric",
             "epsilon_spent", "delta", "rounds_completed", "noise_multiplier", "normaliser",
-            "stopped_reason")  # fmt: skip
+            "stopped_reason", "public_warm_start")  # fmt: skip
     return {
         "overrides": [portable(o) for o in overrides],
         **{k: s.get(k) for k in keep},

@@ -297,10 +297,11 @@ class DatasetConfig(_Section):
     probe_tasks: int = Field(
         32, ge=0, le=100_000, description="held-out tasks scored every round (loss)"
     )
-    split: Literal["dpmaml", "background"] = Field(
+    split: Literal["dpmaml", "background", "evaluation"] = Field(
         "dpmaml",
-        description="Omniglot class split: DP-MAML's 1150/50/423 characters, or Lake et al.'s "
-        "background (meta-train) / evaluation (meta-test) alphabets",
+        description="Omniglot class split: DP-MAML's 1150/50/423 characters, Lake et al.'s "
+        "background (meta-train) / evaluation (meta-test) alphabets, or the evaluation alphabets "
+        "alone (445/50/164 characters), leaving the background ones public (public.warm_start)",
     )
     rotations: bool = Field(
         False, description="Omniglot: each rotation by 90/180/270 degrees is a new class (MAML)"
@@ -321,6 +322,25 @@ class DatasetConfig(_Section):
         description="ConvNet4 normalisation: per-task batch statistics (no running statistics) or "
         "GroupNorm",
     )
+
+
+class PublicConfig(_Section):
+    """Non-private pre-training on declared public data: a warm start for private training.
+
+    Public pre-training is where DP few-shot learning does best (Tobaben et al. 2023), provided the
+    public data is disjoint from the participants'. The public data here is Omniglot's background
+    alphabets, which only ``dataset.split = "evaluation"`` leaves out of the participants' data;
+    every output of such a run says so (summary, records), and its results are separate rows.
+    """
+
+    warm_start: bool = Field(
+        False,
+        description="pre-train the meta-model (non-private MAML) on the public classes before "
+        "round 1; needs dataset.name = 'omniglot' and dataset.split = 'evaluation'",
+    )
+    steps: int = Field(500, ge=1, le=1_000_000, description="pre-training meta-steps")
+    tasks_per_step: int = Field(16, ge=1, le=10_000, description="public tasks per meta-step")
+    meta_lr: float = Field(1e-3, gt=0, le=1, description="pre-training Adam learning rate")
 
 
 class TrainingConfig(_Section):
@@ -404,6 +424,7 @@ class Config(_Section):
     federation: FederationConfig = FederationConfig()
     dataset: DatasetConfig = DatasetConfig()
     training: TrainingConfig = TrainingConfig()
+    public: PublicConfig = PublicConfig()
     metrics: MetricsConfig = MetricsConfig()
     output: OutputConfig = OutputConfig()
 
@@ -427,6 +448,16 @@ class Config(_Section):
                 "privacy.experiment is for public benchmark data (sinusoid, omniglot); "
                 "dataset.name = 'image_folder' is the participants' own data, which spends from "
                 "its own budget: leave privacy.experiment unset"
+            )
+        if self.public.warm_start and (self.dataset.name, self.dataset.split) != (
+            "omniglot",
+            "evaluation",
+        ):
+            raise ValueError(
+                "public.warm_start needs dataset.name = 'omniglot' and dataset.split = "
+                "'evaluation': the public data is Omniglot's background alphabets, and only that "
+                f"split keeps them out of the participants' data (got dataset.name = "
+                f"{self.dataset.name!r}, dataset.split = {self.dataset.split!r})"
             )
         if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
             raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")

@@ -16,6 +16,7 @@ open a fresh budget.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -34,8 +35,9 @@ if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with
         ParticipantTasks,
         SinusoidParticipant,
     )
-    from fedmeta.metalearning.images import DataSplits
+    from fedmeta.metalearning.images import ClassDataset, DataSplits
     from fedmeta.metalearning.maml import Metric
+    from fedmeta.metalearning.warm_start import WarmStart
 
 _VAL_SEED_SALT = 0x5EED_0001
 _TEST_SEED_SALT = 0x5EED_0002
@@ -64,6 +66,8 @@ class Workload:
     dataset: DatasetConfig
     seed: int
     zero_head: bool = False  # training.zero_head: the N-way head starts at zero (Kao et al. 2022)
+    warm_start: WarmStart | None = None  # public.warm_start: pre-trained on the public classes
+    public: ClassDataset | None = None  # the public classes (declared by dataset.split)
 
     @property
     def higher_is_better(self) -> bool:
@@ -71,8 +75,39 @@ class Workload:
         return self.metric == "accuracy"
 
     def initial_params(self) -> Tensor:
-        """Flat float32 initial meta-parameters (a function of the public seed)."""
-        return _initial_params(self.model, self.seed, self.zero_head)
+        """Flat float32 initial meta-parameters (pre-trained once per workload).
+
+        A function of the public seed and, with a public warm start, of the public classes.
+        """
+        return self._initial.clone()
+
+    @functools.cached_property
+    def _initial(self) -> Tensor:
+        params = _initial_params(self.model, self.seed, self.zero_head)
+        if self.warm_start is None:
+            return params
+        from fedmeta.metalearning import check_disjoint, public_warm_start
+
+        splits, public = self.splits, self.public
+        assert splits is not None and public is not None  # build_workload: both or neither
+        check_disjoint(public, [splits.train, splits.val, splits.test])
+        ds = self.dataset
+        return public_warm_start(self.model, params, public, self.warm_start,
+                                 n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
+                                 seed=self.seed)  # fmt: skip
+
+    def public_summary(self) -> dict[str, Any] | None:
+        """What was public, for the summary and the records (None: nothing was)."""
+        public = self.public
+        if self.warm_start is None or public is None:
+            return None
+        return {
+            "data": "Omniglot background alphabets (dataset.split = 'evaluation')",
+            "classes": public.n_classes,
+            "groups": len(set(public.groups)),
+            "disjoint_from_private": True,  # check_disjoint refuses any shared class
+            "non_private_pretraining": dataclasses.asdict(self.warm_start),
+        }
 
     def held_out(self, which: HeldOut, n_tasks: int) -> Any:
         """Server-side held-out tasks (batched ``Task``).
@@ -109,7 +144,7 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:
-    """Flat float32 initial meta-parameters (a function of the public seed)."""
+    """Flat float32 meta-parameters from the public seed alone (no public warm start)."""
     return _initial_params(model, cfg.seed, cfg.training.zero_head)
 
 
@@ -155,8 +190,31 @@ def build_workload(cfg: Config) -> Workload:
         )
         return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head)
     splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
-    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed,
-                    cfg.training.zero_head)  # fmt: skip
+    warm = _warm_start(cfg)
+    public = None if warm is None else _public_classes(ds)
+    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed, cfg.training.zero_head, warm,
+                    public)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=2)
+def _public_classes(ds: DatasetConfig) -> ClassDataset:
+    """The classes ``dataset.split`` declares public (Omniglot's background alphabets)."""
+    from fedmeta.metalearning import load_omniglot_public
+
+    assert ds.path is not None  # the configuration requires it for image data
+    return load_omniglot_public(ds.path, split=ds.split, rotations=ds.rotations,
+                                image_size=ds.image_size)  # fmt: skip
+
+
+def _warm_start(cfg: Config) -> WarmStart | None:
+    """``public``'s pre-training with the private training's inner loop (None: no warm start)."""
+    from fedmeta.metalearning import WarmStart
+
+    pub, tr = cfg.public, cfg.training
+    if not pub.warm_start:
+        return None
+    return WarmStart(pub.steps, pub.tasks_per_step, pub.meta_lr, tr.inner_steps, tr.inner_lr,
+                     tr.first_order)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)

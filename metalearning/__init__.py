@@ -40,7 +40,12 @@ from fedmeta.metalearning.models import (
     param_spec,
     unflatten_params,
 )
-from fedmeta.metalearning.omniglot import download_omniglot, load_omniglot, omniglot_source_digest
+from fedmeta.metalearning.omniglot import (
+    download_omniglot,
+    load_omniglot,
+    load_omniglot_public,
+    omniglot_source_digest,
+)
 from fedmeta.metalearning.oneshot_runs import (
     OneShotResult,
     OneShotRun,
@@ -49,6 +54,7 @@ from fedmeta.metalearning.oneshot_runs import (
 )
 from fedmeta.metalearning.sinusoid import SinusoidTasks
 from fedmeta.metalearning.tasks import Task, sample_tasks, stack_tasks
+from fedmeta.metalearning.warm_start import WarmStart, check_disjoint, public_warm_start
 
 __all__ = [
     "ChecksumError",
@@ -69,6 +75,8 @@ __all__ = [
     "SinusoidParticipant",
     "SinusoidTasks",
     "Task",
+    "WarmStart",
+    "check_disjoint",
     "clip_by_global_norm",
     "download_omniglot",
     "evaluate",
@@ -78,11 +86,13 @@ __all__ = [
     "init_params",
     "load_image_folder",
     "load_omniglot",
+    "load_omniglot_public",
     "load_oneshot_runs",
     "meta_train",
     "omniglot_source_digest",
     "param_spec",
     "partition_classes",
+    "public_warm_start",
     "per_task_clipped_grads",
     "per_task_grads",
     "resolve_device",

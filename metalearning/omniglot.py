@@ -381,9 +381,27 @@ def _split_characters(
     if split == "background":
         bg = np.array([p <= OMNIGLOT_N_BACKGROUND for p in prefixes])
         return np.flatnonzero(bg), np.zeros(0, np.int64), np.flatnonzero(~bg)
+    if split == "evaluation":
+        # The participants' data is the evaluation alphabets alone, so that the background ones
+        # can be declared public (a warm start): a quarter of the characters for meta-test, 50
+        # for validation, the rest meta-train.
+        ev = np.flatnonzero([p > OMNIGLOT_N_BACKGROUND for p in prefixes])
+        if len(ev) < 100:
+            raise DataError(f"{path}: the evaluation split needs the 659 evaluation characters; "
+                            f"found {len(ev)}")  # fmt: skip
+        perm = ev[np.random.default_rng([int(seed), 0xE7A]).permutation(len(ev))]
+        n_test = len(ev) // 4
+        return perm[n_test + 50 :], perm[n_test : n_test + 50], perm[:n_test]
     if split == "all":
         return np.arange(n_chars), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    raise ValueError(f"split must be 'dpmaml', 'background' or 'all'; got {split!r}")
+    raise ValueError(f"split must be 'dpmaml', 'background', 'evaluation' or 'all'; got {split!r}")
+
+
+def _public_characters(split: str, prefixes: list[int]) -> np.ndarray | None:
+    """The characters a split declares public: the background alphabets for ``"evaluation"``."""
+    if split != "evaluation":
+        return None
+    return np.flatnonzero([p <= OMNIGLOT_N_BACKGROUND for p in prefixes])
 
 
 def load_omniglot(
@@ -409,7 +427,10 @@ def load_omniglot(
         split: ``"dpmaml"`` - the 1623 characters shuffled with ``seed``, first 1150 meta-train,
             next 50 validation, last 423 meta-test (DP-MAML Section 6); ``"background"`` - the
             standard split of Lake et al.: the 964 background characters meta-train, the 659
-            evaluation characters meta-test, empty validation; ``"all"`` - everything in ``train``.
+            evaluation characters meta-test, empty validation; ``"evaluation"`` - the 659
+            evaluation characters shuffled with ``seed``: 164 meta-test, 50 validation, 445
+            meta-train, leaving the 964 background characters public
+            (:func:`load_omniglot_public`); ``"all"`` - everything in ``train``.
         rotations: add rotations by 90/180/270 degrees as new classes (MAML), to every split.
         image_size: side of the resized images (28 as in MAML / DP-MAML).
         seed: seed of the ``"dpmaml"`` character shuffle.
@@ -422,13 +443,45 @@ def load_omniglot(
             _find_omniglot_sources(path)
         except DataError:
             download_omniglot(path)
-    images, alphas, prefixes = _load_omniglot_all(path, image_size, cache)
-    n_chars, n_draw = images.shape[:2]
-    flat = images.reshape(n_chars * n_draw, *images.shape[2:])
-    offsets = np.arange(n_chars + 1, dtype=np.int64) * n_draw
-    full = ClassDataset(flat, offsets, [f"{p:04d}" for p in prefixes], alphas, str(path))
-    parts = _split_characters(path, split, n_chars, prefixes, seed)
+    full, prefixes = _all_characters(path, image_size, cache)
+    parts = _split_characters(path, split, full.n_classes, prefixes, seed)
     out = [full.subset(np.sort(p)) for p in parts]
     if rotations:
         out = [d.with_rotations() for d in out]
     return DataSplits(*out)
+
+
+def load_omniglot_public(
+    path: str | Path,
+    *,
+    split: str = "evaluation",
+    rotations: bool = False,
+    image_size: int = 28,
+    cache: bool | str | Path = True,
+) -> ClassDataset:
+    """The characters ``split`` declares public: for ``"evaluation"``, the 964 background ones.
+
+    They are disjoint from that split's meta-train, validation and meta-test characters (the
+    evaluation alphabets); a public warm start (:mod:`metalearning.warm_start`) trains on them.
+    Raises ValueError for a split that declares no public classes.
+    """
+    full, prefixes = _all_characters(Path(path), image_size, cache)
+    chosen = _public_characters(split, prefixes)
+    if chosen is None:
+        raise ValueError(
+            f"the Omniglot split {split!r} declares no public classes; use 'evaluation'"
+        )
+    public = full.subset(chosen)
+    return public.with_rotations() if rotations else public
+
+
+def _all_characters(
+    path: Path, image_size: int, cache: bool | str | Path
+) -> tuple[ClassDataset, list[int]]:
+    """Every character (background, then evaluation) as one dataset, with its prefixes."""
+    images, alphas, prefixes = _load_omniglot_all(path, image_size, cache)
+    n_chars, n_draw = images.shape[:2]
+    flat = images.reshape(n_chars * n_draw, *images.shape[2:])
+    offsets = np.arange(n_chars + 1, dtype=np.int64) * n_draw
+    names = [f"{p:04d}" for p in prefixes]
+    return ClassDataset(flat, offsets, names, alphas, str(path)), prefixes

@@ -61,6 +61,11 @@ def format_plan(
     ]
     if cfg.privacy.experiment:
         lines.append(experiment_line(cfg.privacy.experiment))
+    if cfg.public.warm_start:
+        lines.append(
+            f"public warm start: {cfg.public.steps} non-private MAML steps on Omniglot's "
+            "background alphabets (public, not the participants') before round 1"
+        )
     if not plan.private or fc is None:
         lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
                      "NO privacy guarantee")  # fmt: skip
@@ -96,6 +101,15 @@ def format_plan(
         lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
                      "NOT a valid guarantee, not enforced)")  # fmt: skip
     return "\n".join(lines)
+
+
+def public_line(public: Mapping[str, Any]) -> str:
+    """The line that labels a run which used public data (summary)."""
+    steps = public["non_private_pretraining"]["steps"]
+    return (
+        f"PUBLIC WARM START: the model was pre-trained without privacy on {public['data']}, "
+        f"{public['classes']} classes ({steps} steps), disjoint from the participants' data"
+    )
 
 
 def experiment_line(name: str) -> str:
@@ -143,10 +157,11 @@ def build_summary(
     ledger: Any,
     wall_seconds: float,
     coordinates: int | None = None,
+    public: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``summary.json``: the run's plan, its records' totals and the final evaluation.
 
-    ``coordinates``: noisy values released per round (for the floating-point residual).
+    ``coordinates``: noisy values a round releases (float residual); ``public``: what was public.
     """
     private = plan.private
     return {
@@ -176,6 +191,7 @@ def build_summary(
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final, untrained),
+        "public_warm_start": None if public is None else dict(public),
         "ledger": None
         if ledger is None
         else {"path": str(ledger.path), "records": ledger.position()},
@@ -304,8 +320,12 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"(95% bootstrap CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, median "
         f"{_e(s.get('final_metric_median'), '.4f')}, {s['test_tasks']} tasks, "
         f"{s.get('adaptation_diverged_tasks')} diverged); "
-        f"untrained meta-model: {_e(s['untrained_metric'], '.4f')}"
-    )
+        + ("public warm start before private training" if s.get("public_warm_start")
+           else "untrained meta-model")
+        + f": {_e(s['untrained_metric'], '.4f')}"
+    )  # fmt: skip
+    if s.get("public_warm_start"):
+        lines.append(public_line(s["public_warm_start"]))
     if s.get("rounds_lost_on_resume"):
         lines.append("rounds spent but lost before a checkpoint (counted as spent): "
                      f"{s['rounds_lost_on_resume']}")  # fmt: skip

@@ -631,7 +631,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
-        coordinates=_coordinates(run),
+        coordinates=_coordinates(run), public=run.workload.public_summary(),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
 

@@ -162,6 +162,14 @@ def test_checksum_rejects_corruption_and_download_verifies(tmp_path: Path) -> No
 def test_shared_omniglot_splits_and_cache(shared_omniglot: Path, tmp_path: Path) -> None:
     s = ml.load_omniglot(shared_omniglot, cache=tmp_path)
     assert [d.n_classes for d in s] == [1150, 50, 423]
+    ev = ml.load_omniglot(shared_omniglot, split="evaluation", cache=tmp_path)
+    public = ml.load_omniglot_public(shared_omniglot, split="evaluation", cache=tmp_path)
+    assert [d.n_classes for d in (*ev, public)] == [445, 50, 164, 964]
+    private = set(ev.train.names) | set(ev.val.names) | set(ev.test.names)
+    assert len(private) == 659 and not private & set(public.names)
+    assert set(public.groups).isdisjoint(set(ev.train.groups) | set(ev.test.groups))
+    with pytest.raises(ValueError, match="declares no public classes"):
+        ml.load_omniglot_public(shared_omniglot, split="dpmaml", cache=tmp_path)
     assert s.train.images.shape == (1150 * 20, 1, 28, 28)
     assert not set(s.train.names) & set(s.test.names)
     assert len(list(tmp_path.glob("omniglot-28-*.npz"))) == 1  # the second load reads this

@@ -1,0 +1,55 @@
+"""A run with a public warm start: refused unless the public data is kept out, and labelled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fedmeta.server.outputs import format_summary
+from fedmeta.simulation.simulate import main
+
+from fedmeta.config import ConfigError, load_config
+
+
+def test_a_warm_start_needs_the_split_that_keeps_the_public_alphabets_out() -> None:
+    base = ["dataset.name=omniglot", "dataset.path=/data", "public.warm_start=true"]
+    with pytest.raises(ConfigError, match=r"dataset.split = 'evaluation'.*got dataset.name"):
+        load_config(None, base)
+    with pytest.raises(ConfigError, match="public.warm_start needs"):
+        load_config(None, ["public.warm_start=true"])  # the sinusoid has no public classes
+    assert load_config(None, [*base, "dataset.split=evaluation"]).public.warm_start
+
+
+def _tiny_omniglot(root: Path) -> None:
+    """Omniglot's two npz files, small: 6 background and 104 evaluation characters, 28 x 28."""
+    rng = np.random.default_rng(0)
+    for part, n_chars in (("images_background", 6), ("images_evaluation", 104)):
+        strokes = rng.random((n_chars, 1, 28, 28)) < 0.15
+        jitter = rng.random((n_chars, 20, 28, 28)) < 0.03
+        np.savez_compressed(root / f"{part}.npz", images=~(strokes ^ jitter))
+
+
+@pytest.mark.integration
+def test_a_warm_started_run_says_what_was_public(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_omniglot(tmp_path)
+    sets = [
+        "dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.split=evaluation",
+        "dataset.ways=3", "dataset.shots=1", "dataset.query=2", "dataset.tasks_per_participant=20",
+        "dataset.test_tasks=10", "dataset.validation_tasks=5", "dataset.probe_tasks=0",
+        "federation.participants=2", "rounds=2", "privacy.epsilon_budget=8",
+        "privacy.delta=1e-5", "privacy.experiment=warm-start-test", "training.inner_lr=0.4",
+        "public.warm_start=true", "public.steps=2", "public.tasks_per_step=2",
+    ]  # fmt: skip
+    summary = main(load_config(None, sets), out_dir=tmp_path / "run").summary
+    public = summary["public_warm_start"]
+    assert public["classes"] == 6 and public["disjoint_from_private"] is True
+    assert public["non_private_pretraining"]["steps"] == 2
+    assert summary["rounds_completed"] == 2
+    text = format_summary(summary)
+    assert "PUBLIC WARM START" in text and "public warm start before private training" in text
+    unlabelled = main(load_config(None, [*sets[:-3], "privacy.experiment=cold"]),
+                      out_dir=tmp_path / "cold").summary  # fmt: skip
+    assert unlabelled["public_warm_start"] is None
+    assert "PUBLIC" not in format_summary(unlabelled)
