@@ -6,6 +6,7 @@
     python bench/results.py sinusoid --epsilons 8 --repeats 5 --out results/sinusoid-repeats.jsonl
     python bench/results.py summary results/sinusoid-repeats.jsonl     # mean, range, ratio
     python bench/results.py summary results/sinusoid-repeats20.jsonl --subset 5  # 5-run pass rate
+    python bench/results.py from-run runs/DIR --name NAME --config CFG --set ... --out OUT.jsonl
     python bench/results.py plot results/omniglot-5way-cpu*.jsonl --figure omniglot-5way-cpu
     python bench/results.py sinusoid --epsilons 8 --set sampling.participants_per_round=20 ...
     python bench/results.py sinusoid --name omniglot-5way-cpu \
@@ -27,6 +28,10 @@ abandoned, one already spent finishes): it is still evaluated and recorded, with
 ``stopped_reason`` "interrupted" and its ``rounds_completed``, and no further run starts;
 ``summary`` keeps such runs in groups of their own and ``plot`` leaves them out. A second signal
 aborts. ``--keep DIR`` keeps the runs' directories there instead of ``runs/bench-results``.
+
+``from-run DIR`` records a run that ``fedmeta simulate`` made itself, for one too long for one
+sitting (``--out DIR``, then ``--resume --out DIR``): the same fields from its ``summary.json``,
+with ``--set`` the settings it ran with and its wall time unknown.
 """
 
 from __future__ import annotations
@@ -71,16 +76,50 @@ def run_one(
     t0 = time.perf_counter()
     cfg = load_config(config, sets)
     s = main(cfg, out_dir=work / tag, stop=stop).summary
-    keep = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
-            "final_metric_median", "adaptation_diverged_tasks", "adaptation", "untrained_metric",
-            "epsilon_spent", "delta", "rounds_completed", "noise_multiplier", "normaliser",
-            "stopped_reason", "public_warm_start")  # fmt: skip
     return {
         "overrides": [portable(o) for o in overrides],
-        **{k: s.get(k) for k in keep},
+        **{k: s.get(k) for k in SUMMARY_FIELDS},
         "max_tasks_per_example": group_size(cfg),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+#: What a record keeps of a run's summary.json.
+SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
+                  "final_metric_median", "adaptation_diverged_tasks", "adaptation",
+                  "untrained_metric", "epsilon_spent", "delta", "rounds_completed",
+                  "noise_multiplier", "normaliser", "stopped_reason",
+                  "public_warm_start")  # fmt: skip
+
+
+def record_run_dir(
+    kind: str, run_dir: Path, config: Path, overrides: list[str], out: Path
+) -> dict[str, Any]:
+    """Append the record of a run made by ``fedmeta simulate`` itself (resumed across sessions).
+
+    A run too long for one sitting (the paper scale on a lent GPU) runs as ``fedmeta simulate
+    --out DIR`` and ``--resume --out DIR``; this records it like the runs above, from its
+    ``summary.json``: ``overrides`` are the settings it ran with (they group records), its wall
+    time is not known (``wall_s`` null), ``machine`` is this one's.
+    """
+    from fedmeta.config import load_config
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rec = {
+        "overrides": [portable(o) for o in overrides],
+        **{k: summary.get(k) for k in SUMMARY_FIELDS},
+        "max_tasks_per_example": group_size(load_config(config, overrides)),
+        "wall_s": None,
+        "run_dir": run_dir.name,
+        "experiment": kind,
+        "config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+        "date": datetime.now(UTC).isoformat(timespec="minutes"),
+        "machine": machine_description(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+        sink.write(json.dumps(rec) + "\n")
+    return rec
 
 
 def portable(override: str) -> str:
@@ -187,7 +226,11 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path, keep: 
                     break
                 work = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=keep))
                 rec = run_one(config, overrides, work, stop)
-                rec["run_dir"] = str(work.relative_to(REPO) if work.is_relative_to(REPO) else work)
+                # Outside the checkout only the folder's name: this machine's paths mean nothing
+                # elsewhere (and may name its user).
+                rec["run_dir"] = str(
+                    work.relative_to(REPO) if work.is_relative_to(REPO) else work.name
+                )
                 now = datetime.now(UTC).isoformat(timespec="minutes")
                 rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
                         "machine": machine}  # fmt: skip
@@ -200,6 +243,8 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path, keep: 
 
 def summarise(paths: list[Path]) -> list[dict[str, Any]]:
     """Mean, median, range, diverged tasks and runs of repeated runs, by experiment and overrides.
+
+    The data's place (``dataset.path``) is left out of the grouping; every other override counts.
 
     Every run counts: a run whose mean is not finite makes its group's mean not finite (it is
     reported, not dropped); runs stopped early (interrupted) form groups of their own, flagged, and
@@ -214,7 +259,9 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
     for r in recs:
         # A run stopped before its plan ended is its own group, never averaged with whole runs.
         cut = r.get("stopped_reason") == "interrupted"
-        groups.setdefault((r["experiment"], tuple(r["overrides"]), cut), []).append(r)
+        # Where the data was read from is not a setting: the same data at another place groups.
+        settings = tuple(o for o in r["overrides"] if not o.startswith("dataset.path="))
+        groups.setdefault((r["experiment"], settings, cut), []).append(r)
     rows = []
     for (kind, overrides, cut), runs in groups.items():
         values = [float(r["final_metric"]) for r in runs]
@@ -362,8 +409,10 @@ def plot(paths: list[Path], png_dir: Path, figure: str | None = None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot", "summary"])
-    ap.add_argument("inputs", nargs="*", type=Path, help="plot: the JSON-lines files")
+    ap.add_argument("experiment", choices=["sinusoid", "two-stage", "plot", "summary", "from-run"])
+    ap.add_argument(
+        "inputs", nargs="*", type=Path, help="plot, summary: JSON-lines files; from-run: run dirs"
+    )
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "sinusoid.toml")
     ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--rounds", type=int, default=None, help="default: the config's")
@@ -401,6 +450,12 @@ def main() -> int:
         add_comparisons(rows, args.subset, (args.targets[0], args.targets[1]))
         for row in rows:
             print(json.dumps(row))
+        return 0
+    if args.experiment == "from-run":
+        for run_dir in args.inputs:
+            rec = record_run_dir(args.name or "from-run", run_dir, args.config.resolve(),
+                                 args.sets, args.out)  # fmt: skip
+            print(json.dumps(rec))
         return 0
     if args.experiment == "sinusoid":
         runs = sinusoid_runs(args.epsilons, args.rounds, baseline=not args.no_baseline)

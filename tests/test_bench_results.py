@@ -79,6 +79,22 @@ def test_interrupted_runs_are_their_own_group_and_never_a_baseline(tmp_path: Pat
     assert cut[("privacy.enabled=false",)]["rounds_completed"] == [3]
 
 
+def test_runs_of_the_same_data_read_from_different_places_group(tmp_path: Path) -> None:
+    results = _results()
+    rec = {"experiment": "e", "epsilon_spent": 8.0, "rounds_completed": 120,
+           "stopped_reason": "planned_rounds"}  # fmt: skip
+    lines = [
+        {**rec, "overrides": ["dataset.path=data/omniglot", "rounds=120"], "final_metric": 0.6},
+        {**rec, "overrides": ["dataset.path=.devdata", "rounds=120"], "final_metric": 0.7},
+        {**rec, "overrides": ["dataset.path=.devdata", "rounds=60"], "final_metric": 0.5},
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(results.json.dumps(x) + "\n" for x in lines))
+    rows = {tuple(r["overrides"]): r for r in results.summarise([path])}
+    assert rows[("rounds=120",)]["values"] == [0.6, 0.7]
+    assert rows[("rounds=60",)]["runs"] == 1
+
+
 def test_machine_description_names_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     # A record from a GPU machine once said only "vm x86_64 (x86_64)": a reader could not tell it
     # from a CPU run. The description names the cores and the GPU, or says there is none.
@@ -90,3 +106,27 @@ def test_machine_description_names_the_accelerator(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
     assert results.machine_description().endswith(" cores, NVIDIA H200")
+
+
+def test_a_run_made_by_simulate_is_recorded_like_the_others(tmp_path: Path, monkeypatch) -> None:
+    # The paper scale runs as `fedmeta simulate --out DIR` and `--resume --out DIR` across calls;
+    # `from-run` records it from its summary.json with the fields every other record has.
+    results = _results()
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = {k: None for k in results.SUMMARY_FIELDS}
+    summary |= {"final_metric": 0.8, "epsilon_spent": 1.5, "rounds_completed": 250,
+                "stopped_reason": "planned_rounds", "unrelated": 1}  # fmt: skip
+    (run / "summary.json").write_text(results.json.dumps(summary))
+    monkeypatch.setattr(results, "group_size", lambda cfg: 7)
+    out = tmp_path / "out.jsonl"
+    sets = ["rounds=250", "privacy.epsilon_budget=1.5"]
+    rec = results.record_run_dir(
+        "paper", run, results.REPO / "configs" / "sinusoid.toml", sets, out
+    )
+    assert [results.json.loads(line) for line in out.read_text().splitlines()] == [rec]
+    assert rec["final_metric"] == 0.8 and rec["rounds_completed"] == 250
+    assert rec["overrides"] == sets and rec["wall_s"] is None and "unrelated" not in rec
+    assert rec["max_tasks_per_example"] == 7 and rec["config"] == "configs/sinusoid.toml"
+    row = results.summarise([out])[0]
+    assert row["experiment"] == "paper" and row["values"] == [0.8]
