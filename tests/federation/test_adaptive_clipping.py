@@ -54,7 +54,10 @@ def test_the_bound_tracks_the_target_quantile_of_task_norms(gamma: float) -> Non
     adaptive = AdaptiveClipping(gamma, 0.2, 5.0, z_grad, 0.05, 1e-6, 1e6)
     clips = clip_trajectory(event, grads, 250, adaptive, normaliser=100.0)
     settled = np.asarray(clips[150:])
-    assert abs(math.log(float(np.exp(np.log(settled).mean())) / target)) < 0.08, (target, clips)
+    # The noise and the sampling come from the CSPRNG, so the settled level varies run to run: over
+    # 30 runs at gamma 0.9 the log ratio had sd 0.0245 (largest 0.068). 0.12 is about 5 sd, a
+    # chance under 1e-6 of failing a run that tracks; the former 0.08 (3.3 sd) failed one CI run.
+    assert abs(math.log(float(np.exp(np.log(settled).mean())) / target)) < 0.12, (target, clips)
     # The share of all task norms under the settled bound is the target quantile.
     share = float(np.mean(norms[:, None] <= settled[None, :]))
     assert abs(share - gamma) < 0.03, share
