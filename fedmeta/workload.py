@@ -67,7 +67,6 @@ class Workload:
     seed: int
     zero_head: bool = False  # training.zero_head: the N-way head starts at zero (Kao et al. 2022)
     warm_start: WarmStart | None = None  # public.warm_start: pre-trained on the public classes
-    public: ClassDataset | None = None  # the public classes (declared by dataset.split)
 
     @property
     def higher_is_better(self) -> bool:
@@ -88,17 +87,25 @@ class Workload:
             return params
         from fedmeta.metalearning import check_disjoint, public_warm_start
 
-        splits, public = self.splits, self.public
-        assert splits is not None and public is not None  # build_workload: both or neither
+        splits, public = self.splits, self.public_classes
+        assert splits is not None and public is not None  # image data, a warm start
         check_disjoint(public, [splits.train, splits.val, splits.test])
         ds = self.dataset
         return public_warm_start(self.model, params, public, self.warm_start,
                                  n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
                                  seed=self.seed)  # fmt: skip
 
+    @property
+    def public_classes(self) -> ClassDataset | None:
+        """The classes ``dataset.split`` declares public, read when a warm start needs them.
+
+        Only the server pre-trains, so a participant never reads them.
+        """
+        return None if self.warm_start is None else _public_classes(self.dataset)
+
     def public_summary(self) -> dict[str, Any] | None:
         """What was public, for the summary and the records (None: nothing was)."""
-        public = self.public
+        public = self.public_classes
         if self.warm_start is None or public is None:
             return None
         return {
@@ -190,10 +197,8 @@ def build_workload(cfg: Config) -> Workload:
         )
         return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head)
     splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
-    warm = _warm_start(cfg)
-    public = None if warm is None else _public_classes(ds)
-    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed, cfg.training.zero_head, warm,
-                    public)  # fmt: skip
+    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed, cfg.training.zero_head,
+                    _warm_start(cfg))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=2)
