@@ -111,10 +111,7 @@ def record_run_dir(
         "max_tasks_per_example": group_size(load_config(config, overrides)),
         "wall_s": None,
         "run_dir": run_dir.name,
-        "experiment": kind,
-        "config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
-        "date": datetime.now(UTC).isoformat(timespec="minutes"),
-        "machine": machine_description(),
+        **provenance(kind, config, machine_description()),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as sink:
@@ -204,6 +201,13 @@ def _stop_on_signals(stop: threading.Event) -> Any:
     return lambda: [signal.signal(sig, old) for sig, old in previous.items()]
 
 
+def provenance(kind: str, config: Path, machine: str) -> dict[str, str]:
+    """The fields every record ends with: experiment, configuration, date and machine."""
+    where = config.relative_to(REPO) if config.is_relative_to(REPO) else config
+    now = datetime.now(UTC).isoformat(timespec="minutes")
+    return {"experiment": kind, "config": str(where), "date": now, "machine": machine}
+
+
 def machine_description() -> str:
     """Host, architecture, usable cores and accelerator, for the record (a GPU run must say so)."""
     import torch
@@ -231,9 +235,7 @@ def record(kind: str, runs: Iterator[list[str]], config: Path, out: Path, keep: 
                 rec["run_dir"] = str(
                     work.relative_to(REPO) if work.is_relative_to(REPO) else work.name
                 )
-                now = datetime.now(UTC).isoformat(timespec="minutes")
-                rec |= {"experiment": kind, "config": str(config.relative_to(REPO)), "date": now,
-                        "machine": machine}  # fmt: skip
+                rec |= provenance(kind, config, machine)
                 sink.write(json.dumps(rec) + "\n")
                 sink.flush()
                 print(json.dumps(rec), flush=True)

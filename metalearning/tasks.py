@@ -129,12 +129,20 @@ def check_task_shape(ds: ClassDataset, classes: np.ndarray, n_way: int, per: int
 
 
 def sample_tasks(
-    ds: ClassDataset, *, n_way: int, k_shot: int, q_query: int, n_tasks: int, seed: int
+    ds: ClassDataset,
+    *,
+    n_way: int,
+    k_shot: int,
+    q_query: int,
+    n_tasks: int,
+    seed: int,
+    path: tuple[int, ...] = (0x7E57,),
 ) -> Task:
     """``n_tasks`` N-way K-shot tasks (``q_query`` queries per class) from all classes of ``ds``.
 
     For validation / meta-test evaluation (default 600 tasks in
-    :func:`~metalearning.maml.evaluate`'s usage). Task i depends only on ``(seed, i)``.
+    :func:`~metalearning.maml.evaluate`'s usage) and public pre-training. Task i depends only on
+    ``(seed, *path, i)``; ``path`` keeps one builder's stream apart from another's.
     """
     per = k_shot + q_query
     classes = np.flatnonzero(ds.counts >= per)
@@ -142,7 +150,7 @@ def sample_tasks(
     return stack_tasks(
         [
             task_from_plan(
-                ds, draw_plan(ds.offsets, classes, n_way, per, seeded_rng(seed, 0x7E57, i)), k_shot
+                ds, draw_plan(ds.offsets, classes, n_way, per, seeded_rng(seed, *path, i)), k_shot
             )
             for i in range(n_tasks)
         ]

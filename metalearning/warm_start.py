@@ -18,14 +18,7 @@ from fedmeta.metalearning.errors import DataError
 from fedmeta.metalearning.images import ClassDataset
 from fedmeta.metalearning.maml import meta_train
 from fedmeta.metalearning.models import flatten_params
-from fedmeta.metalearning.tasks import (
-    Task,
-    check_task_shape,
-    draw_plan,
-    seeded_rng,
-    stack_tasks,
-    task_from_plan,
-)
+from fedmeta.metalearning.tasks import Task, check_task_shape, sample_tasks
 from torch import Tensor, nn
 
 __all__ = ["WarmStart", "check_disjoint", "public_warm_start"]
@@ -80,14 +73,12 @@ def public_warm_start(
     Task ``i`` of step ``s`` is a pure function of ``(seed, s, i)``; the result is flat float32
     on the CPU, like the initial parameters it replaces.
     """
-    per = k_shot + q_query
-    check_task_shape(public, np.arange(public.n_classes), n_way, per)
-    classes = np.flatnonzero(public.counts >= per)
+    check_task_shape(public, np.arange(public.n_classes), n_way, k_shot + q_query)
 
     def batch(step: int) -> Task:
-        rngs = (seeded_rng(seed, _PRETRAIN_PATH, step, i) for i in range(how.tasks_per_step))
-        plans = (draw_plan(public.offsets, classes, n_way, per, rng) for rng in rngs)
-        return stack_tasks([task_from_plan(public, plan, k_shot) for plan in plans])
+        return sample_tasks(public, n_way=n_way, k_shot=k_shot, q_query=q_query,
+                            n_tasks=how.tasks_per_step, seed=seed,
+                            path=(_PRETRAIN_PATH, step))  # fmt: skip
 
     trained = meta_train(
         model,
