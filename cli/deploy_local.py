@@ -392,14 +392,21 @@ class LocalFederation:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def start_node(self, node: Node, *extra: str) -> subprocess.Popen[Any]:
-        """``fedmeta deploy participant`` for ``node`` on its host."""
+    def start_node(
+        self, node: Node, *extra: str, root_certificates: Path | None = None
+    ) -> subprocess.Popen[Any]:
+        """``fedmeta deploy participant`` for ``node`` on its host.
+
+        ``root_certificates``: what it verifies the server with (default ``certs/ca.crt``; a
+        bundle of two CAs while the CA rolls over, docs/deploy.md).
+        """
         name = f"node-{node.key_name}"
         data = self.work / "data" / node.participant_id
         data.mkdir(parents=True, exist_ok=True)
+        roots = root_certificates or self.certs / "ca.crt"
         node.proc = self.start(node.host, name, [
             str(BIN / "fedmeta"), "deploy", "participant", "--superlink", self.fleet_address,
-            "--root-certificates", str(self.certs / "ca.crt"),
+            "--root-certificates", str(roots),
             "--participant-id", node.participant_id, "--data-path", str(data),
             "--node-key", str(self.certs / "nodes" / f"{node.key_name}.key"),
             "--runtime-port", str(node.runtime_port),

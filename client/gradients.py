@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from fedmeta.adaptation import inner_kwargs
 from fedmeta.config import Config
 from fedmeta.protocol import (
     REPLY_SUM_AND_NORMS,
@@ -67,7 +68,7 @@ def gradient_reply(
 ) -> GradientReply:
     """The clipped per-task query gradients of the requested tasks (a pure function of them)."""
     cfg, wl = received_workload(request.config_json, data_path)
-    dim = int(request.params.shape[0])
+    dim = wl.trained_dim  # a row holds the privately trained coordinates only
     started = time.perf_counter()
     bits: tuple[int, ...] | None = None if request.clip is None else ()
     if request.task_ids:
@@ -103,13 +104,13 @@ def _task_gradients(
             wl.model,
             params,
             participant_tasks(wl, participant_id, data_path).tasks(list(task_ids)),
-            inner_steps=cfg.training.inner_steps,
-            inner_lr=cfg.training.inner_lr,
+            **inner_kwargs(cfg.training, evaluation=False),  # the guards, as at test time
             first_order=cfg.training.first_order,
             clip=math.inf if request.clip is None else request.clip,
             device=cfg.federation.client_device,
             chunk_size=cfg.training.chunk_size,
             nonfinite="zero",
+            coordinates=wl.trained_coordinates,
         )
         return (grads.detach().to("cpu", torch.float32).numpy(),
                 norms.detach().to("cpu", torch.float64).numpy())  # fmt: skip

@@ -389,6 +389,12 @@ class TrainingConfig(_Section):
     inner_step_check: bool = Field(
         True, description="keep an inner step only if the support loss does not rise (train/test)"
     )
+    trained_parameters: Literal["all", "head", "norm_and_head"] = Field(
+        "all",
+        description="meta-parameters private training updates: all, the output layer alone, or "
+        "the per-layer normalisation scale and shift with it; the rest keep their initial (or "
+        "public warm-start) values, and the inner loop adapts every parameter",
+    )
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
     chunk_size: int | None = Field(None, ge=1, le=100_000)
 
@@ -458,6 +464,11 @@ class Config(_Section):
                 "'evaluation': the public data is Omniglot's background alphabets, and only that "
                 f"split keeps them out of the participants' data (got dataset.name = "
                 f"{self.dataset.name!r}, dataset.split = {self.dataset.split!r})"
+            )
+        if self.training.trained_parameters == "norm_and_head" and self.dataset.name == "sinusoid":
+            raise ValueError(
+                "training.trained_parameters = 'norm_and_head' needs a model with normalisation "
+                "layers, which the sinusoid's MLP has not: use 'head' or 'all'"
             )
         if self.dataset.name in ("omniglot", "image_folder") and not self.dataset.path:
             raise ValueError(f"dataset.path must be set for dataset.name = {self.dataset.name!r}")

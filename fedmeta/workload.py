@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with
     )
     from fedmeta.metalearning.images import ClassDataset, DataSplits
     from fedmeta.metalearning.maml import Metric
+    from fedmeta.metalearning.models import TrainedParameters
     from fedmeta.metalearning.warm_start import WarmStart
 
 _VAL_SEED_SALT = 0x5EED_0001
@@ -67,6 +68,22 @@ class Workload:
     seed: int
     zero_head: bool = False  # training.zero_head: the N-way head starts at zero (Kao et al. 2022)
     warm_start: WarmStart | None = None  # public.warm_start: pre-trained on the public classes
+    trained_parameters: TrainedParameters = "all"  # training.trained_parameters
+
+    @functools.cached_property
+    def trained_coordinates(self) -> Tensor | None:
+        """Positions of the privately trained meta-parameters in the flat vector (None: all)."""
+        from fedmeta.metalearning import trained_coordinates
+
+        return trained_coordinates(self.model, self.trained_parameters)
+
+    @property
+    def trained_dim(self) -> int:
+        """How many meta-parameters private training updates: the length of a gradient row."""
+        coords = self.trained_coordinates
+        if coords is None:
+            return sum(p.numel() for p in self.model.parameters())
+        return int(coords.numel())
 
     @property
     def higher_is_better(self) -> bool:
@@ -85,15 +102,20 @@ class Workload:
         params = _initial_params(self.model, self.seed, self.zero_head)
         if self.warm_start is None:
             return params
-        from fedmeta.metalearning import check_disjoint, public_warm_start
+        from fedmeta.metalearning import (
+            cached_public_warm_start,
+            check_disjoint,
+            default_cache_dir,
+        )
 
         splits, public = self.splits, self.public_classes
         assert splits is not None and public is not None  # image data, a warm start
         check_disjoint(public, [splits.train, splits.val, splits.test])
         ds = self.dataset
-        return public_warm_start(self.model, params, public, self.warm_start,
-                                 n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
-                                 seed=self.seed)  # fmt: skip
+        return cached_public_warm_start(self.model, params, public, self.warm_start,
+                                        n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
+                                        seed=self.seed,
+                                        cache_dir=default_cache_dir())  # fmt: skip
 
     @property
     def public_classes(self) -> ClassDataset | None:
@@ -102,6 +124,11 @@ class Workload:
         Only the server pre-trains, so a participant never reads them.
         """
         return None if self.warm_start is None else _public_classes(self.dataset)
+
+    def trained_summary(self) -> dict[str, Any]:
+        """Which meta-parameters private training updated, for the summary and the records."""
+        total = sum(p.numel() for p in self.model.parameters())
+        return {"which": self.trained_parameters, "count": self.trained_dim, "of": total}
 
     def public_summary(self) -> dict[str, Any] | None:
         """What was public, for the summary and the records (None: nothing was)."""
@@ -195,10 +222,11 @@ def build_workload(cfg: Config) -> Workload:
             k_query=ds.query,
             seed=cfg.seed,
         )
-        return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head)
+        return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head,
+                        trained_parameters=cfg.training.trained_parameters)  # fmt: skip
     splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
     return Workload(model, "accuracy", tasks, splits, ds, cfg.seed, cfg.training.zero_head,
-                    _warm_start(cfg))  # fmt: skip
+                    _warm_start(cfg), cfg.training.trained_parameters)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=2)
@@ -213,13 +241,15 @@ def _public_classes(ds: DatasetConfig) -> ClassDataset:
 
 def _warm_start(cfg: Config) -> WarmStart | None:
     """``public``'s pre-training with the private training's inner loop (None: no warm start)."""
+    from fedmeta.adaptation import inner_kwargs
     from fedmeta.metalearning import WarmStart
 
     pub, tr = cfg.public, cfg.training
     if not pub.warm_start:
         return None
+    inner = inner_kwargs(tr, evaluation=False)
     return WarmStart(pub.steps, pub.tasks_per_step, pub.meta_lr, tr.inner_steps, tr.inner_lr,
-                     tr.first_order)  # fmt: skip
+                     tr.first_order, inner["inner_grad_clip"], inner["step_check"])  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4)

@@ -35,12 +35,15 @@ from fedmeta.metalearning.models import (
     ConvNet4,
     ParamSpec,
     SinusoidMLP,
+    TrainedParameters,
     flatten_params,
     init_params,
     param_spec,
+    trained_coordinates,
     unflatten_params,
 )
 from fedmeta.metalearning.omniglot import (
+    default_cache_dir,
     download_omniglot,
     load_omniglot,
     load_omniglot_public,
@@ -54,7 +57,12 @@ from fedmeta.metalearning.oneshot_runs import (
 )
 from fedmeta.metalearning.sinusoid import SinusoidTasks
 from fedmeta.metalearning.tasks import Task, sample_tasks, stack_tasks
-from fedmeta.metalearning.warm_start import WarmStart, check_disjoint, public_warm_start
+from fedmeta.metalearning.warm_start import (
+    WarmStart,
+    cached_public_warm_start,
+    check_disjoint,
+    public_warm_start,
+)
 
 __all__ = [
     "ChecksumError",
@@ -75,9 +83,12 @@ __all__ = [
     "SinusoidParticipant",
     "SinusoidTasks",
     "Task",
+    "TrainedParameters",
     "WarmStart",
+    "cached_public_warm_start",
     "check_disjoint",
     "clip_by_global_norm",
+    "default_cache_dir",
     "download_omniglot",
     "evaluate",
     "evaluate_oneshot_runs",
@@ -100,6 +111,7 @@ __all__ = [
     "sample_tasks",
     "stack_tasks",
     "task_scores",
+    "trained_coordinates",
     "unflatten_params",
     "verify_checksum",
 ]

@@ -551,12 +551,14 @@ def per_task_grads(
     deterministic: bool = True,
     inner_grad_clip: float = math.inf,
     step_check: bool = False,
+    coordinates: Tensor | None = None,
 ) -> Tensor:
     """Unclipped per-task MAML query gradients, ``[n_tasks, dim]`` on ``device``.
 
     ``tasks`` is a batched :class:`Task` (leading task dimension) or a sequence of unbatched tasks
     (all of one shape). ``on_chunk(start, grads)`` may transform each chunk before it is stored
-    (used for clipping chunk by chunk). See :func:`per_task_clipped_grads` for the arguments.
+    (used for clipping chunk by chunk); it sees only the ``coordinates`` columns when they are given
+    (then ``dim`` is their number). See :func:`per_task_clipped_grads` for the arguments.
     """
     inner = InnerLoop(inner_steps, inner_lr, inner_grad_clip, step_check)
     dev = resolve_device(device)
@@ -568,6 +570,9 @@ def per_task_grads(
     model = model.to(dev)
     p = _as_params(model, params, dev)
     dim = sum(v.numel() for v in p.values())
+    if coordinates is not None:
+        coordinates = coordinates.to(dev)
+        dim = int(coordinates.numel())
     dtype = next(iter(p.values())).dtype
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
@@ -578,6 +583,8 @@ def per_task_grads(
         stack.enter_context(_deterministic(dev, deterministic))
         for start, batch in _chunks(tasks, chunk):
             g = chunk_grads(batch.to(dev), pool)
+            if coordinates is not None:
+                g = g[:, coordinates]
             if on_chunk is not None:
                 g = on_chunk(start, g)
             out[start : start + g.shape[0]] = g
@@ -600,13 +607,13 @@ def per_task_clipped_grads(
     deterministic: bool = True,
     inner_grad_clip: float = math.inf,
     step_check: bool = False,
+    coordinates: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped per-task MAML query gradients and their pre-clip L2 norms.
 
     Args:
-        model: a :class:`~metalearning.models.SinusoidMLP` / :class:`~metalearning.models.ConvNet4`
-            (or any module with ``loss_kind`` ``"mse"``/``"ce"``); its own parameters are not used
-            unless ``params`` is None, and are never modified.
+        model: a ``SinusoidMLP`` / ``ConvNet4`` (any module with ``loss_kind`` ``"mse"``/``"ce"``);
+            its own parameters are used only if ``params`` is None, and are never modified.
         params: meta-parameters phi: a ``{name: tensor}`` dict in the model's order, a flat vector
             (:func:`~metalearning.models.flatten_params` layout) or None for the module's own.
         tasks: a batched :class:`Task` (``support_x`` ``[n_tasks, ...]``) or a sequence of tasks.
@@ -621,13 +628,14 @@ def per_task_clipped_grads(
             many as fit in half the free GPU memory by a conservative estimate (at most 512).
         method: ``"auto"``, ``"vmap"`` or ``"loop"`` (see module docstring).
         nonfinite: ``"raise"`` or ``"zero"`` for a task whose gradient is NaN/inf.
-        deterministic: on CUDA, run cuDNN in deterministic mode (bitwise-repeatable results).
+        deterministic: on CUDA, cuDNN's deterministic mode (bitwise-repeatable results).
+        coordinates: the rows hold (and C bounds) only these flat positions (``trained_coordinates``
+            of :mod:`~metalearning.models`); None: all. Inner loops adapt every parameter.
 
     Returns:
-        ``(clipped [n_tasks, dim], pre_clip_norms [n_tasks])``, on ``device``, in the params' dtype.
-        Row i belongs to task i. Deterministic for given inputs (cuDNN deterministic mode on CUDA).
+        ``(clipped [n_tasks, dim], pre_clip_norms [n_tasks])`` on ``device`` in the params' dtype,
+        row i for task i; a deterministic function of the inputs (see ``deterministic``).
     """
-    n = _num_tasks(tasks)
     norms_holder: list[Tensor] = []
 
     def clip_chunk(start: int, g: Tensor) -> Tensor:
@@ -639,11 +647,9 @@ def per_task_clipped_grads(
         model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr,
         first_order=first_order, device=device, chunk_size=chunk_size, method=method,
         on_chunk=clip_chunk, deterministic=deterministic, inner_grad_clip=inner_grad_clip,
-        step_check=step_check,
+        step_check=step_check, coordinates=coordinates,
     )  # fmt: skip
-    norms = torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
-    assert norms.shape[0] == n
-    return clipped, norms
+    return clipped, torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -874,12 +880,14 @@ def meta_train(
     device: str | torch.device | None = "auto",
     chunk_size: int | None = None,
     method: GradientMethod = "auto",
+    inner_grad_clip: float = math.inf,
+    step_check: bool = False,
 ) -> Params:
     """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
 
-    ``next_batch(step)`` returns a batched :class:`Task`. Returns the trained parameters (a new
-    dict). This is the outer loop of MAML without noise; the federated, private loop lives in
-    ``server/``.
+    ``next_batch(step)`` returns a batched :class:`Task`; ``inner_grad_clip`` and ``step_check``
+    guard the inner loop (:class:`InnerLoop`). Returns the trained parameters (a new dict).
+    This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
     """
     from fedmeta.metalearning.models import param_spec, unflatten_params
 
@@ -900,6 +908,8 @@ def meta_train(
             device=dev,
             chunk_size=chunk_size,
             method=method,
+            inner_grad_clip=inner_grad_clip,
+            step_check=step_check,
         )
         opt.zero_grad(set_to_none=True)
         vec.grad = g.mean(0)

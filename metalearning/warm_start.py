@@ -5,19 +5,28 @@ Public pre-training is the regime in which DP few-shot learning does best (Tobab
 data shares nothing with the private data. :func:`public_warm_start` refuses public classes that
 are also meta-train, validation or meta-test classes (by name), then runs :func:`meta_train` on
 tasks drawn from the public classes alone. Nothing private is read, so it spends no budget.
+
+Pre-training is the same computation for every run of the same settings (it reads public data and
+public seeds only), so :func:`cached_public_warm_start` keeps its result in the cache folder, keyed
+by everything it is a function of; repeated runs then start at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from fedmeta.metalearning.errors import DataError
 from fedmeta.metalearning.images import ClassDataset
-from fedmeta.metalearning.maml import meta_train
-from fedmeta.metalearning.models import flatten_params
+from fedmeta.metalearning.maml import meta_train, resolve_device
+from fedmeta.metalearning.models import flatten_params, param_spec
 from fedmeta.metalearning.tasks import Task, check_task_shape, sample_tasks
 from torch import Tensor, nn
 
@@ -37,6 +46,8 @@ class WarmStart:
     inner_steps: int
     inner_lr: float
     first_order: bool
+    inner_grad_clip: float = math.inf  # the training inner loop's guards (InnerLoop)
+    step_check: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.tasks_per_step < 1 or not self.meta_lr > 0:
@@ -89,5 +100,68 @@ def public_warm_start(
         inner_steps=how.inner_steps,
         inner_lr=how.inner_lr,
         first_order=how.first_order,
+        inner_grad_clip=how.inner_grad_clip,
+        step_check=how.step_check,
     )
     return flatten_params(trained).detach().to("cpu", torch.float32).contiguous()
+
+
+#: Bump when pre-training changes in a way its inputs do not show, so old results are not reused.
+_CACHE_VERSION = 1
+
+
+def warm_start_key(
+    model: nn.Module, params: Tensor, public: ClassDataset, how: WarmStart, shape: tuple[int, ...],
+    seed: int,
+) -> str:  # fmt: skip
+    """A digest of everything :func:`public_warm_start` computes from, and of where it runs.
+
+    The device and torch's version are in it: pre-training is bitwise-repeatable on one device and
+    version, not across them.
+    """
+    h = hashlib.sha256()
+    for part in (
+        f"v{_CACHE_VERSION}", type(model).__name__, repr(param_spec(model)),
+        repr(dataclasses.astuple(how)), repr(shape), str(seed), torch.__version__,
+        resolve_device("auto").type, repr(public.names), repr(public.offsets.tolist()),
+    ):  # fmt: skip
+        h.update(part.encode() + b"\0")
+    h.update(params.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    h.update(public.images.contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def cached_public_warm_start(
+    model: nn.Module,
+    params: Tensor,
+    public: ClassDataset,
+    how: WarmStart,
+    *,
+    n_way: int,
+    k_shot: int,
+    q_query: int,
+    seed: int,
+    cache_dir: Path,
+) -> Tensor:
+    """:func:`public_warm_start`, read from ``cache_dir`` when the same one was computed before.
+
+    A missing, unreadable or wrong-sized file is recomputed and rewritten (atomically).
+    """
+    key = warm_start_key(model, params, public, how, (n_way, k_shot, q_query), seed)
+    path = cache_dir / f"warm-start-{key}.npy"
+    try:
+        cached = torch.from_numpy(np.load(path, allow_pickle=False))
+        if cached.shape == params.shape and cached.dtype == torch.float32:
+            return cached
+    except (OSError, ValueError):
+        pass  # not there yet, or damaged: computed again below
+    trained = public_warm_start(model, params, public, how, n_way=n_way, k_shot=k_shot,
+                                q_query=q_query, seed=seed)  # fmt: skip
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, trained.numpy())
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the next run the pre-training again
+    return trained

@@ -61,11 +61,7 @@ def format_plan(
     ]
     if cfg.privacy.experiment:
         lines.append(experiment_line(cfg.privacy.experiment))
-    if cfg.public.warm_start:
-        lines.append(
-            f"public warm start: {cfg.public.steps} non-private MAML steps on Omniglot's "
-            "background alphabets (public, not the participants') before round 1"
-        )
+    lines += _model_start_lines(cfg)
     if not plan.private or fc is None:
         lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
                      "NO privacy guarantee")  # fmt: skip
@@ -103,12 +99,44 @@ def format_plan(
     return "\n".join(lines)
 
 
+def _model_start_lines(cfg: Config) -> list[str]:
+    """The plan's lines on a public warm start and on the privately trained subset."""
+    lines = []
+    if cfg.public.warm_start:
+        lines.append(
+            f"public warm start: {cfg.public.steps} non-private MAML steps on Omniglot's "
+            "background alphabets (public, not the participants') before round 1"
+        )
+    if cfg.training.trained_parameters != "all":
+        lines.append(
+            f"privately trained: {_TRAINED[cfg.training.trained_parameters]} alone; the other "
+            "meta-parameters stay at their "
+            + ("public warm-start values" if cfg.public.warm_start else "initial values")
+        )
+    return lines
+
+
 def public_line(public: Mapping[str, Any]) -> str:
     """The line that labels a run which used public data (summary)."""
     steps = public["non_private_pretraining"]["steps"]
     return (
         f"PUBLIC WARM START: the model was pre-trained without privacy on {public['data']}, "
         f"{public['classes']} classes ({steps} steps), disjoint from the participants' data"
+    )
+
+
+_TRAINED = {
+    "head": "the output layer",
+    "norm_and_head": "the per-layer normalisation scale and shift and the output layer",
+}
+
+
+def trained_line(trained: Mapping[str, Any], *, public: bool) -> str:
+    """The line naming a parameter-efficient run's privately trained subset (summary, plan)."""
+    rest = "their public warm-start values" if public else "their initial values"
+    return (
+        f"privately trained: {trained['which']}, {trained['count']:,} of {trained['of']:,} "
+        f"meta-parameters (the rest stay at {rest})"
     )
 
 
@@ -157,11 +185,11 @@ def build_summary(
     ledger: Any,
     wall_seconds: float,
     coordinates: int | None = None,
-    public: Mapping[str, Any] | None = None,
+    model_start: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``summary.json``: the run's plan, its records' totals and the final evaluation.
 
-    ``coordinates``: noisy values a round releases (float residual); ``public``: what was public.
+    ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`.
     """
     private = plan.private
     return {
@@ -191,13 +219,23 @@ def build_summary(
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final, untrained),
-        "public_warm_start": None if public is None else dict(public),
+        **(model_start or model_start_fields(None, None)),
         "ledger": None
         if ledger is None
         else {"path": str(ledger.path), "records": ledger.position()},
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
         "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def model_start_fields(
+    public: Mapping[str, Any] | None, trained: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """What was public and which meta-parameters the rounds trained (summary.json's fields)."""
+    return {
+        "public_warm_start": None if public is None else dict(public),
+        "trained_parameters": None if trained is None else dict(trained),
     }
 
 
@@ -326,6 +364,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
     )  # fmt: skip
     if s.get("public_warm_start"):
         lines.append(public_line(s["public_warm_start"]))
+    trained = s.get("trained_parameters")
+    if trained and trained["which"] != "all":
+        lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))
     if s.get("rounds_lost_on_resume"):
         lines.append("rounds spent but lost before a checkpoint (counted as spent): "
                      f"{s['rounds_lost_on_resume']}")  # fmt: skip

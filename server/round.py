@@ -88,7 +88,10 @@ class TrainingState:
     """The meta-parameters, their optimizer and the clip bound: what a round changes.
 
     ``clip`` is the bound of the next round; adaptive clipping updates it every round (it is
-    checkpointed and restored on resume). With a fixed bound it is never read.
+    checkpointed and restored on resume). With a fixed bound it is never read. ``coordinates``
+    (``training.trained_parameters``) are the positions of the meta-parameters the rounds update;
+    the optimizer holds only those (``trained``), the others keep their initial values in
+    ``params``. None: every parameter, and ``trained`` is ``params`` itself.
     """
 
     def __init__(
@@ -100,13 +103,17 @@ class TrainingState:
         planned_rounds: int = 1,
         optimizer_state: dict[str, Any] | None = None,
         clip: float | None = None,
+        coordinates: Tensor | None = None,
     ) -> None:
         """The configured meta-optimizer on a flat float32 parameter vector (server/optimizer)."""
         self.clip = clip
-        self.params = params.detach().to(torch.float32).clone().requires_grad_(True)
+        self.params = params.detach().to(torch.float32).clone()
+        self.coordinates = coordinates
+        picked = self.params if coordinates is None else self.params[coordinates]
+        self.trained = picked.requires_grad_(True)
         self.training = training
         self.planned_rounds = planned_rounds
-        self.optimizer = make_optimizer(self.params, training, noise_variance)
+        self.optimizer = make_optimizer(self.trained, training, noise_variance)
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
 
@@ -116,11 +123,14 @@ class TrainingState:
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         self.optimizer.zero_grad(set_to_none=True)
-        self.params.grad = update.to(self.params.dtype).reshape(self.params.shape)
+        self.trained.grad = update.to(self.trained.dtype).reshape(self.trained.shape)
         self.optimizer.step()
+        if self.coordinates is not None:
+            with torch.no_grad():
+                self.params[self.coordinates] = self.trained
         # Stop here rather than send participants a model they can only answer with NaN: the round's
         # spend is recorded, the last checkpoint holds the finite model before it.
-        if not bool(torch.isfinite(self.params).all()):
+        if not bool(torch.isfinite(self.trained).all()):
             raise TrainingDiverged(
                 f"the meta-model became non-finite at round {index + 1}: the step is too large; "
                 "lower training.meta_lr (or, with training.optimizer=adam_bc, raise "

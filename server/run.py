@@ -367,7 +367,7 @@ def _session(
         sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
         transport=exchange,
         config_json=cfg.model_dump_json(),
-        dim=int(state.params.numel()),
+        dim=int(state.trained.numel()),
         reply_format=cfg.federation.reply_format,
         tolerance=cfg.privacy.clip_tolerance,
         diagnostics=not plan.private or cfg.metrics.private_diagnostics,
@@ -377,14 +377,15 @@ def _session(
     )
 
 
-def _optimizer_args(cfg: Config, plan: RunPlan) -> dict[str, Any]:
+def _optimizer_args(cfg: Config, plan: RunPlan, workload: Workload) -> dict[str, Any]:
     """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
     phi = 0.0
     z = plan.gradient_noise_multiplier
     if plan.private and z is not None and plan.clip is not None:
         phi = (z * plan.clip / plan.normaliser) ** 2
     return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds,
-            "clip": plan.clip if plan.adaptive is not None else None}  # fmt: skip
+            "clip": plan.clip if plan.adaptive is not None else None,
+            "coordinates": workload.trained_coordinates}  # fmt: skip
 
 
 def _initial_state(
@@ -397,8 +398,10 @@ def _initial_state(
 ) -> tuple[TrainingState, list[RoundOutcome], int]:
     """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
     if ckpt is None:
-        return TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan)), [], 0
-    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan),
+        fresh = TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan, workload))
+        return fresh, [], 0
+    _check_same_subset(ckpt, cfg)
+    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan, workload),
                           optimizer_state=ckpt["optimizer"])  # fmt: skip
     if plan.adaptive is not None and ckpt.get("clip") is not None:
         state.clip = float(ckpt["clip"])  # adaptive clipping's bound for the next round
@@ -418,6 +421,17 @@ def _initial_state(
         ]
         next_round = max(lost) + 1
     return state, outcomes, next_round
+
+
+def _check_same_subset(ckpt: Mapping[str, Any], cfg: Config) -> None:
+    """Refuse to resume with other trained parameters: the optimizer's state is for the old ones."""
+    saved = ckpt.get("config", {}).get("training", {}).get("trained_parameters", "all")
+    if saved != cfg.training.trained_parameters:
+        raise FederationError(
+            f"the checkpoint trained training.trained_parameters = {saved!r}, this configuration "
+            f"says {cfg.training.trained_parameters!r}: resume with {saved!r}, or start a new run "
+            "with --out"
+        )
 
 
 def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None:
@@ -623,7 +637,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), final.mean, ci,
     ))  # fmt: skip
-    from fedmeta.server.outputs import build_summary
+    from fedmeta.server.outputs import build_summary, model_start_fields
 
     summary = build_summary(
         run.cfg, run.plan, run.forecast, run.outcomes,
@@ -631,7 +645,9 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
-        coordinates=_coordinates(run), public=run.workload.public_summary(),
+        coordinates=_coordinates(run),
+        model_start=model_start_fields(run.workload.public_summary(),
+                                       run.workload.trained_summary()),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
 

@@ -353,7 +353,7 @@ def _check_round_fits(cfg: Any, workload: Workload) -> None:
     """Refuse a configuration whose one round cannot fit in memory (fedmeta/capacity.py)."""
     from fedmeta.capacity import check_round_fits
 
-    check_round_fits(cfg, sum(p.numel() for p in workload.model.parameters()))
+    check_round_fits(cfg, workload.trained_dim)
 
 
 def _run_ray(

@@ -370,3 +370,90 @@ def _check_ledger(fed: LocalFederation, summaries: list[dict[str, Any]]) -> None
             assert book.epsilon() <= BUDGET
         finally:
             book.close()
+
+
+# ------------------------------------------------------------------------------ CA rollover
+
+
+def restart_node(fed: LocalFederation, node: Node, roots: Path) -> None:
+    """A participant's restart with other root certificates (SIGTERM, start, online, warm)."""
+    assert node.proc is not None
+    node.host.kill(node.proc, signal.SIGTERM)
+    node.proc.wait(timeout=120)
+    fed.start_node(node, root_certificates=roots)
+    wait_until(lambda: fed.online() >= len(fed.nodes), 300, f"{node.key_name} back online", 1)
+    wait_until(lambda: fed.workers_ready([node]), 600, f"{node.key_name}'s warm-up", 1)
+
+
+def new_ca(fed: LocalFederation, net: Network) -> Path:
+    """The guide's first rollover step: a new CA (and its server certificate) in another folder."""
+    fresh = fed.work / "certs-new"
+    subprocess.run(
+        ["bash", str(MAKE_CERTS), "--out", str(fresh), "--san", net.server.address],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return fresh
+
+
+def switch_server(fed: LocalFederation, fresh: Path, bundle: Path) -> None:
+    """The server side moves to the new CA: it trusts both, presents the new CA's certificate."""
+    old = fed.work / "certs-old"
+    old.mkdir()
+    for name in ("ca.crt", "server.crt", "server.key"):
+        (fed.certs / name).rename(old / name)
+    (fed.certs / "ca.crt").write_bytes(bundle.read_bytes())
+    for name in ("server.crt", "server.key"):
+        (fed.certs / name).write_bytes((fresh / name).read_bytes())
+
+
+def refused_by(host: Any, address: str, ca: Path) -> bool:
+    """Whether ``address``'s certificate fails verification against ``ca`` alone (from ``host``)."""
+    try:
+        presented_certificate(host, address, ca)
+    except RuntimeError as error:
+        return "CERTIFICATE_VERIFY_FAILED" in str(error)
+    return False
+
+
+@pytest.mark.timeout(1800)
+def test_ca_rollover_without_stopping_the_federation(
+    lifecycle: tuple[LocalFederation, Network],
+) -> None:
+    """docs/deploy.md, "Roll the CA over", step by step: participants restarted one at a time
+    with a bundle of both CAs while the SuperLink and the others run; the server switched to the
+    new CA's certificate (SuperLink restart between runs, proxy reload); a run completes on the
+    new CA; a participant then runs with the new CA alone. Negative control: after the switch the
+    old CA alone no longer verifies what the proxy presents."""
+    fed, net = lifecycle
+    nodes, link = start_federation(fed, net)
+    ids_before = node_ids(fed)
+    fresh = new_ca(fed, net)
+    bundle = fed.work / "ca-bundle.crt"
+    bundle.write_text((fed.certs / "ca.crt").read_text() + (fresh / "ca.crt").read_text())
+    for node in nodes:
+        restart_node(fed, node, bundle)
+    switch_server(fed, fresh, bundle)
+    link, _ = restart_superlink(fed, link, nodes)
+    fed.server.run(["nginx", "-c", str(fed.work / "nginx.conf"), "-s", "reload"], timeout=60)
+    member, new = net.participants[0], file_certificate(fresh / "server.crt")
+    wait_until(lambda: presented_certificate(member, fed.fleet_address, fresh / "ca.crt") == new,
+               60, "the proxy to present the new CA's certificate", 1)  # fmt: skip
+    assert refused_by(member, fed.fleet_address, fed.work / "certs-old" / "ca.crt")
+    assert node_ids(fed) == ids_before  # node keys are not certificates: nothing changed
+
+    run = fed.deploy_run(fed.work / "runs" / "run1", sets=run_settings(fed, RUN1_ROUNDS),
+                         timeout=900, node_keys=fed.certs / "node-keys.toml",
+                         log_name="run1")  # fmt: skip
+    assert run.wait(timeout=900) == 0, _log(fed, "run1")
+    summary = _summary(fed, "run1")
+    assert summary["rounds_completed"] == RUN1_ROUNDS, summary
+    assert _released_failures(fed, "run1") == 0
+    _check_ledger(fed, [summary])
+
+    # The end of the rollover: the new CA alone, on the server and at a participant.
+    (fed.certs / "ca.crt").write_bytes((fresh / "ca.crt").read_bytes())
+    fed.server.run(["nginx", "-c", str(fed.work / "nginx.conf"), "-s", "reload"], timeout=60)
+    restart_node(fed, nodes[0], fresh / "ca.crt")
+    assert nodes[0].proc is not None and nodes[0].proc.poll() is None

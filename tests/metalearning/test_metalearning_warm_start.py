@@ -77,3 +77,39 @@ def test_warm_start_is_deterministic_and_helps_on_held_out_public_tasks() -> Non
     before = ml.evaluate(model, start, tasks, inner_steps=1, device="cpu").mean
     after = ml.evaluate(model, warm, tasks, inner_steps=1, device="cpu").mean
     assert after > before + 0.1, (before, after)
+
+
+def test_the_warm_start_is_computed_once_per_settings_and_cache_damage_recomputes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedmeta.metalearning import warm_start as ws
+
+    public = _pattern_classes(6)
+    model = ml.ConvNet4(3, hidden=8)
+    params = ml.flatten_params(ml.init_params(model, 0))
+    how = ml.WarmStart(2, 2, 1e-3, 1, 0.4, True)
+    calls: list[int] = []
+    real = ws.public_warm_start
+
+    def counted(*args: object, **kw: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ws, "public_warm_start", counted)
+
+    def warm(how: ml.WarmStart = how, seed: int = 0) -> torch.Tensor:
+        return ml.cached_public_warm_start(model, params, public, how, n_way=3, k_shot=1,
+                                           q_query=2, seed=seed, cache_dir=tmp_path)  # fmt: skip
+
+    first = warm()
+    assert torch.equal(warm(), first) and len(calls) == 1  # read back, bit for bit
+    assert torch.equal(first, real(model, params, public, how, n_way=3, k_shot=1, q_query=2,
+                                   seed=0))  # the cache holds what pre-training computes
+    warm(seed=1)
+    warm(ml.WarmStart(3, 2, 1e-3, 1, 0.4, True))
+    assert len(calls) == 3  # another seed or setting is another warm start
+    (cached,) = [p for p in tmp_path.glob("warm-start-*.npy")
+                 if torch.equal(torch.from_numpy(np.load(p)), first)]  # fmt: skip
+    cached.write_bytes(b"not an array")
+    assert torch.equal(warm(), first) and len(calls) == 4  # damaged: recomputed, rewritten
+    assert torch.equal(torch.from_numpy(np.load(cached)), first)
