@@ -25,7 +25,13 @@ namespaces on a bridge), the SuperLink with TLS, node authentication and its sta
 4. **The ledger:** each run's rounds spent once (no round of run 1 spent again by run 2), epsilon
    within the budget.
 
-About 5-8 minutes on 2 shared cores (``slow``).
+A second test rolls the CA over (``test_ca_rollover_without_stopping_the_federation``): a new CA;
+participants restarted one at a time with a bundle of both CAs while the SuperLink and the others
+run; the server side switched to the new CA's certificate (SuperLink restart between runs, proxy
+reload), after which the old CA alone no longer verifies the proxy; a run on the new CA; then the
+new CA alone on the server and at a participant, and a run that needs every participant.
+
+About 5-8 minutes each on 2 shared cores (``slow``).
 """
 
 from __future__ import annotations
@@ -376,10 +382,16 @@ def _check_ledger(fed: LocalFederation, summaries: list[dict[str, Any]]) -> None
 
 
 def restart_node(fed: LocalFederation, node: Node, roots: Path) -> None:
-    """A participant's restart with other root certificates (SIGTERM, start, online, warm)."""
+    """A participant's restart with other root certificates (SIGTERM, offline, start, warm).
+
+    Until the SuperLink has marked the old session offline it refuses to activate the node again
+    (``[code: 2004] Failed to activate SuperNode``, and the participant exits 1), so the guide says
+    to wait for ``flwr supernode list`` to show it offline, as this does.
+    """
     assert node.proc is not None
     node.host.kill(node.proc, signal.SIGTERM)
     node.proc.wait(timeout=120)
+    wait_until(lambda: fed.online() < len(fed.nodes), 300, f"{node.key_name} offline", 1)
     fed.start_node(node, root_certificates=roots)
     wait_until(lambda: fed.online() >= len(fed.nodes), 300, f"{node.key_name} back online", 1)
     wait_until(lambda: fed.workers_ready([node]), 600, f"{node.key_name}'s warm-up", 1)
@@ -435,25 +447,34 @@ def test_ca_rollover_without_stopping_the_federation(
     for node in nodes:
         restart_node(fed, node, bundle)
     switch_server(fed, fresh, bundle)
-    link, _ = restart_superlink(fed, link, nodes)
+    # The proxy first: it verifies the SuperLink against ca.crt, read at (re)load. Restarted
+    # before it, the SuperLink's new certificate fails the proxy's old CA ("upstream SSL
+    # certificate verify error") and no participant gets through.
     fed.server.run(["nginx", "-c", str(fed.work / "nginx.conf"), "-s", "reload"], timeout=60)
+    link, _ = restart_superlink(fed, link, nodes)
     member, new = net.participants[0], file_certificate(fresh / "server.crt")
     wait_until(lambda: presented_certificate(member, fed.fleet_address, fresh / "ca.crt") == new,
                60, "the proxy to present the new CA's certificate", 1)  # fmt: skip
     assert refused_by(member, fed.fleet_address, fed.work / "certs-old" / "ca.crt")
     assert node_ids(fed) == ids_before  # node keys are not certificates: nothing changed
 
-    run = fed.deploy_run(fed.work / "runs" / "run1", sets=run_settings(fed, RUN1_ROUNDS),
-                         timeout=900, node_keys=fed.certs / "node-keys.toml",
-                         log_name="run1")  # fmt: skip
-    assert run.wait(timeout=900) == 0, _log(fed, "run1")
-    summary = _summary(fed, "run1")
-    assert summary["rounds_completed"] == RUN1_ROUNDS, summary
-    assert _released_failures(fed, "run1") == 0
-    _check_ledger(fed, [summary])
-
-    # The end of the rollover: the new CA alone, on the server and at a participant.
+    summaries = [complete_run(fed, "run1")]
+    # The end of the rollover: the new CA alone, on the server and at a participant; a run needs
+    # every participant (federation.min_participants = 3), so it shows that one is connected.
     (fed.certs / "ca.crt").write_bytes((fresh / "ca.crt").read_bytes())
     fed.server.run(["nginx", "-c", str(fed.work / "nginx.conf"), "-s", "reload"], timeout=60)
     restart_node(fed, nodes[0], fresh / "ca.crt")
-    assert nodes[0].proc is not None and nodes[0].proc.poll() is None
+    summaries.append(complete_run(fed, "run2"))
+    _check_ledger(fed, summaries)
+
+
+def complete_run(fed: LocalFederation, name: str) -> dict[str, Any]:
+    """A run of ``RUN1_ROUNDS`` planned rounds that completes them all with no failure released."""
+    run = fed.deploy_run(fed.work / "runs" / name, sets=run_settings(fed, RUN1_ROUNDS),
+                         timeout=900, node_keys=fed.certs / "node-keys.toml",
+                         log_name=name)  # fmt: skip
+    assert run.wait(timeout=900) == 0, _log(fed, name)
+    summary = _summary(fed, name)
+    assert summary["rounds_completed"] == RUN1_ROUNDS, summary
+    assert _released_failures(fed, name) == 0
+    return summary
