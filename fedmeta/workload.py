@@ -102,20 +102,15 @@ class Workload:
         params = _initial_params(self.model, self.seed, self.zero_head)
         if self.warm_start is None:
             return params
-        from fedmeta.metalearning import (
-            cached_public_warm_start,
-            check_disjoint,
-            default_cache_dir,
-        )
+        from fedmeta.metalearning import check_disjoint, default_cache_dir, public_warm_start
 
         splits, public = self.splits, self.public_classes
         assert splits is not None and public is not None  # image data, a warm start
         check_disjoint(public, [splits.train, splits.val, splits.test])
         ds = self.dataset
-        return cached_public_warm_start(self.model, params, public, self.warm_start,
-                                        n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
-                                        seed=self.seed,
-                                        cache_dir=default_cache_dir())  # fmt: skip
+        return public_warm_start(self.model, params, public, self.warm_start,
+                                 n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
+                                 seed=self.seed, cache_dir=default_cache_dir())  # fmt: skip
 
     @property
     def public_classes(self) -> ClassDataset | None:

@@ -59,7 +59,6 @@ from fedmeta.metalearning.sinusoid import SinusoidTasks
 from fedmeta.metalearning.tasks import Task, sample_tasks, stack_tasks
 from fedmeta.metalearning.warm_start import (
     WarmStart,
-    cached_public_warm_start,
     check_disjoint,
     public_warm_start,
 )
@@ -85,7 +84,6 @@ __all__ = [
     "Task",
     "TrainedParameters",
     "WarmStart",
-    "cached_public_warm_start",
     "check_disjoint",
     "clip_by_global_norm",
     "default_cache_dir",

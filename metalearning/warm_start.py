@@ -7,8 +7,8 @@ are also meta-train, validation or meta-test classes (by name), then runs :func:
 tasks drawn from the public classes alone. Nothing private is read, so it spends no budget.
 
 Pre-training is the same computation for every run of the same settings (it reads public data and
-public seeds only), so :func:`cached_public_warm_start` keeps its result in the cache folder, keyed
-by everything it is a function of; repeated runs then start at once.
+public seeds only), so :func:`public_warm_start` can keep its result in a cache folder, keyed by
+everything it is a function of (:func:`warm_start_key`); repeated runs then start at once.
 """
 
 from __future__ import annotations
@@ -78,12 +78,22 @@ def public_warm_start(
     k_shot: int,
     q_query: int,
     seed: int,
+    cache_dir: Path | None = None,
 ) -> Tensor:
     """``params`` (flat) after ``how.steps`` non-private MAML steps on ``public``'s tasks.
 
     Task ``i`` of step ``s`` is a pure function of ``(seed, s, i)``; the result is flat float32
-    on the CPU, like the initial parameters it replaces.
+    on the CPU, like the initial parameters it replaces. With ``cache_dir`` the result is read
+    from there when the same warm start (:func:`warm_start_key`) was computed before, else
+    computed and written there; a missing, unreadable or wrong-sized file is recomputed.
     """
+    path = None
+    if cache_dir is not None:
+        key = warm_start_key(model, params, public, how, (n_way, k_shot, q_query), seed)
+        path = cache_dir / f"warm-start-{key}.npy"
+        cached = _read_cached(path, params.shape)
+        if cached is not None:
+            return cached
     check_task_shape(public, np.arange(public.n_classes), n_way, k_shot + q_query)
 
     def batch(step: int) -> Task:
@@ -103,7 +113,10 @@ def public_warm_start(
         inner_grad_clip=how.inner_grad_clip,
         step_check=how.step_check,
     )
-    return flatten_params(trained).detach().to("cpu", torch.float32).contiguous()
+    result = flatten_params(trained).detach().to("cpu", torch.float32).contiguous()
+    if path is not None:
+        _write_cached(path, result)
+    return result
 
 
 #: Bump when pre-training changes in a way its inputs do not show, so old results are not reused.
@@ -131,37 +144,21 @@ def warm_start_key(
     return h.hexdigest()[:32]
 
 
-def cached_public_warm_start(
-    model: nn.Module,
-    params: Tensor,
-    public: ClassDataset,
-    how: WarmStart,
-    *,
-    n_way: int,
-    k_shot: int,
-    q_query: int,
-    seed: int,
-    cache_dir: Path,
-) -> Tensor:
-    """:func:`public_warm_start`, read from ``cache_dir`` when the same one was computed before.
-
-    A missing, unreadable or wrong-sized file is recomputed and rewritten (atomically).
-    """
-    key = warm_start_key(model, params, public, how, (n_way, k_shot, q_query), seed)
-    path = cache_dir / f"warm-start-{key}.npy"
+def _read_cached(path: Path, shape: torch.Size) -> Tensor | None:
+    """The cached warm start at ``path``, or None if it is not there or not readable as one."""
     try:
         cached = torch.from_numpy(np.load(path, allow_pickle=False))
-        if cached.shape == params.shape and cached.dtype == torch.float32:
-            return cached
     except (OSError, ValueError):
-        pass  # not there yet, or damaged: computed again below
-    trained = public_warm_start(model, params, public, how, n_way=n_way, k_shot=k_shot,
-                                q_query=q_query, seed=seed)  # fmt: skip
+        return None  # not there yet, or damaged: computed again
+    return cached if cached.shape == shape and cached.dtype == torch.float32 else None
+
+
+def _write_cached(path: Path, params: Tensor) -> None:
+    """Write ``params`` to ``path`` atomically; a cache that cannot be written is skipped."""
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, trained.numpy())
+        np.save(tmp, params.numpy())
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs the next run the pre-training again
-    return trained

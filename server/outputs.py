@@ -132,7 +132,7 @@ _TRAINED = {
 
 
 def trained_line(trained: Mapping[str, Any], *, public: bool) -> str:
-    """The line naming a parameter-efficient run's privately trained subset (summary, plan)."""
+    """The summary line naming a parameter-efficient run's privately trained subset."""
     rest = "their public warm-start values" if public else "their initial values"
     return (
         f"privately trained: {trained['which']}, {trained['count']:,} of {trained['of']:,} "
