@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -530,6 +530,10 @@ def _federation_report(db: str, fid: str, participants: bool = False) -> dict[st
             "runs": runs,
             "rounds": [{"event": e.to_dict(), "count": c} for e, c in groups],
             "participants": table,
+            "public_data": [
+                {"run_id": r.run_id, "recorded_on": r.created_at, **asdict(r.use)}
+                for r in ledger.public_uses()
+            ],
         }
 
 
@@ -605,6 +609,7 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
         for g in e["rounds"]:
             print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
         _print_participants(e["participants"])
+        _print_public_data(e["public_data"])
 
 
 def _print_participants(rows: list[dict[str, Any]] | None) -> None:
@@ -615,6 +620,19 @@ def _print_participants(rows: list[dict[str, Any]] | None) -> None:
         print(
             f"    {p['name']}  {p['key']}  {p['rounds']}  {p['epsilon']:.4f}  "
             f"{p['data_versions']}{'  (data edited)' if p['data_versions'] > 1 else ''}"
+        )
+
+
+def _print_public_data(rows: list[dict[str, Any]]) -> None:
+    """Public data runs on this budget used: their results rest on it too (issue 19)."""
+    if not rows:
+        print("  public data: none declared (no run on this budget used public data)")
+    for r in rows:
+        checked = "checked" if r["disjoint_from_private"] else "NOT checked"
+        print(
+            f"  public data of run {r['run_id']} ({r['recorded_on']}): {r['description']}, "
+            f"{r['items']} items, digest {r['digest'][:16]}, {r['use']}; disjoint from the "
+            f"private data: {checked}"
         )
 
 

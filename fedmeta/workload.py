@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 import torch
 from torch import Tensor, nn
 
+from fedmeta.accounting import PublicDataUse
 from fedmeta.config import Config, DatasetConfig
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with
     from fedmeta.metalearning.models import TrainedParameters
     from fedmeta.metalearning.warm_start import WarmStart
 
+_PUBLIC_DESCRIPTION = "Omniglot background alphabets (dataset.split = 'evaluation')"
 _VAL_SEED_SALT = 0x5EED_0001
 _TEST_SEED_SALT = 0x5EED_0002
 _PROBE_SEED_SALT = 0x5EED_0003
@@ -131,12 +133,25 @@ class Workload:
         if self.warm_start is None or public is None:
             return None
         return {
-            "data": "Omniglot background alphabets (dataset.split = 'evaluation')",
+            "data": _PUBLIC_DESCRIPTION,
             "classes": public.n_classes,
             "groups": len(set(public.groups)),
+            "digest": public.digest(),
             "disjoint_from_private": True,  # check_disjoint refuses any shared class
             "non_private_pretraining": dataclasses.asdict(self.warm_start),
         }
+
+    def public_data_use(self) -> PublicDataUse | None:
+        """The ledger's record of the public data (None: nothing public was used)."""
+        summary = self.public_summary()
+        if summary is None or self.warm_start is None:
+            return None
+        steps = self.warm_start.steps
+        return PublicDataUse(
+            description=summary["data"], digest=summary["digest"], items=summary["classes"],
+            use=f"non-private meta-training ({steps} steps) before private training",
+            disjoint_from_private=summary["disjoint_from_private"],
+        )
 
     def held_out(self, which: HeldOut, n_tasks: int) -> Any:
         """Server-side held-out tasks (batched ``Task``).

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +67,13 @@ class ClassDataset:
     def counts(self) -> np.ndarray:
         """Examples per class."""
         return np.diff(self.offsets)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the classes' names, sizes and pixels: what a ledger record names."""
+        h = hashlib.sha256()
+        h.update(json.dumps([self.names, self.counts.tolist()]).encode() + b"\0")
+        h.update(self.images.contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def subset(self, classes: Iterable[int]) -> ClassDataset:
         """Return a dataset of the given classes (in that order)."""

@@ -74,6 +74,7 @@ from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
 )
+from fedmeta.accounting.ledger.public import PublicDataRecord, PublicDataUse
 from fedmeta.accounting.ledger.records import (
     BUSY_TIMEOUT_S,
     FIRST_BUDGET_REASON,
@@ -125,6 +126,8 @@ __all__ = [
     "NotALedger",
     "Participant",
     "ParticipantExposure",
+    "PublicDataRecord",
+    "PublicDataUse",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
     "SpendProjection",

@@ -31,6 +31,7 @@ from fedmeta.accounting.ledger.cohorts import (
 from fedmeta.accounting.ledger.history import LedgerHistory
 from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
+from fedmeta.accounting.ledger.public import PublicDataUse, record_public_use
 from fedmeta.accounting.ledger.records import (
     SPEND_ATTEMPTS,
     BudgetExhausted,
@@ -249,6 +250,24 @@ class BudgetLedger(LedgerHistory):
             raise _classify(self.path, error) from error
         self._cohort = (cid, keys)
         self._catch_up()
+
+    def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
+        """Declare, before the run's first spend, the public data it used (ledger/public.py).
+
+        Spends nothing; recorded once per run (a resumed run's repeat is a no-op).
+        """
+        if self.readonly:
+            raise LedgerReadOnly(
+                f"ledger {self.path} was opened read-only (open_readonly); recording public data "
+                "needs BudgetLedger.open"
+            )
+        if not isinstance(use, PublicDataUse):
+            raise TypeError(f"use must be a PublicDataUse; got {type(use).__name__}")
+        try:
+            with _immediate(self._conn):
+                record_public_use(self._conn, self.federation_id, run_id, use)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
 
     # ---------------------------------------------------------------------------------- identity
 

@@ -26,6 +26,7 @@ from fedmeta.accounting.ledger.cohorts import (
     load_cohorts,
 )
 from fedmeta.accounting.ledger.participants import Exposure, Multiset
+from fedmeta.accounting.ledger.public import PublicDataRecord, public_uses
 from fedmeta.accounting.ledger.records import (
     LedgerCheckpoint,
     LedgerCorrupted,
@@ -248,6 +249,14 @@ class LedgerHistory:
         """All verified records of this federation, oldest first."""
         self._catch_up()
         return list(self._records)
+
+    def public_uses(self) -> list[PublicDataRecord]:
+        """The public data runs on this budget declared (``BudgetLedger.record_public_use``)."""
+        try:
+            with _reading(self._conn):
+                return public_uses(self._conn, self.path, self.federation_id)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
 
     def position(self) -> int:
         """Return the number of records (checkpoints store it; a resumed run checks it)."""

@@ -115,11 +115,20 @@ _CREATE: tuple[str, ...] = (
         actor             TEXT NOT NULL,
         created_at        TEXT NOT NULL
     )""",
+    # Public data a run used (ledger/public.py): declared, spends nothing. Added without a schema
+    # bump: an older fedmeta ignores the table, a newer one reads none from an older ledger.
+    """CREATE TABLE IF NOT EXISTS public_data (
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        run_id         TEXT NOT NULL,
+        declaration    TEXT NOT NULL,
+        created_at     TEXT NOT NULL,
+        UNIQUE (federation_id, run_id, declaration)
+    )""",
     *(
         f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
         "BEGIN SELECT RAISE(ABORT, 'the privacy ledger is append-only'); END"
         for table in ("spends", "federations", "budgets", "meta", "cohorts", "participants",
-                      "carried", "rollbacks")
+                      "carried", "rollbacks", "public_data")
         for op in ("UPDATE", "DELETE")
     ),
 )  # fmt: skip

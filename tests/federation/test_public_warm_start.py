@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fedmeta.accounting import BudgetLedger
 from fedmeta.server.outputs import format_summary
 from fedmeta.simulation.simulate import main
 
@@ -49,7 +50,17 @@ def test_a_warm_started_run_says_what_was_public(tmp_path: Path, monkeypatch) ->
     assert summary["rounds_completed"] == 2
     text = format_summary(summary)
     assert "PUBLIC WARM START" in text and "public warm start before private training" in text
+    # The ledger records it too, beside the budget the private rounds spent, before the first.
+    with BudgetLedger.open_readonly(summary["ledger"]["path"], summary["federation_id"]) as led:
+        (declared,) = led.public_uses()
+        spends_of_run = [r for r in led.records() if r.run_id == summary["run_id"]]
+    assert declared.run_id == summary["run_id"] and len(spends_of_run) == 2
+    assert declared.use.digest == public["digest"] and declared.use.items == 6
+    assert declared.use.disjoint_from_private and "2 steps" in declared.use.use
     unlabelled = main(load_config(None, [*sets[:-3], "privacy.experiment=cold"]),
                       out_dir=tmp_path / "cold").summary  # fmt: skip
     assert unlabelled["public_warm_start"] is None
+    cold = unlabelled
+    with BudgetLedger.open_readonly(cold["ledger"]["path"], cold["federation_id"]) as led:
+        assert cold["run_id"] not in {r.run_id for r in led.public_uses()}
     assert "PUBLIC" not in format_summary(unlabelled)
