@@ -83,9 +83,12 @@ class Workload:
     def trained_dim(self) -> int:
         """How many meta-parameters private training updates: the length of a gradient row."""
         coords = self.trained_coordinates
-        if coords is None:
-            return sum(p.numel() for p in self.model.parameters())
-        return int(coords.numel())
+        return self.param_count if coords is None else int(coords.numel())
+
+    @property
+    def param_count(self) -> int:
+        """How many meta-parameters the model has (the flat vector's length)."""
+        return sum(p.numel() for p in self.model.parameters())
 
     @property
     def higher_is_better(self) -> bool:
@@ -124,8 +127,8 @@ class Workload:
 
     def trained_summary(self) -> dict[str, Any]:
         """Which meta-parameters private training updated, for the summary and the records."""
-        total = sum(p.numel() for p in self.model.parameters())
-        return {"which": self.trained_parameters, "count": self.trained_dim, "of": total}
+        return {"which": self.trained_parameters, "count": self.trained_dim,
+                "of": self.param_count}  # fmt: skip
 
     def public_summary(self) -> dict[str, Any] | None:
         """What was public, for the summary and the records (None: nothing was)."""

@@ -56,11 +56,27 @@ def _need_tools() -> None:
 
 @pytest.fixture
 def federation(tmp_path: Path) -> Iterator[LocalFederation]:
+    yield from _federation(tmp_path, database=None)
+
+
+@pytest.fixture
+def federation_with_state(tmp_path: Path) -> Iterator[LocalFederation]:
+    """The guide's SuperLink: its state (keys, node ids, runs) in a file, so a restart keeps it."""
+    yield from _federation(tmp_path, database=_superlink_db(tmp_path / "fed"))
+
+
+def _superlink_db(work: Path) -> Path:
+    return work / "state" / "superlink.db"
+
+
+def _federation(tmp_path: Path, database: Path | None) -> Iterator[LocalFederation]:
     _need_tools()
     fed = LocalFederation(tmp_path / "fed", LocalHost())
     try:
         fed.make_certs(NAMES)
-        fed.start_superlink()
+        if database is not None:
+            database.parent.mkdir(parents=True, exist_ok=True)
+        fed.start_superlink(database=database)
         fed.register(NAMES)
         fed.nodes = [Node(LocalHost(), str(i), n, runtime_port=free_port())
                      for i, n in enumerate(NAMES)]  # fmt: skip
@@ -95,12 +111,24 @@ def _descendants(pid: int) -> dict[int, str]:
     return found
 
 
-def _kill_serverapp(fed: LocalFederation) -> None:
+def _serverapps(fed: LocalFederation) -> list[int]:
     link = fed.procs[0][1]  # start_superlink's process: the first one started
     apps = [p for p, cmd in _descendants(link.pid).items() if "flwr-serverapp" in cmd]
     assert apps, f"no flwr-serverapp below the SuperLink (pid {link.pid})"
-    for pid in apps:
+    return apps
+
+
+def _kill_serverapp(fed: LocalFederation) -> None:
+    for pid in _serverapps(fed):
         os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _counts(text: str) -> tuple[int, int]:
@@ -170,3 +198,52 @@ def _check_status(fed: LocalFederation, ledger: Path) -> None:
     (book,) = status["budget"]["federations"]
     assert book["spends"] == sum(len(v) for v in ledger_spends(ledger).values())
     assert 0 <= book["epsilon_left"] < book["epsilon_budget"] and book["epsilon_spent"] > 0
+
+
+def _spends(ledger: Path) -> int:
+    return sum(len(v) for v in ledger_spends(ledger).values())
+
+
+def test_superlink_restarted_mid_run_spends_no_round_twice(
+    federation_with_state: LocalFederation,
+) -> None:
+    """SIGTERM the SuperLink during a run and start it again on its database (docs/deploy.md).
+
+    Whichever way the run goes (on, or stopped with a resume command), it ends at
+    ``budget_exhausted`` with every round spent once, its summary counts what the ledger holds,
+    and no ServerApp of the old SuperLink outlives it to spend beside the resumed one.
+    """
+    fed = federation_with_state
+    ledger = fed.work / "state" / "ledger.sqlite"
+    out = fed.work / "runs" / "restart"
+    sets = [*quick_check_sets(len(NAMES), fed.work), "privacy.epsilon_budget=6",
+            "training.checkpoint_every=3"]  # fmt: skip
+    run = fed.deploy_run(out, sets=sets, timeout=900)
+    wait_until(lambda: _spends(ledger) >= 5, 600, "5 spends in the ledger", every=0.5)
+    link, apps = fed.procs[0][1], _serverapps(fed)
+    fed.server.kill(link, signal.SIGTERM)
+    link.wait(timeout=120)
+    at_restart = _spends(ledger)
+    fed.start_superlink(database=_superlink_db(fed.work), log_name="superlink-restarted")
+    wait_until(lambda: fed.online() >= len(NAMES), 300, "2 nodes back online", every=1)
+    # The old SuperLink's ServerApp must not live on beside a resumed run.
+    wait_until(lambda: not any(_alive(p) for p in apps), 120, "the old ServerApp to exit", 0.5)
+    assert _spends(ledger) == at_restart  # nothing spent while no ServerApp ran
+    run.wait(timeout=900)
+    text = (fed.logs / "deploy-run.log").read_text()
+    if run.returncode != 0:  # stopped: the printed command must finish it
+        resume = re.search(r"continue with: (.*)", text)
+        assert resume, text
+        cmd = shlex.split(resume.group(1))
+        res = subprocess.run([str(BIN / "fedmeta"), *cmd[1:], "--poll", "0.5"],
+                             env=fed.env("resume"), capture_output=True, text=True,
+                             timeout=900, check=False)  # fmt: skip
+        text = res.stdout + res.stderr
+        assert res.returncode == 0, text
+    assert "stopped: budget_exhausted" in text, text
+    ((run_id, rounds),) = ledger_spends(ledger).items()
+    assert len(rounds) == len(set(rounds)), rounds  # no round spent twice
+    spent, _ = _counts(text)
+    assert spent == len(rounds), text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run_id"] == run_id and summary["stopped_reason"] == "budget_exhausted"
