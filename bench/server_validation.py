@@ -4,11 +4,12 @@
     python bench/server_validation.py --rows 5 --repeat 7   # the CPU scale: lot 100
 
 Times :func:`fedmeta.server.validation.clipped_row_sum` on ``--replies`` synthetic replies of
-``--rows`` float32 rows of ``--dim`` values (the Omniglot conv net's 113,236 by default), with the
-whole reply converted and clipped at once (``--rows`` rows per block: the server before blocks)
-and with :data:`~fedmeta.server.validation.ROWS_PER_BLOCK` rows per block. The two alternate, so a
-drift in machine speed hits both alike; prints one JSON line with each one's median and range of
-seconds per round over ``--repeat`` rounds, with torch's thread count.
+``--rows`` float32 rows of ``--dim`` values (the 20-way Omniglot conv net's 113,236 by default;
+5-way has 112,261), with the whole reply converted and clipped at once (``--rows`` rows per
+block: the server before blocks) and with :data:`~fedmeta.server.validation.ROWS_PER_BLOCK`
+rows per block. The two alternate, so a drift in machine speed hits both alike; prints one JSON
+line with each one's median and range of seconds per round over ``--repeat`` rounds, with torch's
+thread count.
 """
 
 from __future__ import annotations
