@@ -114,3 +114,15 @@ def test_the_warm_start_is_computed_once_per_settings_and_cache_damage_recompute
     cached.write_bytes(b"not an array")
     assert torch.equal(warm(), first) and len(calls) == 3  # damaged: recomputed, rewritten
     assert torch.equal(torch.from_numpy(np.load(cached)), first)
+
+
+def test_the_public_data_digest_names_its_content() -> None:
+    """What the ledger records: equal for equal classes, changed by one pixel or one name."""
+    public = _pattern_classes(6)
+    assert public.digest() == _pattern_classes(6).digest() and len(public.digest()) == 64
+    edited = _pattern_classes(6)
+    edited.images[3, 0, 5, 5] ^= 255
+    renamed = _pattern_classes(6)
+    renamed.names[0] = "other"
+    digests = {public.digest(), edited.digest(), renamed.digest(), public.subset(range(5)).digest()}
+    assert len(digests) == 4
