@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,3 +65,39 @@ def test_a_warm_started_run_says_what_was_public(tmp_path: Path, monkeypatch) ->
     with BudgetLedger.open_readonly(cold["ledger"]["path"], cold["federation_id"]) as led:
         assert cold["run_id"] not in {r.run_id for r in led.public_uses()}
     assert "PUBLIC" not in format_summary(unlabelled)
+
+
+def _signal_norm_script() -> Any:
+    """bench/signal_norm.py as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "signal_norm.py"
+    spec = importlib.util.spec_from_file_location("bench_signal_norm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.integration
+def test_the_signal_is_measured_on_public_tasks_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench/signal_norm.py on image data: public classes, the warm start, the trained subset."""
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_omniglot(tmp_path)
+    script = _signal_norm_script()
+    base = ["dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.split=evaluation",
+            "dataset.ways=3", "dataset.shots=1", "dataset.query=2",
+            "dataset.tasks_per_participant=20", "federation.participants=2"]  # fmt: skip
+    public = ["public.warm_start=true", "public.steps=2", "public.tasks_per_step=2"]
+    cfg = load_config(None, [*base, *public, "training.trained_parameters=head"])
+    result = script.measure(cfg, [0.5, 1.0], 12)
+    assert result["tasks_from"] == "public classes" and result["public_warm_start"]["classes"] == 6
+    assert result["dimension"] == 3 * 64 + 3  # the head of a 3-way ConvNet4
+    low, high = (row["signal_norm"] for row in result["clips"])
+    assert 0 < low <= 0.5 and low <= high <= 1.0
+    # Without declared public classes: one line, before any data is read.
+    assert script.main(["--set", f"dataset.path={tmp_path / 'absent'}",
+                        *(a for s in base[:1] for a in ("--set", s))]) == 2  # fmt: skip
+    assert "image tasks must come from data declared public" in capsys.readouterr().err
