@@ -16,6 +16,8 @@ from fedmeta.accounting import (
     PublicDataUse,
 )
 from fedmeta.cli import main
+from hypothesis import given
+from hypothesis import strategies as st
 
 ROUND = GaussianRound(FlatPoissonScheme(0.01), 1.0)
 USE = PublicDataUse(
@@ -130,3 +132,18 @@ def test_ledger_show_names_the_public_data(
     assert main(["ledger", "show", "--db", str(db), "--json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)["federations"][0]["public_data"]
     assert entry["digest"] == "ab" * 32 and entry["run_id"] == "run-b"
+
+
+@pytest.mark.unit
+@given(
+    description=st.text(min_size=1).filter(str.strip),
+    digest=st.text(alphabet="0123456789abcdef", min_size=16, max_size=128),
+    items=st.integers(min_value=1, max_value=10**9),
+    use=st.text(min_size=1).filter(str.strip),
+    disjoint=st.booleans(),
+)
+def test_a_declaration_survives_its_stored_form(
+    description: str, digest: str, items: int, use: str, disjoint: bool
+) -> None:
+    declared = PublicDataUse(description, digest, items, use, disjoint)
+    assert PublicDataUse.from_dict(json.loads(declared.to_json())) == declared
