@@ -256,11 +256,7 @@ class BudgetLedger(LedgerHistory):
 
         Spends nothing; recorded once per run (a resumed run's repeat is a no-op).
         """
-        if self.readonly:
-            raise LedgerReadOnly(
-                f"ledger {self.path} was opened read-only (open_readonly); recording public data "
-                "needs BudgetLedger.open"
-            )
+        self._refuse_readonly("recording public data")
         if not isinstance(use, PublicDataUse):
             raise TypeError(f"use must be a PublicDataUse; got {type(use).__name__}")
         try:
@@ -310,12 +306,15 @@ class BudgetLedger(LedgerHistory):
         """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
         return self.rounds_affordable(event) < 1
 
-    def _check_spend(self, event: GaussianRound, run_id: str, round_index: int) -> None:
+    def _refuse_readonly(self, doing: str) -> None:
         if self.readonly:
             raise LedgerReadOnly(
-                f"ledger {self.path} was opened read-only (open_readonly); spending needs "
+                f"ledger {self.path} was opened read-only (open_readonly); {doing} needs "
                 "BudgetLedger.open"
             )
+
+    def _check_spend(self, event: GaussianRound, run_id: str, round_index: int) -> None:
+        self._refuse_readonly("spending")
         if not isinstance(event, GaussianRound):
             raise ValueError(f"round must be a GaussianRound; got {event!r}")
         if not isinstance(run_id, str) or not run_id:

@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fedmeta.cli.deploy_local import (
@@ -138,15 +139,26 @@ def _counts(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFederation) -> None:
-    fed = federation
+def _spends(ledger: Path) -> int:
+    return sum(len(v) for v in ledger_spends(ledger).values())
+
+
+def _run_until_five_spends(
+    fed: LocalFederation, name: str
+) -> tuple[Path, Path, subprocess.Popen[Any]]:
+    """A private run (checkpoint every 3 rounds) once the ledger holds 5 of its spends."""
     ledger = fed.work / "state" / "ledger.sqlite"
-    out = fed.work / "runs" / "crash"
+    out = fed.work / "runs" / name
     sets = [*quick_check_sets(len(NAMES), fed.work), "privacy.epsilon_budget=6",
             "training.checkpoint_every=3"]  # fmt: skip
     run = fed.deploy_run(out, sets=sets, timeout=900)
-    wait_until(lambda: sum(len(v) for v in ledger_spends(ledger).values()) >= 5, 600,
-               "5 spends in the ledger", every=0.5)  # fmt: skip
+    wait_until(lambda: _spends(ledger) >= 5, 600, "5 spends in the ledger", every=0.5)
+    return ledger, out, run
+
+
+def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFederation) -> None:
+    fed = federation
+    ledger, out, run = _run_until_five_spends(fed, "crash")
     _kill_serverapp(fed)
     run.wait(timeout=600)
     text = (fed.logs / "deploy-run.log").read_text()
@@ -196,12 +208,8 @@ def _check_status(fed: LocalFederation, ledger: Path) -> None:
     assert online == keys, status["nodes"]
     assert len(status["runs"]) == 2, status["runs"]  # the crashed run and its resumption
     (book,) = status["budget"]["federations"]
-    assert book["spends"] == sum(len(v) for v in ledger_spends(ledger).values())
+    assert book["spends"] == _spends(ledger)
     assert 0 <= book["epsilon_left"] < book["epsilon_budget"] and book["epsilon_spent"] > 0
-
-
-def _spends(ledger: Path) -> int:
-    return sum(len(v) for v in ledger_spends(ledger).values())
 
 
 def test_superlink_restarted_mid_run_spends_no_round_twice(
@@ -214,12 +222,7 @@ def test_superlink_restarted_mid_run_spends_no_round_twice(
     and no ServerApp of the old SuperLink outlives it to spend beside the resumed one.
     """
     fed = federation_with_state
-    ledger = fed.work / "state" / "ledger.sqlite"
-    out = fed.work / "runs" / "restart"
-    sets = [*quick_check_sets(len(NAMES), fed.work), "privacy.epsilon_budget=6",
-            "training.checkpoint_every=3"]  # fmt: skip
-    run = fed.deploy_run(out, sets=sets, timeout=900)
-    wait_until(lambda: _spends(ledger) >= 5, 600, "5 spends in the ledger", every=0.5)
+    ledger, out, run = _run_until_five_spends(fed, "restart")
     link, apps = fed.procs[0][1], _serverapps(fed)
     fed.server.kill(link, signal.SIGTERM)
     link.wait(timeout=120)
