@@ -117,11 +117,12 @@ class Workload:
                                  n_way=ds.ways, k_shot=ds.shots, q_query=ds.query,
                                  seed=self.seed, cache_dir=default_cache_dir())  # fmt: skip
 
-    @property
+    @functools.cached_property
     def public_classes(self) -> ClassDataset | None:
-        """The classes ``dataset.split`` declares public, read when a warm start needs them.
+        """The classes ``dataset.split`` declares public, read once, when a warm start needs them.
 
-        Only the server pre-trains, so a participant never reads them.
+        Only the server pre-trains, so a participant never reads them. Cached: the warm start,
+        the summary and the ledger's declaration all ask, and each read decodes the image files.
         """
         return None if self.warm_start is None else _public_classes(self.dataset)
 
