@@ -87,9 +87,12 @@ from __future__ import annotations
 import math
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import InvalidStateError, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Literal, TypeAlias
 
 from fedmeta.accounting.adaptive import gradient_noise_multiplier
@@ -581,7 +584,8 @@ def _worker_init() -> None:
     # own, and the parent reports the interruption once. Only where the parent turns SIGINT into
     # KeyboardInterrupt: a parent that ignores it (started under nohup or as a background job of
     # a script) must not lose its workers to a signal it will never report.
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.default_int_handler or getattr(handler, "_reports_interrupt", False):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -598,12 +602,51 @@ def _pool_map(fn: Callable[..., PlanRow | str], jobs: Sequence[tuple[object, ...
                 progress(stage, len(done), len(jobs))
         return done
     _quiet_broken_pool()
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), initializer=_worker_init) as pool:
-        for result in pool.map(fn, *zip(*jobs, strict=True)):
-            done.append(result)
-            if progress is not None:
-                progress(stage, len(done), len(jobs))
+    with _interrupt_noticed() as interrupted:
+        try:
+            with ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                     initializer=_worker_init) as pool:  # fmt: skip
+                for result in pool.map(fn, *zip(*jobs, strict=True)):
+                    done.append(result)
+                    if progress is not None:
+                        progress(stage, len(done), len(jobs))
+        except BrokenProcessPool:
+            if interrupted.is_set():  # the workers died of the Ctrl-C the parent did not report
+                raise KeyboardInterrupt from None
+            raise
     return done
+
+
+#: What the parent's SIGINT handler does after noting the signal (a test swaps it).
+_default_interrupt = signal.default_int_handler
+
+
+@contextmanager
+def _interrupt_noticed() -> Iterator[threading.Event]:
+    """An event set by any SIGINT the parent receives while the pool runs.
+
+    The KeyboardInterrupt a Ctrl-C raises can be lost: raised while the pool forks a worker, it
+    lands in an at-fork hook, which only prints it ("Exception ignored"); the workers still die
+    of the signal, and the pool then reports them as a broken pool. With the event set, that is
+    reported as the interruption it was. Installed only where SIGINT raises KeyboardInterrupt,
+    in the main thread (the only one that may set a handler).
+    """
+    noticed = threading.Event()
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):  # fmt: skip
+        yield noticed
+        return
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        noticed.set()
+        _default_interrupt(signum, frame)
+
+    note._reports_interrupt = True  # type: ignore[attr-defined]  # a worker forked now: dies
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield noticed
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _quiet_broken_pool() -> None:

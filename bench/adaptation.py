@@ -70,6 +70,7 @@ def top_eigenvalues(model: Any, params: dict[str, Any], tasks: Any, iters: int =
 def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
     import torch
     from fedmeta.metalearning import evaluate
+    from fedmeta.server.selection import checkpoint_released_params
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
@@ -79,7 +80,7 @@ def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
     state = read_checkpoint(run_dir)
     cfg = config_from_dict(state["config"])
     model = build_model(cfg)
-    flat = state["params"].to(torch.float32)
+    flat = checkpoint_released_params(state).to(torch.float32)  # the model the run tested
     base = inner_kwargs(cfg.training, evaluation=True)
     tasks = held_out_tasks(cfg, "test", n_tasks)
     inner = {k: base[k] for k in ("inner_steps", "inner_lr")}

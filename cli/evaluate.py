@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate ``args.checkpoint``; the JSON-ready result."""
     import torch
     from fedmeta.metalearning import evaluate
+    from fedmeta.server.selection import checkpoint_released_params
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
@@ -71,7 +72,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     cfg = config_from_dict(state["config"])
     workload = build_workload(cfg)
     model = workload.model
-    params = state["params"].to(torch.float32)
+    params = checkpoint_released_params(state).to(torch.float32)  # the run's selected model
     inner = inner_kwargs(cfg.training, evaluation=True)
     if args.inner_steps is not None:
         inner["inner_steps"] = args.inner_steps

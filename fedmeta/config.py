@@ -397,6 +397,13 @@ class TrainingConfig(_Section):
         "the per-layer normalisation scale and shift with it; the rest keep their initial (or "
         "public warm-start) values, and the inner loop adapts every parameter",
     )
+    # "last" by default: every recorded result before it tested the last model. server/selection.py
+    # says why the validated choice costs no privacy.
+    model_selection: Literal["last", "best_validation"] = Field(
+        "last",
+        description="the model the run tests and releases: the last, or the best on the server's "
+        "validation tasks among the starting model and the validated rounds",
+    )
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
     chunk_size: int | None = Field(None, ge=1, le=100_000)
 
@@ -481,7 +488,22 @@ class Config(_Section):
                 f"(the public lower bound on task counts); got {n2}"
             )
         self._check_normaliser_is_computable()
+        self._check_model_selection()
         return self
+
+    def _check_model_selection(self) -> None:
+        # Omniglot's Lake et al. split has no validation characters: validation would use the test
+        # ones, and choosing on them biases the test result. image_folder: the run checks its data.
+        ds = self.dataset
+        if self.training.model_selection == "best_validation" and (ds.name, ds.split) == (
+            "omniglot",
+            "background",
+        ):
+            raise ValueError(
+                "training.model_selection = 'best_validation' needs validation classes apart from "
+                "the test classes, and dataset.split = 'background' has none: use dataset.split = "
+                "'evaluation' or 'dpmaml', or training.model_selection = 'last'"
+            )
 
     def _check_normaliser_is_computable(self) -> None:
         # With disjoint examples tasks_per_participant only caps a count the data decides, so the

@@ -95,6 +95,13 @@ class Workload:
         """Accuracy: higher is better; MSE: lower."""
         return self.metric == "accuracy"
 
+    @property
+    def validation_is_test(self) -> bool:
+        """Whether validation tasks would come from the test classes (no validation split)."""
+        if self.splits is None:  # sinusoid: validation and test tasks have their own seeds
+            return False
+        return bool(self.splits.val.n_classes < self.dataset.ways)
+
     def initial_params(self) -> Tensor:
         """Flat float32 initial meta-parameters (pre-trained once per workload).
 

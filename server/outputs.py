@@ -230,12 +230,18 @@ def build_summary(
 
 
 def model_start_fields(
-    public: Mapping[str, Any] | None, trained: Mapping[str, Any] | None
+    public: Mapping[str, Any] | None,
+    trained: Mapping[str, Any] | None,
+    selection: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What was public and which meta-parameters the rounds trained (summary.json's fields)."""
+    """What was public, which meta-parameters the rounds trained, which model was tested.
+
+    ``selection``: server/selection.py's ``ModelSelection.summary`` (None: the last model).
+    """
     return {
         "public_warm_start": None if public is None else dict(public),
         "trained_parameters": None if trained is None else dict(trained),
+        "model_selection": dict(selection) if selection else {"rule": "last"},
     }
 
 
@@ -364,6 +370,11 @@ def format_summary(s: Mapping[str, Any]) -> str:
     )  # fmt: skip
     if s.get("public_warm_start"):
         lines.append(public_line(s["public_warm_start"]))
+    chosen = s.get("model_selection") or {}
+    if chosen.get("rule") == "best_validation":
+        lines.append(f"tested model: round {chosen['round']} (best validation {s['metric']} "
+                     f"{_e(chosen['validation_metric'], '.4f')} on {chosen['validation_tasks']} "
+                     "server-held tasks; round 0 = the starting model)")  # fmt: skip
     trained = s.get("trained_parameters")
     if trained and trained["which"] != "all":
         lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))

@@ -78,6 +78,7 @@ from fedmeta.server.round import (
     run_round,
 )
 from fedmeta.server.rundir import exclusive_run_directory
+from fedmeta.server.selection import ModelSelection
 from fedmeta.server.transport import GridTransport, Registered, RegistrationError
 
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
@@ -184,6 +185,7 @@ class _Run:
     started_at: float = field(default_factory=time.monotonic)
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
+    selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
 
 
 def run_federation(
@@ -224,6 +226,8 @@ def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> R
     cfg = run.cfg
     announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
     run.observers.run_started(_run_started(run))
+    if run.selection.keeps_best and run.selection.round is None:  # round 0: the starting model
+        run.selection.offer(0, _validate(run), run.state.params)
     _checkpoint(run)  # the run id is recoverable from the first moment
     first = run.next_round
     stopped = _rounds(run, stop)
@@ -261,6 +265,7 @@ def _start(
     ledger = open_ledger(opened_with, registered) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     wl = workload or build_workload(cfg)
+    selection = _model_selection(cfg, wl, ckpt)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
     if isinstance(ledger, BudgetLedger) and public is not None:  # before the first spend
@@ -274,7 +279,24 @@ def _start(
                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
     if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
         run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
+    run.selection = selection
     return run
+
+
+def _model_selection(cfg: Config, workload: Workload, ckpt: Mapping[str, Any] | None
+                     ) -> ModelSelection:  # fmt: skip
+    """The run's model selection (server/selection.py), restored on resume."""
+    rule = cfg.training.model_selection
+    if rule == "best_validation" and workload.validation_is_test:
+        raise FederationError(
+            f"training.model_selection = 'best_validation' needs validation classes apart from the "
+            f"test classes, and dataset.split = {cfg.dataset.split!r} has none: choosing on test "
+            "classes would bias the test result; use a split with validation classes "
+            "('evaluation' or 'dpmaml') or training.model_selection = 'last'"
+        )
+    selection = ModelSelection(rule, workload.higher_is_better)
+    selection.restore((ckpt or {}).get("selection"))
+    return selection
 
 
 def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
@@ -532,7 +554,8 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     loss = _evaluate(run, probe).mean if probe is not None else None
     validation = None
     if r % cfg.training.eval_every == 0 or r == cfg.rounds:
-        validation = _evaluate(run, _held_out(run, "validation", cfg.dataset.validation_tasks)).mean
+        validation = _validate(run)
+        run.selection.offer(r, validation, run.state.params)
     eps: dict[str, Any] = {}
     if run.ledger is not None and _reports_epsilon(cfg, r):
         eps = _epsilons(run)
@@ -560,6 +583,12 @@ def _epsilons(run: _Run) -> dict[str, Any]:
     if task is None:
         return ledger_epsilons(run.ledger, run.plan.event)
     return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
+
+
+def _validate(run: _Run) -> float:
+    """The current model's mean metric on the server's validation tasks."""
+    tasks = _held_out(run, "validation", run.cfg.dataset.validation_tasks)
+    return float(_evaluate(run, tasks).mean)
 
 
 def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
@@ -600,6 +629,7 @@ def _checkpoint(run: _Run) -> None:
             "outcomes": [o.to_dict() for o in run.outcomes],
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
+            "selection": run.selection.to_checkpoint(),
         },
     )
 
@@ -631,7 +661,7 @@ def _run_started(run: _Run) -> RunStarted:
 def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
-    final = _evaluate(run, test_tasks, pre=True)
+    final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
     untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
@@ -649,8 +679,9 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
         coordinates=_coordinates(run),
-        model_start=model_start_fields(run.workload.public_summary(),
-                                       run.workload.trained_summary()),
+        model_start=model_start_fields(
+            run.workload.public_summary(), run.workload.trained_summary(),
+            run.selection.summary(run.cfg.dataset.validation_tasks, run.next_round)),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import math
 import os
+import signal
+import time
 
 import pytest
 from fedmeta.accounting import cli as accounting_cli
@@ -384,6 +386,30 @@ def test_a_pool_broken_without_a_signal_is_still_an_error() -> None:
 
     with pytest.raises(BrokenProcessPool):
         planner._pool_map(_die, [(1,), (2,)], workers=2)
+
+
+def _interrupt_parent_then_die(_: int) -> str:
+    os.kill(os.getppid(), signal.SIGINT)  # the terminal's Ctrl-C reaches the parent too
+    time.sleep(0.5)
+    os._exit(3)  # ... and the worker dies of it
+
+
+@pytest.mark.integration
+def test_a_ctrl_c_whose_keyboard_interrupt_was_lost_is_still_an_interruption(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C whose KeyboardInterrupt was lost in a fork (seen in CI) is no broken pool."""
+    from fedmeta.accounting import planner
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(planner, "_default_interrupt", lambda *a: None)  # the raise gets lost
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            planner._pool_map(_interrupt_parent_then_die, [(1,), (2,)], workers=2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.unit
