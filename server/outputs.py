@@ -374,7 +374,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
     if chosen.get("rule") == "best_validation":
         lines.append(f"tested model: round {chosen['round']} (best validation {s['metric']} "
                      f"{_e(chosen['validation_metric'], '.4f')} on {chosen['validation_tasks']} "
-                     "server-held tasks; round 0 = the starting model)")  # fmt: skip
+                     "server-held tasks; the starting model, round 0, validated "
+                     f"{_e(chosen.get('start_validation_metric'), '.4f')})")  # fmt: skip
     trained = s.get("trained_parameters")
     if trained and trained["which"] != "all":
         lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))

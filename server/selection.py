@@ -34,6 +34,7 @@ class ModelSelection:
     round: int | None = None  # 0: the starting model
     metric: float | None = None
     params: torch.Tensor | None = None
+    start_metric: float | None = None  # round 0's, whether or not a later round beat it
 
     @property
     def keeps_best(self) -> bool:
@@ -44,6 +45,8 @@ class ModelSelection:
         """Keep ``params`` if it validates strictly better than the kept one (ties: the earlier)."""
         if not self.keeps_best or metric is None or metric != metric:  # NaN never wins
             return
+        if round_ == 0:
+            self.start_metric = float(metric)
         if self.metric is not None:
             better = metric > self.metric if self.higher_is_better else metric < self.metric
             if not better:
@@ -60,7 +63,7 @@ class ModelSelection:
         if not self.keeps_best or self.params is None:
             return None
         return {"rule": self.rule, "round": self.round, "validation_metric": self.metric,
-                "params": self.params}  # fmt: skip
+                "start_validation_metric": self.start_metric, "params": self.params}  # fmt: skip
 
     def restore(self, saved: dict[str, Any] | None) -> None:
         """Take the kept model back from a checkpoint (a resumed run goes on comparing)."""
@@ -69,6 +72,8 @@ class ModelSelection:
         self.round = int(saved["round"])
         self.metric = float(saved["validation_metric"])
         self.params = saved["params"].detach().clone()
+        start = saved.get("start_validation_metric")
+        self.start_metric = None if start is None else float(start)
 
     def summary(self, validation_tasks: int, last_round: int) -> dict[str, Any]:
         """``summary.json``'s ``model_selection``: what was tested, and why."""
@@ -78,6 +83,7 @@ class ModelSelection:
             "rule": "best_validation",
             "round": self.round,
             "validation_metric": self.metric,
+            "start_validation_metric": self.start_metric,
             "validation_tasks": validation_tasks,
             "note": "the tested model is the best on server-held validation classes among the "
             "starting model (round 0) and the validated rounds; no participant owns those classes",

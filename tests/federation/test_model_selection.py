@@ -55,6 +55,8 @@ def test_the_kept_model_is_the_first_best_and_nan_never_wins(
     again = ModelSelection("best_validation", higher)
     again.restore(sel.to_checkpoint())
     assert (again.round, again.metric) == (sel.round, sel.metric)
+    start = None if math.isnan(metrics[0]) else metrics[0]
+    assert again.start_metric == sel.start_metric == start
 
 
 @pytest.mark.unit
@@ -83,6 +85,7 @@ def test_the_tested_model_is_the_best_validated_round(
     assert (chosen["rule"], chosen["round"], chosen["validation_metric"]) == (
         "best_validation", 2, 0.4
     )
+    assert chosen["start_validation_metric"] == 1.0  # round 0's, reported beside the choice
     assert "tested model: round 2" in format_summary(best)
     # The same seed stopped after round 2 trains the same model and tests it on the same tasks.
     monkeypatch.undo()
