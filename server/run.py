@@ -226,8 +226,10 @@ def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> R
     cfg = run.cfg
     announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
     run.observers.run_started(_run_started(run))
-    if run.selection.keeps_best and run.selection.round is None:  # round 0: the starting model
-        run.selection.offer(0, _validate(run), run.state.params)
+    if run.selection.keeps_best and run.selection.round is None:
+        # The model this invocation starts from: round 0's, or that of a run resumed under this
+        # rule after starting under "last" (its candidates begin where it resumes).
+        run.selection.offer(run.next_round, _validate(run), run.state.params)
     _checkpoint(run)  # the run id is recoverable from the first moment
     first = run.next_round
     stopped = _rounds(run, stop)

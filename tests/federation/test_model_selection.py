@@ -124,6 +124,25 @@ def test_round_zero_is_the_starting_model_and_a_resume_keeps_the_choice(tmp_path
 
 
 @pytest.mark.integration
+def test_a_run_resumed_under_the_rule_counts_its_candidates_from_where_it_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedmeta.server.app import execute
+    from fedmeta.simulation.local_grid import InProcessGrid
+
+    last = small(*BEST[1:])  # started under "last"
+    ledger, stop = fake_ledger(100.0, 0.1), threading.Event()
+    execute(last, InProcessGrid(last.federation.participants), out_dir=tmp_path / "run",
+            observers=[StopAfter(3, stop)], echo=False, open_ledger=opener(ledger),
+            stop=stop)  # fmt: skip
+    _scripted_validation(monkeypatch, [0.1, 0.5, 0.6, 0.7])  # the resumed start validates best
+    summary = run(small(*BEST), tmp_path / "run", ledger, resume=True).summary
+    chosen = summary["model_selection"]
+    assert (chosen["round"], chosen["validation_metric"]) == (3, 0.1)  # not "round 0"
+    assert chosen["start_validation_metric"] is None  # round 0 was never validated under it
+
+
+@pytest.mark.integration
 def test_a_split_without_validation_classes_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
