@@ -179,9 +179,8 @@ class Workload:
         if ds.name == "sinusoid":
             return SinusoidTasks(ds.shots, ds.query).sample(n_tasks, seed)
         assert self.splits is not None  # image data
-        split = self.splits.test if which == "test" else self.splits.val
-        if split.n_classes < ds.ways:
-            split = self.splits.test
+        # The one fallback rule, which model selection's refusal reads too (validation_is_test).
+        split = self.splits.test if which == "test" or self.validation_is_test else self.splits.val
         return sample_tasks(
             split, n_way=ds.ways, k_shot=ds.shots, q_query=ds.query, n_tasks=n_tasks, seed=seed
         )
