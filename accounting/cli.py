@@ -738,8 +738,21 @@ _DESIGN_LABELS = {
     "two_stage_poisson": "two-stage, Poisson",
     "two_stage_fixed": "two-stage, fixed size",
 }
-#: Writes a plan's row as a configuration file: ``(path, row, request, base_config) -> text``.
-ConfigWriter = Callable[[str, PlanRow, PlanRequest, "str | None"], str]
+
+
+@dataclass(frozen=True)
+class WrittenConfig:
+    """What a :data:`ConfigWriter` wrote: the file, and a line per setting it chose beyond the plan.
+
+    The notes are the writer's (fedmeta's training advice, for example); accounting prints them.
+    """
+
+    path: str
+    notes: tuple[str, ...] = ()
+
+
+#: Writes a plan's row as a configuration file: ``(path, row, request, base_config) -> written``.
+ConfigWriter = Callable[[str, PlanRow, PlanRequest, "str | None"], WrittenConfig]
 #: The delta of the budget recorded for the data a written plan runs on (``base_config`` -> delta,
 #: None when that data has no budget yet): a budget's delta is fixed, so the plan uses it.
 BudgetDelta = Callable[["str | None"], "float | None"]
@@ -847,7 +860,7 @@ _RANKED_BY_SNR = (
 )
 
 
-def _print_plan(result: Plan, written: str | None, row: int) -> None:
+def _print_plan(result: Plan, written: WrittenConfig | None, row: int) -> None:
     req = result.request
     b, f, c = req.budget, req.federation, req.compute
     counts = f.tasks_per_participant
@@ -897,7 +910,10 @@ def _print_plan(result: Plan, written: str | None, row: int) -> None:
     for note in result.notes:
         print(f"not feasible: {note}")
     if written:
-        print(f"wrote row {row} to {written}: run it with fedmeta simulate --config {written}")
+        path = written.path
+        print(f"wrote row {row} to {path}: run it with fedmeta simulate --config {path}")
+        for note in written.notes:
+            print(f"  {note}")
 
 
 def _progress_line(stream: Any) -> Callable[[str, int, int], None]:
@@ -979,7 +995,8 @@ def _cmd_plan(
             if result.baseline
             else None,
             "notes": list(result.notes),
-            "config_written": written,
+            "config_written": written.path if written else None,
+            "config_notes": list(written.notes) if written else [],
         }
         print(json.dumps(payload, indent=2, sort_keys=True))
     else:

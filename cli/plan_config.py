@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta.accounting import cli as accounting_cli
+from fedmeta.accounting.cli import WrittenConfig
 from fedmeta.accounting.planner import PlanRequest, PlanRow
+from fedmeta.server.rate_advice import advise_rate
 
 from fedmeta.config import to_toml
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
@@ -102,6 +104,12 @@ def _merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
     if keys["sampling.stage2"] == "poisson":
         for stale in ("tasks_per_round", "min_tasks"):
             out.get("sampling", {}).pop(stale, None)
+    return _merge_keys(out, keys)
+
+
+def _merge_keys(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``base`` with each dotted key of ``keys`` set."""
+    out: dict[str, Any] = json.loads(json.dumps(base))
     for dotted, value in keys.items():
         *sections, last = dotted.split(".")
         node = out
@@ -125,8 +133,15 @@ def _header(row: PlanRow, request: PlanRequest) -> str:
     )
 
 
-def write_config(path: str, row: PlanRow, request: PlanRequest, base_config: str | None) -> str:
-    """Write ``row`` over ``base_config`` (or the defaults) to ``path``; return the path written."""
+def write_config(
+    path: str, row: PlanRow, request: PlanRequest, base_config: str | None
+) -> WrittenConfig:
+    """Write ``row`` over ``base_config`` (or the defaults) to ``path``.
+
+    With the planner's run SNR (``--signal-norm`` and ``--dimension``) the file also gets the
+    meta-learning rate and model selection that SNR calls for (server/rate_advice.py); each such
+    choice is a note of the result and a comment in the file.
+    """
     from fedmeta.config import config_from_dict, load_config
 
     if request.adaptive_count_noise is not None:
@@ -140,8 +155,9 @@ def write_config(path: str, row: PlanRow, request: PlanRequest, base_config: str
         base = tomllib.loads(Path(base_config).read_text(encoding="utf-8"))
     merged = _merge(base, plan_keys(row, request))
     config_from_dict(merged)  # validate before anything is written
+    merged, notes = _with_rate_advice(merged, row)
     target = Path(path)
-    text = _header(row, request) + to_toml(merged)
+    text = _header(row, request) + "".join(f"# {note}\n" for note in notes) + to_toml(merged)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -151,4 +167,31 @@ def write_config(path: str, row: PlanRow, request: PlanRequest, base_config: str
         Path(tmp).unlink(missing_ok=True)
         raise
     load_config(target)  # what fedmeta simulate --config will read
-    return str(target)
+    return WrittenConfig(str(target), notes)
+
+
+def _with_rate_advice(
+    merged: dict[str, Any], row: PlanRow
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``merged`` with the advised rate and selection for ``row``'s run SNR, and their notes."""
+    from fedmeta.config import ConfigError, config_from_dict
+
+    if row.run_snr is None:
+        return merged, ()
+    training = config_from_dict(merged).training
+    advice = advise_rate(row.run_snr, training.meta_lr)
+    out = _merge_keys(merged, {"training.meta_lr": advice.rate})
+    notes = [advice.describe(training.optimizer)]
+    if advice.select_best_validation and training.model_selection != "best_validation":
+        selected = _merge_keys(out, {"training.model_selection": "best_validation"})
+        try:
+            config_from_dict(selected)
+        except ConfigError as exc:
+            notes.append(f"kept training.model_selection = {training.model_selection!r}: {exc}")
+        else:
+            out = selected
+            notes.append(
+                "training.model_selection = 'best_validation': below run SNR 10 a run can end "
+                "below where it started; the best validated model is released (no privacy cost)"
+            )
+    return out, tuple(notes)

@@ -17,6 +17,9 @@ from fedmeta.accounting.planner import (
 )
 from fedmeta.cli.plan_config import write_config
 from fedmeta.server.plan import build_plan
+from fedmeta.server.rate_advice import HIGH_SNR, LOW_SNR, SMALLEST_FACTOR, advise_rate
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fedmeta.config import load_config, to_toml
 from tests.federation.test_e2e import fedmeta, sets
@@ -51,8 +54,9 @@ def test_written_config_loads_and_the_server_records_the_planned_event(
     row = plan(req, discretization=GRID).rows[0]
     base = tmp_path / "base.toml"
     base.write_text("seed = 7\n[privacy]\ntarget_epsilon = 3.0\n[training]\nmeta_lr = 0.002\n")
-    path = write_config(str(tmp_path / "plan.toml"), row, req, str(base))
-    cfg = load_config(path)
+    written = write_config(str(tmp_path / "plan.toml"), row, req, str(base))
+    assert written.notes == ()  # no signal given: no training advice, the base's rate is kept
+    cfg = load_config(written.path)
     assert cfg.seed == 7 and cfg.training.meta_lr == 0.002  # the base's other keys are kept
     # The plan's epsilon is the run's target (its rounds must fit what the data has left); the
     # noise is the plan's, and the data's budget is not the plan's to set (issue 22).
@@ -90,6 +94,7 @@ def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["config_written"] == str(path) and data["rows"][0]["design"] == "flat_poisson"
+    assert data["config_notes"] == []  # no --signal-norm: no training advice
     out = tmp_path / "run"
     res = fedmeta(
         "simulate", "--config", str(path), "--out", str(out),
@@ -101,3 +106,76 @@ def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 6 and summary["stopped_reason"] == "planned_rounds"
     assert summary["epsilon_spent"] == pytest.approx(data["rows"][0]["epsilon"], abs=1e-6)
+
+
+@pytest.mark.unit
+def test_rate_advice_at_the_measured_ends_and_between() -> None:
+    # The measured ends (server/rate_advice.py): the base rate at high SNR, a tenth at low SNR.
+    high = advise_rate(38.0, 0.03)
+    assert high.rate == 0.03 and not high.select_best_validation
+    assert advise_rate(0.85, 0.003).rate == pytest.approx(0.0003)
+    assert advise_rate(1.41, 0.003).rate == pytest.approx(0.0003)
+    assert advise_rate(0.0, 0.003).select_best_validation
+    # Log-linear between: the geometric middle of the SNRs gets the geometric middle of the factors.
+    middle = (LOW_SNR * HIGH_SNR) ** 0.5
+    assert advise_rate(middle, 1.0).factor == pytest.approx(SMALLEST_FACTOR**0.5)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="run_snr"):
+            advise_rate(bad, 0.003)
+    with pytest.raises(ValueError, match="base_rate"):
+        advise_rate(2.0, 0.0)
+
+
+@pytest.mark.unit
+@given(a=st.floats(0, 100), b=st.floats(0, 100), base=st.floats(1e-6, 1.0))
+def test_rate_advice_never_raises_the_rate_for_less_signal(a: float, b: float, base: float) -> None:
+    low, high = sorted((a, b))
+    weak, strong = advise_rate(low, base), advise_rate(high, base)
+    assert SMALLEST_FACTOR <= weak.factor <= strong.factor <= 1
+    assert weak.select_best_validation or not strong.select_best_validation
+
+
+def _signal_request(signal_norm: float, dimension: int) -> PlanRequest:
+    return request(designs=("flat_poisson",), signal_norm=signal_norm, dimension=dimension)
+
+
+@pytest.mark.integration
+def test_written_config_takes_the_rate_and_selection_its_snr_calls_for(tmp_path: Path) -> None:
+    base = tmp_path / "base.toml"
+    base.write_text("[training]\nmeta_lr = 0.003\n")
+    weak = _signal_request(0.01, 100_000)
+    row = plan(weak, discretization=GRID).rows[0]
+    assert row.run_snr is not None and row.run_snr <= LOW_SNR
+    written = write_config(str(tmp_path / "weak.toml"), row, weak, str(base))
+    cfg = load_config(written.path)
+    assert cfg.training.meta_lr == pytest.approx(0.0003)
+    assert cfg.training.model_selection == "best_validation"
+    assert len(written.notes) == 2 and "run SNR" in written.notes[0]
+    text = Path(written.path).read_text()
+    assert all(f"# {note}" in text for note in written.notes)  # the file says why, too
+    strong = _signal_request(0.99, 1)
+    row = plan(strong, discretization=GRID).rows[0]
+    assert row.run_snr is not None and row.run_snr >= HIGH_SNR
+    written = write_config(str(tmp_path / "strong.toml"), row, strong, str(base))
+    cfg = load_config(written.path)
+    assert cfg.training.meta_lr == 0.003 and cfg.training.model_selection == "last"
+    assert len(written.notes) == 1 and "kept training.meta_lr = 0.003" in written.notes[0]
+
+
+@pytest.mark.integration
+def test_selection_is_not_written_where_the_configuration_refuses_it(tmp_path: Path) -> None:
+    # Omniglot's background split validates on its test classes: best_validation is refused
+    # there, so the advice keeps 'last' and says why instead of writing a file that fails.
+    base = tmp_path / "base.toml"
+    base.write_text(
+        '[dataset]\nname = "omniglot"\npath = "data"\nsplit = "background"\n'
+        "[training]\nmeta_lr = 0.003\n"
+    )
+    weak = _signal_request(0.01, 100_000)
+    row = plan(weak, discretization=GRID).rows[0]
+    written = write_config(str(tmp_path / "weak.toml"), row, weak, str(base))
+    cfg = load_config(written.path)
+    assert cfg.training.model_selection == "last"
+    assert cfg.training.meta_lr == pytest.approx(0.0003)
+    assert "kept training.model_selection = 'last'" in written.notes[1]
+    assert "training.model_selection" in written.notes[1].split(": ", 1)[1]
