@@ -18,7 +18,8 @@ The base configuration's rate is taken as the non-private one (tuned without noi
 * run SNR 1.41, 20-way from a public warm start: the base rate 0.003 lost 10.8 points (1 run), a
   tenth of it (0.0003) gained 1.3 (3 runs);
 * run SNR about 38, the sinusoid's default design at epsilon 8 (G = 0.47 at C = 1, lot 200, 200
-  rounds): the base rate 0.03 was the best of 0.01, 0.02 and 0.03 (1 run each).
+  rounds): the base rate 0.03 beat two thirds of it, 0.02 (test MSE 0.462 against 0.523, 1 run
+  each), and 0.01 was far worse at every design tried.
 
 So the advice is the base rate at run SNR 10 and above (the sinusoid's designs in docs/results.md
 run at 6 to 38 with that rate; 10 is a choice, not a measured edge), a tenth of it at 1.5 and
