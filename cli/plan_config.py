@@ -22,7 +22,7 @@ from typing import Any
 from fedmeta.accounting import cli as accounting_cli
 from fedmeta.accounting.cli import WrittenConfig
 from fedmeta.accounting.planner import PlanRequest, PlanRow
-from fedmeta.server.rate_advice import advise_rate
+from fedmeta.server.rate_advice import HIGH_SNR, advise_rate
 
 from fedmeta.config import to_toml
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
@@ -153,9 +153,8 @@ def write_config(
     if base_config is not None:
         load_config(base_config)  # the base must be valid itself (one-line error otherwise)
         base = tomllib.loads(Path(base_config).read_text(encoding="utf-8"))
-    merged = _merge(base, plan_keys(row, request))
+    merged, notes = _with_rate_advice(_merge(base, plan_keys(row, request)), row)
     config_from_dict(merged)  # validate before anything is written
-    merged, notes = _with_rate_advice(merged, row)
     target = Path(path)
     text = _header(row, request) + "".join(f"# {note}\n" for note in notes) + to_toml(merged)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -176,9 +175,9 @@ def _with_rate_advice(
     """``merged`` with the advised rate and selection for ``row``'s run SNR, and their notes."""
     from fedmeta.config import ConfigError, config_from_dict
 
+    training = config_from_dict(merged).training  # the plan's keys over the base must be valid
     if row.run_snr is None:
         return merged, ()
-    training = config_from_dict(merged).training
     advice = advise_rate(row.run_snr, training.meta_lr)
     out = _merge_keys(merged, {"training.meta_lr": advice.rate})
     notes = [advice.describe(training.optimizer)]
@@ -187,11 +186,13 @@ def _with_rate_advice(
         try:
             config_from_dict(selected)
         except ConfigError as exc:
-            notes.append(f"kept training.model_selection = {training.model_selection!r}: {exc}")
+            why = " ".join(str(exc).split())  # one line: each note is also a `# ` comment
+            notes.append(f"kept training.model_selection = {training.model_selection!r}: {why}")
         else:
             out = selected
             notes.append(
-                "training.model_selection = 'best_validation': below run SNR 10 a run can end "
-                "below where it started; the best validated model is released (no privacy cost)"
+                f"training.model_selection = 'best_validation': below run SNR {HIGH_SNR:g} a run "
+                "can end below where it started; the best validated model is released (no "
+                "privacy cost)"
             )
     return out, tuple(notes)

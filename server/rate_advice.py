@@ -9,7 +9,9 @@ Why the rate should shrink with the signal-to-noise ratio. ``fedmeta privacy pla
 ``round_snr = G / sqrt(d sigma^2 + (C^2 - G^2) / E[lot])`` (accounting/planner.py). When it is
 small, each round's update is mostly noise and Adam moves every coordinate by about its learning
 rate whatever the signal (server/optimizer.py): the progress along the signal grows with the rate,
-the random walk the noise adds grows with its square, so a smaller rate keeps more of the gain.
+the variance of the random walk the noise adds (and the loss it costs) with its square, so a
+smaller rate keeps more of the gain. The same holds for SGD with momentum, so the factor applies
+whatever ``training.optimizer`` is; the measurements below are Adam's.
 The base configuration's rate is taken as the non-private one (tuned without noise). Measured
 (docs/results.md, Adam, lot 100, (1.5, 1e-6) unless said; run SNRs from G on public tasks):
 
@@ -21,9 +23,10 @@ The base configuration's rate is taken as the non-private one (tuned without noi
   rounds): the base rate 0.03 beat two thirds of it, 0.02 (test MSE 0.462 against 0.523, 1 run
   each), and 0.01 was far worse at every design tried.
 
-So the advice is the base rate at run SNR 10 and above (the sinusoid's designs in docs/results.md
-run at 6 to 38 with that rate; 10 is a choice, not a measured edge), a tenth of it at 1.5 and
-below, and between them log-linear in the SNR: an interpolation, not measured. Below
+So the advice is the base rate at run SNR 10 and above (measured at 38 only; the other sinusoid
+designs in docs/results.md, at 6 to 38, ran at that rate with no other rate tried; 10 is a choice,
+not a measured edge), a tenth of it at 1.5 and below, and between them log-linear in the SNR: an
+interpolation, not measured. Below
 run SNR 10 it also releases the best validated model (server/selection.py), which guards against a
 rate still too large: such a run can end below where it started.
 """
@@ -59,7 +62,9 @@ class RateAdvice:
 
     @property
     def rate(self) -> float:
-        """The advised rate, to 3 significant digits (the measurements are no finer)."""
+        """The advised rate: the base itself at factor 1, else to 3 significant digits."""
+        if self.factor == 1:
+            return self.base_rate
         return float(f"{self.base_rate * self.factor:.3g}")
 
     def describe(self, optimizer: str) -> str:
@@ -68,7 +73,7 @@ class RateAdvice:
         if self.factor == 1:
             what = f"kept training.meta_lr = {base:g}"
         else:
-            what = f"training.meta_lr = {self.rate:g} ({self.factor:.2g} x the base {base:g})"
+            what = f"training.meta_lr = {self.rate:g} ({self.factor:.3g} x the base {base:g})"
         if self.run_snr <= LOW_SNR:
             where = "the low-SNR rule"
         elif self.run_snr >= HIGH_SNR:

@@ -111,8 +111,8 @@ def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
 @pytest.mark.unit
 def test_rate_advice_at_the_measured_ends_and_between() -> None:
     # The measured ends (server/rate_advice.py): the base rate at high SNR, a tenth at low SNR.
-    high = advise_rate(38.0, 0.03)
-    assert high.rate == 0.03 and not high.select_best_validation
+    high = advise_rate(38.0, 0.00123456)
+    assert high.rate == 0.00123456 and not high.select_best_validation  # kept is kept, unrounded
     assert advise_rate(0.85, 0.003).rate == pytest.approx(0.0003)
     assert advise_rate(1.41, 0.003).rate == pytest.approx(0.0003)
     assert advise_rate(0.0, 0.003).select_best_validation
@@ -179,3 +179,35 @@ def test_selection_is_not_written_where_the_configuration_refuses_it(tmp_path: P
     assert cfg.training.meta_lr == pytest.approx(0.0003)
     assert "kept training.model_selection = 'last'" in written.notes[1]
     assert "training.model_selection" in written.notes[1].split(": ", 1)[1]
+
+
+@pytest.mark.integration
+def test_an_interpolated_rate_and_a_selection_already_made(tmp_path: Path) -> None:
+    base = tmp_path / "base.toml"
+    base.write_text('[training]\nmeta_lr = 0.003\nmodel_selection = "best_validation"\n')
+    middle = _signal_request(0.5, 1)
+    row = plan(middle, discretization=GRID).rows[0]
+    assert row.run_snr is not None and LOW_SNR < row.run_snr < HIGH_SNR
+    written = write_config(str(tmp_path / "middle.toml"), row, middle, str(base))
+    cfg = load_config(written.path)
+    assert 0.0003 < cfg.training.meta_lr < 0.003
+    assert cfg.training.meta_lr == pytest.approx(advise_rate(row.run_snr, 0.003).rate)
+    assert cfg.training.model_selection == "best_validation"
+    assert len(written.notes) == 1 and "interpolated" in written.notes[0]  # nothing to say twice
+
+
+@pytest.mark.e2e
+def test_plan_cli_prints_what_it_chose_beyond_the_plan(tmp_path: Path) -> None:
+    path = tmp_path / "plan.toml"
+    res = fedmeta(
+        "privacy", "plan", "--epsilon", "8", "--participants", "6", "--tasks-per-participant",
+        "20", "--max-tasks-per-round", "6", "--rounds", "6", "--designs", "flat_poisson",
+        "--dimension", "100000", "--signal-norm", "0.01", "--write-config", str(path),
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    wrote = next(i for i, line in enumerate(lines) if line.startswith("wrote row 1 to"))
+    assert lines[wrote + 1].strip().startswith("training.meta_lr = ")
+    assert lines[wrote + 2].strip().startswith("training.model_selection = 'best_validation'")
+    assert load_config(path).training.model_selection == "best_validation"
