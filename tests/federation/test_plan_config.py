@@ -8,11 +8,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from fedmeta.accounting.cli import WrittenConfig
 from fedmeta.accounting.planner import (
     ComputeBudget,
     Federation,
     PlanBudget,
     PlanRequest,
+    PlanRow,
     plan,
 )
 from fedmeta.cli.plan_config import write_config
@@ -21,7 +23,7 @@ from fedmeta.server.rate_advice import HIGH_SNR, LOW_SNR, SMALLEST_FACTOR, advis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedmeta.config import load_config, to_toml
+from fedmeta.config import Config, load_config, to_toml
 from tests.federation.test_e2e import fedmeta, sets
 
 GRID = 1e-3
@@ -135,29 +137,31 @@ def test_rate_advice_never_raises_the_rate_for_less_signal(a: float, b: float, b
     assert weak.select_best_validation or not strong.select_best_validation
 
 
-def _signal_request(signal_norm: float, dimension: int) -> PlanRequest:
-    return request(designs=("flat_poisson",), signal_norm=signal_norm, dimension=dimension)
+def _advised(
+    tmp_path: Path, base_text: str, signal_norm: float, dimension: int
+) -> tuple[PlanRow, WrittenConfig, Config]:
+    """Plan one flat-Poisson row with this signal, write it over ``base_text``, load it back."""
+    req = request(designs=("flat_poisson",), signal_norm=signal_norm, dimension=dimension)
+    row = plan(req, discretization=GRID).rows[0]
+    assert row.run_snr is not None
+    base = tmp_path / f"base-{signal_norm}-{dimension}.toml"
+    base.write_text(base_text)
+    written = write_config(str(tmp_path / f"plan-{signal_norm}-{dimension}.toml"), row, req,
+                           str(base))  # fmt: skip
+    return row, written, load_config(written.path)
 
 
 @pytest.mark.integration
 def test_written_config_takes_the_rate_and_selection_its_snr_calls_for(tmp_path: Path) -> None:
-    base = tmp_path / "base.toml"
-    base.write_text("[training]\nmeta_lr = 0.003\n")
-    weak = _signal_request(0.01, 100_000)
-    row = plan(weak, discretization=GRID).rows[0]
+    row, written, cfg = _advised(tmp_path, "[training]\nmeta_lr = 0.003\n", 0.01, 100_000)
     assert row.run_snr is not None and row.run_snr <= LOW_SNR
-    written = write_config(str(tmp_path / "weak.toml"), row, weak, str(base))
-    cfg = load_config(written.path)
     assert cfg.training.meta_lr == pytest.approx(0.0003)
     assert cfg.training.model_selection == "best_validation"
     assert len(written.notes) == 2 and "run SNR" in written.notes[0]
     text = Path(written.path).read_text()
     assert all(f"# {note}" in text for note in written.notes)  # the file says why, too
-    strong = _signal_request(0.99, 1)
-    row = plan(strong, discretization=GRID).rows[0]
+    row, written, cfg = _advised(tmp_path, "[training]\nmeta_lr = 0.003\n", 0.99, 1)
     assert row.run_snr is not None and row.run_snr >= HIGH_SNR
-    written = write_config(str(tmp_path / "strong.toml"), row, strong, str(base))
-    cfg = load_config(written.path)
     assert cfg.training.meta_lr == 0.003 and cfg.training.model_selection == "last"
     assert len(written.notes) == 1 and "kept training.meta_lr = 0.003" in written.notes[0]
 
@@ -166,15 +170,8 @@ def test_written_config_takes_the_rate_and_selection_its_snr_calls_for(tmp_path:
 def test_selection_is_not_written_where_the_configuration_refuses_it(tmp_path: Path) -> None:
     # Omniglot's background split validates on its test classes: best_validation is refused
     # there, so the advice keeps 'last' and says why instead of writing a file that fails.
-    base = tmp_path / "base.toml"
-    base.write_text(
-        '[dataset]\nname = "omniglot"\npath = "data"\nsplit = "background"\n'
-        "[training]\nmeta_lr = 0.003\n"
-    )
-    weak = _signal_request(0.01, 100_000)
-    row = plan(weak, discretization=GRID).rows[0]
-    written = write_config(str(tmp_path / "weak.toml"), row, weak, str(base))
-    cfg = load_config(written.path)
+    base = '[dataset]\nname = "omniglot"\npath = "data"\nsplit = "background"\n'
+    _, written, cfg = _advised(tmp_path, base + "[training]\nmeta_lr = 0.003\n", 0.01, 100_000)
     assert cfg.training.model_selection == "last"
     assert cfg.training.meta_lr == pytest.approx(0.0003)
     assert "kept training.model_selection = 'last'" in written.notes[1]
@@ -183,13 +180,9 @@ def test_selection_is_not_written_where_the_configuration_refuses_it(tmp_path: P
 
 @pytest.mark.integration
 def test_an_interpolated_rate_and_a_selection_already_made(tmp_path: Path) -> None:
-    base = tmp_path / "base.toml"
-    base.write_text('[training]\nmeta_lr = 0.003\nmodel_selection = "best_validation"\n')
-    middle = _signal_request(0.5, 1)
-    row = plan(middle, discretization=GRID).rows[0]
+    base = '[training]\nmeta_lr = 0.003\nmodel_selection = "best_validation"\n'
+    row, written, cfg = _advised(tmp_path, base, 0.5, 1)
     assert row.run_snr is not None and LOW_SNR < row.run_snr < HIGH_SNR
-    written = write_config(str(tmp_path / "middle.toml"), row, middle, str(base))
-    cfg = load_config(written.path)
     assert 0.0003 < cfg.training.meta_lr < 0.003
     assert cfg.training.meta_lr == pytest.approx(advise_rate(row.run_snr, 0.003).rate)
     assert cfg.training.model_selection == "best_validation"
