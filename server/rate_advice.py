@@ -17,7 +17,7 @@ The base configuration's rate is taken as the non-private one (tuned without noi
 
 * run SNR 0.85, Omniglot 5-way from a public warm start: the base rate 0.003 ended 0.4 points
   under the warm start (3 runs), a third of it (0.001) 0.4 points above it (3 runs), a tenth of it
-  (0.0003, releasing the best validated model) 0.6 points above it (1 run so far);
+  (0.0003) 0.5 points above it (3 runs; their last models as well as their best validated ones);
 * run SNR 1.41, 20-way from a public warm start: the base rate 0.003 lost 10.8 points (1 run), a
   tenth of it (0.0003) gained 1.3 (3 runs);
 * run SNR about 38, the sinusoid's default design at epsilon 8 (G = 0.47 at C = 1, lot 200, 200
