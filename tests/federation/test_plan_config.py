@@ -27,6 +27,9 @@ from fedmeta.config import Config, load_config, to_toml
 from tests.federation.test_e2e import fedmeta, sets
 
 GRID = 1e-3
+#: `fedmeta privacy plan` for the federation of :func:`request`: 6 participants of 20 tasks each.
+SMALL_PLAN = ("privacy", "plan", "--epsilon", "8", "--participants", "6", "--tasks-per-participant",
+              "20", "--max-tasks-per-round", "6", "--rounds", "6")  # fmt: skip
 
 
 def request(**kw: object) -> PlanRequest:
@@ -88,10 +91,8 @@ def test_write_config_refuses_what_it_cannot_write(tmp_path: Path) -> None:
 def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
     path = tmp_path / "plan.toml"
     res = fedmeta(
-        "privacy", "plan", "--epsilon", "8", "--participants", "6", "--tasks-per-participant",
-        "20", "--max-tasks-per-round", "6", "--rounds", "6", "--participants-per-round", "6,3",
-        "--designs", "flat_poisson,two_stage_poisson", "--json", "--write-config", str(path),
-        timeout=300,
+        *SMALL_PLAN, "--participants-per-round", "6,3", "--designs",
+        "flat_poisson,two_stage_poisson", "--json", "--write-config", str(path), timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -193,10 +194,8 @@ def test_an_interpolated_rate_and_a_selection_already_made(tmp_path: Path) -> No
 def test_plan_cli_prints_what_it_chose_beyond_the_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.toml"
     res = fedmeta(
-        "privacy", "plan", "--epsilon", "8", "--participants", "6", "--tasks-per-participant",
-        "20", "--max-tasks-per-round", "6", "--rounds", "6", "--designs", "flat_poisson",
-        "--dimension", "100000", "--signal-norm", "0.01", "--write-config", str(path),
-        timeout=300,
+        *SMALL_PLAN, "--designs", "flat_poisson", "--dimension", "100000", "--signal-norm", "0.01",
+        "--write-config", str(path), timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
