@@ -99,12 +99,13 @@ def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:
 
 
 def _merge(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(json.dumps(base))
-    # Keys of the base that would contradict the plan: the other stage 2's.
+    out = _merge_keys(base, keys)
+    # Keys of the base that would contradict the plan: the other stage 2's (a Poisson plan sets
+    # neither, so removing them after the merge removes only the base's).
     if keys["sampling.stage2"] == "poisson":
         for stale in ("tasks_per_round", "min_tasks"):
-            out.get("sampling", {}).pop(stale, None)
-    return _merge_keys(out, keys)
+            out["sampling"].pop(stale, None)
+    return out
 
 
 def _merge_keys(base: dict[str, Any], keys: dict[str, Any]) -> dict[str, Any]:
