@@ -47,4 +47,6 @@ def adaptation_summary(cfg: TrainingConfig) -> dict[str, Any]:
         else "training and evaluation adapt differently (training.eval_inner_steps/eval_inner_lr)",
         "inner_grad_clip": cfg.inner_grad_clip,
         "step_check": cfg.inner_step_check,
+        # Meta-SGD: the rates are learned per coordinate; train_lr/eval_lr are where they started.
+        "learned_inner_rates": cfg.meta_sgd,
     }

@@ -388,6 +388,11 @@ class TrainingConfig(_Section):
     zero_head: bool = Field(
         False, description="N-way models: start the classifier head at zero (Kao et al. 2022)"
     )
+    meta_sgd: bool = Field(
+        False,
+        description="learn one inner learning rate per meta-parameter with the meta-model "
+        "(Meta-SGD, Li et al. 2017), each starting at inner_lr; doubles the meta-parameters",
+    )
     inner_step_check: bool = Field(
         True, description="keep an inner step only if the support loss does not rise (train/test)"
     )
@@ -406,6 +411,17 @@ class TrainingConfig(_Section):
     )
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
     chunk_size: int | None = Field(None, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _learned_rates_have_no_test_rate(self) -> TrainingConfig:
+        # A test-time rate would replace the rates the run learned, so the model would be tested
+        # with an inner loop it was never trained for.
+        if self.meta_sgd and self.eval_inner_lr is not None:
+            raise ValueError(
+                "training.eval_inner_lr must be unset with training.meta_sgd = true: the inner "
+                "rates are learned and used at test too (remove eval_inner_lr)"
+            )
+        return self
 
 
 class MetricsConfig(_Section):

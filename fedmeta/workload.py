@@ -188,13 +188,18 @@ class Workload:
 
 def build_model(cfg: Config) -> nn.Module:
     """The meta-model for the configured dataset."""
-    from fedmeta.metalearning import ConvNet4, SinusoidMLP
+    from fedmeta.metalearning import ConvNet4, SinusoidMLP, with_learned_inner_rates
 
     ds = cfg.dataset
+    model: nn.Module
     if ds.name == "sinusoid":
-        return SinusoidMLP()
-    channels = 1 if ds.name == "omniglot" else 3
-    return ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size, norm=ds.norm)
+        model = SinusoidMLP()
+    else:
+        channels = 1 if ds.name == "omniglot" else 3
+        model = ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size, norm=ds.norm)
+    if cfg.training.meta_sgd:
+        model = with_learned_inner_rates(model, cfg.training.inner_lr)
+    return model
 
 
 def initial_params(cfg: Config, model: nn.Module) -> Tensor:

@@ -32,15 +32,18 @@ from fedmeta.metalearning.maml import (
     task_scores,
 )
 from fedmeta.metalearning.models import (
+    INNER_RATES,
     ConvNet4,
     ParamSpec,
     SinusoidMLP,
     TrainedParameters,
     flatten_params,
     init_params,
+    inner_rates,
     param_spec,
     trained_coordinates,
     unflatten_params,
+    with_learned_inner_rates,
 )
 from fedmeta.metalearning.omniglot import (
     default_cache_dir,
@@ -64,6 +67,7 @@ from fedmeta.metalearning.warm_start import (
 )
 
 __all__ = [
+    "INNER_RATES",
     "ChecksumError",
     "ClassDataset",
     "ConvNet4",
@@ -93,6 +97,7 @@ __all__ = [
     "flatten_params",
     "image_folder_source_digest",
     "init_params",
+    "inner_rates",
     "load_image_folder",
     "load_omniglot",
     "load_omniglot_public",
@@ -112,4 +117,5 @@ __all__ = [
     "trained_coordinates",
     "unflatten_params",
     "verify_checksum",
+    "with_learned_inner_rates",
 ]

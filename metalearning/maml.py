@@ -35,6 +35,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fedmeta.metalearning.models import inner_rates
 from fedmeta.metalearning.tasks import Task, stack_tasks
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -370,12 +371,16 @@ class InnerLoop:
 LossAndGrad = Callable[[Params], tuple[Tensor, Params]]
 
 
-def _clipped_step(p: Params, g: Params, lr: Tensor | float, clip: float) -> Params:
+def _clipped_step(
+    p: Params, g: Params, lr: Tensor | float, clip: float, rates: Params | None
+) -> Params:
     if not math.isinf(clip):
         norm = torch.sqrt(sum((v * v).sum() for v in g.values()))  # type: ignore[arg-type]
         scale = torch.clamp(clip / torch.clamp(norm, min=1e-30), max=1.0)
         g = {n: v * scale for n, v in g.items()}
-    return {n: p[n] - lr * g[n] for n in p}
+    if rates is None:
+        return {n: p[n] - lr * g[n] for n in p}
+    return {n: p[n] - lr * rates[n] * g[n] for n in p}  # Meta-SGD: a learned rate per coordinate
 
 
 def adapt(
@@ -384,19 +389,31 @@ def adapt(
     loss_only: Callable[[Params], Tensor],
     inner: InnerLoop,
 ) -> Params:
-    """``inner.steps`` guarded SGD steps from ``params`` (see :class:`InnerLoop`)."""
-    fast = params
+    """``inner.steps`` guarded SGD steps from ``params`` (see :class:`InnerLoop`).
+
+    When ``params`` carry learned inner rates (Meta-SGD, :func:`~fedmeta.metalearning.models.
+    with_learned_inner_rates`), each coordinate steps by its own rate and ``inner.lr`` is unused:
+    the rates were initialised at it. The rates are read from ``params``, so the query gradient
+    reaches them through the steps, in first order too (there only the inner gradients are
+    constants): ``d L_q / d alpha = -sum_steps g_support * g_query``.
+    """
+    rates = inner_rates(params)
+    # The rates are not adapted and stay out of the inner gradients: a gradient with respect to a
+    # rate would run back through the previous steps (which read it) and free their graph before
+    # the query gradient needs it. The forward pass never reads them, so it does not miss them.
+    fast = params if rates is None else {n: params[n] for n in rates}
+    base_lr = inner.lr if rates is None else 1.0
     if not inner.step_check:
         for _ in range(inner.steps):
             _, g = loss_and_grad(fast)
-            fast = _clipped_step(fast, g, inner.lr, inner.grad_clip)
+            fast = _clipped_step(fast, g, base_lr, inner.grad_clip, rates)
         return fast
     if inner.steps == 0:
         return fast
     loss, g = loss_and_grad(fast)
-    lr = torch.full_like(loss.detach(), inner.lr)
+    lr = torch.full_like(loss.detach(), base_lr)
     for step in range(inner.steps):
-        cand = _clipped_step(fast, g, lr, inner.grad_clip)
+        cand = _clipped_step(fast, g, lr, inner.grad_clip, rates)
         last = step == inner.steps - 1
         # The last candidate needs only its loss: no step follows it.
         cand_loss, cand_g = (loss_only(cand), g) if last else loss_and_grad(cand)

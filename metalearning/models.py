@@ -30,12 +30,15 @@ __all__ = [
     "ConvNet4",
     "ParamSpec",
     "SinusoidMLP",
+    "INNER_RATES",
     "flatten_params",
     "init_params",
+    "inner_rates",
     "param_spec",
     "to_channels_last",
     "trained_coordinates",
     "unflatten_params",
+    "with_learned_inner_rates",
 ]
 
 #: Which meta-parameters private training updates: all of them, the output layer alone, or the
@@ -92,6 +95,51 @@ def trained_coordinates(model: nn.Module, which: TrainedParameters) -> Tensor | 
     return torch.cat(picked)
 
 
+#: The submodule holding Meta-SGD's learned inner rates (:func:`with_learned_inner_rates`).
+INNER_RATES = "inner_rates"
+
+
+def with_learned_inner_rates(model: nn.Module, initial: float) -> nn.Module:
+    """``model`` with one learned inner learning rate per parameter coordinate (Meta-SGD).
+
+    Li et al. (2017), "Meta-SGD: Learning to Learn Quickly for Few-Shot Learning", Eq. (1): the
+    inner step is ``theta - alpha * grad`` with ``alpha`` a meta-parameter of ``theta``'s shape,
+    learned with ``theta`` by the same meta-gradient. The rates are registered as the submodule
+    :data:`INNER_RATES`, after every other parameter, so they are the tail of the flat vector and
+    travel, clip, take noise and checkpoint like any meta-parameter; ``forward`` never reads them
+    (the inner loop does, :func:`inner_rates`). Each starts at ``initial`` (the configured
+    ``inner_lr``), so before any meta-step the model adapts exactly as plain MAML does.
+    """
+    if hasattr(model, INNER_RATES):
+        raise ValueError(f"{type(model).__name__} already has learned inner rates")
+    names = [n for n, _ in model.named_parameters()]
+    if any("__" in n for n in names):  # the key mangling below must be reversible
+        raise ValueError(f"parameter names must not contain '__' to learn their rates: {names}")
+    rates = {n.replace(".", "__"): nn.Parameter(torch.full_like(p.detach(), initial))
+             for n, p in model.named_parameters()}  # fmt: skip
+    model.add_module(INNER_RATES, _LearnedInnerRates(rates, float(initial)))
+    return model
+
+
+class _LearnedInnerRates(nn.ParameterDict):
+    """The rates of :func:`with_learned_inner_rates`, and the value they start at (init_params)."""
+
+    def __init__(self, rates: Mapping[str, nn.Parameter], initial: float) -> None:
+        super().__init__(rates)
+        self.initial = initial
+
+
+def inner_rates(params: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """Each adapted parameter's learned rate in ``params``, keyed by its name; None without them."""
+    prefix = INNER_RATES + "."
+    rates = {
+        name[len(prefix) :].replace("__", "."): value
+        for name, value in params.items()
+        if name.startswith(prefix)
+    }
+    return rates or None
+
+
 def flatten_params(params: Mapping[str, Tensor] | nn.Module) -> Tensor:
     """Concatenate parameters (a dict or a module's) into one detached 1-D tensor."""
     if isinstance(params, nn.Module):
@@ -131,7 +179,11 @@ def init_params(model: nn.Module, seed: int, *, zero_head: bool = False) -> dict
     gen = torch.Generator().manual_seed(int(seed))
     out: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
-        if zero_head and name.startswith("head."):
+        if name.startswith(INNER_RATES + "."):  # Meta-SGD: every rate starts at the inner_lr
+            rates = model.get_submodule(INNER_RATES)
+            assert isinstance(rates, _LearnedInnerRates)
+            t = torch.full_like(p, rates.initial)
+        elif zero_head and name.startswith("head."):
             if p.ndim > 1:  # draw as usual so that the other parameters do not change
                 torch.rand(p.shape, generator=gen, dtype=p.dtype)
             t = torch.zeros_like(p)

@@ -113,6 +113,13 @@ def _model_start_lines(cfg: Config) -> list[str]:
             "meta-parameters stay at their "
             + ("public warm-start values" if cfg.public.warm_start else "initial values")
         )
+    if cfg.training.meta_sgd:
+        lines.append(
+            f"Meta-SGD: one learned inner rate per meta-parameter, starting at "
+            f"{cfg.training.inner_lr:g}; the meta-model has twice the parameters"
+            + ("" if cfg.training.trained_parameters == "all" else
+               ", and the rates train only where the subset above says")  # fmt: skip
+        )
     return lines
 
 
