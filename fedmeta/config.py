@@ -280,6 +280,10 @@ class FederationConfig(_Section):
     client_device: str = Field("auto", description="auto (CUDA when present), cpu or cuda")
 
 
+#: GroupNorm's groups in ConvNet4 (its default; dataset.norm = "group").
+GROUP_NORM_GROUPS = 32
+
+
 class DatasetConfig(_Section):
     """Task data (see metalearning/)."""
 
@@ -322,6 +326,18 @@ class DatasetConfig(_Section):
         description="ConvNet4 normalisation: per-task batch statistics (no running statistics) or "
         "GroupNorm",
     )
+    # 64: MAML's and DP-MAML's Omniglot network. Fewer filters mean fewer meta-parameters, and the
+    # norm of the DP noise on the averaged gradient grows with their square root.
+    filters: int = Field(64, ge=1, le=1024, description="ConvNet4 filters per conv block")
+
+    @model_validator(mode="after")
+    def _group_norm_divides_the_filters(self) -> DatasetConfig:
+        if self.norm == "group" and self.filters % GROUP_NORM_GROUPS:
+            raise ValueError(
+                f"dataset.filters must be a multiple of {GROUP_NORM_GROUPS} with dataset.norm = "
+                f"'group' (GroupNorm's groups); got {self.filters}: change one of them"
+            )
+        return self
 
 
 class PublicConfig(_Section):

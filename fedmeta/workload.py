@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from fedmeta.accounting import PublicDataUse
-from fedmeta.config import Config, DatasetConfig
+from fedmeta.config import GROUP_NORM_GROUPS, Config, DatasetConfig
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
     from fedmeta.metalearning.federated import (
@@ -196,7 +196,14 @@ def build_model(cfg: Config) -> nn.Module:
         model = SinusoidMLP()
     else:
         channels = 1 if ds.name == "omniglot" else 3
-        model = ConvNet4(ds.ways, in_channels=channels, image_size=ds.image_size, norm=ds.norm)
+        model = ConvNet4(
+            ds.ways,
+            in_channels=channels,
+            hidden=ds.filters,
+            groups=GROUP_NORM_GROUPS,
+            image_size=ds.image_size,
+            norm=ds.norm,
+        )
     if cfg.training.meta_sgd:
         model = with_learned_inner_rates(model, cfg.training.inner_lr)
     return model

@@ -281,3 +281,17 @@ def test_dataset_options_reach_the_workload(tmp_path: Path) -> None:
         "federation.participants=3", "sampling.participants_per_round=1",
     ])  # fmt: skip
     assert data_fingerprint(cfg) == data_fingerprint(other)
+
+
+def test_the_network_width_is_configured_and_group_norm_must_divide_it() -> None:
+    from fedmeta.workload import build_model
+
+    sets = ["dataset.name=omniglot", "dataset.path=/nowhere", "dataset.ways=5"]
+    sizes = {f: sum(p.numel() for p in build_model(load_config(None, [*sets,
+             f"dataset.filters={f}"])).parameters()) for f in (16, 64)}  # fmt: skip
+    # 4 conv blocks (3x3 kernels, bias, norm scale and shift) and a 5-way head on 1x1xf features.
+    assert sizes == {f: 9 * f + 3 * (9 * f * f) + 4 * 3 * f + 5 * f + 5 for f in (16, 64)}
+    assert sizes[64] == 112_261  # MAML's and DP-MAML's Omniglot network, the default
+    assert load_config(None, [*sets, "dataset.norm=group", "dataset.filters=96"]).dataset.filters
+    with pytest.raises(ConfigError, match=r"dataset.filters must be a multiple of 32"):
+        load_config(None, [*sets, "dataset.norm=group", "dataset.filters=16"])
