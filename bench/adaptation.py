@@ -79,6 +79,9 @@ def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
 
     state = read_checkpoint(run_dir)
     cfg = config_from_dict(state["config"])
+    if cfg.training.meta_sgd:  # the curvature test below assumes one inner rate for every task
+        raise SystemExit(f"{run_dir}: a Meta-SGD run (training.meta_sgd) learns its inner rates; "
+                         "this ablation needs one fixed inner_lr")  # fmt: skip
     model = build_model(cfg)
     flat = checkpoint_released_params(state).to(torch.float32)  # the model the run tested
     base = inner_kwargs(cfg.training, evaluation=True)

@@ -126,7 +126,11 @@ def _default_chunk(
     images = first.support_x.shape[0] + first.query_x.shape[0]
     pixels = first.support_x[0].numel()
     hidden = getattr(model, "hidden", 64)
-    per_task = 150 * 2**20 + images * pixels * hidden * 50 * (1 + 0.2 * inner_steps)
+    # Plus the parameter copies vmap batches per task (one per inner step and a few more), which
+    # the activation term above, measured at 64 filters, does not grow with: parameters grow with
+    # the square of the width (dataset.filters), and Meta-SGD doubles them.
+    copies = 4 * sum(p.numel() for p in model.parameters()) * (inner_steps + 3)
+    per_task = 150 * 2**20 + images * pixels * hidden * 50 * (1 + 0.2 * inner_steps) + copies
     free, _ = torch.cuda.mem_get_info(device)
     return int(max(1, min(512, 0.5 * free // per_task)))
 
@@ -340,7 +344,8 @@ class InnerLoop:
     (:func:`task_scores`):
 
     * ``grad_clip``: each inner gradient is scaled to global L2 norm at most ``grad_clip``, so
-      one step moves the parameters by at most ``lr * grad_clip`` (Zhang et al. 2020, "Why
+      one step moves the parameters by at most ``lr * grad_clip`` (with Meta-SGD's learned rates,
+      the largest rate's magnitude times ``grad_clip``) (Zhang et al. 2020, "Why
       gradient clipping accelerates training", for clipped GD on non-smooth-Lipschitz losses).
     * ``step_check``: a backtracking (Armijo-style, with constant 0) acceptance test: a step is
       kept only if the support loss at the new point is finite and not larger than before;

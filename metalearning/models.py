@@ -113,8 +113,10 @@ def with_learned_inner_rates(model: nn.Module, initial: float) -> nn.Module:
     if hasattr(model, INNER_RATES):
         raise ValueError(f"{type(model).__name__} already has learned inner rates")
     names = [n for n, _ in model.named_parameters()]
-    if any("__" in n for n in names):  # the key mangling below must be reversible
-        raise ValueError(f"parameter names must not contain '__' to learn their rates: {names}")
+    # The keys ('.' -> '__') must map back to the names (inner_rates): not so for "a__b", "a_.b".
+    irreversible = [n for n in names if n.replace(".", "__").replace("__", ".") != n]
+    if irreversible:
+        raise ValueError(f"cannot learn inner rates for parameters named {irreversible}")
     rates = {n.replace(".", "__"): nn.Parameter(torch.full_like(p.detach(), initial))
              for n, p in model.named_parameters()}  # fmt: skip
     model.add_module(INNER_RATES, _LearnedInnerRates(rates, float(initial)))

@@ -117,8 +117,6 @@ def _model_start_lines(cfg: Config) -> list[str]:
         lines.append(
             f"Meta-SGD: one learned inner rate per meta-parameter, starting at "
             f"{cfg.training.inner_lr:g}; the meta-model has twice the parameters"
-            + ("" if cfg.training.trained_parameters == "all" else
-               ", and the rates train only where the subset above says")  # fmt: skip
         )
     return lines
 

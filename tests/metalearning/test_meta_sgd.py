@@ -16,7 +16,7 @@ from fedmeta.metalearning import INNER_RATES, Task, inner_rates, with_learned_in
 from pydantic import ValidationError
 
 from fedmeta.adaptation import adaptation_summary
-from fedmeta.config import TrainingConfig, load_config
+from fedmeta.config import ConfigError, TrainingConfig, load_config
 from fedmeta.workload import build_model, initial_params
 
 pytestmark = pytest.mark.unit
@@ -126,13 +126,14 @@ def test_first_order_rate_gradient_is_minus_support_times_query_gradient() -> No
         torch.testing.assert_close(got[i, d:], want, rtol=_tolerance(want.dtype), atol=1e-7)
 
 
-def test_second_order_rate_gradient_matches_finite_differences() -> None:
+@pytest.mark.parametrize("method", ["loop", "vmap"])
+def test_second_order_rate_gradient_matches_finite_differences(method: str) -> None:
     """In float64 the exact (second-order) rate gradient matches central differences of the adapted
-    query loss (task_scores of a regression task is that loss)."""
+    query loss (task_scores of a regression task is that loss), on both gradient paths."""
     _, model, params = _pair(ml.SinusoidMLP().double())
     params = {n: v.double() for n, v in params.items()}
     tasks = _sinusoid_tasks(1, dtype=torch.float64)
-    kw = {"inner_steps": 2, "inner_lr": LR, "device": "cpu", "method": "loop"}
+    kw = {"inner_steps": 2, "inner_lr": LR, "device": "cpu", "method": method}
     grad = ml.per_task_grads(model, params, tasks, first_order=False, **kw)[0]
     names, shapes = ml.param_spec(model).names, ml.param_spec(model).shapes
     flat = ml.flatten_params(params).double()
@@ -169,7 +170,8 @@ def test_a_zero_rate_leaves_its_parameter_unadapted(method: str) -> None:
 
 
 def test_the_configuration_builds_the_model_with_rates_and_says_so() -> None:
-    cfg = load_config(None, ["training.meta_sgd=true", "training.inner_lr=0.02"])
+    cfg = load_config(None, ["training.meta_sgd=true", "training.inner_lr=0.02",
+                             "training.optimizer=sgd"])  # fmt: skip
     plain = load_config(None, [])
     start, start_plain = initial_params(cfg, build_model(cfg)), initial_params(plain,
                                                                                build_model(plain))
@@ -181,7 +183,24 @@ def test_the_configuration_builds_the_model_with_rates_and_says_so() -> None:
     assert adaptation_summary(plain.training)["learned_inner_rates"] is False
 
 
-def test_a_test_time_rate_is_refused_with_learned_rates() -> None:
+def test_a_test_time_rate_or_a_subset_is_refused_with_learned_rates() -> None:
     with pytest.raises(ValidationError, match=r"training.eval_inner_lr must be unset"):
         TrainingConfig(meta_sgd=True, eval_inner_lr=0.1)
+    with pytest.raises(ValidationError, match=r"needs training.trained_parameters = 'all'"):
+        TrainingConfig(meta_sgd=True, trained_parameters="head")
     assert TrainingConfig(meta_sgd=True, eval_inner_steps=5).eval_inner_steps == 5
+
+
+def test_adam_steps_that_could_turn_a_rate_negative_are_refused() -> None:
+    """Adam moves each rate by about meta_lr a round; over the rounds the walk must stay within a
+    quarter of the starting rate (the measured design, 0.003 over 300 rounds from 0.4, passes)."""
+    measured = ["training.meta_sgd=true", "training.inner_lr=0.4", "training.meta_lr=0.003",
+                "rounds=300"]  # fmt: skip
+    assert load_config(None, measured).training.meta_sgd
+    with pytest.raises(ConfigError, match=r"meta_lr x sqrt\(rounds\) = 0.104 must be at most"):
+        load_config(None, [*measured, "rounds=1200"])  # 0.003 x sqrt(1200) > 0.4 / 4
+    for optimizer in ("adam", "adam_bc", "adam_floor"):
+        with pytest.raises(ConfigError, match=rf"optimizer = '{optimizer}'"):
+            load_config(None, ["training.meta_sgd=true", f"training.optimizer={optimizer}"])
+    sgd = load_config(None, ["training.meta_sgd=true", "training.optimizer=sgd"])
+    assert sgd.training.optimizer == "sgd"  # SGD's step scales with the gradient: not refused
