@@ -15,6 +15,9 @@ ServerApp, which polls for replies every 50 ms). Presets (what runs each message
     python bench/deployment.py --net loopback --preset warm --rounds 20
     python bench/deployment.py --net netns --preset warm --rounds 20        # needs root and `ip`
     python bench/deployment.py --net netns --preset warm --shape 1:8mbit --fleet-proxy
+    python bench/deployment.py --net compose --participants 3 --rounds 20   # compose already up
+    python bench/deployment.py --net compose --participants 3 --compose-file docker-compose.yml \
+        --compose-file deploy/compose/tls.yml                                # the TLS overlay
 
 Per round (medians of rounds 2..): ``round_s`` (the ServerApp's round: requests out, replies in,
 aggregation; ``metrics.private_diagnostics`` on for it), ``period_s`` (between the starts of
@@ -201,7 +204,7 @@ def _cpu(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def collect(fed: LocalFederation, out: Path) -> dict[str, Any]:
+def collect(logs: Path, out: Path) -> dict[str, Any]:
     """Per-round numbers from rounds.csv (diagnostics) and the workers' timings."""
     rows = (
         list(csv.DictReader((out / "rounds.csv").open())) if (out / "rounds.csv").is_file() else []
@@ -209,7 +212,7 @@ def collect(fed: LocalFederation, out: Path) -> dict[str, Any]:
     rounds = [float(r["round_seconds"]) for r in rows if r.get("round_seconds")]
     agg = [float(r["aggregation_seconds"]) for r in rows if r.get("aggregation_seconds")]
     tasks = []
-    for path in fed.logs.glob("node-*.timings.jsonl"):
+    for path in logs.glob("node-*.timings.jsonl"):
         tasks += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     train = [t for t in tasks if t.get("kind") == "train" and "app" in t]
     starts: dict[str, float] = {}
@@ -232,14 +235,14 @@ def collect(fed: LocalFederation, out: Path) -> dict[str, Any]:
             "app_s": _med([t["app"] - t["input"] for t in steady]),
             "push_s": _med([t["pushed"] - t["app"] for t in steady]),
         },
-        "worker_start": _worker_start(fed),
-        "timeline": timeline(fed, train),
+        "worker_start": _worker_start(logs),
+        "timeline": timeline(logs, train),
     }  # fmt: skip
 
 
-def timeline(fed: LocalFederation, train: list[dict[str, Any]]) -> dict[str, float | None]:
+def timeline(logs: Path, train: list[dict[str, Any]]) -> dict[str, float | None]:
     """A round's timeline (medians, seconds after the ServerApp started pushing its requests)."""
-    path = fed.logs / "server-trace.jsonl"
+    path = logs / "server-trace.jsonl"
     if not path.is_file():
         return {}
     events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -263,10 +266,10 @@ def timeline(fed: LocalFederation, train: list[dict[str, Any]]) -> dict[str, flo
     return {k: _med([r[k] for r in rows]) for k in rows[0]} if rows else {}
 
 
-def _worker_start(fed: LocalFederation) -> dict[str, float | None]:
+def _worker_start(logs: Path) -> dict[str, float | None]:
     """The warm workers' one-off costs: imports (a cold ClientApp's start) and the warm-up."""
     imports, warm = [], []
-    for log in fed.logs.glob("node-*.log"):
+    for log in logs.glob("node-*.log"):
         for line in log.read_text().splitlines():
             if "fedmeta.worker INFO imports" in line:
                 imports.append(float(line.split("imports ")[1].split(" s")[0]))
@@ -300,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["exit_status"] = proc.wait(timeout=4000)
         result["run_wall_s"] = round(time.monotonic() - t0, 1)
         result["cpu_s"] = {k: round(_cpu(pid) - c, 1) for k, (pid, c) in cpu0.items()}
-        result.update(collect(fed, work / "runs" / "bench"))
+        result.update(collect(fed.logs, work / "runs" / "bench"))
         return result
     finally:
         fed.close()
@@ -308,10 +311,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             net.close()
 
 
+def compose_command(files: list[str]) -> list[str]:
+    """``docker compose -f ...``, or the Compose binary podman-setup links where the Docker CLI
+    has no compose plugin (docs/deploy.md)."""
+    import subprocess
+
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        head = ["docker", "compose"]
+    else:
+        found = subprocess.run(["bash", str(ROOT / "scripts" / "podman-setup.sh"), "compose-bin"],
+                               capture_output=True, text=True, check=False)  # fmt: skip
+        if found.returncode != 0 or not found.stdout.strip():
+            sys.exit(
+                "deployment bench: no `docker compose` and no Compose binary from "
+                "scripts/podman-setup.sh compose-bin; set up the engine first (docs/deploy.md)"
+            )
+        head = [found.stdout.strip()]
+    return head + [a for f in files for a in ("-f", f)]
+
+
+def run_compose(args: argparse.Namespace) -> dict[str, Any]:
+    """The same run on a compose federation that is already up (``docker compose up -d``):
+    ``docker compose exec serverapp fedmeta deploy run`` with :func:`settings`, the ledger an
+    experiment's own file in the ``ledger`` volume; rounds.csv and summary.json copied out."""
+    import subprocess
+
+    work = Path(args.out or tempfile.mkdtemp(prefix="fedmeta-bench-")).resolve()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    dc = compose_command(args.compose_file)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    remote = f"/runs/bench-{stamp}"
+    sets = [s for s in settings(args, work) if not s.startswith("privacy.ledger_path=")]
+    # The compose configuration's live metrics endpoint is the one setting `deploy local` lacks.
+    sets += [f"privacy.ledger_path=/ledger/bench-{stamp}.sqlite", "metrics.port=none"]
+    cmd = [*dc, "exec", "-T", "serverapp", "fedmeta", "deploy", "run", "--out", remote,
+           "--poll", "0.5", "--timeout", "3600"]  # fmt: skip
+    cmd += [a for x in sets for a in ("--set", x)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=4000, check=False)
+    result: dict[str, Any] = {
+        "preset": "compose", "net": "compose", "compose_files": args.compose_file,
+        "work": str(work), "participants": args.participants, "per_round": args.per_round,
+        "exit_status": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1),
+        "ready_s": None, "cpu_s": {},
+    }  # fmt: skip
+    (work / "logs" / "deploy-run.log").write_text(proc.stdout + proc.stderr)
+    local = work / "runs" / "bench"
+    local.mkdir(parents=True, exist_ok=True)
+    for name in ("rounds.csv", "summary.json"):
+        got = subprocess.run([*dc, "exec", "-T", "serverapp", "cat", f"{remote}/{name}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        if got.returncode == 0:
+            (local / name).write_text(got.stdout)
+    result.update(collect(work / "logs", local))
+    return result
+
+
 def main() -> None:
     """CLI."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--net", choices=["loopback", "netns"], default="loopback")
+    p.add_argument(
+        "--net",
+        choices=["loopback", "netns", "compose"],
+        default="loopback",
+        help="compose: a compose federation already up (its participants)",
+    )
+    p.add_argument(
+        "--compose-file",
+        action="append",
+        default=None,
+        help="with --net compose: the compose files (default docker-compose.yml)",
+    )
     p.add_argument("--preset", choices=PRESETS, default="warm")
     p.add_argument("--participants", type=int, default=4)
     p.add_argument("--per-round", type=int, default=None)
@@ -334,7 +405,8 @@ def main() -> None:
     args = p.parse_args()
     args.per_round = args.per_round or args.participants
     load0 = os.getloadavg()
-    result = run(args)
+    args.compose_file = args.compose_file or ["docker-compose.yml"]
+    result = run_compose(args) if args.net == "compose" else run(args)
     result["loadavg_before"], result["loadavg_after"] = load0[0], os.getloadavg()[0]
     Path(result["work"], "results.json").write_text(json.dumps(result, indent=1))
     m = result["median"]

@@ -319,16 +319,30 @@ class Outcome:
     error: str = ""  # the ServerApp's exception class, from its log
 
 
-def submit(env: Mapping[str, str], app: Path, config_file: Path) -> str:
-    """Submit the run; its id. A SuperLink that does not answer is UNAVAILABLE."""
-    res = flwr(env, "run", str(app), CONNECTION, "--run-config", str(config_file), "--format",
-               "json", timeout=300)  # fmt: skip
-    try:
-        return str(json_in(res.stdout)["run-id"])
-    except (ValueError, KeyError):
-        text = " ".join((res.stdout + res.stderr).split())[-400:]
-        raise DeployError(f"the SuperLink did not accept the run: {text}",
-                          exitcodes.UNAVAILABLE) from None  # fmt: skip
+#: flwr's words when it could not reach the SuperLink at all (no run was created).
+_UNREACHABLE = "Connection to the SuperLink is unavailable"
+
+
+def submit(env: Mapping[str, str], app: Path, config_file: Path, reach_s: float = 60.0) -> str:
+    """Submit the run; its id. A SuperLink that does not answer is UNAVAILABLE.
+
+    One that cannot be reached is tried again for ``reach_s``: right after `docker compose up`
+    the SuperLink's own health check passes before the compose network's name service answers
+    other containers (seen once on a fresh podman). Unreachable means no run was created, so a
+    retry cannot submit a run twice.
+    """
+    deadline = time.monotonic() + reach_s
+    while True:
+        res = flwr(env, "run", str(app), CONNECTION, "--run-config", str(config_file),
+                   "--format", "json", timeout=300)  # fmt: skip
+        try:
+            return str(json_in(res.stdout)["run-id"])
+        except (ValueError, KeyError):
+            text = " ".join((res.stdout + res.stderr).split())
+        if _UNREACHABLE not in text or time.monotonic() >= deadline:
+            raise DeployError(f"the SuperLink did not accept the run: {text[-400:]}",
+                              exitcodes.UNAVAILABLE) from None  # fmt: skip
+        time.sleep(2.0)
 
 
 def run_status(env: Mapping[str, str], run_id: str) -> tuple[str, str]:
@@ -436,7 +450,9 @@ def report(outcome: Outcome, status: int, args: argparse.Namespace | None = None
         print(f"fedmeta deploy run: {error}{outcome.details or outcome.status} (exit status "
               f"{status})", file=sys.stderr)  # fmt: skip
     unfinished = status == exitcodes.INTERRUPTED or outcome.status != "finished:completed"
-    if unfinished and args is not None and status != exitcodes.BAD_INPUT:
+    # Bad input and a budget that affords no round ran nothing: there is no run to resume.
+    nothing_ran = status in (exitcodes.BAD_INPUT, exitcodes.BUDGET_EXHAUSTED)
+    if unfinished and args is not None and not nothing_ran:
         if progress.visible and "checkpoint.pt" not in progress.files:
             print("nothing to resume (no checkpoint was written): start a new run with the same "
                   "command; what was spent stays in the ledger", file=sys.stderr)  # fmt: skip

@@ -275,10 +275,26 @@ class FederationConfig(_Section):
     client_num_gpus: float = Field(0.0, ge=0, le=64)
     ray_address: str | None = Field(
         None,
-        description="backend ray: attach to this running Ray cluster (host:port of its head, or "
-        "ray://host:10001) instead of starting a private Ray instance; None = private",
+        description="attach to this running Ray cluster (host:port of its head, or "
+        "ray://host:10001) instead of starting a private Ray instance; selects backend ray; "
+        "None = private",
     )
     client_device: str = Field("auto", description="auto (CUDA when present), cpu or cuda")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_ray_address_means_ray(cls, data: Any) -> Any:
+        # A cluster address is only read by the Ray backend: with the in-process default it was
+        # ignored, and the run stayed on this machine. Given alone, it selects Ray; beside an
+        # explicit in-process backend it is a contradiction, refused.
+        if not isinstance(data, dict) or data.get("ray_address") in (None, ""):
+            return data
+        if data.get("backend", "ray") != "ray":
+            raise ValueError(
+                "federation.ray_address needs federation.backend = 'ray' (the in-process backend "
+                "runs on this machine only); set backend = 'ray' or remove ray_address"
+            )
+        return {**data, "backend": "ray"}
 
 
 #: GroupNorm's groups in ConvNet4 (its default; dataset.norm = "group").

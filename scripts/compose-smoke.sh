@@ -3,11 +3,16 @@
 # podman's Docker-compatible API where there is no Docker Engine. The `slow` test
 # tests/deploy/test_compose_podman.py runs it.
 #
-#   scripts/compose-smoke.sh [--tls] [--no-build] [--keep-up]
+#   scripts/compose-smoke.sh [--engine auto|docker|podman] [--tls] [--no-build] [--keep-up]
 #
-#   1. no Docker Engine answering: scripts/podman-setup.sh all; eval "$(scripts/podman-setup.sh env)"
+#   1. the engine: --engine docker needs a Docker Engine that answers (DOCKER_HOST, else the
+#      default socket); where python:3.11-slim-bookworm cannot be pulled and FEDMETA_BASE_IMAGE is
+#      unset, the local base image of docs/deploy.md (debootstrap | docker import). --engine
+#      podman: scripts/podman-setup.sh all; eval "$(scripts/podman-setup.sh env)". auto (default):
+#      a Docker Engine if one answers, else podman.
 #   2. docker compose up -d --build (--wait for health; timed)
 #   3. docker compose exec serverapp fedmeta deploy run --set rounds=4        -> 4 rounds
+#      flwr run . compose (a connection to 127.0.0.1:8000; without --tls)     -> 3 rounds
 #      docker compose exec serverapp fedmeta deploy run                       -> budget_exhausted:
 #      the second run composes in the same ledger (it spends only what the first left); a third
 #      finds nothing left (exit status 3)
@@ -21,25 +26,51 @@
 # no torch index reachable: FEDMETA_TORCH_INDEX_URL= (empty). Prints "compose-smoke: ok" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=(--build) tls=0 keep=0
-for a in "$@"; do
-  case "$a" in
+build=(--build) tls=0 keep=0 engine=auto
+while [ $# -gt 0 ]; do
+  case "$1" in
     --no-build) build=(--no-build) ;;
     --tls) tls=1 ;;
     --keep-up) keep=1 ;;
-    *) echo "compose-smoke: unknown argument $a" >&2; exit 2 ;;
+    --engine) engine=${2:-}; shift ;;
+    *) echo "compose-smoke: unknown argument $1" >&2; exit 2 ;;
   esac
+  shift
 done
+case "$engine" in auto|docker|podman) ;; *) echo "compose-smoke: --engine is auto, docker or podman (got '$engine')" >&2; exit 2 ;; esac
 export COMPOSE_PROJECT_NAME=fedmeta-smoke
 work=$(mktemp -d /tmp/fedmeta-compose-smoke.XXXXXX)
 secs() { echo $(( $(date +%s) - $1 )); }
 
-# 1. The engine: Docker Engine if one answers, else podman as scripts/podman-setup.sh sets it up.
-if [ -z "${DOCKER_HOST:-}" ] && ! timeout 20 docker info >/dev/null 2>&1; then
+# 1. The engine: Docker Engine if one answers (or --engine docker), else podman as
+#    scripts/podman-setup.sh sets it up.
+answers() { timeout 20 docker info >/dev/null 2>&1; }
+if [ "$engine" = auto ]; then
+  if [ -n "${DOCKER_HOST:-}" ] || answers; then engine=docker; else engine=podman; fi
+fi
+if [ "$engine" = podman ]; then
   t0=$(date +%s)
   bash scripts/podman-setup.sh all
   eval "$(bash scripts/podman-setup.sh env)"
   echo "compose-smoke: podman set up in $(secs "$t0") s"
+else
+  answers || { echo "compose-smoke: no Docker Engine answers on ${DOCKER_HOST:-the default socket}; start it, or use --engine podman" >&2; exit 1; }
+  echo "compose-smoke: Docker Engine $(docker version --format '{{.Server.Version}}') on ${DOCKER_HOST:-the default socket}"
+  # No image registry: the local base image, by the commands of docs/deploy.md ("A local base image").
+  base=python:3.11-slim-bookworm
+  if [ -z "${FEDMETA_BASE_IMAGE:-}" ] && ! docker image inspect "$base" >/dev/null 2>&1 \
+     && ! timeout 120 docker pull -q "$base" >/dev/null 2>&1; then
+    export FEDMETA_BASE_IMAGE=localhost/fedmeta-base:bookworm
+    if ! docker image inspect "$FEDMETA_BASE_IMAGE" >/dev/null 2>&1; then
+      t0=$(date +%s)
+      command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q debootstrap >/dev/null
+      mirror=$(bash scripts/podman-setup.sh mirror)
+      timeout 1800 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$work/rootfs" "$mirror" >/dev/null
+      tar -C "$work/rootfs" -c . | docker import - "$FEDMETA_BASE_IMAGE" >/dev/null
+      rm -rf "$work/rootfs"
+      echo "compose-smoke: $base not reachable; local base $FEDMETA_BASE_IMAGE made in $(secs "$t0") s"
+    fi
+  fi
 fi
 if docker compose version >/dev/null 2>&1; then compose=(docker compose)
 else compose=("$(bash scripts/podman-setup.sh compose-bin)"); fi
@@ -104,6 +135,37 @@ echo "$out"; echo "compose-smoke: first run (4 rounds) $(secs "$t0") s"
 first=$(sed -n 's/.*rounds completed \([0-9]*\),.*/\1/p' <<<"$out" | head -1)
 [ "${first:-0}" = 4 ] || { echo "compose-smoke: first run completed ${first:-no} rounds, expected 4" >&2; exit 1; }
 
+# 3b. The same federation through Flower's own CLI from this checkout, as docs/deploy.md shows:
+#     `flwr run .` with a connection to the published Control API. It exits 0 even when the run
+#     fails, so the run's status and its summary are checked, and it spends from the same ledger.
+flwr_rounds=0
+if [ "$tls" = 0 ]; then
+  flwr_cli=${FEDMETA_FLWR:-$(command -v flwr || true)}
+  [ -n "$flwr_cli" ] || { echo "compose-smoke: no flwr CLI (activate fedmeta's environment or set FEDMETA_FLWR)" >&2; exit 1; }
+  mkdir -p "$work/flwr-home"
+  printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:8000"\ninsecure = true\n' \
+    > "$work/flwr-home/config.toml"
+  fl() { FLWR_HOME=$work/flwr-home FLWR_TELEMETRY_ENABLED=0 timeout 300 "$flwr_cli" "$@"; }
+  t0=$(date +%s)
+  flwr_rounds=3 flwr_out=/runs/flwr-run-dot-$(date -u +%Y%m%dT%H%M%SZ)
+  submitted=$(fl run . compose --format json --run-config \
+    "config-file='/etc/fedmeta/federation.toml' num-server-rounds=$flwr_rounds out='$flwr_out'")
+  run_id=$(python3 -c 'import json,sys; t=sys.stdin.read(); print(json.loads(t[t.index("{"):])["run-id"])' <<<"$submitted") \
+    || { echo "$submitted"; echo "compose-smoke: flwr run . was not accepted" >&2; exit 1; }
+  status=""
+  for _ in $(seq 900); do
+    status=$(fl ls compose --run-id "$run_id" --format json | python3 -c \
+      'import json,sys; t=sys.stdin.read(); print(json.loads(t[t.index("{"):])["runs"][0]["status"])' 2>/dev/null || true)
+    case "$status" in finished*) break ;; esac
+    sleep 2
+  done
+  echo "compose-smoke: flwr run . (run $run_id): $status in $(secs "$t0") s"
+  [ "$status" = finished:completed ] || { fl log "$run_id" compose --show 2>&1 | tail -30; exit 1; }
+  done_rounds=$(timeout 120 "${compose[@]}" "${files[@]}" exec -T serverapp python -c \
+    'import json,sys; print(json.load(open(sys.argv[1]))["rounds_completed"])' "$flwr_out/summary.json")
+  [ "$done_rounds" = "$flwr_rounds" ] || { echo "compose-smoke: flwr run . completed ${done_rounds:-no} rounds, expected $flwr_rounds" >&2; exit 1; }
+fi
+
 t0=$(date +%s)
 again=$(run) || { echo "$again"; echo "compose-smoke: second run failed" >&2; exit 1; }
 echo "$again"; echo "compose-smoke: second run $(secs "$t0") s"
@@ -118,7 +180,7 @@ echo "$third"
 metrics=$(timeout 120 "${compose[@]}" "${files[@]}" exec -T exporter python -c '
 import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:9464/metrics", timeout=60).read().decode())')
 spends=$(awk '/^fedmeta_ledger_spends_total/ {print $2}' <<<"$metrics" | head -1)
-echo "compose-smoke: exporter: ${spends:-no} spends; runs: ${first} + ${second} rounds; $(grep '^fedmeta_ledger_readable' <<<"$metrics")"
-python3 -c "import sys; assert float(sys.argv[1]) == int(sys.argv[2]) + int(sys.argv[3]), sys.argv" "${spends:-0}" "$first" "${second:-0}"
+echo "compose-smoke: exporter: ${spends:-no} spends; runs: ${first} + ${flwr_rounds} + ${second} rounds; $(grep '^fedmeta_ledger_readable' <<<"$metrics")"
+python3 -c "import sys; assert float(sys.argv[1]) == sum(map(int, sys.argv[2:])), sys.argv" "${spends:-0}" "$first" "$flwr_rounds" "${second:-0}"
 timeout 120 "${compose[@]}" "${files[@]}" exec -T serverapp ls /runs
 echo "compose-smoke: ok"

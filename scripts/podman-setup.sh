@@ -20,6 +20,7 @@
 #             `depends_on: service_healthy` and `up --wait` work
 #   check     a two-service compose project through that socket: up / wait / logs / down
 #   stop      ends the service and the runner (by their pid files)
+#   mirror    prints the Debian mirror apt uses (the base image's; scripts/compose-smoke.sh's too)
 #   env       prints the exports for a shell: CONTAINERS_CONF, CONTAINERS_STORAGE_CONF, DOCKER_HOST,
 #             FEDMETA_BASE_IMAGE (when the local base exists and it is not set already)
 #
@@ -242,6 +243,7 @@ case "${1:-}" in
   stop) cmd_stop ;;
   env) write_conf >/dev/null 2>&1 || true; print_env ;;
   compose-bin) compose_bin ;;
+  mirror) mirror ;;
   all) cmd_install; cmd_base; cmd_service; cmd_check ;;
-  *) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -112,3 +112,28 @@ def test_the_installed_commands_run_outside_the_checkout(installed: tuple, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rounds_completed"] == 3 and summary["stopped_reason"] == "planned_rounds"
     assert Path(summary["ledger"]["path"]).is_relative_to(Path(env["FEDMETA_STATE_DIR"]))
+
+
+def test_the_checkouts_fab_runs_the_installed_fedmeta(installed: tuple, tmp_path: Path) -> None:
+    """`flwr run .` from a checkout against a deployment (docs/deploy.md, compose): the FAB holds
+    no code (`fab-include`), so where fedmeta is installed from the wheel, Flower's loader (which
+    puts the unpacked FAB first on sys.path) finds the installed apps. A FAB with the checkout's
+    ``fedmeta/`` folder shadows the installed package: ``No module named 'fedmeta.server'``."""
+    _, venv, env = installed
+    python = str(venv / "bin" / "python")
+    flwr = Path(sys.executable).parent / "flwr"
+    if not flwr.is_file():
+        pytest.skip("the flwr CLI is not beside this interpreter")
+    _run([str(flwr), "build", "--app", str(REPO)], tmp_path, env)
+    (fab,) = tmp_path.glob("*.fab")
+    with zipfile.ZipFile(fab) as zf:
+        names = zf.namelist()
+        assert not [n for n in names if n.endswith(".py")], names
+        zf.extractall(tmp_path / "app")
+    loaded = _run([python, "-c", (
+        "import sys\n"
+        "from flwr.supercore.object_ref import load_app\n"
+        "for ref in ('fedmeta.server.app:app', 'fedmeta.client.app:app'):\n"
+        "    load_app(ref, RuntimeError, sys.argv[1])\n"
+        "import fedmeta\nprint(fedmeta.__file__)"), str(tmp_path / "app")], tmp_path, env)
+    assert Path(loaded.strip()).is_relative_to(venv), loaded

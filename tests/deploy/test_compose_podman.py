@@ -1,44 +1,68 @@
 """The compose federation from the documented commands only (scripts/compose-smoke.sh):
 `scripts/podman-setup.sh all` where no Docker Engine answers (packages, base image, API socket,
 healthcheck runner), `docker compose up -d --build`, `docker compose exec serverapp fedmeta deploy
-run` (4 rounds, then to budget_exhausted: the second run composes in the same ledger, a third
-finds nothing left and exits 3), the exporter's view of the ledger, `down -v`.
+run` (4 rounds), `flwr run .` from this checkout (3 rounds; its status and summary are checked, as
+it exits 0 either way), `fedmeta deploy run` again to budget_exhausted (the runs compose in the same
+ledger; a third deploy run finds nothing left and exits 3), the exporter's view of the ledger,
+`down -v`.
 
-`slow`: 10-20 minutes with the image build on 2 shared cores, 3-5 with the images cached
-(FEDMETA_SMOKE_NO_BUILD=1). Skipped only where it cannot run: not root without a Docker Engine
-(podman-setup installs packages), or no apt-get there either."""
+Run on both engines: podman (set up by the script, as the guide says) and Docker Engine (the
+machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py). `slow`: 10-20
+minutes each with the image build on 2 shared cores, 3-5 with the images cached
+(FEDMETA_SMOKE_NO_BUILD=1). Skipped only where it cannot run: not root (podman-setup installs
+packages; dockerd needs root) or no apt-get, with the reason."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.deploy import docker_engine
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _docker_engine() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    res = subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False)
-    return res.returncode == 0
-
-
-def test_compose_federation_from_the_documented_commands() -> None:
-    if not _docker_engine():
-        if os.geteuid() != 0:
-            pytest.skip("no Docker Engine, and scripts/podman-setup.sh (podman instead) needs root")
-        if shutil.which("apt-get") is None:
-            pytest.skip("no Docker Engine, and scripts/podman-setup.sh needs Debian's apt-get")
-    args = ["--no-build"] if os.environ.get("FEDMETA_SMOKE_NO_BUILD") == "1" else []
+def _smoke(engine: str, env: dict[str, str]) -> str:
+    """scripts/compose-smoke.sh on ``engine``; its output, checked."""
+    args = ["--engine", engine]
+    if os.environ.get("FEDMETA_SMOKE_NO_BUILD") == "1":
+        args.append("--no-build")
+    # `flwr run .` against the federation: the flwr CLI installed with fedmeta, beside this
+    # interpreter when the environment is not activated (`.venv/bin/python -m pytest`).
+    beside = Path(sys.executable).parent / "flwr"
+    flwr_cli = str(beside) if beside.is_file() else (shutil.which("flwr") or "")
     res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args], cwd=ROOT,
+                         env={**env, "FEDMETA_FLWR": flwr_cli},
                          capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
     print(res.stdout)  # the run's record (pytest -s or -rP shows it)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "compose-smoke: ok" in res.stdout
     assert "stopped: budget_exhausted" in res.stdout
+    assert "compose-smoke: flwr run . (run" in res.stdout
+    return res.stdout
+
+
+def test_compose_federation_on_podman() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}  # podman-setup sets it
+    _smoke("podman", env)
+
+
+def test_compose_federation_on_docker_engine() -> None:
+    """The machine's Docker Engine, or one started here (tests/deploy/docker_engine.py)."""
+    reason = docker_engine.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with docker_engine.docker_engine() as env:
+        out = _smoke("docker", env)
+    assert "compose-smoke: Docker Engine" in out

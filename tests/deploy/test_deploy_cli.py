@@ -188,3 +188,52 @@ def test_participant_refuses_what_it_cannot_run_safely(tmp_path: Path) -> None:
     insecure = _participant(tmp_path, root_certificates=None, insecure=True)
     node, _ = D.participant_commands(insecure)
     assert "--insecure" in node
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "hint"),
+    [
+        ("NoRoundAffordable", exitcodes.BUDGET_EXHAUSTED, None),
+        ("ConfigError", exitcodes.BAD_INPUT, None),
+        ("", exitcodes.INTERNAL_ERROR, "continue with: fedmeta deploy run --resume --out /runs/x"),
+    ],
+)
+def test_a_failed_run_names_the_resume_command_only_where_there_is_a_run_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], error: str, status: int, hint: str | None
+) -> None:
+    """The third compose run, whose budget affords no round (exit 3), was told to resume."""
+    outcome = D.Outcome("5", "finished:failed", f"{error}: no", None, None, "/runs/x", error=error)
+    assert D.exit_status(outcome) == status
+    args = argparse.Namespace(superlink="superlink:8000", insecure=True, root_certificates=None,
+                              config=None, node_keys=None, overrides=[])  # fmt: skip
+    D.report(outcome, status, args)
+    err = capsys.readouterr().err
+    assert "continue with" not in err if hint is None else hint in err, err
+    assert f"(exit status {status})" in err
+
+
+def test_submit_tries_an_unreachable_superlink_again_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after `docker compose up` the SuperLink was unreachable from the serverapp container
+    for a moment (a fresh podman): the first run of the compose test failed on it."""
+    unreachable = (
+        '{"success": false, "error-message": "Connection to the SuperLink is unavailable."}'
+    )
+    replies = [unreachable, unreachable, '{"success": true, "run-id": 77}']
+    calls: list[tuple[str, ...]] = []
+
+    def fake_flwr(env: object, *args: str, timeout: float = 0) -> argparse.Namespace:
+        calls.append(args)
+        return argparse.Namespace(stdout=replies.pop(0), stderr="", returncode=1)
+
+    monkeypatch.setattr(D, "flwr", fake_flwr)
+    monkeypatch.setattr(D.time, "sleep", lambda s: None)
+    assert D.submit({}, tmp_path, tmp_path / "run.toml") == "77" and len(calls) == 3
+    # Any other refusal is final at once; an unreachable SuperLink is, after reach_s.
+    for reply, reach_s in (('{"error-message": "Invalid run config"}', 60.0), (unreachable, 0.0)):
+        replies[:] = [reply]
+        calls.clear()
+        with pytest.raises(D.DeployError) as caught:
+            D.submit({}, tmp_path, tmp_path / "run.toml", reach_s=reach_s)
+        assert caught.value.status == exitcodes.UNAVAILABLE and len(calls) == 1

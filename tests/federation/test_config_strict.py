@@ -119,3 +119,16 @@ def test_a_run_that_would_complete_no_round_refuses_before_it_starts(
         run(small("rounds=2", *extra), out, ledger)
     assert "privacy.noise_multiplier" in str(caught.value) and "\n" not in str(caught.value)
     assert not out.exists() and ledger.position() == 0
+
+
+@pytest.mark.unit
+def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process() -> None:
+    """With the in-process default, `federation.ray_address` alone was ignored: the documented
+    command ran on this machine, not on the cluster."""
+    assert load_config(None, []).federation.backend == "inprocess"
+    alone = load_config(None, ["federation.ray_address='10.0.0.1:6379'"]).federation
+    assert (alone.backend, alone.ray_address) == ("ray", "10.0.0.1:6379")
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["federation.ray_address='h:1'", "federation.backend=inprocess"])
+    text = str(caught.value)
+    assert "federation.ray_address needs federation.backend = 'ray'" in text and "\n" not in text
