@@ -173,7 +173,9 @@ def bring_up(fed: LocalFederation, args: argparse.Namespace, participant_hosts: 
     t0 = time.monotonic()
     names = [f"participant-{i}" for i in range(args.participants)]
     fed.make_certs(names, sans=[fed.server.address])
-    fed.start_superlink()
+    # --superlink-database: the SuperLink keeps its state in SQLite, as the compose file's does
+    # (--database /state/superlink.db); by default `deploy local` keeps it in memory.
+    fed.start_superlink(database=fed.work / "superlink.db" if args.superlink_database else None)
     fed.register(names)
     loopback = args.net == "loopback"
     fed.nodes = [Node(h, str(i), names[i], runtime_port=free_port() if loopback else 9094)
@@ -290,6 +292,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "work": str(work),
         "participants": args.participants,
         "per_round": args.per_round,
+        "superlink_database": args.superlink_database,
     }
     if args.server_pull_backoff is not None or args.trace:
         server_shim(fed, args.server_pull_backoff, args.trace)
@@ -354,7 +357,7 @@ def run_compose(args: argparse.Namespace) -> dict[str, Any]:
         "preset": "compose", "net": "compose", "compose_files": args.compose_file,
         "work": str(work), "participants": args.participants, "per_round": args.per_round,
         "exit_status": proc.returncode, "run_wall_s": round(time.monotonic() - t0, 1),
-        "ready_s": None, "cpu_s": {},
+        "ready_s": None, "cpu_s": {}, "superlink_database": True,  # the compose file's
     }  # fmt: skip
     (work / "logs" / "deploy-run.log").write_text(proc.stdout + proc.stderr)
     local = work / "runs" / "bench"
@@ -401,6 +404,11 @@ def main() -> None:
     p.add_argument(
         "--fleet-proxy", action="store_true", help="participants dial nginx (Fleet only)"
     )
+    p.add_argument(
+        "--superlink-database",
+        action="store_true",
+        help="the SuperLink's state in a SQLite file (as in compose), not in memory",
+    )
     p.add_argument("--out", help="keep logs and results.json here")
     args = p.parse_args()
     args.per_round = args.per_round or args.participants
@@ -410,7 +418,8 @@ def main() -> None:
     result["loadavg_before"], result["loadavg_after"] = load0[0], os.getloadavg()[0]
     Path(result["work"], "results.json").write_text(json.dumps(result, indent=1))
     m = result["median"]
-    print(f"{args.preset} on {args.net}, {args.participants} participants ({args.per_round} per "
+    print(f"{result['preset']} on {args.net}, {args.participants} participants "
+          f"({args.per_round} per "
           f"round): exit {result['exit_status']}, {result['rounds_completed']} rounds "
           f"({result['stopped']}), load {load0[0]:.1f} -> "
           f"{result['loadavg_after']:.1f}")  # fmt: skip

@@ -151,3 +151,26 @@ def test_fleet_proxy_overlay_opens_only_the_fleet_port() -> None:
     text = (ROOT / "deploy/proxy/fleet-only.conf.template").read_text()
     assert "location /v1/fleet/" in text and "location / { return 403; }" in text
     assert "/v1/control" not in text.split("upstream", 1)[1]  # forwarded nowhere
+
+
+def test_every_named_volume_of_our_images_is_a_directory_the_image_gives_its_user() -> None:
+    """Docker Engine mounts a new named volume with the owner of the image's directory, or root
+    where the image has none: `superlink-state` at /state was root-owned there, and the SuperLink
+    (uid 10001) could not open its database (podman chowns new volumes itself, so only Docker
+    Engine showed it)."""
+    import re
+
+    runtime = (ROOT / "deploy" / "images" / "Dockerfile").read_text().split(" AS runtime", 1)[1]
+    made = re.search(r"mkdir -p ([^\\&]+)", runtime)
+    owned = re.search(r"chown fedmeta:fedmeta ([^\\&\n]+)", runtime)
+    assert made and owned, "the runtime stage makes and chowns the volumes' mount points"
+    given = set(made.group(1).split()) & set(owned.group(1).split())
+    for layout in ((), ("--profile", "monitoring")):
+        services = _config(*layout)["services"]
+        assert isinstance(services, dict)
+        for name, svc in services.items():
+            if not str(svc.get("image", "")).startswith("fedmeta-"):
+                continue  # Prometheus and Grafana bring their own images
+            for volume in svc.get("volumes", []):
+                if volume["type"] == "volume" and not volume.get("read_only"):
+                    assert volume["target"] in given, (name, volume["target"], sorted(given))
