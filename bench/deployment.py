@@ -342,7 +342,15 @@ def run_compose(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(args.out or tempfile.mkdtemp(prefix="fedmeta-bench-")).resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    dc = compose_command(args.compose_file)
+    dc = compose_command([str(Path(f).resolve()) for f in args.compose_file])
+    listed = subprocess.run([*dc, "config", "--services"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, check=False)  # fmt: skip
+    nodes = sum(1 for line in listed.stdout.split() if line.startswith("participant-"))
+    if nodes != args.participants:
+        sys.exit(
+            f"deployment bench: the compose federation has {nodes} participant services; "
+            f"give --participants {nodes} (deploy/compose/participants.py N changes them)"
+        )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     remote = f"/runs/bench-{stamp}"
     sets = [s for s in settings(args, work) if not s.startswith("privacy.ledger_path=")]
@@ -384,7 +392,8 @@ def main() -> None:
         "--compose-file",
         action="append",
         default=None,
-        help="with --net compose: the compose files (default docker-compose.yml)",
+        help="with --net compose: the compose files (default docker-compose.yml); --preset "
+        "does not apply (the compose participants run the warm worker)",
     )
     p.add_argument("--preset", choices=PRESETS, default="warm")
     p.add_argument("--participants", type=int, default=4)

@@ -319,8 +319,11 @@ class Outcome:
     error: str = ""  # the ServerApp's exception class, from its log
 
 
-#: flwr's words when it could not reach the SuperLink at all (no run was created).
+#: flwr's words for any failed request to the SuperLink (connect, read or write).
 _UNREACHABLE = "Connection to the SuperLink is unavailable"
+#: A failure faster than this was a connect or name-lookup failure: the request never reached the
+#: SuperLink. One it received fails only after the CLI's 30 s read timeout.
+_CONNECT_FAILURE_S = 5.0
 
 
 def submit(env: Mapping[str, str], app: Path, config_file: Path, reach_s: float = 60.0) -> str:
@@ -328,18 +331,22 @@ def submit(env: Mapping[str, str], app: Path, config_file: Path, reach_s: float 
 
     One that cannot be reached is tried again for ``reach_s``: right after `docker compose up`
     the SuperLink's own health check passes before the compose network's name service answers
-    other containers (seen once on a fresh podman). Unreachable means no run was created, so a
-    retry cannot submit a run twice.
+    other containers (seen once on a fresh podman). flwr says the same for a request that timed
+    out after the SuperLink may have accepted it, so only a fast failure is retried; were a run
+    still submitted twice, both would name the same output directory, whose lock and checkpoint
+    check refuse the second before it spends (server/rundir.py, server/run.py).
     """
     deadline = time.monotonic() + reach_s
     while True:
+        started = time.monotonic()
         res = flwr(env, "run", str(app), CONNECTION, "--run-config", str(config_file),
                    "--format", "json", timeout=300)  # fmt: skip
         try:
             return str(json_in(res.stdout)["run-id"])
         except (ValueError, KeyError):
             text = " ".join((res.stdout + res.stderr).split())
-        if _UNREACHABLE not in text or time.monotonic() >= deadline:
+        fast = time.monotonic() - started < _CONNECT_FAILURE_S
+        if _UNREACHABLE not in text or not fast or time.monotonic() >= deadline:
             raise DeployError(f"the SuperLink did not accept the run: {text[-400:]}",
                               exitcodes.UNAVAILABLE) from None  # fmt: skip
         time.sleep(2.0)

@@ -285,16 +285,18 @@ class FederationConfig(_Section):
     @classmethod
     def _a_ray_address_means_ray(cls, data: Any) -> Any:
         # A cluster address is only read by the Ray backend: with the in-process default it was
-        # ignored, and the run stayed on this machine. Given alone, it selects Ray; beside an
-        # explicit in-process backend it is a contradiction, refused.
-        if not isinstance(data, dict) or data.get("ray_address") in (None, ""):
+        # ignored, and the run stayed on this machine. Given without a backend, it selects Ray.
+        # Beside an explicit in-process backend it is refused where a run starts
+        # (simulation/simulate.py), not here: saved configurations state their backend, and one
+        # written before this rule must still load (evaluate, resume with backend = 'ray').
+        if not isinstance(data, dict):
             return data
-        if data.get("backend", "ray") != "ray":
-            raise ValueError(
-                "federation.ray_address needs federation.backend = 'ray' (the in-process backend "
-                "runs on this machine only); set backend = 'ray' or remove ray_address"
-            )
-        return {**data, "backend": "ray"}
+        address = data.get("ray_address")
+        if isinstance(address, str) and not address.strip():
+            return {**data, "ray_address": None}  # a blank address is no address
+        if address is not None and "backend" not in data:
+            return {**data, "backend": "ray"}
+        return data
 
 
 #: GroupNorm's groups in ConvNet4 (its default; dataset.norm = "group").

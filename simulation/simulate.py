@@ -329,7 +329,7 @@ def main(
     from fedmeta.server.run import refuse_to_overwrite_run
     from fedmeta.server.rundir import exclusive_run_directory
 
-    from fedmeta.config import Config
+    from fedmeta.config import Config, ConfigError
     from fedmeta.workload import check_data
 
     cfg = config if config is not None else Config()
@@ -337,6 +337,11 @@ def main(
     # Everything that can be refused is refused here, once, before Ray or any participant starts.
     with exclusive_run_directory(out):
         refuse_to_overwrite_run(out, resume)
+    if cfg.federation.backend == "inprocess" and cfg.federation.ray_address:
+        raise ConfigError(
+            "federation.ray_address needs federation.backend = 'ray' (the in-process backend runs "
+            "on this machine only); set backend = 'ray' or remove ray_address"
+        )
     workload = check_data(cfg)  # the run's workload: built once, here
     _check_round_fits(cfg, workload)
     if cfg.federation.backend == "inprocess":

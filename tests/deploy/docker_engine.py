@@ -1,13 +1,16 @@
 """A Docker Engine for the compose test on a machine that has none running.
 
-Where ``docker info`` already answers (the user's own engine), that engine is used as it is.
-Otherwise, as root with apt-get: Debian's ``docker.io`` is installed if ``dockerd`` is absent, and
-``dockerd`` is started as a plain process (no systemd) with its own socket, data root, exec root
-and pid file under ``$FEDMETA_DOCKER_DIR`` (default ``/var/tmp/fedmeta-docker``), so that it
-touches no engine of the machine's. It keeps Docker's default networking (its bridge and iptables
-rules, as an installed Docker Engine has them). It is ended by its process id afterwards; its
-bridge and rules stay, as after stopping a Docker service, and its image store stays for the next
-run's layer cache.
+Where a Docker Engine already answers (the user's own; not podman's Docker-compatible API), that
+engine is used as it is: the compose test then builds and tags ``fedmeta-server:dev``,
+``fedmeta-participant:dev`` and, without a registry, ``localhost/fedmeta-base:bookworm`` in it.
+Otherwise, as root with apt-get: Debian's ``docker.io`` is installed if ``dockerd`` is absent (on a
+systemd host that starts Docker's own service, which is then used), and ``dockerd`` is started as a
+plain process (no systemd) with its own socket, data root, exec root and pid file under
+``$FEDMETA_DOCKER_DIR`` (default ``/var/tmp/fedmeta-docker``). It keeps Docker's default
+networking (the ``docker0`` bridge and Docker's iptables chains, shared with any other Docker
+Engine of the machine). It is ended with its process group afterwards (its containerd and
+shims included); the bridge and rules stay, as after stopping a Docker service, and its image
+store stays for the next run's layer cache.
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ DIR = Path(os.environ.get("FEDMETA_DOCKER_DIR", "/var/tmp/fedmeta-docker"))
 
 
 def answers(env: dict[str, str]) -> bool:
-    """Whether a Docker Engine answers the Docker CLI with this environment."""
+    """Whether a Docker Engine (not podman's API) answers the Docker CLI with this environment."""
     if shutil.which("docker") is None:
         return False
     try:
-        res = subprocess.run(["docker", "info"], env=env, capture_output=True, timeout=30,
+        # podman's API names its components "Podman Engine", ...; Docker Engine's "Engine", ...
+        res = subprocess.run(["docker", "version", "--format",
+                              "{{range .Server.Components}}{{.Name}};{{end}}"],
+                             env=env, capture_output=True, text=True, timeout=30,
                              check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return False
-    return res.returncode == 0
+    return res.returncode == 0 and "podman" not in res.stdout.lower()
 
 
 def unavailable() -> str | None:
@@ -65,6 +71,9 @@ def docker_engine() -> Iterator[dict[str, str]]:
         return
     if shutil.which("dockerd") is None:
         _install()
+        if answers(env):  # a systemd host started Docker's own service with the package
+            yield env
+            return
     DIR.mkdir(parents=True, exist_ok=True)
     sock = DIR / "docker.sock"
     env["DOCKER_HOST"] = f"unix://{sock}"
@@ -84,9 +93,12 @@ def docker_engine() -> Iterator[dict[str, str]]:
         yield env
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # dockerd stops its containers and containerd
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its session is left
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)

@@ -216,23 +216,32 @@ def test_submit_tries_an_unreachable_superlink_again_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Right after `docker compose up` the SuperLink was unreachable from the serverapp container
-    for a moment (a fresh podman): the first run of the compose test failed on it."""
+    for a moment (a fresh podman): the first run of the compose test failed on it. Only a fast
+    failure is tried again: flwr words a read timeout the same, and that request may have
+    created the run."""
     unreachable = (
         '{"success": false, "error-message": "Connection to the SuperLink is unavailable."}'
     )
-    replies = [unreachable, unreachable, '{"success": true, "run-id": 77}']
+    replies: list[tuple[str, float]] = []  # (flwr's output, seconds the call took)
     calls: list[tuple[str, ...]] = []
+    clock = [0.0]
 
     def fake_flwr(env: object, *args: str, timeout: float = 0) -> argparse.Namespace:
         calls.append(args)
-        return argparse.Namespace(stdout=replies.pop(0), stderr="", returncode=1)
+        out, took = replies.pop(0)
+        clock[0] += took
+        return argparse.Namespace(stdout=out, stderr="", returncode=1)
 
     monkeypatch.setattr(D, "flwr", fake_flwr)
-    monkeypatch.setattr(D.time, "sleep", lambda s: None)
+    monkeypatch.setattr(D.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(D.time, "monotonic", lambda: clock[0])
+    replies[:] = [(unreachable, 0.1), (unreachable, 0.1), ('{"success": true, "run-id": 77}', 1)]
     assert D.submit({}, tmp_path, tmp_path / "run.toml") == "77" and len(calls) == 3
-    # Any other refusal is final at once; an unreachable SuperLink is, after reach_s.
-    for reply, reach_s in (('{"error-message": "Invalid run config"}', 60.0), (unreachable, 0.0)):
-        replies[:] = [reply]
+    # Final at once: another refusal, a slow failure (the request may have been received), and
+    # a fast one once reach_s has passed.
+    for reply, took, reach_s in (('{"error-message": "Invalid run config"}', 0.1, 60.0),
+                                 (unreachable, 30.0, 60.0), (unreachable, 0.1, 0.0)):  # fmt: skip
+        replies[:] = [(reply, took)]
         calls.clear()
         with pytest.raises(D.DeployError) as caught:
             D.submit({}, tmp_path, tmp_path / "run.toml", reach_s=reach_s)

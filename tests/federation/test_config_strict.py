@@ -122,13 +122,27 @@ def test_a_run_that_would_complete_no_round_refuses_before_it_starts(
 
 
 @pytest.mark.unit
-def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process() -> None:
+def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process(
+    tmp_path: Path,
+) -> None:
     """With the in-process default, `federation.ray_address` alone was ignored: the documented
     command ran on this machine, not on the cluster."""
+    from fedmeta.simulation.simulate import main as simulate
+
+    from fedmeta.config import config_from_dict
+
     assert load_config(None, []).federation.backend == "inprocess"
     alone = load_config(None, ["federation.ray_address='10.0.0.1:6379'"]).federation
     assert (alone.backend, alone.ray_address) == ("ray", "10.0.0.1:6379")
+    assert load_config(None, ["federation.ray_address=' '"]).federation.ray_address is None
+    # A saved configuration states its backend; one written before the rule still loads (for
+    # evaluate, or a resume with backend = 'ray'), and a run refuses the contradiction.
+    saved = Config().to_dict()
+    saved["federation"]["ray_address"] = "h:1"
+    both = config_from_dict(saved)
+    assert (both.federation.backend, both.federation.ray_address) == ("inprocess", "h:1")
     with pytest.raises(ConfigError) as caught:
-        load_config(None, ["federation.ray_address='h:1'", "federation.backend=inprocess"])
+        simulate(both, out_dir=tmp_path / "run")
     text = str(caught.value)
     assert "federation.ray_address needs federation.backend = 'ray'" in text and "\n" not in text
+    assert not (tmp_path / "run").exists()  # refused before anything was written
