@@ -35,6 +35,7 @@ import csv
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -317,8 +318,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def compose_command(files: list[str]) -> list[str]:
     """``docker compose -f ...``, or the Compose binary podman-setup links where the Docker CLI
     has no compose plugin (docs/deploy.md)."""
-    import subprocess
-
     probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
     if probe.returncode == 0:
         head = ["docker", "compose"]
@@ -338,8 +337,6 @@ def run_compose(args: argparse.Namespace) -> dict[str, Any]:
     """The same run on a compose federation that is already up (``docker compose up -d``):
     ``docker compose exec serverapp fedmeta deploy run`` with :func:`settings`, the ledger an
     experiment's own file in the ``ledger`` volume; rounds.csv and summary.json copied out."""
-    import subprocess
-
     work = Path(args.out or tempfile.mkdtemp(prefix="fedmeta-bench-")).resolve()
     (work / "logs").mkdir(parents=True, exist_ok=True)
     dc = compose_command([str(Path(f).resolve()) for f in args.compose_file])

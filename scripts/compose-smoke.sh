@@ -147,16 +147,22 @@ if [ "$tls" = 0 ]; then
   printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:8000"\ninsecure = true\n' \
     > "$work/flwr-home/config.toml"
   fl() { FLWR_HOME=$work/flwr-home FLWR_TELEMETRY_ENABLED=0 timeout 300 "$flwr_cli" "$@"; }
+  # A field of the JSON that `flwr ... --format json` prints (lines may come before it): KEY ...
+  json_field() {
+    python3 -c 'import json, sys
+t = sys.stdin.read(); v = json.loads(t[t.index("{"):])
+for k in sys.argv[1:]: v = v[int(k)] if k.isdigit() else v[k]
+print(v)' "$@"
+  }
   t0=$(date +%s)
   flwr_rounds=3 flwr_out=/runs/flwr-run-dot-$(date -u +%Y%m%dT%H%M%SZ)
   submitted=$(fl run . compose --format json --run-config \
     "config-file='/etc/fedmeta/federation.toml' num-server-rounds=$flwr_rounds out='$flwr_out'" 2>&1) || true
-  run_id=$(python3 -c 'import json,sys; t=sys.stdin.read(); print(json.loads(t[t.index("{"):])["run-id"])' <<<"$submitted") \
+  run_id=$(json_field run-id <<<"$submitted") \
     || { echo "$submitted"; echo "compose-smoke: flwr run . was not accepted" >&2; exit 1; }
   status=""
   for _ in $(seq 900); do
-    status=$(fl ls compose --run-id "$run_id" --format json | python3 -c \
-      'import json,sys; t=sys.stdin.read(); print(json.loads(t[t.index("{"):])["runs"][0]["status"])' 2>/dev/null || true)
+    status=$(fl ls compose --run-id "$run_id" --format json | json_field runs 0 status 2>/dev/null || true)
     case "$status" in finished*) break ;; esac
     sleep 2
   done

@@ -335,13 +335,13 @@ def main(
     cfg = config if config is not None else Config()
     out = Path(out_dir or cfg.output.dir)
     # Everything that can be refused is refused here, once, before Ray or any participant starts.
-    with exclusive_run_directory(out):
-        refuse_to_overwrite_run(out, resume)
     if cfg.federation.backend == "inprocess" and cfg.federation.ray_address:
         raise ConfigError(
             "federation.ray_address needs federation.backend = 'ray' (the in-process backend runs "
             "on this machine only); set backend = 'ray' or remove ray_address"
         )
+    with exclusive_run_directory(out):
+        refuse_to_overwrite_run(out, resume)
     workload = check_data(cfg)  # the run's workload: built once, here
     _check_round_fits(cfg, workload)
     if cfg.federation.backend == "inprocess":
