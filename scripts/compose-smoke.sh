@@ -67,6 +67,7 @@ else
       command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q debootstrap >/dev/null
       mirror=$(bash scripts/podman-setup.sh mirror)
       timeout 1800 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$work/rootfs" "$mirror" >/dev/null
+      rm -rf "$work"/rootfs/var/cache/apt/archives/*.deb "$work"/rootfs/var/lib/apt/lists/* "$work"/rootfs/usr/share/doc "$work"/rootfs/usr/share/man "$work"/rootfs/usr/share/locale
       tar -C "$work/rootfs" -c . | docker import - "$FEDMETA_BASE_IMAGE" >/dev/null
       rm -rf "$work/rootfs"
       echo "compose-smoke: $base not reachable; local base $FEDMETA_BASE_IMAGE made in $(secs "$t0") s"

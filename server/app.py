@@ -24,6 +24,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedmeta import protocol as P
+from fedmeta.checkpoint import CHECKPOINT_NAME
 from fedmeta.config import Config, load_config
 from fedmeta.workload import Workload
 
@@ -68,7 +69,7 @@ def execute(
     ``workload``: ``cfg``'s, when the caller built it already (``fedmeta simulate`` checks the
     data with it); else the run builds it once.
     """
-    from fedmeta.server.outputs import format_summary, write_all
+    from fedmeta.server.outputs import PLOT_FILES, PLOTS_MISSING, format_summary, write_all
 
     out = Path(out_dir or cfg.output.dir)
     transport = GridTransport(
@@ -88,10 +89,15 @@ def execute(
         workload=workload,
     )
     diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
-    write_all(out, result.summary, result.outcomes, diagnostics=diagnostics, plots=cfg.output.plots)
+    written = write_all(out, result.summary, result.outcomes, diagnostics=diagnostics,
+                        plots=cfg.output.plots)  # fmt: skip
+    if (out / CHECKPOINT_NAME).exists():
+        written.append(CHECKPOINT_NAME)
     if echo:
         print(format_summary(result.summary), flush=True)
-        print(f"outputs: {out}/summary.json, rounds.csv, *.png, checkpoint.pt", flush=True)
+        if cfg.output.plots and not set(PLOT_FILES) <= set(written):
+            print(PLOTS_MISSING, flush=True)
+        print(f"outputs: {out}/{', '.join(written)}", flush=True)
     return result
 
 

@@ -433,12 +433,26 @@ def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:
     return path
 
 
+PLOTS_MISSING = (
+    "plots: not written: matplotlib is not installed (pip install 'fedmeta[plots]', or set "
+    "output.plots = false)"
+)
+PLOT_FILES = ("epsilon_vs_round.png", "validation_vs_epsilon.png")
+
+
 def write_plots(
     out_dir: Path, outcomes: Sequence[RoundOutcome], summary: Mapping[str, Any]
-) -> None:
-    """Two PNG plots: epsilon against round, validation metric against epsilon (or round)."""
-    import matplotlib
+) -> bool:
+    """Two PNG plots: epsilon against round, validation metric against epsilon (or round).
 
+    False, writing nothing, where matplotlib is not installed: it is the optional ``plots`` extra,
+    left out of the deployment images (a service's outputs are read elsewhere; rounds.csv holds
+    every plotted value).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -460,7 +474,7 @@ def write_plots(
                 transform=ax.transAxes)  # fmt: skip
     ax.set_xlabel("round")
     ax.set_title("privacy spent vs round" + tag)
-    _save(fig, Path(out_dir) / "epsilon_vs_round.png")
+    _save(fig, Path(out_dir) / PLOT_FILES[0])
     fig, ax = plt.subplots(figsize=(6, 4))
     curve = [
         (float(o.epsilon_task if private else o.round), float(o.validation_metric))  # type: ignore[arg-type]
@@ -473,7 +487,8 @@ def write_plots(
     ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
     ax.set_ylabel(f"validation {metric}")
     ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag)
-    _save(fig, Path(out_dir) / "validation_vs_epsilon.png")
+    _save(fig, Path(out_dir) / PLOT_FILES[1])
+    return True
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -493,9 +508,11 @@ def write_all(
     *,
     diagnostics: bool,
     plots: bool = True,
-) -> None:
-    """All files of a finished run."""
+) -> list[str]:
+    """All files of a finished run; their names, in the order written."""
     write_summary(out_dir, summary)
     write_rounds_csv(out_dir, outcomes, bool(summary["private"]), diagnostics)
-    if plots:
-        write_plots(out_dir, outcomes, summary)
+    written = ["summary.json", "rounds.csv"]
+    if plots and write_plots(out_dir, outcomes, summary):
+        written += PLOT_FILES
+    return written

@@ -97,12 +97,12 @@ def test_build_arguments_come_from_the_environment() -> None:
     given = {"FEDMETA_BASE_IMAGE": "localhost/fedmeta-base:bookworm",
              "FEDMETA_PACKAGE_INDEX_URL": "https://pypi.mirror.example/simple",
              "FEDMETA_WHEELHOUSE": ".whl", "FEDMETA_CA_CERTS": "ca", "FEDMETA_TORCH_INDEX_URL": "",
-             "FEDMETA_TORCH_VARIANT": "cpu"}  # fmt: skip
+             "FEDMETA_TORCH_VARIANT": "cpu", "FEDMETA_STRIP_LIBRARIES": "0"}  # fmt: skip
     services = _config(env=given)["services"]
     assert isinstance(services, dict)
     wanted = {"BASE_IMAGE": "localhost/fedmeta-base:bookworm", "TORCH_INDEX_URL": "",
               "PACKAGE_INDEX_URL": "https://pypi.mirror.example/simple", "WHEELHOUSE": ".whl",
-              "CA_CERTS": "ca", "TORCH_VARIANT": "cpu"}  # fmt: skip
+              "CA_CERTS": "ca", "TORCH_VARIANT": "cpu", "STRIP_LIBRARIES": "0"}  # fmt: skip
     for name in ("superlink", "participant-0"):
         assert services[name]["build"]["args"] == wanted, name
     defaults = _config()["services"]
@@ -110,6 +110,7 @@ def test_build_arguments_come_from_the_environment() -> None:
     args = defaults["superlink"]["build"]["args"]
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert args["WHEELHOUSE"] == "deploy/images/wheelhouse" and args["PACKAGE_INDEX_URL"] == ""
+    assert args["STRIP_LIBRARIES"] == "auto"
     dockerfile = (ROOT / "deploy/images/Dockerfile").read_text()
     for arg in wanted:  # each one is declared by the Dockerfile
         assert f"ARG {arg}" in dockerfile, arg
