@@ -362,7 +362,13 @@ def _label(rec: dict[str, Any], with_experiment: bool) -> str:
 
 def _figure(recs: list[dict[str, Any]], png: Path, prefix_series: bool) -> None:
     """One plot: the metric against epsilon, a series per sampler, non-private runs as lines."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "bench/results.py: the figure needs matplotlib, fedmeta's plots extra: "
+            "pip install 'fedmeta[plots]' (scripts/install.sh installs it)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from importlib.metadata import entry_points
+from pathlib import Path
 
 # The modules behind the services (imported for their byte-code).
 import fedmeta.cli  # noqa: F401
@@ -31,6 +32,7 @@ import fedmeta.metalearning.omniglot  # noqa: F401
 import fedmeta.metalearning.warm_start  # noqa: F401
 import fedmeta.server.app  # noqa: F401
 import fedmeta.server.exporter  # noqa: F401
+import torch
 
 # Ray (flwr-simulation's engine) is not in the images: its entry point cannot load and is not used.
 NOT_INSTALLED = {"flwr-simulation"}
@@ -60,10 +62,17 @@ def run_a_short_private_job() -> None:
 
 
 def main() -> None:
-    """Load the services' modules; say how many."""
+    """Load the services' modules; check that byte-code was written; say how much."""
     load_console_scripts()
     run_a_short_private_job()
-    print(f"compile-used: {len(sys.modules)} modules loaded here, and a short run's")
+    written = list(Path(torch.__file__).parent.rglob("*.pyc"))
+    if not written:
+        raise SystemExit(
+            "compile-used: no byte-code was written (PYTHONDONTWRITEBYTECODE set, or a read-only "
+            "environment?): the images would recompile torch's code at every start"
+        )
+    print(f"compile-used: {len(sys.modules)} modules loaded here, and a short run's; "
+          f"{len(written)} byte-code files under torch")  # fmt: skip
 
 
 if __name__ == "__main__":
