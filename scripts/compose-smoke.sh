@@ -10,7 +10,7 @@
 #      unset, the local base image of docs/deploy.md (debootstrap | docker import). --engine
 #      podman: scripts/podman-setup.sh all; eval "$(scripts/podman-setup.sh env)". auto (default):
 #      a Docker Engine if one answers, else podman.
-#   2. docker compose up -d --build (--wait for health; timed)
+#   2. docker compose up -d --build (--wait for health; timed); a participant reads a PNG drawing
 #   3. docker compose exec serverapp fedmeta deploy run --set rounds=4        -> 4 rounds
 #      flwr run . compose (a connection to 127.0.0.1:8000; without --tls)     -> 3 rounds
 #      docker compose exec serverapp fedmeta deploy run                       -> budget_exhausted:
@@ -125,6 +125,14 @@ fi
 t0=$(date +%s)
 timeout 900 "${compose[@]}" "${files[@]}" up -d --wait --wait-timeout 840
 echo "compose-smoke: federation up and healthy in $(secs "$t0") s"
+# 2b. The participant image reads the official Omniglot zips and image folders: a PNG drawing
+#     through fedmeta's own reader (Pillow, which once arrived only with matplotlib).
+png_check='import io; from PIL import Image; from fedmeta.metalearning.omniglot import decode_png
+buf = io.BytesIO(); Image.new("L", (105, 105), 255).save(buf, format="PNG")
+assert decode_png(buf.getvalue(), "check.png").shape == (105, 105)'
+timeout 120 "${compose[@]}" "${files[@]}" exec -T participant-0 python -c "$png_check" \
+  || { echo "compose-smoke: the participant image cannot read a PNG drawing" >&2; exit 1; }
+echo "compose-smoke: the participant image reads PNG drawings"
 
 run() { timeout 1800 "${compose[@]}" "${files[@]}" exec -T serverapp fedmeta deploy run --poll 1 "$@"; }
 

@@ -46,6 +46,7 @@ def _smoke(engine: str, env: dict[str, str]) -> str:
     assert "compose-smoke: ok" in res.stdout
     assert "stopped: budget_exhausted" in res.stdout
     assert "compose-smoke: flwr run . (run" in res.stdout
+    assert "compose-smoke: the participant image reads PNG drawings" in res.stdout
     return res.stdout
 
 
