@@ -510,9 +510,10 @@ def write_all(
     plots: bool = True,
 ) -> list[str]:
     """All files of a finished run; their names, in the order written."""
-    write_summary(out_dir, summary)
-    write_rounds_csv(out_dir, outcomes, bool(summary["private"]), diagnostics)
-    written = ["summary.json", "rounds.csv"]
+    written = [
+        write_summary(out_dir, summary).name,
+        write_rounds_csv(out_dir, outcomes, bool(summary["private"]), diagnostics).name,
+    ]
     if plots and write_plots(out_dir, outcomes, summary):
         written += PLOT_FILES
     return written

@@ -10,13 +10,14 @@ module to the distribution that provides it in this environment.
 from __future__ import annotations
 
 import ast
-import re
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 pytestmark = pytest.mark.unit
 
@@ -29,13 +30,9 @@ INSTALLED = ("accounting", "cli", "client", "deploy", "fedmeta", "metalearning",
 OPTIONAL = {"matplotlib": "plots"}
 
 
-def _name(requirement: str) -> str:
-    return re.split(r"[\s\[<>=!~;(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
-
-
 def declared() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return {_name(r) for r in project["dependencies"]}
+    return {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
 
 
 def imported_top_levels() -> dict[str, set[str]]:
@@ -64,7 +61,7 @@ def test_every_imported_distribution_is_declared() -> None:
     for top, files in sorted(imported_top_levels().items()):
         if top in OPTIONAL:
             continue
-        dists = {d.lower().replace("_", "-") for d in providers.get(top, [])}
+        dists = {canonicalize_name(d) for d in providers.get(top, [])}
         if not dists & wanted:
             undeclared.append(f"{top} ({', '.join(sorted(dists)) or 'not installed'}): "
                               f"{', '.join(sorted(files))}")  # fmt: skip
