@@ -19,8 +19,11 @@ where ``flwr run`` exits 0 even when the ServerApp fails. It
 (``python -m fedmeta.client.worker``) beside it,
 sharing the node's loopback. If either ends, the other is stopped and the command exits with the
 first one's status, so a supervisor (systemd, a container's restart policy) restarts both.
+``fedmeta deploy worker`` runs the warm worker alone, for a SuperNode started elsewhere (Flower's
+``flwr/supernode`` image: ``deploy/compose/flower-images.yml``).
 
-Nothing here imports torch, Flower or ``server``: both commands drive subprocesses. The modules
+Nothing here imports torch, Flower or ``server``: the commands drive subprocesses (``worker``
+replaces its own process with the worker's). The modules
 they launch are imported (``client.supernode``, ``client.worker``: both import Flower only when
 they run), so the launched names follow the code.
 """
@@ -71,9 +74,9 @@ class DeployError(RuntimeError):
 
 
 def register(subparsers: Any) -> None:
-    """Add ``fedmeta deploy run`` and ``fedmeta deploy participant``."""
+    """Add ``fedmeta deploy`` and its commands (run, participant, worker, register, ...)."""
     deploy = subparsers.add_parser(
-        "deploy", help="deployed federations (Flower SuperLink / SuperNodes): run, participant",
+        "deploy", help="deployed federations (Flower SuperLink / SuperNodes): run, worker, ...",
         description="Start a run on a deployed federation and wait for it, or run a participant "
         "node. See docs/deploy.md.",
     )  # fmt: skip
@@ -81,6 +84,7 @@ def register(subparsers: Any) -> None:
     sub.required = True
     _register_run(sub)
     _register_participant(sub)
+    _register_worker(sub)
     _register_keys(sub)
     from fedmeta.cli import deploy_local, deploy_status
 
@@ -579,23 +583,86 @@ def _register_participant(sub: Any) -> None:
         "beside it on this host's loopback. Exits when either ends (status 75: restart both).",
     )  # fmt: skip
     _add_connection_args(p, "Fleet API")
-    p.add_argument("--participant-id", default=env("FEDMETA_PARTICIPANT_ID"),
-                   help="this node's participant id (default $FEDMETA_PARTICIPANT_ID)")  # fmt: skip
     p.add_argument("--node-key", type=Path, default=env("FEDMETA_NODE_KEY") or None,
                    help="this node's private authentication key (OpenSSH ECDSA; default "
                    "$FEDMETA_NODE_KEY); its .pub is what the operator registers")  # fmt: skip
+    p.add_argument("--runtime-port", type=int, default=int(env("FEDMETA_RUNTIME_PORT", "9094")))
+    _add_worker_args(p)
+    p.add_argument("--poll", type=float, default=0.1, help="SuperNode poll while a run is active")
+    p.add_argument("--stock-poll", action="store_true", help="Flower's own 3 s SuperNode polls")
+    p.add_argument("extra", nargs="*", help="after --: more flower-supernode arguments")
+    p.set_defaults(func=_handle_participant)
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The participant's own settings, the same for ``participant`` and ``worker``."""
+    env = os.environ.get
+    p.add_argument("--participant-id", default=env("FEDMETA_PARTICIPANT_ID"),
+                   help="this node's participant id (default $FEDMETA_PARTICIPANT_ID)")  # fmt: skip
     p.add_argument("--data-path", default=env("FEDMETA_DATA_PATH") or None,
                    help="this participant's own data (node config data-path; default "
                    "$FEDMETA_DATA_PATH)")  # fmt: skip
-    p.add_argument("--runtime-port", type=int, default=int(env("FEDMETA_RUNTIME_PORT", "9094")))
     p.add_argument("--warm-config", type=Path, default=env("FEDMETA_WARM_CONFIG") or None)
     p.add_argument("--alive-file", type=Path, default=env("FEDMETA_WORKER_ALIVE") or None)
     p.add_argument("--task-timeout", type=float, default=3600.0)
-    p.add_argument("--poll", type=float, default=0.1, help="SuperNode poll while a run is active")
-    p.add_argument("--stock-poll", action="store_true", help="Flower's own 3 s SuperNode polls")
     p.add_argument("--timings", type=Path, help="the worker's per-task timings (JSON lines)")
-    p.add_argument("extra", nargs="*", help="after --: more flower-supernode arguments")
-    p.set_defaults(func=_handle_participant)
+
+
+def _register_worker(sub: Any) -> None:
+    env = os.environ.get
+    p = sub.add_parser(
+        "worker", help="run only the warm worker, for a SuperNode that runs elsewhere",
+        description="Run fedmeta's warm worker against the Runtime API of a SuperNode started "
+        "elsewhere with --isolation process: Flower's flwr/supernode image "
+        "(deploy/compose/flower-images.yml) or one you run yourself. The worker reads the "
+        "participant's data; the SuperNode never does. Start that SuperNode with the same "
+        "--node-config (participant-id, data-path) that this command prints.",
+    )  # fmt: skip
+    p.add_argument("--runtime-api-address", default=env("FEDMETA_RUNTIME_API", "127.0.0.1:9094"),
+                   help="host:port of the SuperNode's Runtime API (its --host and --port; "
+                   "default $FEDMETA_RUNTIME_API or 127.0.0.1:9094)")  # fmt: skip
+    p.add_argument("--runtime-ca", type=Path, default=env("FEDMETA_RUNTIME_CA") or None,
+                   help="CA of the Runtime API's certificate (the SuperNode's --ssl-certfile; "
+                   "default $FEDMETA_RUNTIME_CA); without it plain HTTP")  # fmt: skip
+    p.add_argument("--superexec-auth-secret-file", dest="secret_file", type=Path,
+                   default=env("FEDMETA_SUPEREXEC_SECRET") or None,
+                   help="the SuperNode's --superexec-auth-secret-file (default "
+                   "$FEDMETA_SUPEREXEC_SECRET)")  # fmt: skip
+    _add_worker_args(p)
+    p.set_defaults(func=_handle_worker)
+
+
+def worker_only_command(args: argparse.Namespace) -> list[str]:
+    """The command of ``fedmeta deploy worker``, its arguments checked."""
+    if not args.participant_id:
+        raise DeployError("--participant-id (or $FEDMETA_PARTICIPANT_ID) is required",
+                          exitcodes.BAD_INPUT)  # fmt: skip
+    host, _, port = str(args.runtime_api_address).rpartition(":")
+    if not host or not port.isdigit():
+        raise DeployError(f"--runtime-api-address {args.runtime_api_address!r}: give host:port "
+                          "of the SuperNode's Runtime API", exitcodes.BAD_INPUT)  # fmt: skip
+    config = node_config(str(args.participant_id), args.data_path)
+    return worker_command(args, args.runtime_api_address, config,
+                          ("--root-certificates", args.runtime_ca),
+                          ("--superexec-auth-secret-file", args.secret_file))  # fmt: skip
+
+
+def _handle_worker(args: argparse.Namespace) -> int:
+    try:
+        command = worker_only_command(args)
+    except DeployError as error:
+        print(f"fedmeta deploy worker: {error}", file=sys.stderr)
+        return error.status
+    config = command[command.index("--node-config") + 1]
+    print(f"fedmeta deploy worker: Runtime API {args.runtime_api_address}; the SuperNode's "
+          f"--node-config must be '{config}'", file=sys.stderr)  # fmt: skip
+    host = str(args.runtime_api_address).rpartition(":")[0]
+    if args.runtime_ca is None and host not in ("127.0.0.1", "localhost", "[::1]"):
+        print("fedmeta deploy worker: plain HTTP to the Runtime API: keep it on a network that "
+              "only this SuperNode and its worker share, or give --runtime-ca", file=sys.stderr)
+    sys.stderr.flush()
+    os.execv(command[0], command)  # the worker's exit status and signals are this command's
+    return exitcodes.UNAVAILABLE  # not reached
 
 
 def node_config(participant_id: str, data_path: str | None) -> str:
@@ -630,14 +697,24 @@ def participant_commands(args: argparse.Namespace) -> tuple[list[str], list[str]
             "--reply-timeout", str(args.task_timeout + 60), "--"]  # fmt: skip
     node = [*([str(Path(py).parent / "flower-supernode")] if args.stock_poll else shim),
             *link, *local, *args.extra]  # fmt: skip
-    warm = [py, "-m", worker.__name__, "--runtime-api-address",
-            f"127.0.0.1:{args.runtime_port}", "--node-config", config,
-            "--task-timeout", str(args.task_timeout)]  # fmt: skip
+    return node, worker_command(args, f"127.0.0.1:{args.runtime_port}", config)
+
+
+def worker_command(
+    args: argparse.Namespace, address: str, config: str, *more: tuple[str, Path | None]
+) -> list[str]:
+    """The warm worker's command.
+
+    Its Runtime API is at ``address``, its node config ``config``; ``more`` holds further
+    ``(flag, path)`` pairs, each passed where its path is given.
+    """
+    warm = [sys.executable, "-m", worker.__name__, "--runtime-api-address", address,
+            "--node-config", config, "--task-timeout", str(args.task_timeout)]  # fmt: skip
     for flag, value in (("--warm-config", args.warm_config), ("--alive-file", args.alive_file),
-                        ("--timings", args.timings)):  # fmt: skip
+                        ("--timings", args.timings), *more):  # fmt: skip
         if value is not None:
             warm += [flag, str(value)]
-    return node, warm
+    return warm
 
 
 def _handle_participant(args: argparse.Namespace) -> int:

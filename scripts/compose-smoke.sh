@@ -3,7 +3,8 @@
 # podman's Docker-compatible API where there is no Docker Engine. The `slow` test
 # tests/deploy/test_compose_podman.py runs it.
 #
-#   scripts/compose-smoke.sh [--engine auto|docker|podman] [--tls] [--no-build] [--keep-up]
+#   scripts/compose-smoke.sh [--engine auto|docker|podman] [--tls] [--flower-images] [--no-build]
+#                            [--keep-up]
 #
 #   1. the engine: --engine docker needs a Docker Engine that answers (DOCKER_HOST, else the
 #      default socket); where python:3.11-slim-bookworm cannot be pulled and FEDMETA_BASE_IMAGE is
@@ -20,17 +21,24 @@
 #   5. docker compose down -v (also on failure; --keep-up leaves the federation running)
 #
 # --tls: the TLS overlay (deploy/tls/make-certs.sh into a temporary directory first).
+# --flower-images: the overlay deploy/compose/flower-images.yml (the SuperLink and the SuperNodes on
+# Flower's flwr/superlink and flwr/supernode images, fedmeta's worker beside each SuperNode); where
+# docker.io/flwr/superlink:1.41.0 cannot be pulled and FEDMETA_FLWR_SUPERLINK_IMAGE is unset, the
+# stand-ins of deploy/images/flower-standin.Dockerfile, by the commands of docs/deploy.md, and it
+# says so. Step 2 then also checks that those containers run as Flower's user without fedmeta.
+# Both: the four files of docs/deploy.md (keys made with --owner 10001:49999 --group-read).
 # Project name fedmeta-smoke (COMPOSE_PROJECT_NAME), so that `down -v` never touches a federation
 # of yours under the default name. Offline torch: FEDMETA_WHEELHOUSE=.whl with the CPU wheel in
 # .whl/ (the script links /opt/wheels' torch wheel there when it exists and no wheelhouse is set);
 # no torch index reachable: FEDMETA_TORCH_INDEX_URL= (empty). Prints "compose-smoke: ok" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=(--build) tls=0 keep=0 engine=auto
+build=(--build) tls=0 keep=0 engine=auto flower=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) build=(--no-build) ;;
     --tls) tls=1 ;;
+    --flower-images) flower=1 ;;
     --keep-up) keep=1 ;;
     --engine) [ $# -ge 2 ] || { echo "compose-smoke: --engine needs a value: auto, docker or podman" >&2; exit 2; }
               engine=$2; shift ;;
@@ -79,8 +87,16 @@ else compose=("$(bash scripts/podman-setup.sh compose-bin)"); fi
 files=()
 if [ "$tls" = 1 ]; then
   export FEDMETA_CERTS=$work/certs
-  bash deploy/tls/make-certs.sh --out "$FEDMETA_CERTS" --nodes 3 --owner 10001 >/dev/null
-  files=(-f docker-compose.yml -f deploy/compose/tls.yml)
+  if [ "$flower" = 1 ]; then
+    bash deploy/tls/make-certs.sh --out "$FEDMETA_CERTS" --nodes 3 --owner 10001:49999 --group-read >/dev/null
+    files=(-f docker-compose.yml -f deploy/compose/tls.yml -f deploy/compose/flower-images.yml
+           -f deploy/compose/flower-images-tls.yml)
+  else
+    bash deploy/tls/make-certs.sh --out "$FEDMETA_CERTS" --nodes 3 --owner 10001 >/dev/null
+    files=(-f docker-compose.yml -f deploy/compose/tls.yml)
+  fi
+elif [ "$flower" = 1 ]; then
+  files=(-f docker-compose.yml -f deploy/compose/flower-images.yml)
 fi
 dc() { "${compose[@]}" "${files[@]}" "$@"; }
 
@@ -96,6 +112,26 @@ if [ -z "${FEDMETA_CA_CERTS:-}" ]; then
   cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
   if [ -n "$cert" ] && [ -f "$cert" ]; then
     mkdir -p .ca && cp "$cert" .ca/pip-cert.crt && export FEDMETA_CA_CERTS=.ca
+  fi
+fi
+# Flower's images, or where no registry has them the stand-ins (docs/deploy.md, "Flower's
+# published images"), built with the same base, package index and CA bundle as fedmeta's.
+if [ "$flower" = 1 ] && [ -z "${FEDMETA_FLWR_SUPERLINK_IMAGE:-}" ]; then
+  if timeout 180 docker pull -q docker.io/flwr/superlink:1.41.0 >/dev/null 2>&1 \
+     && timeout 180 docker pull -q docker.io/flwr/supernode:1.41.0 >/dev/null 2>&1; then
+    echo "compose-smoke: Flower's published images docker.io/flwr/superlink:1.41.0, docker.io/flwr/supernode:1.41.0"
+  else
+    t0=$(date +%s)
+    for role in superlink supernode; do
+      timeout 1800 docker build -q -f deploy/images/flower-standin.Dockerfile --target "$role" \
+        --build-arg BASE_IMAGE="${FEDMETA_BASE_IMAGE:-python:3.11-slim-bookworm}" \
+        --build-arg PACKAGE_INDEX_URL="${FEDMETA_PACKAGE_INDEX_URL:-}" \
+        --build-arg CA_CERTS="${FEDMETA_CA_CERTS:-deploy/images/ca-certs}" \
+        -t "localhost/flwr-standin/$role:1.41.0" . >/dev/null
+    done
+    export FEDMETA_FLWR_SUPERLINK_IMAGE=localhost/flwr-standin/superlink:1.41.0 \
+      FEDMETA_FLWR_SUPERNODE_IMAGE=localhost/flwr-standin/supernode:1.41.0
+    echo "compose-smoke: docker.io/flwr/superlink:1.41.0 not reachable; stand-ins built from deploy/images/flower-standin.Dockerfile in $(secs "$t0") s (not Flower's images)"
   fi
 fi
 # One image build at a time: both images share their layers (the second build reuses them).
@@ -133,6 +169,17 @@ assert decode_png(buf.getvalue(), "check.png").shape == (105, 105)'
 timeout 120 "${compose[@]}" "${files[@]}" exec -T participant-0 python -c "$png_check" \
   || { echo "compose-smoke: the participant image cannot read a PNG drawing" >&2; exit 1; }
 echo "compose-smoke: the participant image reads PNG drawings"
+# 2c. With Flower's images: the SuperLink and a SuperNode run as Flower's user, without fedmeta.
+if [ "$flower" = 1 ]; then
+  for svc in superlink supernode-0; do
+    uid=$(timeout 120 "${compose[@]}" "${files[@]}" exec -T "$svc" python -c 'import os; print(os.getuid())')
+    if timeout 120 "${compose[@]}" "${files[@]}" exec -T "$svc" python -c 'import fedmeta' >/dev/null 2>&1; then
+      echo "compose-smoke: $svc has fedmeta installed: not a Flower image" >&2; exit 1
+    fi
+    [ "$uid" = 49999 ] || { echo "compose-smoke: $svc runs as uid $uid, expected Flower's 49999" >&2; exit 1; }
+  done
+  echo "compose-smoke: superlink and supernode-0 run ${FEDMETA_FLWR_SUPERLINK_IMAGE:-docker.io/flwr/superlink:1.41.0} / ${FEDMETA_FLWR_SUPERNODE_IMAGE:-docker.io/flwr/supernode:1.41.0} as uid 49999, without fedmeta"
+fi
 
 run() { timeout 1800 "${compose[@]}" "${files[@]}" exec -T serverapp fedmeta deploy run --poll 1 "$@"; }
 

@@ -268,6 +268,12 @@ def test_version_guard_pin_and_image_constraints_name_one_series() -> None:
     constraints = (REPO / "deploy" / "images" / "constraints.txt").read_text()
     pinned = re.search(r"^flwr==(\S+)$", constraints, re.MULTILINE)
     assert pinned is not None and pinned.group(1).startswith(series), pinned
+    # Flower's images (the compose overlay and the stand-ins' default) are that same release.
+    overlay = (REPO / "deploy" / "compose" / "flower-images.yml").read_text()
+    tags = set(re.findall(r"docker\.io/flwr/super(?:link|node):(\S+?)\}", overlay))
+    assert tags == {pinned.group(1)}, tags
+    standin = (REPO / "deploy" / "images" / "flower-standin.Dockerfile").read_text()
+    assert f"ARG FLWR_VERSION={pinned.group(1)}" in standin
     assert worker.FLOWER_SERIES == series
     import flwr as installed
 

@@ -8,6 +8,8 @@ rewrites, between their ``# BEGIN participants`` / ``# END participants`` marker
 * docker-compose.yml: one ``participant-ID`` service per participant (SuperNode + warm worker,
   participant id ID, its own data volume ``data-ID``) and those volumes;
 * deploy/compose/tls.yml: each participant's own node key (``certs/nodes/participant-ID.key``);
+* deploy/compose/flower-images.yml: each participant's ``supernode-ID`` (Flower's image) and its
+  worker ``participant-ID``; deploy/compose/flower-images-tls.yml: each SuperNode's CA and node key;
 * deploy/compose/federation.toml: ``federation.participants``.
 
 With TLS, make the new participants' keys afterwards (``deploy/tls/make-certs.sh --out certs
@@ -55,6 +57,41 @@ def tls_keys(n: int) -> str:
     )
 
 
+def flower_nodes(n: int) -> str:
+    """deploy/compose/flower-images.yml: Flower's SuperNode and fedmeta's worker per participant."""
+    return "".join(
+        f"  supernode-{i}:\n"
+        f"    <<: *supernode\n"
+        f'    command: ["--insecure", "--superlink", "superlink:8000", "--isolation", "process",\n'
+        f'              "--host", "127.0.0.1", "--port", "9094",\n'
+        f'              "--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]\n'
+        f"  participant-{i}:\n"
+        f"    <<: *worker\n"
+        f"    network_mode: service:supernode-{i}\n"
+        f"    depends_on:\n"
+        f"      supernode-{i}: {{condition: service_healthy, restart: true}}\n"
+        for i in range(n)
+    )
+
+
+def flower_tls(n: int) -> str:
+    """deploy/compose/flower-images-tls.yml: each SuperNode's TLS flags and node key."""
+    return "".join(
+        f"  supernode-{i}:\n"
+        f"    <<: *supernode-tls\n"
+        f'    command: ["--root-certificates", "/certs/ca.crt", "--superlink", "superlink:8000",\n'
+        f'              "--auth-supernode-private-key", "/certs/node.key",\n'
+        f'              "--isolation", "process", "--host", "127.0.0.1", "--port", "9094",\n'
+        f'              "--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]\n'
+        f"    volumes:\n"
+        f"      - ${{FEDMETA_CERTS:-./certs}}/ca.crt:/certs/ca.crt:ro\n"
+        f"      - ${{FEDMETA_CERTS:-./certs}}/nodes/participant-{i}.key:/certs/node.key:ro\n"
+        f"  participant-{i}:\n"
+        f"    volumes: !override [data-{i}:/data]\n"
+        for i in range(n)
+    )
+
+
 def replace_block(text: str, block: str, which: int = 0) -> str:
     """``text`` with its ``which``-th marked block replaced by ``block``."""
     pattern = re.compile(rf"(^[ \t]*{re.escape(BEGIN)}[^\n]*\n)(.*?)(^[ \t]*{re.escape(END)})",
@@ -77,7 +114,12 @@ def rewrite(n: int) -> dict[Path, str]:
     per_round = re.search(r"(?m)^participants_per_round = (\d+)", fed)
     if per_round and int(per_round.group(1)) > n:
         fed = fed.replace(per_round.group(0), f"participants_per_round = {n}")
-    return {compose: text, tls: replace_block(tls.read_text(), tls_keys(n)), toml: fed}
+    flower = ROOT / "deploy" / "compose" / "flower-images.yml"
+    flower_tls_file = ROOT / "deploy" / "compose" / "flower-images-tls.yml"
+    return {compose: text, tls: replace_block(tls.read_text(), tls_keys(n)),
+            flower: replace_block(flower.read_text(), flower_nodes(n)),
+            flower_tls_file: replace_block(flower_tls_file.read_text(), flower_tls(n)),
+            toml: fed}  # fmt: skip
 
 
 def main() -> int:

@@ -17,6 +17,8 @@
 # Usage:
 #   deploy/tls/make-certs.sh [--out DIR] [--nodes N | --node NAME ...] [--san HOST_OR_IP ...] [--days D]
 #                            [--owner UID[:GID]]   # owner of the private keys (containers run as 10001)
+#                            [--group-read]        # and readable by GID too (mode 640): Flower's
+#                                                  # images run as 49999 (--owner 10001:49999)
 #                            [--register HOST:PORT]
 #   deploy/tls/make-certs.sh --out DIR --no-ca --node NAME    # on a participant's machine: only its key pair
 #
@@ -33,6 +35,7 @@ sans=()
 force=0
 make_ca=1
 owner=""
+group_read=0
 register=""
 n_nodes=""
 while [ $# -gt 0 ]; do
@@ -44,6 +47,7 @@ while [ $# -gt 0 ]; do
     --days) days=$2; shift 2 ;;
     --no-ca) make_ca=0; shift ;;
     --owner) owner=$2; shift 2 ;;
+    --group-read) group_read=1; shift ;;
     --register) register=$2; shift 2 ;;
     --force) force=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 0 ;;
@@ -104,6 +108,7 @@ if [ "$make_ca" = 1 ]; then
     echo "made SuperExec secret: $out/superexec.secret"
   fi
   [ -z "$owner" ] || chown "$owner" "$out/server.key" "$out/superexec.secret"
+  [ "$group_read" = 0 ] || chmod 640 "$out/server.key" "$out/superexec.secret"
 fi
 
 # --- node key pairs ------------------------------------------------------------------------------
@@ -119,6 +124,7 @@ if [ ${#nodes[@]} -gt 0 ]; then
     fi
     chmod 644 "$key.pub"
     [ -z "$owner" ] || chown "$owner" "$key"
+    [ "$group_read" = 0 ] || chmod 640 "$key"
   done
 fi
 

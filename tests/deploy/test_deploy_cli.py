@@ -246,3 +246,64 @@ def test_submit_tries_an_unreachable_superlink_again_and_nothing_else(
         with pytest.raises(D.DeployError) as caught:
             D.submit({}, tmp_path, tmp_path / "run.toml", reach_s=reach_s)
         assert caught.value.status == exitcodes.UNAVAILABLE and len(calls) == 1
+
+
+def _worker_args(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *argv: str
+) -> argparse.Namespace:
+    """``fedmeta deploy worker ARGV`` as the CLI parses it, with ``env`` as the environment."""
+    from fedmeta.cli import build_parser
+
+    for key in ("FEDMETA_RUNTIME_API", "FEDMETA_PARTICIPANT_ID", "FEDMETA_DATA_PATH",
+                "FEDMETA_RUNTIME_CA", "FEDMETA_SUPEREXEC_SECRET", "FEDMETA_WORKER_ALIVE",
+                "FEDMETA_WARM_CONFIG"):  # fmt: skip
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return build_parser().parse_args(["deploy", "worker", *argv])
+
+
+def test_worker_alone_reaches_a_supernode_elsewhere_with_the_participants_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The compose overlay for Flower's images starts `fedmeta deploy worker` from its environment:
+    the worker gets the SuperNode's address, the same node config as the SuperNode, and the
+    liveness file its healthcheck reads."""
+    env = {"FEDMETA_RUNTIME_API": "supernode-0:9094", "FEDMETA_PARTICIPANT_ID": "0",
+           "FEDMETA_DATA_PATH": "/data", "FEDMETA_WORKER_ALIVE": "/tmp/alive"}  # fmt: skip
+    args = _worker_args(monkeypatch, env)
+    assert args.func is D._handle_worker
+    command = D.worker_only_command(args)
+    assert command[1:3] == ["-m", "fedmeta.client.worker"]
+    assert command[command.index("--runtime-api-address") + 1] == "supernode-0:9094"
+    # What deploy/compose/flower-images.yml gives the SuperNode as its --node-config.
+    assert command[command.index("--node-config") + 1] == 'participant-id="0" data-path="/data"'
+    assert command[command.index("--alive-file") + 1] == "/tmp/alive"
+    assert "--root-certificates" not in command and "--superexec-auth-secret-file" not in command
+    ca, secret = tmp_path / "ca.crt", tmp_path / "secret"
+    args = _worker_args(monkeypatch, {}, "--participant-id", "7", "--runtime-api-address",
+                        "10.0.0.5:9094", "--runtime-ca", str(ca), "--superexec-auth-secret-file",
+                        str(secret))  # fmt: skip
+    command = D.worker_only_command(args)
+    assert command[command.index("--root-certificates") + 1] == str(ca)
+    assert command[command.index("--superexec-auth-secret-file") + 1] == str(secret)
+    assert command[command.index("--node-config") + 1] == 'participant-id="7"'
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "--participant-id"),
+        (("--participant-id", "1", "--runtime-api-address", "supernode-0"), "give host:port"),
+        (("--participant-id", "1", "--runtime-api-address", ":9094"), "give host:port"),
+        (("--participant-id", '1" x="2'), "without quotes"),
+    ],
+)
+def test_worker_refuses_bad_settings_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+    message: str,
+) -> None:
+    args = _worker_args(monkeypatch, {}, *argv)
+    assert args.func(args) == exitcodes.BAD_INPUT  # before anything is started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedmeta deploy worker: ") and message in err[0]
