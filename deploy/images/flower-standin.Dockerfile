@@ -24,7 +24,9 @@
 # deploy/images/Dockerfile). Flower's dependencies are pinned by deploy/images/constraints.txt.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-FROM ${BASE_IMAGE} AS base
+# Flower is installed in a build stage and its environment copied whole, as Flower's own base
+# images do, so the CA bundle and pip's settings of the build are in no layer of the images.
+FROM ${BASE_IMAGE} AS build
 ARG FLWR_VERSION=1.41.0
 ARG PACKAGE_INDEX_URL=
 ARG CA_CERTS=deploy/images/ca-certs
@@ -36,10 +38,13 @@ COPY deploy/images/pip-env.sh /tmp/pip-env.sh
 RUN set -eu; . /tmp/pip-env.sh; \
     python3 -m venv /python/venv; \
     /python/venv/bin/pip install -c /tmp/constraints.txt "flwr==${FLWR_VERSION}"; \
-    useradd --uid 49999 --user-group --home-dir /app --no-create-home --shell /bin/sh app; \
-    mkdir -p /app && chown app:app /app; \
-    rm -rf /tmp/ca-certs /tmp/constraints.txt /tmp/pip-env.sh /tmp/pip-ca.pem; \
     /python/venv/bin/flower-superlink --version
+
+FROM ${BASE_IMAGE} AS base
+USER root
+RUN useradd --uid 49999 --user-group --home-dir /app --no-create-home --shell /bin/sh app \
+    && mkdir -p /app && chown app:app /app
+COPY --from=build --chown=app:app /python/venv /python/venv
 ENV PATH=/python/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONIOENCODING=UTF-8 LANG=C.UTF-8 LC_ALL=C.UTF-8
 WORKDIR /app
