@@ -7,8 +7,9 @@ ledger; a third deploy run finds nothing left and exits 3), the exporter's view 
 `down -v`.
 
 Run on both engines: podman (set up by the script, as the guide says) and Docker Engine (the
-machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py); and, on podman,
-with the overlay that runs the SuperLink and SuperNodes from Flower's images (--flower-images).
+machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py); and with the
+overlay that runs the SuperLink and SuperNodes from Flower's images (--flower-images), on both
+engines, and with TLS on podman.
 `slow`: 10-20 minutes each with the image build on 2 shared cores, 3-5 with the images cached
 (FEDMETA_SMOKE_NO_BUILD=1). Skipped only where it cannot run: not root (podman-setup installs
 packages; dockerd needs root) or no apt-get, with the reason."""
@@ -103,3 +104,16 @@ def test_compose_federation_on_docker_engine() -> None:
     with docker_engine.docker_engine() as env:
         out = _smoke("docker", env)
     assert "compose-smoke: Docker Engine" in out
+
+
+@pytest.mark.timeout(5700)
+def test_compose_federation_on_flowers_images_on_docker_engine() -> None:
+    """The Flower-images overlay on Docker Engine, whose new named volumes start root-owned (the
+    one-shot superlink-state-owner gives the SuperLink's to Flower's uid 49999)."""
+    reason = docker_engine.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with docker_engine.docker_engine() as env:
+        out = _smoke("docker", env, "--flower-images")
+    assert "compose-smoke: Docker Engine" in out
+    assert "as uid 49999, without fedmeta" in out
