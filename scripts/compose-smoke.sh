@@ -116,14 +116,17 @@ if [ -z "${FEDMETA_CA_CERTS:-}" ]; then
 fi
 # Flower's images, or where no registry has them the stand-ins (docs/deploy.md, "Flower's
 # published images"), built with the same base, package index and CA bundle as fedmeta's.
-if [ "$flower" = 1 ] && [ -z "${FEDMETA_FLWR_SUPERLINK_IMAGE:-}" ]; then
-  if timeout 180 docker pull -q docker.io/flwr/superlink:1.41.0 >/dev/null 2>&1 \
-     && timeout 180 docker pull -q docker.io/flwr/supernode:1.41.0 >/dev/null 2>&1; then
+if [ "$flower" = 1 ]; then
+  cli=docker; command -v docker >/dev/null || cli=podman   # podman-setup allows no Docker CLI
+  if [ -n "${FEDMETA_FLWR_SUPERLINK_IMAGE:-}${FEDMETA_FLWR_SUPERNODE_IMAGE:-}" ]; then
+    echo "compose-smoke: Flower's images as given: ${FEDMETA_FLWR_SUPERLINK_IMAGE:-docker.io/flwr/superlink:1.41.0}, ${FEDMETA_FLWR_SUPERNODE_IMAGE:-docker.io/flwr/supernode:1.41.0}"
+  elif timeout 180 "$cli" pull -q docker.io/flwr/superlink:1.41.0 >/dev/null 2>&1 \
+     && timeout 180 "$cli" pull -q docker.io/flwr/supernode:1.41.0 >/dev/null 2>&1; then
     echo "compose-smoke: Flower's published images docker.io/flwr/superlink:1.41.0, docker.io/flwr/supernode:1.41.0"
   else
     t0=$(date +%s)
     for role in superlink supernode; do
-      timeout 1800 docker build -q -f deploy/images/flower-standin.Dockerfile --target "$role" \
+      timeout 1800 "$cli" build -q -f deploy/images/flower-standin.Dockerfile --target "$role" \
         --build-arg BASE_IMAGE="${FEDMETA_BASE_IMAGE:-python:3.11-slim-bookworm}" \
         --build-arg PACKAGE_INDEX_URL="${FEDMETA_PACKAGE_INDEX_URL:-}" \
         --build-arg CA_CERTS="${FEDMETA_CA_CERTS:-deploy/images/ca-certs}" \

@@ -60,16 +60,19 @@ def tls_keys(n: int) -> str:
 def flower_nodes(n: int) -> str:
     """deploy/compose/flower-images.yml: Flower's SuperNode and fedmeta's worker per participant."""
     return "".join(
+        f"  netns-{i}:\n"
+        f"    <<: *netns\n"
         f"  supernode-{i}:\n"
         f"    <<: *supernode\n"
         f'    command: ["--insecure", "--superlink", "superlink:8000", "--isolation", "process",\n'
         f'              "--host", "127.0.0.1", "--port", "9094",\n'
         f'              "--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]\n'
+        f"    network_mode: service:netns-{i}\n"
         f"  participant-{i}:\n"
         f"    <<: *worker\n"
-        f"    network_mode: service:supernode-{i}\n"
+        f"    network_mode: service:netns-{i}\n"
         f"    depends_on:\n"
-        f"      supernode-{i}: {{condition: service_healthy, restart: true}}\n"
+        f"      supernode-{i}: {{condition: service_healthy}}\n"
         for i in range(n)
     )
 

@@ -54,6 +54,15 @@ while [ $# -gt 0 ]; do
     *) echo "make-certs: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+# Private keys: the owner's alone (600), or also their group's with --group-read (640), which
+# needs the group named (--owner UID:GID); a run without the flag makes them 600 again.
+key_mode=600
+if [ "$group_read" = 1 ]; then
+  case "$owner" in
+    *:?*) key_mode=640 ;;
+    *) echo "make-certs: --group-read needs --owner UID:GID (the group that may read the keys, e.g. 10001:49999)" >&2; exit 2 ;;
+  esac
+fi
 if [ -n "$n_nodes" ]; then
   case "$n_nodes" in (*[!0-9]*|'') echo "make-certs: --nodes needs a number; got $n_nodes" >&2; exit 2 ;; esac
   for ((i = 0; i < n_nodes; i++)); do nodes+=("participant-$i"); done
@@ -108,13 +117,13 @@ if [ "$make_ca" = 1 ]; then
     echo "made SuperExec secret: $out/superexec.secret"
   fi
   [ -z "$owner" ] || chown "$owner" "$out/server.key" "$out/superexec.secret"
-  [ "$group_read" = 0 ] || chmod 640 "$out/server.key" "$out/superexec.secret"
+  chmod "$key_mode" "$out/server.key" "$out/superexec.secret"
 fi
 
 # --- node key pairs ------------------------------------------------------------------------------
 if [ ${#nodes[@]} -gt 0 ]; then
   mkdir -p "$out/nodes"
-  chmod 755 "$out/nodes"   # the keys inside stay 600
+  chmod 755 "$out/nodes"   # the keys inside are $key_mode: 600, or 640 with --group-read
   for name in "${nodes[@]}"; do
     key="$out/nodes/$name.key"
     if [ ! -s "$key" ] || [ ! -s "$key.pub" ]; then
@@ -124,7 +133,7 @@ if [ ${#nodes[@]} -gt 0 ]; then
     fi
     chmod 644 "$key.pub"
     [ -z "$owner" ] || chown "$owner" "$key"
-    [ "$group_read" = 0 ] || chmod 640 "$key"
+    chmod "$key_mode" "$key"
   done
 fi
 

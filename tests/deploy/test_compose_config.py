@@ -85,7 +85,8 @@ FLOWER_IMAGES = ("-f", "deploy/compose/flower-images.yml")
 
 def test_flower_images_overlay_runs_the_superlink_and_supernodes_from_flowers_images() -> None:
     """Flower's flwr/superlink and flwr/supernode (no fedmeta in them); each participant's data and
-    code stay in fedmeta's worker container, which shares its SuperNode's loopback."""
+    code stay in fedmeta's worker container, which shares its SuperNode's loopback through a
+    namespace that neither of them owns; Flower's telemetry off, as in fedmeta's images."""
     base = _config()["services"]
     services = _config(*FLOWER_IMAGES)["services"]
     assert isinstance(base, dict) and isinstance(services, dict)
@@ -102,6 +103,9 @@ def test_flower_images_overlay_runs_the_superlink_and_supernodes_from_flowers_im
     for name in ("superlink", "supernode-0"):
         check = services[name]["healthcheck"]["test"]
         assert check[:3] == ["CMD", "python", "-c"] and " " not in check[3]  # podman 4 splits
+    quiet = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    for name in ("superlink", "supernode-0", "netns-0"):
+        assert quiet.items() <= services[name]["environment"].items(), name
     nodes = {s for s in services if s.startswith("supernode-")}
     assert nodes == {f"supernode-{i}" for i in range(3)}
     for i in range(3):
@@ -116,7 +120,11 @@ def test_flower_images_overlay_runs_the_superlink_and_supernodes_from_flowers_im
         assert work["image"] == "fedmeta-participant:dev"
         assert work["build"]["target"] == "participant"
         assert work["entrypoint"] == ["fedmeta", "deploy", "worker"]
-        assert work["network_mode"] == f"service:supernode-{i}" and "ports" not in work
+        assert work["network_mode"] == node["network_mode"] == f"service:netns-{i}"
+        assert "ports" not in work and "ports" not in node
+        holder = services[f"netns-{i}"]  # holds the namespace: a restart of either keeps it
+        assert holder["image"] == node["image"] and "signal.pause()" in holder["entrypoint"][-1]
+        assert not holder.get("volumes") and "ports" not in holder
         assert work["environment"]["FEDMETA_PARTICIPANT_ID"] == str(i)
         assert [v["source"] for v in work["volumes"] if v["target"] == "/data"] == [f"data-{i}"]
         assert work["depends_on"][f"supernode-{i}"]["condition"] == "service_healthy"
@@ -216,7 +224,7 @@ def test_participants_script_is_the_one_change(tmp_path: Path) -> None:
     flower = _config(*FLOWER_IMAGES, cwd=copy)["services"]
     assert isinstance(flower, dict)
     assert _participants(flower) == [f"participant-{i}" for i in range(5)]
-    assert flower["participant-4"]["network_mode"] == "service:supernode-4"
+    assert flower["participant-4"]["network_mode"] == "service:netns-4"
     four = _config("-f", "deploy/compose/tls.yml", *FLOWER_IMAGES,
                    "-f", "deploy/compose/flower-images-tls.yml", cwd=copy)["services"]  # fmt: skip
     assert isinstance(four, dict)

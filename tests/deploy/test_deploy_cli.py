@@ -266,16 +266,16 @@ def _worker_args(
 def test_worker_alone_reaches_a_supernode_elsewhere_with_the_participants_settings(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The compose overlay for Flower's images starts `fedmeta deploy worker` from its environment:
-    the worker gets the SuperNode's address, the same node config as the SuperNode, and the
-    liveness file its healthcheck reads."""
-    env = {"FEDMETA_RUNTIME_API": "supernode-0:9094", "FEDMETA_PARTICIPANT_ID": "0",
-           "FEDMETA_DATA_PATH": "/data", "FEDMETA_WORKER_ALIVE": "/tmp/alive"}  # fmt: skip
+    """The compose overlay for Flower's images starts `fedmeta deploy worker` from the participant
+    image's environment: the worker reaches the SuperNode on the loopback they share, with the
+    same node config as the SuperNode, and touches the liveness file its healthcheck reads."""
+    env = {"FEDMETA_PARTICIPANT_ID": "0", "FEDMETA_DATA_PATH": "/data",
+           "FEDMETA_WORKER_ALIVE": "/tmp/alive"}  # fmt: skip
     args = _worker_args(monkeypatch, env)
     assert args.func is D._handle_worker
     command = D.worker_only_command(args)
     assert command[1:3] == ["-m", "fedmeta.client.worker"]
-    assert command[command.index("--runtime-api-address") + 1] == "supernode-0:9094"
+    assert command[command.index("--runtime-api-address") + 1] == "127.0.0.1:9094"
     # What deploy/compose/flower-images.yml gives the SuperNode as its --node-config.
     assert command[command.index("--node-config") + 1] == 'participant-id="0" data-path="/data"'
     assert command[command.index("--alive-file") + 1] == "/tmp/alive"
@@ -307,3 +307,32 @@ def test_worker_refuses_bad_settings_in_one_line(
     assert args.func(args) == exitcodes.BAD_INPUT  # before anything is started
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedmeta deploy worker: ") and message in err[0]
+
+
+class _Exec(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("address", "warned"), [("127.0.0.1:9094", False), ("10.0.0.5:9094", True)]
+)
+def test_worker_warns_of_plain_http_beyond_the_loopback_then_becomes_the_worker(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], address: str,
+    warned: bool,
+) -> None:
+    execs: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:
+        execs.append(argv)
+        raise _Exec
+
+    monkeypatch.setattr(D.os, "execv", execv)
+    args = _worker_args(monkeypatch, {"FEDMETA_PARTICIPANT_ID": "2"},
+                        "--runtime-api-address", address)  # fmt: skip
+    with pytest.raises(_Exec):
+        args.func(args)
+    (argv,) = execs
+    assert argv == D.worker_only_command(args)
+    err = capsys.readouterr().err
+    assert "--node-config must be 'participant-id=\"2\"'" in err
+    assert ("plain HTTP to the Runtime API" in err) is warned

@@ -49,6 +49,30 @@ def _make(out: Path, *args: str) -> str:
     return res.stdout
 
 
+def test_group_read_makes_the_private_keys_readable_by_one_named_group_and_is_undone(
+    tmp_path: Path,
+) -> None:
+    """Flower's images (uid 49999) and fedmeta's (10001) read the same keys: --owner UID:GID
+    --group-read gives them mode 640; a run without it makes them 600 again; without a group it
+    refuses in one line."""
+    import os
+    import stat
+
+    _need("openssl", "ssh-keygen", "bash")
+    out = tmp_path / "certs"
+    keys = [out / "server.key", out / "superexec.secret", out / "nodes" / "participant-0.key"]
+    owner = f"{os.getuid()}:{os.getgid()}"  # chown to oneself needs no root
+    _make(out, "--nodes", "1", "--owner", owner, "--group-read")
+    assert [stat.S_IMODE(k.stat().st_mode) for k in keys] == [0o640] * 3
+    assert stat.S_IMODE((out / "ca.key").stat().st_mode) == 0o600  # the CA's key: never
+    _make(out, "--nodes", "1", "--owner", owner)
+    assert [stat.S_IMODE(k.stat().st_mode) for k in keys] == [0o600] * 3
+    refused = subprocess.run(["bash", str(MAKE_CERTS), "--out", str(out), "--group-read"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "--owner UID:GID" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_make_certs_is_idempotent_and_reissues_on_new_sans(tmp_path: Path) -> None:
     _need("openssl", "ssh-keygen", "bash")
     out = tmp_path / "certs"
