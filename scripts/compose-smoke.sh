@@ -118,11 +118,13 @@ fi
 # published images"), built with the same base, package index and CA bundle as fedmeta's.
 if [ "$flower" = 1 ]; then
   cli=docker; command -v docker >/dev/null || cli=podman   # podman-setup allows no Docker CLI
+  # The overlay's defaults (deploy/compose/flower-images.yml).
+  published_link=docker.io/flwr/superlink:1.41.0 published_node=docker.io/flwr/supernode:1.41.0
   if [ -n "${FEDMETA_FLWR_SUPERLINK_IMAGE:-}${FEDMETA_FLWR_SUPERNODE_IMAGE:-}" ]; then
-    echo "compose-smoke: Flower's images as given: ${FEDMETA_FLWR_SUPERLINK_IMAGE:-docker.io/flwr/superlink:1.41.0}, ${FEDMETA_FLWR_SUPERNODE_IMAGE:-docker.io/flwr/supernode:1.41.0}"
-  elif timeout 180 "$cli" pull -q docker.io/flwr/superlink:1.41.0 >/dev/null 2>&1 \
-     && timeout 180 "$cli" pull -q docker.io/flwr/supernode:1.41.0 >/dev/null 2>&1; then
-    echo "compose-smoke: Flower's published images docker.io/flwr/superlink:1.41.0, docker.io/flwr/supernode:1.41.0"
+    echo "compose-smoke: Flower's images as given: ${FEDMETA_FLWR_SUPERLINK_IMAGE:-$published_link}, ${FEDMETA_FLWR_SUPERNODE_IMAGE:-$published_node}"
+  elif timeout 180 "$cli" pull -q "$published_link" >/dev/null 2>&1 \
+     && timeout 180 "$cli" pull -q "$published_node" >/dev/null 2>&1; then
+    echo "compose-smoke: Flower's published images $published_link, $published_node"
   else
     t0=$(date +%s)
     for role in superlink supernode; do
@@ -134,7 +136,7 @@ if [ "$flower" = 1 ]; then
     done
     export FEDMETA_FLWR_SUPERLINK_IMAGE=localhost/flwr-standin/superlink:1.41.0 \
       FEDMETA_FLWR_SUPERNODE_IMAGE=localhost/flwr-standin/supernode:1.41.0
-    echo "compose-smoke: docker.io/flwr/superlink:1.41.0 not reachable; stand-ins built from deploy/images/flower-standin.Dockerfile in $(secs "$t0") s (not Flower's images)"
+    echo "compose-smoke: $published_link not reachable; stand-ins built from deploy/images/flower-standin.Dockerfile in $(secs "$t0") s (not Flower's images)"
   fi
 fi
 # One image build at a time: both images share their layers (the second build reuses them).
@@ -181,7 +183,7 @@ if [ "$flower" = 1 ]; then
     fi
     [ "$uid" = 49999 ] || { echo "compose-smoke: $svc runs as uid $uid, expected Flower's 49999" >&2; exit 1; }
   done
-  echo "compose-smoke: superlink and supernode-0 run ${FEDMETA_FLWR_SUPERLINK_IMAGE:-docker.io/flwr/superlink:1.41.0} / ${FEDMETA_FLWR_SUPERNODE_IMAGE:-docker.io/flwr/supernode:1.41.0} as uid 49999, without fedmeta"
+  echo "compose-smoke: superlink and supernode-0 run ${FEDMETA_FLWR_SUPERLINK_IMAGE:-$published_link} / ${FEDMETA_FLWR_SUPERNODE_IMAGE:-$published_node} as uid 49999, without fedmeta"
 fi
 
 run() { timeout 1800 "${compose[@]}" "${files[@]}" exec -T serverapp fedmeta deploy run --poll 1 "$@"; }

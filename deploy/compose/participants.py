@@ -57,6 +57,24 @@ def tls_keys(n: int) -> str:
     )
 
 
+#: How a SuperNode in Flower's image reaches the SuperLink: without TLS (flower-images.yml), and
+#: with the CA and its own node key (flower-images-tls.yml).
+INSECURE_LINK = ('"--insecure", "--superlink", "superlink:8000",',)
+TLS_LINK = ('"--root-certificates", "/certs/ca.crt", "--superlink", "superlink:8000",',
+            '"--auth-supernode-private-key", "/certs/node.key",')  # fmt: skip
+
+
+def supernode_command(i: int, *link: str) -> str:
+    """A SuperNode's ``command`` in Flower's image, for participant ``i``.
+
+    ``link`` are its flags to reach the SuperLink; then the Runtime API on the shared loopback and
+    the node config (the data path is the worker's).
+    """
+    lines = [*link, '"--isolation", "process", "--host", "127.0.0.1", "--port", "9094",',
+             f'"--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]']  # fmt: skip
+    return "    command: [" + "\n              ".join(lines) + "\n"
+
+
 def flower_nodes(n: int) -> str:
     """deploy/compose/flower-images.yml: Flower's SuperNode and fedmeta's worker per participant."""
     return "".join(
@@ -64,10 +82,8 @@ def flower_nodes(n: int) -> str:
         f"    <<: *netns\n"
         f"  supernode-{i}:\n"
         f"    <<: *supernode\n"
-        f'    command: ["--insecure", "--superlink", "superlink:8000", "--isolation", "process",\n'
-        f'              "--host", "127.0.0.1", "--port", "9094",\n'
-        f'              "--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]\n'
-        f"    network_mode: service:netns-{i}\n"
+        + supernode_command(i, *INSECURE_LINK)
+        + f"    network_mode: service:netns-{i}\n"
         f"  participant-{i}:\n"
         f"    <<: *worker\n"
         f"    network_mode: service:netns-{i}\n"
@@ -82,11 +98,8 @@ def flower_tls(n: int) -> str:
     return "".join(
         f"  supernode-{i}:\n"
         f"    <<: *supernode-tls\n"
-        f'    command: ["--root-certificates", "/certs/ca.crt", "--superlink", "superlink:8000",\n'
-        f'              "--auth-supernode-private-key", "/certs/node.key",\n'
-        f'              "--isolation", "process", "--host", "127.0.0.1", "--port", "9094",\n'
-        f'              "--node-config", "participant-id=\\"{i}\\" data-path=\\"/data\\""]\n'
-        f"    volumes:\n"
+        + supernode_command(i, *TLS_LINK)
+        + f"    volumes:\n"
         f"      - ${{FEDMETA_CERTS:-./certs}}/ca.crt:/certs/ca.crt:ro\n"
         f"      - ${{FEDMETA_CERTS:-./certs}}/nodes/participant-{i}.key:/certs/node.key:ro\n"
         f"  participant-{i}:\n"

@@ -28,6 +28,7 @@ from pathlib import Path
 import fedmeta.cli  # noqa: F401
 import fedmeta.client.app  # noqa: F401
 import fedmeta.client.worker  # noqa: F401
+import fedmeta.deploy  # noqa: F401  (the package data `fedmeta deploy local` runs)
 import fedmeta.metalearning.omniglot  # noqa: F401
 import fedmeta.metalearning.warm_start  # noqa: F401
 import fedmeta.server.app  # noqa: F401

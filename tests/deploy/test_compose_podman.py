@@ -55,14 +55,30 @@ def _smoke(engine: str, env: dict[str, str], *more: str) -> str:
 
 # The image build alone can take 20 minutes on 2 shared cores (docs/benchmarks.md); the script's
 # own steps are bounded by their timeouts.
-@pytest.mark.timeout(5700)
-def test_compose_federation_on_podman() -> None:
+def _smoke_on_podman(*more: str) -> str:
+    """_smoke through podman, as scripts/podman-setup.sh sets it up; skipped where it cannot."""
     if os.geteuid() != 0:
         pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
     if shutil.which("apt-get") is None:
         pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}  # podman-setup sets it
-    _smoke("podman", env)
+    return _smoke("podman", env, *more)
+
+
+def _smoke_on_docker_engine(*more: str) -> str:
+    """_smoke on the machine's Docker Engine, or one started here (docker_engine.py)."""
+    reason = docker_engine.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with docker_engine.docker_engine() as env:
+        out = _smoke("docker", env, *more)
+    assert "compose-smoke: Docker Engine" in out
+    return out
+
+
+@pytest.mark.timeout(5700)
+def test_compose_federation_on_podman() -> None:
+    _smoke_on_podman()
 
 
 @pytest.mark.timeout(5700)
@@ -70,12 +86,7 @@ def test_compose_federation_on_flowers_images_on_podman() -> None:
     """The overlay deploy/compose/flower-images.yml: the SuperLink and SuperNodes from Flower's
     published images (or, where no registry has them, the stand-ins built to their contract, which
     the script says), fedmeta's worker beside each SuperNode; the same runs and ledger checks."""
-    if os.geteuid() != 0:
-        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
-    if shutil.which("apt-get") is None:
-        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
-    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
-    out = _smoke("podman", env, "--flower-images")
+    out = _smoke_on_podman("--flower-images")
     # Which images ran is said: Flower's published ones, a mirror's given ones, or the stand-ins.
     said = ("compose-smoke: Flower's published images", "compose-smoke: Flower's images as given",
             "stand-ins built from deploy/images/flower-standin.Dockerfile")  # fmt: skip
@@ -87,34 +98,19 @@ def test_compose_federation_on_flowers_images_on_podman() -> None:
 def test_compose_federation_on_flowers_images_with_tls_on_podman() -> None:
     """The same with TLS and node authentication: the four files of docs/deploy.md, the keys
     readable by fedmeta's and Flower's users (--owner 10001:49999 --group-read)."""
-    if os.geteuid() != 0:
-        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
-    if shutil.which("apt-get") is None:
-        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
-    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
-    out = _smoke("podman", env, "--flower-images", "--tls")
+    out = _smoke_on_podman("--flower-images", "--tls")
     assert "as uid 49999, without fedmeta" in out
 
 
 @pytest.mark.timeout(5700)
 def test_compose_federation_on_docker_engine() -> None:
     """The machine's Docker Engine, or one started here (tests/deploy/docker_engine.py)."""
-    reason = docker_engine.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with docker_engine.docker_engine() as env:
-        out = _smoke("docker", env)
-    assert "compose-smoke: Docker Engine" in out
+    _smoke_on_docker_engine()
 
 
 @pytest.mark.timeout(5700)
 def test_compose_federation_on_flowers_images_on_docker_engine() -> None:
     """The Flower-images overlay on Docker Engine, whose new named volumes start root-owned (the
     one-shot superlink-state-owner gives the SuperLink's to Flower's uid 49999)."""
-    reason = docker_engine.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with docker_engine.docker_engine() as env:
-        out = _smoke("docker", env, "--flower-images")
-    assert "compose-smoke: Docker Engine" in out
+    out = _smoke_on_docker_engine("--flower-images")
     assert "as uid 49999, without fedmeta" in out
