@@ -32,6 +32,7 @@ _ROOT = os.path.dirname(_HERE)
 sys.path[:] = [_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 from dp_accounting import dp_event, rdp  # noqa: E402
+
 from fedmeta.accounting import (  # noqa: E402
     BudgetLedger,
     FlatPoissonScheme,

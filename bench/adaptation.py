@@ -69,12 +69,12 @@ def top_eigenvalues(model: Any, params: dict[str, Any], tasks: Any, iters: int =
 
 def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
     import torch
-    from fedmeta.metalearning import evaluate
-    from fedmeta.server.selection import checkpoint_released_params
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
     from fedmeta.config import config_from_dict
+    from fedmeta.metalearning import evaluate
+    from fedmeta.server.selection import checkpoint_released_params
     from fedmeta.workload import build_model, held_out_tasks
 
     state = read_checkpoint(run_dir)

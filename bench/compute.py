@@ -39,11 +39,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-import fedmeta.metalearning as ml  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fedmeta.metalearning import Task  # noqa: E402
 from torch.func import functional_call  # noqa: E402
+
+import fedmeta.metalearning as ml  # noqa: E402
+from fedmeta.metalearning import Task  # noqa: E402
 
 CLIP = 1.0
 INNER_LR = 0.4

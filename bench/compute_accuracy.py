@@ -30,11 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-import fedmeta.metalearning as ml  # noqa: E402
-import fedmeta.metalearning.models as models  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from compute import synthetic_tasks  # noqa: E402
+
+import fedmeta.metalearning as ml  # noqa: E402
+import fedmeta.metalearning.models as models  # noqa: E402
 from fedmeta.metalearning import Task  # noqa: E402
 
 

@@ -5,8 +5,8 @@ namespaces (one server host, one host per participant, on a bridge), run by the 
 ``fedmeta deploy participant`` (SuperNode + warm worker), ``fedmeta deploy run`` (fedmeta's
 ServerApp, which polls for replies every 50 ms). Presets (what runs each message on a node):
 
-* ``warm`` (default): the warm worker (client/worker.py) and the SuperNode's short polls
-  (client/supernode.py);
+* ``warm`` (default): the warm worker (client/fedmeta/client/worker.py) and the SuperNode's short polls
+  (client/fedmeta/client/supernode.py);
 * ``warm-stockpoll``: the warm worker, Flower's own SuperNode polls (3 s when idle);
 * ``cold``: Flower's per-message ``flwr-clientapp`` process (``--isolation subprocess``) with the
   short polls: the difference to ``warm`` is the ClientApp's start and the workload's set-up;
@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
+from tests.deploy.netns import Network, netns_unavailable  # noqa: E402
+
 from fedmeta.cli.deploy_local import (  # noqa: E402
     BIN,
     LocalFederation,
@@ -55,8 +57,6 @@ from fedmeta.cli.deploy_local import (  # noqa: E402
     free_port,
     wait_until,
 )
-
-from tests.deploy.netns import Network, netns_unavailable  # noqa: E402
 
 PRESETS = ("warm", "warm-stockpoll", "cold", "stock")
 

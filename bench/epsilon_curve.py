@@ -1,4 +1,4 @@
-"""The cost of task-level epsilon after every round (server/epsilon_curve.py).
+"""The cost of task-level epsilon after every round (server/fedmeta/server/epsilon_curve.py).
 
     python bench/epsilon_curve.py compositions --config default \
         --config configs/omniglot-5way-cpu.toml --config "default sampling.stage2=fixed \

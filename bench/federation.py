@@ -63,11 +63,10 @@ def _child(participants: int, backend: str, rounds: int) -> dict[str, object]:
     import logging
 
     logging.disable(logging.WARNING)
+    from fedmeta.config import load_config
     from fedmeta.server.app import execute
     from fedmeta.simulation.local_grid import InProcessGrid
     from fedmeta.simulation.simulate import main
-
-    from fedmeta.config import load_config
 
     cfg = load_config(None, _cfg_args(participants, backend, rounds))
     out = Path(tempfile.mkdtemp(prefix="fedmeta-bench-"))

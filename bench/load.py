@@ -96,6 +96,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     import sqlite3
 
     import torch
+
     from fedmeta.accounting import BudgetLedger
 
     ledger = Path(tempfile.mkdtemp(prefix="fedmeta-soak-")) / "ledger.sqlite"

@@ -26,11 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-import fedmeta.metalearning as ml  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from compute_accuracy import torch_nhwc_batch_norm  # noqa: E402
 from torch.func import functional_call  # noqa: E402
+
+import fedmeta.metalearning as ml  # noqa: E402
 
 
 def measure(n_way: int, rounds: int) -> dict[str, list[float]]:

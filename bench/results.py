@@ -67,9 +67,8 @@ def run_one(
     evaluated and summarised as usual (``stopped_reason`` "interrupted", ``rounds_completed`` below
     the plan).
     """
-    from fedmeta.simulation.simulate import main
-
     from fedmeta.config import load_config
+    from fedmeta.simulation.simulate import main
 
     tag = f"run-{len(list(work.iterdir()))}"
     sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]

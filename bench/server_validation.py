@@ -1,4 +1,4 @@
-"""The server's per-task re-check of a round's replies (server/validation.py), whole versus blocked.
+"""The server's per-task re-check of a round's replies (server/fedmeta/server/validation.py), whole versus blocked.
 
     python bench/server_validation.py                       # DP-MAML's lot: 20 replies of 80 rows
     python bench/server_validation.py --rows 5 --repeat 7   # the CPU scale: lot 100
@@ -26,6 +26,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from fedmeta.server.validation import ROWS_PER_BLOCK, clipped_row_sum  # noqa: E402
 
 

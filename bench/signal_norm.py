@@ -65,9 +65,9 @@ def signal_tasks(cfg: Any, public: Any, n_tasks: int) -> Any:
 def measure(cfg: Any, clips: Sequence[float], n_tasks: int) -> dict[str, Any]:
     """``d`` and, per clip bound, ``G`` and the diagnostics of the module docstring."""
     import torch
-    from fedmeta.metalearning import per_task_grads
 
     from fedmeta.adaptation import inner_kwargs
+    from fedmeta.metalearning import per_task_grads
     from fedmeta.workload import build_workload
 
     if cfg.dataset.name != "sinusoid" and not cfg.public.warm_start:

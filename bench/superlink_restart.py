@@ -26,14 +26,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fedmeta.cli.deploy_local import LocalFederation  # noqa: E402
-
 from tests.deploy.netns import Network, netns_unavailable, nginx_unavailable  # noqa: E402
 from tests.deploy.test_cert_lifecycle_netns import (  # noqa: E402
     make_certs,
     restart_superlink,
     start_federation,
 )
+
+from fedmeta.cli.deploy_local import LocalFederation  # noqa: E402
 
 
 def main() -> None:

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.layout import REPO, module_file, package_files, package_folder
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("accounting", "metalearning", "fedmeta", "server", "client", "simulation", "cli")
-#: The repository's folders, installed as ``fedmeta.<folder>``.
+#: The subpackages ``fedmeta.<name>`` (``fedmeta`` itself is the shared floor).
 SUBPACKAGES = frozenset(PACKAGES) - {"fedmeta"}
 
 #: package -> top-level modules it must never import (its arrows point elsewhere).
@@ -33,7 +33,7 @@ MAX_FUNCTION_LINES = 60
 
 
 def sources(package: str) -> Iterator[Path]:
-    yield from sorted((REPO / package).rglob("*.py"))
+    yield from package_files(package)
 
 
 def _root(module: str) -> str:
@@ -75,7 +75,8 @@ def test_only_server_monitoring_imports_prometheus_client() -> None:
         for path in sources(package)
         if "prometheus_client" in imported_roots(path)
     ]
-    assert users and all(u.startswith("server/monitoring/") for u in users), users
+    monitoring = str(package_folder("server").relative_to(REPO) / "monitoring") + "/"
+    assert users and all(u.startswith(monitoring) for u in users), users
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -92,8 +93,9 @@ def test_functions_fit_on_one_screen(package: str) -> None:
 
 def test_nothing_points_at_files_outside_the_repository() -> None:
     """A user's clone has no ../shared: docs, code and configs stand alone."""
-    folders = [*PACKAGES, "docs", "configs", "deploy", "bench"]
-    files = [p for f in folders for p in (REPO / f).rglob("*") if p.is_file()]
+    folders = [package_folder(p) for p in PACKAGES]
+    folders += [REPO / f for f in ("docs", "configs", "deploy", "bench")]
+    files = [p for f in folders for p in f.rglob("*") if p.is_file()]
     files += [REPO / "README.md", REPO / "pyproject.toml", REPO / "docker-compose.yml"]
     text_files = [
         p for p in files if p.suffix in {".py", ".md", ".toml", ".yml", ".yaml", ".json", ".sh", ""}
@@ -160,20 +162,14 @@ QUOTED_MODULES_ALLOWED = {
     # Flower reads an app's components from its pyproject.toml as "module:attribute" strings; the
     # app `fedmeta deploy run` submits holds no code, so this text is its whole interface (the
     # ServerApp process imports the fedmeta installed on the server). pyproject.toml says the same.
-    ("cli/deploy.py", "fedmeta.server.app:app"),
-    ("cli/deploy.py", "fedmeta.client.app:app"),
+    ("cli/fedmeta/cli/deploy.py", "fedmeta.server.app:app"),
+    ("cli/fedmeta/cli/deploy.py", "fedmeta.client.app:app"),
 }
 
 
 def _our_module(name: str) -> bool:
     """Whether ``fedmeta.a.b`` is a module (or package) of this repository."""
-    parts = name.split(".")[1:]
-    if not parts:
-        return True
-    folder = REPO / (parts[0] if parts[0] in SUBPACKAGES else "fedmeta")
-    rest = parts[1:] if parts[0] in SUBPACKAGES else parts
-    target = folder.joinpath(*rest) if rest else folder
-    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+    return name == "fedmeta" or module_file(name) is not None
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -241,7 +237,8 @@ def test_string_edges_are_found(tmp_path: Path) -> None:
     # the worker's name, import_module and its argument, the -m line, the component string
     assert len(found) == 5, found
     assert not any(":1 " in f or ":3 " in f for f in found), found
-    assert string_edges(probe, "cli/deploy.py")[-1:] != ["cli/deploy.py:7 'fedmeta.server.app:app'"]
+    deploy = "cli/fedmeta/cli/deploy.py"
+    assert string_edges(probe, deploy)[-1:] != [f"{deploy}:7 'fedmeta.server.app:app'"]
 
 
 def test_ci_runs_the_readme_test_command_and_touches_only_its_own() -> None:
@@ -259,16 +256,20 @@ def test_ci_runs_the_readme_test_command_and_touches_only_its_own() -> None:
     assert "FEDMETA_VENV=" in ci and "mktemp -d" in ci
 
 
-def test_every_package_folder_is_installed() -> None:
-    """pyproject's explicit package list names every folder with an ``__init__.py`` (a missing one
-    works from the checkout and fails from a wheel: tests/test_packaging.py)."""
-    import tomllib
+def test_a_module_path_is_its_import_path() -> None:
+    """Each source root holds only its part of the ``fedmeta`` namespace (``server/fedmeta/server``;
+    the floor ``core/fedmeta``), and no root has a ``fedmeta/__init__.py``: one would make
+    ``fedmeta`` a regular package and hide every other root from an editable install and from
+    pyright, jedi and mypy."""
+    from tests.layout import CORE, SOURCE_ROOTS
 
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    listed = set(pyproject["tool"]["setuptools"]["packages"])
-    found = set()
-    for folder in ("fedmeta", "deploy", *SUBPACKAGES):
-        for init in (REPO / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(REPO).parts
-            found.add(".".join(("fedmeta", *parts[parts[0] == "fedmeta" :])))
-    assert found == listed, (sorted(found - listed), sorted(listed - found))
+    misplaced = []
+    for root in SOURCE_ROOTS:
+        namespace = REPO / root / "fedmeta"
+        assert not (namespace / "__init__.py").exists(), root
+        for path in namespace.rglob("*.py"):
+            own = namespace if root == CORE else namespace / root
+            if not (path.parent == own if root == CORE else path.is_relative_to(own)):
+                misplaced.append(str(path.relative_to(REPO)))
+    assert not misplaced, misplaced
+    assert not (REPO / "fedmeta").exists(), "the floor lives in core/fedmeta"

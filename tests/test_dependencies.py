@@ -13,18 +13,16 @@ import ast
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
-from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from tests.layout import REPO, SOURCE_ROOTS
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
-#: The folders the wheel installs as ``fedmeta.*`` (pyproject.toml's package list).
-INSTALLED = ("accounting", "cli", "client", "deploy", "fedmeta", "metalearning", "server",
-             "simulation")  # fmt: skip
+#: The folders the wheel installs as ``fedmeta.*`` (pyproject.toml's source roots).
+INSTALLED = tuple(REPO / root / "fedmeta" for root in SOURCE_ROOTS)
 #: Imports that are optional by design: an extra names them, and the code says what to install
 #: when they are missing.
 OPTIONAL = {"matplotlib": "plots"}
@@ -39,7 +37,7 @@ def imported_top_levels() -> dict[str, set[str]]:
     """Top-level module -> the files importing it (absolute imports of modules not ours)."""
     found: dict[str, set[str]] = {}
     for folder in INSTALLED:
-        for path in sorted((REPO / folder).rglob("*.py")):
+        for path in sorted(folder.rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -71,5 +69,5 @@ def test_every_imported_distribution_is_declared() -> None:
 def test_the_scan_finds_imports_inside_functions() -> None:
     """Negative control: Pillow is imported only inside functions, and the scan sees it."""
     found = imported_top_levels()
-    assert "metalearning/omniglot.py" in found.get("PIL", set())
+    assert "metalearning/fedmeta/metalearning/omniglot.py" in found.get("PIL", set())
     assert "torch" in found and "matplotlib" in found

@@ -7,18 +7,18 @@ import importlib
 from pathlib import Path
 
 import pytest
+from tests.layout import REPO, module_of, package_files
 
-REPO = Path(__file__).resolve().parents[1]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 #: Documents whose ``>>>`` examples are part of the interface.
 DOCUMENTS = sorted(p for p in (REPO / "docs").glob("*.md") if ">>>" in p.read_text())
 #: Modules whose docstrings hold examples.
 MODULES = sorted(
-    ".".join(("fedmeta", *p.relative_to(REPO).with_suffix("").parts[package == "fedmeta" :]))
+    module_of(p)
     for package in ("accounting", "fedmeta", "server", "client", "metalearning", "simulation",
                     "cli")
-    for p in (REPO / package).rglob("*.py")
+    for p in package_files(package)
     if ">>>" in p.read_text()
 )
 

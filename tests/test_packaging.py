@@ -4,8 +4,9 @@ deployment commands from a directory that is not the checkout.
 
 The clean venv gets fedmeta from the wheel alone (``--no-deps``); its dependencies come from this
 test run's site-packages through a ``.pth`` line. A ``.pth`` line only adds a directory to
-``sys.path``: the checkout's editable-install hook (itself a ``.pth`` file in that directory) is
-not run, so nothing of the checkout can leak in, which the test checks (``fedmeta.__file__``).
+``sys.path``: the checkout's editable install (itself a ``.pth`` file in that directory, listing the
+source roots) is not read, so nothing of the checkout can leak in, which the test checks
+(``fedmeta.__path__``: ``fedmeta`` is a namespace package, one folder in the wheel).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ NOT_SOURCES = shutil.ignore_patterns(
     ".git", ".venv*", ".ci-venv*", "__pycache__", "*.egg-info", "build", "dist", "runs", "data",
     ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis", "wheelhouse", "*.sqlite*", "*.pt",
 )  # fmt: skip
-#: Package data the code finds through importlib.resources (cli/deploy_local.py).
+#: Package data the code finds through fedmeta.deploy.data_file (cli/deploy_local.py).
 PACKAGE_DATA = (
     "fedmeta/deploy/tls/make-certs.sh",
     "fedmeta/deploy/tls/register-nodes.sh",
@@ -75,10 +76,12 @@ def test_the_wheel_installs_only_fedmeta_with_its_package_data(installed: tuple)
     wheel, venv, _ = installed
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-        info = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
-        assert zf.read(info).decode().split() == ["fedmeta"]
+    info = next(n for n in names if n.endswith(".dist-info/RECORD"))
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"fedmeta", info.split("/", 1)[0]}, tops
+    # A namespace package: an __init__.py would hide the other source roots in a checkout.
+    assert "fedmeta/__init__.py" not in names
+    assert {"fedmeta/config.py", "fedmeta/server/round.py", "fedmeta/cli/__init__.py"} <= set(names)
     for data in PACKAGE_DATA:
         assert data in names, data
     (record,) = venv.glob("lib/python*/site-packages/fedmeta-*.dist-info/RECORD")
@@ -90,10 +93,10 @@ def test_the_installed_commands_run_outside_the_checkout(installed: tuple, tmp_p
     _, venv, env = installed
     python, fedmeta, cwd = str(venv / "bin" / "python"), str(venv / "bin" / "fedmeta"), tmp_path
     where = json.loads(_run([python, "-c", (
-        "import json, fedmeta, fedmeta.server.round as r\n"
+        "import json, fedmeta.config as c, fedmeta.server.round as r\n"
         "from fedmeta.cli.deploy_local import MAKE_CERTS, PROXY_TEMPLATE, deploy_file\n"
         "files = [deploy_file(MAKE_CERTS), deploy_file(PROXY_TEMPLATE)]\n"
-        "print(json.dumps([fedmeta.__file__, r.__file__, *map(str, files), "
+        "print(json.dumps([c.__file__, r.__file__, *map(str, files), "
         "all(f.is_file() for f in files)]))")], cwd, env))  # fmt: skip
     assert where.pop() is True, where
     for path in where:  # the wheel's files, nothing of the checkout
@@ -135,5 +138,6 @@ def test_the_checkouts_fab_runs_the_installed_fedmeta(installed: tuple, tmp_path
         "from flwr.supercore.object_ref import load_app\n"
         "for ref in ('fedmeta.server.app:app', 'fedmeta.client.app:app'):\n"
         "    load_app(ref, RuntimeError, sys.argv[1])\n"
-        "import fedmeta\nprint(fedmeta.__file__)"), str(tmp_path / "app")], tmp_path, env)
+        "import fedmeta.config\nprint(fedmeta.config.__file__)"), str(tmp_path / "app")],
+        tmp_path, env)
     assert Path(loaded.strip()).is_relative_to(venv), loaded

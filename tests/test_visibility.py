@@ -121,7 +121,6 @@ def test_metrics_url_is_printed_and_a_busy_port_is_one_line(
 @pytest.mark.unit
 def test_evaluate_reports_the_guarantee_of_the_checkpoint() -> None:
     from fedmeta.cli.evaluate import privacy_of
-
     from fedmeta.config import Config
 
     cfg = Config()
@@ -137,9 +136,8 @@ def test_evaluate_reports_the_guarantee_of_the_checkpoint() -> None:
 
 @pytest.mark.unit
 def test_typed_run_config_keys_map_onto_the_tree() -> None:
-    from fedmeta.server.app import config_from_run_config
-
     from fedmeta import protocol as P
+    from fedmeta.server.app import config_from_run_config
 
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     defaults = pyproject["tool"]["flwr"]["app"]["config"]
@@ -184,9 +182,8 @@ def test_library_info_lines_are_kept_out_of_a_run_log() -> None:
 
 @pytest.mark.unit
 def test_a_run_that_affords_no_round_says_why() -> None:
-    from fedmeta.simulation.simulate import _no_round_hint
-
     from fedmeta.config import Config, load_config
+    from fedmeta.simulation.simulate import _no_round_hint
 
     tiny = _no_round_hint(load_config(None, ["privacy.noise_multiplier=0.0001"]))
     assert "privacy.noise_multiplier=0.0001" in tiny and "fedmeta privacy calibrate" in tiny

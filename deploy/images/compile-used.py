@@ -24,6 +24,8 @@ import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import torch
+
 # The modules behind the services (imported for their byte-code).
 import fedmeta.cli  # noqa: F401
 import fedmeta.client.app  # noqa: F401
@@ -33,7 +35,6 @@ import fedmeta.metalearning.omniglot  # noqa: F401
 import fedmeta.metalearning.warm_start  # noqa: F401
 import fedmeta.server.app  # noqa: F401
 import fedmeta.server.exporter  # noqa: F401
-import torch
 
 # Ray (flwr-simulation's engine) is not in the images: its entry point cannot load and is not used.
 NOT_INSTALLED = {"flwr-simulation"}

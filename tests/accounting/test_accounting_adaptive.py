@@ -1,4 +1,4 @@
-"""Adaptive clipping's accounting (accounting/adaptive.py) against independent values.
+"""Adaptive clipping's accounting (accounting/fedmeta/accounting/adaptive.py) against independent values.
 
 Oracles: hand values and mpmath for the split formula; for the claim that the joint release (noisy
 gradient sum and noisy centred count) *is* one Gaussian round at the total ``z``, the exact
@@ -13,6 +13,9 @@ import math
 import mpmath
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fedmeta.accounting import (
     GaussianRound,
     TwoStagePoissonScheme,
@@ -22,8 +25,6 @@ from fedmeta.accounting import (
     noisy_fraction,
     pld_delta,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 pytestmark = pytest.mark.unit
 

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from fedmeta.accounting import (
     BudgetLedger,
     FixedSizeScheme,

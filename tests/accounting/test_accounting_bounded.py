@@ -14,6 +14,8 @@ import pytest
 from dp_accounting.pld import common, pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism as plm
+from scipy import fft as scipy_fft
+
 from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
@@ -27,7 +29,6 @@ from fedmeta.accounting import (
     pld_delta,
 )
 from fedmeta.accounting import composition as comp
-from scipy import fft as scipy_fft
 
 REPLACE = "replace_one"
 

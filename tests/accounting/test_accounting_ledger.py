@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.accounting.fakes import LinearLedger
+
 from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,
@@ -19,8 +21,6 @@ from fedmeta.accounting import (
     Ledger,
     LedgerError,
 )
-
-from tests.accounting.fakes import LinearLedger
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,9 @@ import ast
 import re
 from pathlib import Path
 
-import fedmeta.accounting as accounting
 import pytest
+
+import fedmeta.accounting as accounting
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ledger.md"
 

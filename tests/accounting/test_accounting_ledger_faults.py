@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.accounting.readonly_mount import need_readonly_mount
+
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
@@ -24,8 +26,6 @@ from fedmeta.accounting import (
     LedgerUnwritable,
 )
 from fedmeta.accounting.ledger.faults import ensure_directory
-
-from tests.accounting.readonly_mount import need_readonly_mount
 
 REPO = Path(__file__).resolve().parents[2]
 CHEAP = GaussianRound(FlatPoissonScheme(0.01), 1.0)

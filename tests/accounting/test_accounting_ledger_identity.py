@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.accounting.schema1 import write_schema1_ledger
+
 from fedmeta.accounting import (
     PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     BudgetLedger,
@@ -31,8 +33,6 @@ from fedmeta.accounting import (
     resolve_federation,
     start_new_budget,
 )
-
-from tests.accounting.schema1 import write_schema1_ledger
 
 REPO = Path(__file__).resolve().parents[2]
 CHEAP = GaussianRound(FlatPoissonScheme(0.01), 1.0)
@@ -360,7 +360,6 @@ def test_cli_ledger_commands_default_to_the_state_directory_ledger(
 ) -> None:
     """`fedmeta ledger show` without --db reads the ledger `fedmeta simulate` spends from."""
     from fedmeta.cli import main
-
     from fedmeta.paths import default_ledger_path
 
     monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))

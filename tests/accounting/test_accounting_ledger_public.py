@@ -7,6 +7,9 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
@@ -16,8 +19,6 @@ from fedmeta.accounting import (
     PublicDataUse,
 )
 from fedmeta.cli import main
-from hypothesis import given
-from hypothesis import strategies as st
 
 ROUND = GaussianRound(FlatPoissonScheme(0.01), 1.0)
 USE = PublicDataUse(

@@ -17,8 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fedmeta.accounting.ledger.budget as ledger_module  # where spend looks up its search
 import pytest
+from tests.accounting.readonly_mount import need_readonly_mount
+from tests.accounting.schema1 import write_schema1_ledger
+
+import fedmeta.accounting.ledger.budget as ledger_module  # where spend looks up its search
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
@@ -37,14 +40,11 @@ from fedmeta.accounting import (
     resolve_federation,
 )
 
-from tests.accounting.readonly_mount import need_readonly_mount
-from tests.accounting.schema1 import write_schema1_ledger
-
 REPO = Path(__file__).resolve().parents[2]
 CHEAP = GaussianRound(FlatPoissonScheme(0.01), 1.0)
 OTHER = GaussianRound(FlatPoissonScheme(0.02), 1.0)
 DATA = "sinusoid|P20|T30"
-#: A written ledger's directory: the file and its rollback anchor (accounting/ledger/anchor.py).
+#: A written ledger's directory: the file and its rollback anchor (accounting/fedmeta/accounting/ledger/anchor.py).
 ANCHORED = ["ledger.sqlite", "ledger.sqlite.anchor"]
 
 

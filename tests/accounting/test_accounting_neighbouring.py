@@ -13,6 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from scipy import integrate, stats
+
 from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
@@ -27,7 +29,6 @@ from fedmeta.accounting import (
     round_components,
 )
 from fedmeta.accounting.composition import RDP_ORDERS, RoundModel, _rdp_curve
-from scipy import integrate, stats
 
 Density = Callable[[float], float]
 ADD, REPLACE = "add_remove", "replace_one"

@@ -1,4 +1,4 @@
-"""accounting/planner.py and `fedmeta privacy plan`: contracts, properties, the CLI."""
+"""accounting/fedmeta/accounting/planner.py and `fedmeta privacy plan`: contracts, properties, the CLI."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import signal
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fedmeta.accounting import cli as accounting_cli
 from fedmeta.accounting import epsilon
 from fedmeta.accounting.planner import (
@@ -27,8 +30,6 @@ from fedmeta.accounting.planner import (
     expected_lot,
     plan,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 GRID = 1e-3  # coarser pessimistic PLD grid: still a valid bound, and fast
 FAST = settings(max_examples=4, deadline=None, derandomize=True)

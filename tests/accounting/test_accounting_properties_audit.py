@@ -6,6 +6,10 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
 from fedmeta.accounting import (
     FixedSizeScheme,
     GaussianRound,
@@ -18,9 +22,6 @@ from fedmeta.accounting import (
     max_rounds,
     tombs2022_published_epsilon,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy import stats
 
 GRID = 1e-3  # coarser PLD grid keeps property tests fast; still a pessimistic (valid) bound
 FAST = settings(max_examples=8, deadline=None, derandomize=True)

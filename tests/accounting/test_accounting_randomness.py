@@ -14,6 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
 from fedmeta.accounting import (
     InsecureSeededSource,
     RandomSource,
@@ -25,11 +29,8 @@ from fedmeta.accounting import (
     bernoulli_probability,
     sample_without_replacement,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scipy import stats
 
-ACCOUNTING = Path(__file__).resolve().parents[2] / "accounting"
+ACCOUNTING = Path(__file__).resolve().parents[2] / "accounting" / "fedmeta" / "accounting"
 # Statistical tests run on fixed seeds (deterministic); a p-value below this fails.
 ALPHA = 1e-4
 

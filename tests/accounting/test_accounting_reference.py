@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from scipy import integrate, stats
+
 from fedmeta.accounting import (
     FixedSizeScheme,
     FlatPoissonScheme,
@@ -18,7 +20,6 @@ from fedmeta.accounting import (
     pld_delta,
     tombs2022_published_epsilon,
 )
-from scipy import integrate, stats
 
 # The note's two-stage example: P = 100, n1 = 10, smallest participant 50 tasks, n2 = 5 / q2 = 0.1.
 FIXED = TwoStageFixedScheme(

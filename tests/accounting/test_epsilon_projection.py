@@ -1,4 +1,4 @@
-"""The ledger's exposures and projection (accounting/ledger/projection.py): epsilon after k spends.
+"""The ledger's exposures and projection (accounting/fedmeta/accounting/ledger/projection.py): epsilon after k spends.
 
 Contract: ``projection.after(k).epsilon()`` is the very float ``ledger.epsilon()`` returns after
 ``k`` more spends of the projected event in the projected cohort, with one cohort and with
@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fedmeta.accounting import (
     BudgetLedger,
     Exposures,

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from tests.deploy.netns import Network, netns_unavailable, nginx_unavailable, tc_unavailable
 
 

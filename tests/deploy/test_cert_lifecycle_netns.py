@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fedmeta.cli.deploy_local import LocalFederation, Node, key_fingerprint, wait_until
-
 from tests.deploy.netns import Network
 from tests.deploy.spends import ledger_spends
+
+from fedmeta.cli.deploy_local import LocalFederation, Node, key_fingerprint, wait_until
 
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.slow]
 

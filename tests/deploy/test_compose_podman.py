@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tests.deploy import docker_engine
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]

@@ -9,9 +9,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from fedmeta.cli import deploy as D
 
 from fedmeta import exitcodes
+from fedmeta.cli import deploy as D
 from fedmeta.config import load_config
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]

@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+
 from fedmeta.cli.deploy_status import describe_progress, resume_command, run_progress
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]

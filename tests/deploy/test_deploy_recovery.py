@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.deploy.spends import ledger_spends
+
 from fedmeta.cli.deploy_local import (
     LocalFederation,
     LocalHost,
@@ -38,8 +40,6 @@ from fedmeta.cli.deploy_local import (
     quick_check_sets,
     wait_until,
 )
-
-from tests.deploy.spends import ledger_spends
 
 pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.slow]
 

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fedmeta.cli.deploy_local import free_port
 
 from fedmeta import exitcodes
+from fedmeta.cli.deploy_local import free_port
 
 pytestmark = [pytest.mark.deploy, pytest.mark.integration]
 

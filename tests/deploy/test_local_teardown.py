@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from fedmeta.cli.deploy_local import _descendants, end_pinned, pin
-
 from tests.deploy.procs import running
+
+from fedmeta.cli.deploy_local import _descendants, end_pinned, pin
 
 pytestmark = pytest.mark.integration
 

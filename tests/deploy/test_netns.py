@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tests.deploy.netns import Network
 from tests.deploy.procs import running
 

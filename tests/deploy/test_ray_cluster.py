@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from fedmeta.cli.deploy_local import free_port
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]

@@ -1,4 +1,4 @@
-"""The warm participant worker (client/worker.py) and the SuperNode launcher (client/supernode.py)
+"""The warm participant worker (client/fedmeta/client/worker.py) and the SuperNode launcher (client/fedmeta/client/supernode.py)
 without a SuperNode: the Flower version pin, the app check, the warm-up through the real ClientApp,
 and the bounded waits."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fedmeta.client import supernode, worker
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]

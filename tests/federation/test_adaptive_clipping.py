@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme, gradient_noise_multiplier
-from fedmeta.client.gradients import clip_bits
-from fedmeta.server.noise import NoiseSource, noised_release
-from fedmeta.server.plan import AdaptiveClipping, build_plan
-from fedmeta.server.validation import REASON_BAD_SHAPE, Expectation, Rejected, validate_reply
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedmeta import protocol as P
+from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme, gradient_noise_multiplier
+from fedmeta.client.gradients import clip_bits
 from fedmeta.config import ConfigError, load_config
+from fedmeta.server.noise import NoiseSource, noised_release
+from fedmeta.server.plan import AdaptiveClipping, build_plan
+from fedmeta.server.validation import REASON_BAD_SHAPE, Expectation, Rejected, validate_reply
 
 from .release_audit import clip_trajectory
 

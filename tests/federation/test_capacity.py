@@ -1,7 +1,7 @@
 """Bounded memory: a round that cannot fit is refused up front with the number it would need.
 
 Issue 21: 100,000 participants with 10 million tasks each grew to 24 GB and was killed by the
-kernel. The estimate (fedmeta/capacity.py) is checked here against its parts, and end to end in a
+kernel. The estimate (core/fedmeta/capacity.py) is checked here against its parts, and end to end in a
 subprocess whose address space is capped (RLIMIT_AS): the huge configuration is refused in one
 line, a small one runs to the end inside the same cap.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fedmeta.accounting import randomness
 from fedmeta.accounting.randomness import InsecureSeededSource, bernoulli
-
 from fedmeta.capacity import MARGIN_BYTES, check_round_fits, round_memory
 from fedmeta.config import ConfigError, load_config
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
-from fedmeta.server.noise import GRID_BITS, NoiseSource, noised_sum, release_grid
 from scipy import stats
 
+from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
 from fedmeta.checkpoint import (
     CheckpointError,
     atomic_write_bytes,
@@ -23,6 +22,7 @@ from fedmeta.checkpoint import (
     save_checkpoint,
 )
 from fedmeta.config import Config, ConfigError, load_config
+from fedmeta.server.noise import GRID_BITS, NoiseSource, noised_sum, release_grid
 
 pytestmark = pytest.mark.unit
 

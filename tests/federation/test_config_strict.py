@@ -127,9 +127,8 @@ def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process(
 ) -> None:
     """With the in-process default, `federation.ray_address` alone was ignored: the documented
     command ran on this machine, not on the cluster."""
-    from fedmeta.simulation.simulate import main as simulate
-
     from fedmeta.config import config_from_dict
+    from fedmeta.simulation.simulate import main as simulate
 
     assert load_config(None, []).federation.backend == "inprocess"
     alone = load_config(None, ["federation.ray_address='10.0.0.1:6379'"]).federation

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from fedmeta.accounting import BudgetLedger
 from fedmeta.cli import main
-
 from fedmeta.config import ConfigError, load_config
 
 from .test_round import SMALL

@@ -1,4 +1,4 @@
-"""Task-level epsilon in every round's record (server/epsilon_curve.py, issue 22 "Visibility").
+"""Task-level epsilon in every round's record (server/fedmeta/server/epsilon_curve.py, issue 22 "Visibility").
 
 The background curve computes guesses without being asked, survives a failed composition and
 stops; a real private run's every record, rounds.csv row and progress line carry the epsilon the
@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fedmeta.accounting import BudgetLedger, Exposures, FlatPoissonScheme, GaussianRound, epsilon
+from fedmeta.config import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.epsilon_curve import EpsilonCurve, RoundEpsilons
 from fedmeta.server.progress import ProgressBar
 from fedmeta.server.report import RoundOutcome, RunStarted
 from fedmeta.server.run import open_budget
 from fedmeta.simulation.local_grid import InProcessGrid
-
-from fedmeta.config import load_config
 
 from .test_round import SMALL
 

@@ -1,6 +1,6 @@
 """The floating-point residual of the release: the cell computation, the bound folded in.
 
-server/noise.py releases ``round((S + std Z) / grid)`` computed in cells of the grid, so that the
+server/fedmeta/server/noise.py releases ``round((S + std Z) / grid)`` computed in cells of the grid, so that the
 one inexact addition is of numbers under 2^16 whatever ``|S|``; ``float_residual`` folds the
 remaining per-cell factor ``1 +- 2^-34`` into the reported guarantee (docs/privacy.md).
 """
@@ -12,6 +12,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+
 from fedmeta.server.noise import (
     RESIDUAL_PER_COORDINATE,
     NoiseSource,
@@ -59,8 +60,9 @@ def test_the_residual_only_grows_the_guarantee_by_the_stated_arithmetic() -> Non
 
 def test_the_far_tail_is_drawn_exactly_and_finely() -> None:
     """Draws at |Z| >= 4.5 come from Marsaglia's exact tail, with a fine uniform (not numpy's)."""
-    from fedmeta.server.noise import TAIL_FROM, _fine_uniform, _tail
     from scipy import stats
+
+    from fedmeta.server.noise import TAIL_FROM, _fine_uniform, _tail
 
     rng = np.random.default_rng(3)
     raw = lambda: int(rng.integers(0, 2**64, dtype=np.uint64))  # noqa: E731

@@ -11,6 +11,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
@@ -18,11 +19,10 @@ from fedmeta.accounting import (
     LedgerRolledBack,
 )
 from fedmeta.cli import main
+from fedmeta.config import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.run import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
-
-from fedmeta.config import load_config
 
 from .test_round import SMALL
 

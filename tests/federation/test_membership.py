@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.app import Context, Message
+
+from fedmeta import protocol as P
 from fedmeta.client.app import app as client_app
 from fedmeta.server.app import execute
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.transport import RegistrationError, key_fingerprint
 from fedmeta.simulation.local_grid import InProcessGrid
-from flwr.app import Context, Message
-
-from fedmeta import protocol as P
 
 from .fakes import fake_ledger, opener
 from .test_round import Recorder, small

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fedmeta.client.gradients import gradient_reply
 
+from fedmeta.client.gradients import gradient_reply
 from fedmeta.config import ConfigError, load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params

@@ -2,7 +2,7 @@
 
 The choice is among the starting model (round 0) and the validated rounds, by the server's
 validation tasks; it survives a resume, it refuses a split whose validation tasks would be test
-tasks, and the tested model is the one the checkpoint names (server/selection.py).
+tasks, and the tested model is the one the checkpoint names (server/fedmeta/server/selection.py).
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from fedmeta.metalearning import evaluate
-from fedmeta.server import run as run_mod
-from fedmeta.server.outputs import format_summary
-from fedmeta.server.run import FederationError
-from fedmeta.server.selection import ModelSelection, checkpoint_released_params
 from hypothesis import given
 from hypothesis import strategies as st
 
 from fedmeta.adaptation import inner_kwargs
 from fedmeta.config import ConfigError, load_config
+from fedmeta.metalearning import evaluate
+from fedmeta.server import run as run_mod
+from fedmeta.server.outputs import format_summary
+from fedmeta.server.run import FederationError
+from fedmeta.server.selection import ModelSelection, checkpoint_released_params
 from fedmeta.workload import build_workload
 
 from .fakes import fake_ledger, opener

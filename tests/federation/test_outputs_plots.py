@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fedmeta.server.outputs import PLOT_FILES, write_all
 from fedmeta.server.report import RoundOutcome
 

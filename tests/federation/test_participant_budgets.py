@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,
@@ -25,14 +27,12 @@ from fedmeta.accounting import (
 )
 from fedmeta.accounting.ledger.storage import PER_PARTICIPANT
 from fedmeta.cli import main
+from fedmeta.config import Config, load_config
 from fedmeta.server.app import execute
 from fedmeta.server.budget_keys import budget_identity, ledger_participants, participant_identity
 from fedmeta.server.run import open_budget
 from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
-from PIL import Image
-
-from fedmeta.config import Config, load_config
 from fedmeta.workload import data_fingerprint
 
 from .test_round import SMALL

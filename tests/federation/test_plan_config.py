@@ -8,6 +8,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tests.federation.test_e2e import fedmeta, sets
+
 from fedmeta.accounting.cli import WrittenConfig
 from fedmeta.accounting.planner import (
     ComputeBudget,
@@ -18,13 +22,9 @@ from fedmeta.accounting.planner import (
     plan,
 )
 from fedmeta.cli.plan_config import write_config
+from fedmeta.config import Config, load_config, to_toml
 from fedmeta.server.plan import build_plan
 from fedmeta.server.rate_advice import HIGH_SNR, LOW_SNR, SMALLEST_FACTOR, advise_rate
-from hypothesis import given
-from hypothesis import strategies as st
-
-from fedmeta.config import Config, load_config, to_toml
-from tests.federation.test_e2e import fedmeta, sets
 
 GRID = 1e-3
 #: `fedmeta privacy plan` for the federation of :func:`request`: 6 participants of 20 tasks each.
@@ -113,7 +113,7 @@ def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_rate_advice_at_the_measured_ends_and_between() -> None:
-    # The measured ends (server/rate_advice.py): the base rate at high SNR, a tenth at low SNR.
+    # The measured ends (server/fedmeta/server/rate_advice.py): the base rate at high SNR, a tenth at low SNR.
     high = advise_rate(38.0, 0.00123456)
     assert high.rate == 0.00123456 and not high.select_best_validation  # kept is kept, unrounded
     assert advise_rate(0.85, 0.003).rate == pytest.approx(0.0003)

@@ -7,21 +7,21 @@ from typing import Any
 
 import pytest
 import torch
+from flwr.app import Context, Message
+
+from fedmeta import protocol as P
 from fedmeta.accounting import (
     PARTICIPANT_LEVEL_NOT_MEANINGFUL,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
 )
 from fedmeta.client.app import app as client_app
+from fedmeta.config import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.plan import build_plan
 from fedmeta.server.transport import RegistrationError
 from fedmeta.simulation.local_grid import InProcessGrid
-from flwr.app import Context, Message
-
-from fedmeta import protocol as P
-from fedmeta.config import load_config
 
 from .fakes import fake_ledger, opener
 from .test_round import small

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fedmeta.client.app import app as client_app
-from fedmeta.client.flower_internals import ensure_task_identity
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedmeta import protocol as P
+from fedmeta.client.app import app as client_app
+from fedmeta.client.flower_internals import ensure_task_identity
 from fedmeta.config import Config
 
 pytestmark = pytest.mark.unit

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from fedmeta.accounting import BudgetLedger
+from fedmeta.config import ConfigError, load_config
 from fedmeta.server.outputs import format_summary
 from fedmeta.simulation.simulate import main
-
-from fedmeta.config import ConfigError, load_config
 
 
 def test_a_warm_start_needs_the_split_that_keeps_the_public_alphabets_out() -> None:

@@ -35,6 +35,7 @@ others are caught by more than a whole epsilon.
 from __future__ import annotations
 
 import pytest
+
 from fedmeta.accounting import (
     FlatPoissonScheme,
     GaussianRound,

@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fedmeta.client.app import app as client_app
-from fedmeta.server.app import execute
-from fedmeta.server.monitoring.live import PrometheusRunObserver
-from fedmeta.simulation.local_grid import InProcessGrid
 from flwr.app import Context, Message
 from prometheus_client import generate_latest
 
 from fedmeta import protocol as P
+from fedmeta.client.app import app as client_app
 from fedmeta.config import load_config
+from fedmeta.server.app import execute
+from fedmeta.server.monitoring.live import PrometheusRunObserver
+from fedmeta.simulation.local_grid import InProcessGrid
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,10 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import generate_latest
+
 from fedmeta.client.app import app as client_app
+from fedmeta.config import load_config
 from fedmeta.server import run as run_mod
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.ledger import exporter_registry
@@ -35,9 +38,6 @@ from fedmeta.server.monitoring.live import PrometheusRunObserver
 from fedmeta.server.outputs import implemented_guarantee
 from fedmeta.server.progress import ProgressBar
 from fedmeta.simulation.local_grid import InProcessGrid
-from prometheus_client import generate_latest
-
-from fedmeta.config import load_config
 
 from . import test_release_invariance as invariance
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.run import FederationError
 from fedmeta.server.rundir import LOCK_NAME, RunDirectoryBusy, exclusive_run_directory

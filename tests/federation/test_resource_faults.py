@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from fedmeta.simulation import simulate
 
 from fedmeta import checkpoint as checkpoint_mod
 from fedmeta.checkpoint import atomic_write_bytes
+from fedmeta.simulation import simulate
 
 from .fakes import fake_ledger
 from .test_round import run, small

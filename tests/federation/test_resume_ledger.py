@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fedmeta.config import Config
 from fedmeta.server.app import execute
 from fedmeta.server.run import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
-
-from fedmeta.config import Config
 
 from .test_round import small
 

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+from flwr.app import Context, Error, Message
+
+from fedmeta import protocol as P
 from fedmeta.accounting import BudgetExhausted, LedgerError
 from fedmeta.client.app import app as client_app
+from fedmeta.config import Config, load_config
 from fedmeta.server import round as round_mod
 from fedmeta.server.app import execute
 from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
 from fedmeta.server.run import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
-from flwr.app import Context, Error, Message
-
-from fedmeta import protocol as P
-from fedmeta.config import Config, load_config
 
 from .fakes import LinearLedger, fake_ledger, opener
 
@@ -167,7 +167,7 @@ def test_each_failure_is_counted_once_with_its_true_reason(tmp_path: Path) -> No
         assert dict(r.failures) == every
         assert dict(r.stray_replies) == {"duplicate_reply": 1}
         assert (r.participants_sampled, r.participants_replied, r.participants_failed) == (7, 2, 5)
-    # A private run releases only what follows availability (server/releases.py); the rest is a
+    # A private run releases only what follows availability (server/fedmeta/server/releases.py); the rest is a
     # private diagnostic, here because the run opted in.
     rec = Recorder()
     cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3",

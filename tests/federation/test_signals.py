@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 import torch
+from flwr.app import Context, Message
+
+from fedmeta import protocol as P
 from fedmeta.client.app import app as client_app
 from fedmeta.server import round as round_mod
 from fedmeta.server.app import execute
 from fedmeta.simulation.local_grid import InProcessGrid
-from flwr.app import Context, Message
-
-from fedmeta import protocol as P
 
 from .fakes import fake_ledger, opener
 from .test_round import small

@@ -1,7 +1,7 @@
 """A task's effect stays within C on the participant: one failing task never removes its siblings.
 
 The participant computes a request's tasks in one batch; when that raises, each task alone, and a
-task that raises contributes a zero row with clip bit 0 (client/gradients.py ``isolated_rows``).
+task that raises contributes a zero row with clip bit 0 (client/fedmeta/client/gradients.py ``isolated_rows``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from fedmeta.client import gradients as gradients_mod
 from fedmeta.client.gradients import gradient_reply, isolated_rows
-
 from fedmeta.config import load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params

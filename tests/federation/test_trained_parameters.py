@@ -3,7 +3,7 @@
 ``training.trained_parameters`` names the meta-parameters the rounds update (the output layer, or
 the per-layer normalisation scale and shift with it): a participant's rows hold only those, the
 server's noise and optimizer act on only those, and the others keep their initial values. The
-participants' inner loop is the configured one, guards included (fedmeta/adaptation.py).
+participants' inner loop is the configured one, guards included (core/fedmeta/adaptation.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from fedmeta.client.gradients import gradient_reply
+from fedmeta.config import ConfigError, load_config
 from fedmeta.metalearning import ConvNet4, SinusoidMLP, param_spec, trained_coordinates
+from fedmeta.protocol import GradientRequest
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.run import FederationError
-
-from fedmeta.config import ConfigError, load_config
-from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params
 
 from .fakes import fake_ledger, opener

@@ -12,9 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from fedmeta.server import validation as V
 
 from fedmeta.protocol import REPLY_PER_TASK, REPLY_SUM_AND_NORMS, GradientReply
+from fedmeta.server import validation as V
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fedmeta.server import validation as V
 
 from fedmeta.protocol import REPLY_SUM_AND_NORMS, GradientReply
+from fedmeta.server import validation as V
 
 from .test_validation import DIM, _exp, _reply
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
-from fedmeta.metalearning import Task
 
+import fedmeta.metalearning as ml
 from fedmeta.adaptation import adaptation_summary, inner_kwargs
 from fedmeta.config import TrainingConfig
+from fedmeta.metalearning import Task
 
 pytestmark = pytest.mark.unit
 

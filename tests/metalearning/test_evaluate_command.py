@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fedmeta.cli.evaluate import main
 from test_metalearning_oneshot_runs import _write_runs, _zip
 
 from fedmeta.checkpoint import save_checkpoint
+from fedmeta.cli.evaluate import main
 from fedmeta.config import load_config
 from fedmeta.workload import build_model, initial_params
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 
-import fedmeta.metalearning as ml
 import pytest
 import torch
-from fedmeta.metalearning import INNER_RATES, Task, inner_rates, with_learned_inner_rates
 from pydantic import ValidationError
 
+import fedmeta.metalearning as ml
 from fedmeta.adaptation import adaptation_summary
 from fedmeta.config import ConfigError, TrainingConfig, load_config
+from fedmeta.metalearning import INNER_RATES, Task, inner_rates, with_learned_inner_rates
 from fedmeta.workload import build_model, initial_params
 
 pytestmark = pytest.mark.unit

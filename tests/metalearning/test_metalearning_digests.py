@@ -8,11 +8,12 @@ import shutil
 import zipfile
 from pathlib import Path
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
-from fedmeta.metalearning import DataError, digests
 from PIL import Image
+
+import fedmeta.metalearning as ml
+from fedmeta.metalearning import DataError, digests
 
 pytestmark = pytest.mark.unit
 

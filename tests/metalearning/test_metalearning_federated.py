@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
+
+import fedmeta.metalearning as ml
 
 pytestmark = pytest.mark.unit
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 
-import fedmeta.metalearning as ml
 import pytest
 import torch
 import torch.nn.functional as F
-from fedmeta.metalearning import Task
-from fedmeta.metalearning.models import _BatchNormNHWC, to_channels_last
 from test_metalearning_maml import _tiny_conv_tasks
 from torch.func import functional_call
+
+import fedmeta.metalearning as ml
+from fedmeta.metalearning import Task
+from fedmeta.metalearning.models import _BatchNormNHWC, to_channels_last
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
-from fedmeta.metalearning import DataError
 from PIL import Image
+
+import fedmeta.metalearning as ml
+from fedmeta.metalearning import DataError
 
 pytestmark = pytest.mark.unit
 

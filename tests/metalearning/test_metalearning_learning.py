@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fedmeta.metalearning as ml
 import pytest
 import torch
+
+import fedmeta.metalearning as ml
 
 pytestmark = pytest.mark.integration
 

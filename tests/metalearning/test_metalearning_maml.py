@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
-from fedmeta.metalearning import Task
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch.func import functional_call
+
+import fedmeta.metalearning as ml
+from fedmeta.metalearning import Task
 
 pytestmark = pytest.mark.unit
 

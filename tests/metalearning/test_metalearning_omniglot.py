@@ -6,12 +6,13 @@ import io
 import zipfile
 from pathlib import Path
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
-from fedmeta.metalearning import ChecksumError, DataError
 from PIL import Image
+
+import fedmeta.metalearning as ml
+from fedmeta.metalearning import ChecksumError, DataError
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 

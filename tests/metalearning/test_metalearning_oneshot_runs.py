@@ -13,13 +13,14 @@ import shutil
 import zipfile
 from pathlib import Path
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+
+import fedmeta.metalearning as ml
 from fedmeta.metalearning import DataError
 from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE, ONESHOT_RUNS, ONESHOT_WAYS
-from PIL import Image
 
 # Unit tests unless marked otherwise (tests/conftest.py).
 

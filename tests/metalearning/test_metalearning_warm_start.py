@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import fedmeta.metalearning as ml
 import numpy as np
 import pytest
 import torch
+
+import fedmeta.metalearning as ml
 from fedmeta.metalearning import DataError
 from fedmeta.metalearning.omniglot import (
     OMNIGLOT_N_BACKGROUND,

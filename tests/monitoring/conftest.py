@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome, RunFinished, RunStarted
 
 FED = "sinusoid-test"
@@ -120,9 +121,10 @@ def write_summary(run_dir: Path, run_id: str, rounds: int, eps: tuple[float, flo
 @pytest.fixture(scope="session")
 def exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Both exposition pages (observer + exporter) after a synthetic run with diagnostics on."""
+    from prometheus_client import generate_latest
+
     from fedmeta.server.monitoring.ledger import exporter_registry
     from fedmeta.server.monitoring.live import PrometheusRunObserver
-    from prometheus_client import generate_latest
 
     tmp = tmp_path_factory.mktemp("exposition")
     eps = spend(tmp / "ledger.sqlite", "run-1", 3)

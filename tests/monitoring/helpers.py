@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from fedmeta.cli.deploy_local import free_port as free_port  # the one helper, re-exported
 
 ROOT = Path(__file__).resolve().parents[2]

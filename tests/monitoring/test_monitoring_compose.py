@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tests.monitoring.helpers import ROOT
 
 pytestmark = pytest.mark.unit

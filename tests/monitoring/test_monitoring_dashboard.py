@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tests.monitoring.helpers import DASHBOARD, DEPLOY, METRIC_IN_PROMQL, RULES, need, run
 
 pytestmark = pytest.mark.integration

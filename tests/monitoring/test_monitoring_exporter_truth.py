@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tests.accounting.readonly_mount import need_readonly_mount
 from tests.monitoring.conftest import FED, gaussian_round, spend
 from tests.monitoring.helpers import ROOT, wait_for

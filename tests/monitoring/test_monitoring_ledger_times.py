@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
-
 from tests.monitoring.conftest import FED, spend
 
 

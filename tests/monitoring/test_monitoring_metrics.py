@@ -1,4 +1,4 @@
-"""server/monitoring/ and server/exporter.py without Prometheus: names, labels, privacy, faults."""
+"""server/monitoring/ and server/fedmeta/server/exporter.py without Prometheus: names, labels, privacy, faults."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from fedmeta.server.report import RoundDiagnostics, RoundOutcome
-
 from tests.monitoring.conftest import FED, spend, synthetic_run, write_summary
 from tests.monitoring.helpers import exposed_names, free_port, http_get
+
+from fedmeta.server.report import RoundDiagnostics, RoundOutcome
 
 pytestmark = pytest.mark.unit
 
@@ -53,8 +53,9 @@ def test_labels_are_low_cardinality_and_never_ids(exposition: str) -> None:
 
 
 def test_private_diagnostics_only_when_present() -> None:
-    from fedmeta.server.monitoring.live import PrometheusRunObserver
     from prometheus_client import generate_latest
+
+    from fedmeta.server.monitoring.live import PrometheusRunObserver
 
     obs = PrometheusRunObserver()
     synthetic_run(obs, "r-private", 2, (0.5, 5.0), diagnostics=False)
@@ -114,8 +115,9 @@ def test_make_observer_serves_and_survives_a_taken_port() -> None:
 
 
 def test_exporter_reads_the_ledger_on_every_scrape(tmp_path: Path) -> None:
-    from fedmeta.server.monitoring.ledger import exporter_registry
     from prometheus_client import generate_latest
+
+    from fedmeta.server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     registry, collector = exporter_registry(db, [tmp_path / "runs"])
@@ -162,11 +164,11 @@ def _affordable(registry: Any, timeout_s: float = 120) -> float | None:
 def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_path: Path) -> None:
     import threading
 
+    from prometheus_client import generate_latest
+    from tests.monitoring.conftest import gaussian_round
+
     from fedmeta.accounting import BudgetLedger
     from fedmeta.server.monitoring.ledger import exporter_registry
-    from prometheus_client import generate_latest
-
-    from tests.monitoring.conftest import gaussian_round
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 2)
@@ -199,8 +201,9 @@ def test_exporter_scrapes_from_many_threads_and_tracks_affordable_exactly(tmp_pa
 def test_exporter_reports_a_tampered_ledger_as_down(tmp_path: Path) -> None:
     import sqlite3
 
-    from fedmeta.server.monitoring.ledger import exporter_registry
     from prometheus_client import generate_latest
+
+    from fedmeta.server.monitoring.ledger import exporter_registry
 
     db = tmp_path / "ledger.sqlite"
     spend(db, "run-1", 2)

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from tests.monitoring.conftest import FED, spend, synthetic_run, write_summary
 from tests.monitoring.helpers import ROOT, free_port, http_get, need, prom_query, wait_for
 

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-
 import tests.monitoring.test_monitoring_prometheus as prom
 from tests.accounting.readonly_mount import need_readonly_mount
 from tests.monitoring.conftest import FED, gaussian_round, spend

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tests.monitoring.helpers import PROM_DIR, RULE_TESTS, RULES, need, run
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,128 @@
+"""The data's budget and a run's target, kept apart.
+
+A budget belongs to a participant's data (docs/ledger.md): its (epsilon, delta) are set when a run
+first spends on that data (``privacy.epsilon_budget``/``privacy.delta``) or by the operator
+(``fedmeta ledger new-budget --epsilon --delta``), and recorded. A run then asks for its own
+*target* (``privacy.target_epsilon``, calibrated to) and is allowed only when the target fits what
+every participant it may sample has left. A value of the budget given in a run's configuration
+that differs from the recorded one is refused, never applied: a budget is not raised by a run.
+
+Experiments on public benchmark data (``privacy.experiment``) keep a ledger of their own, so a
+sweep composes within the experiment and never touches the data's production budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from fedmeta.accounting import BudgetLedger, BudgetTerms, current_budget
+from fedmeta.config import Config
+from fedmeta.paths import default_ledger_path, experiment_ledger_path
+from fedmeta.server.budget_keys import budget_identity
+from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.transport import Registered
+
+
+class BudgetMismatch(ValueError):
+    """A run's configuration names a budget other than the data's recorded one."""
+
+
+def ledger_file(cfg: Config) -> Path:
+    """The ledger a run spends from: its own path, its experiment's, or the state directory's."""
+    secure = cfg.privacy.insecure_test_seed is None
+    if cfg.privacy.ledger_path:
+        path = Path(cfg.privacy.ledger_path)
+    elif cfg.privacy.experiment:
+        path = experiment_ledger_path(cfg.privacy.experiment, secure=secure)
+    else:
+        path = default_ledger_path(secure=secure)
+    return path.expanduser().resolve()
+
+
+def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path) -> Config:
+    """``cfg`` with the data's recorded budget in ``privacy.epsilon_budget``/``privacy.delta``.
+
+    ``path``: the ledger the run spends from (on resume, the one its checkpoint recorded). A
+    read-only look (nothing is created): data with no budget yet keeps the configuration's
+    values, which the run's first spend records. A value left unset takes the recorded one; a
+    value set to anything else is refused (``BudgetMismatch``, one line with the fix).
+    """
+    if not cfg.privacy.enabled:
+        return cfg
+    terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
+    if terms is None or terms.epsilon_budget is None or terms.delta is None:
+        return cfg
+    given = cfg.privacy.model_fields_set
+    for name, recorded in (("epsilon_budget", terms.epsilon_budget), ("delta", terms.delta)):
+        value = float(getattr(cfg.privacy, name))
+        if name in given and value != recorded:
+            raise BudgetMismatch(_mismatch(cfg, name, value, terms, path))
+    privacy = cfg.privacy.model_copy(
+        update={"epsilon_budget": terms.epsilon_budget, "delta": terms.delta}
+    )
+    return cfg.model_copy(update={"privacy": privacy})
+
+
+def _mismatch(cfg: Config, name: str, value: float, terms: BudgetTerms, path: Path) -> str:
+    fix = (
+        "a run asks for its own epsilon with privacy.target_epsilon"
+        if name == "epsilon_budget"
+        else f"leave privacy.delta unset (or {terms.delta:g}): delta is fixed per budget"
+    )
+    return (
+        f"privacy.{name}={value:g} is not the budget of this data (epsilon "
+        f"{terms.epsilon_budget:g} at delta {terms.delta:g}, recorded in {path}): {fix}; "
+        + other_budget_hint(cfg, path, terms.federation_id, _asked(cfg, name, value, terms))
+    )
+
+
+def _asked(cfg: Config, name: str, value: float, terms: BudgetTerms) -> tuple[float, float]:
+    """The terms the configuration asked for: its value in place of the recorded one."""
+    assert terms.epsilon_budget is not None and terms.delta is not None
+    if name == "epsilon_budget":
+        return (
+            value,
+            terms.delta if "delta" not in cfg.privacy.model_fields_set else cfg.privacy.delta,
+        )
+    return terms.epsilon_budget, value
+
+
+def other_budget_hint(
+    cfg: Config, path: Path, federation_id: str, terms: tuple[float, float] | None = None
+) -> str:
+    """The two ways to another budget: an experiment (public data), or the operator's command.
+
+    ``terms``: the (epsilon, delta) to put in the command; else placeholders.
+    """
+    eps, delta = ("E", "D") if terms is None else (f"{terms[0]:g}", f"{terms[1]:g}")
+    experiment = (
+        "another --experiment NAME"
+        if cfg.privacy.experiment
+        else "an experiment on public benchmark data runs with --experiment NAME (a ledger of "
+        "its own)"
+    )
+    if cfg.dataset.name == "image_folder":
+        experiment = "this is the participants' own data, so no experiment ledger applies"
+    return (
+        f"{experiment}; a separate budget for this data starts only with `fedmeta ledger "
+        f"new-budget --db {path} --federation {federation_id} --epsilon {eps} --delta {delta} "
+        "--reason WHY` (recorded)"
+    )
+
+
+def no_fit_reason(
+    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
+) -> str:
+    """One line: a run's target does not fit what its participants have left, and the fixes."""
+    assert plan.event is not None and cfg.privacy.target_epsilon is not None
+    target = cfg.privacy.target_epsilon
+    return (
+        f"privacy.target_epsilon={target:g} does not fit what is left of "
+        f"this data's budget: epsilon {predicted.epsilon_spent_before:.4g} of "
+        f"{ledger.epsilon_budget:g} spent (delta {ledger.delta:g}), and "
+        f"{predicted.rounds_affordable} of this run's {cfg.rounds} rounds at noise multiplier "
+        f"{plan.event.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
+        + other_budget_hint(cfg, ledger.path, ledger.federation_id, (target, ledger.delta))
+        + "; nothing was run or written"
+    )

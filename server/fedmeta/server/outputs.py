@@ -1,0 +1,518 @@
+"""Run outputs: the printed plan and summary, ``summary.json``, ``rounds.csv`` and PNG plots.
+
+Every file is derived from the run's records (:class:`~server.report.RoundOutcome`, the plan and the
+final evaluation), so they cannot disagree. Non-private runs are labelled NON-PRIVATE in each. In a
+private run the CSV has the private-diagnostic columns only when ``metrics.private_diagnostics`` is
+on; the summary holds no task count and nothing computed from one (docs/privacy.md, "What a run
+releases"). Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeAlias
+
+from fedmeta.adaptation import adaptation_summary
+from fedmeta.checkpoint import atomic_write_bytes
+from fedmeta.config import Config
+from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
+from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.report import RoundOutcome
+
+CSV_FIELDS = [
+    "round", "mode", "status", "participants_sampled", "participants_replied",
+    "participants_failed", "epsilon", "epsilon_participant", "loss", "validation_metric", "clip",
+]  # fmt: skip
+DIAGNOSTIC_FIELDS = [
+    "tasks_requested", "tasks_received", "norm_violations", "nonfinite", "clipped_fraction",
+    "round_seconds", "aggregation_seconds",
+]  # fmt: skip
+
+
+def _e(x: Any, fmt: str = ".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return format(x, fmt)
+
+
+def _participant_eps(value: Any, note: str | None) -> str:
+    return note if note else f"epsilon {_e(value)}"
+
+
+def format_plan(
+    plan: RunPlan,
+    fc: BudgetForecast | None,
+    cfg: Config,
+    participants: int,
+    coordinates: int | None = None,
+) -> str:
+    """The privacy plan, printed before training (``coordinates``: noisy values per round)."""
+    lines = [
+        "== fedmeta federation plan ==",
+        f"dataset {cfg.dataset.name} | participants {participants} "
+        f"({plan.scheme.participants_per_round} per round, stage 2 {cfg.sampling.stage2}) | "
+        f"planned rounds {plan.planned_rounds}",
+    ]
+    if cfg.privacy.experiment:
+        lines.append(experiment_line(cfg.privacy.experiment))
+    lines += _model_start_lines(cfg)
+    if not plan.private or fc is None:
+        lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
+                     "NO privacy guarantee")  # fmt: skip
+        return "\n".join(lines)
+    calibrated = (
+        f" (calibrated so the planned rounds spend the "
+        f"{'budget' if cfg.privacy.target_epsilon is None else 'target'})"
+        if plan.noise_calibrated
+        else ""
+    )
+    lines += [
+        f"mode: private (task-level DP, {plan.neighbouring} neighbours, PLD accounting, enforced "
+        "by the ledger)",
+        f"budget of the data: epsilon {_e(plan.epsilon_budget, 'g')}, delta "
+        f"{_e(plan.delta, 'g')} | {_target(cfg)} | clip C = {_e(plan.clip, 'g')}",
+        f"noise multiplier z = {_e(plan.noise_multiplier, '.4f')}{calibrated}",
+        *_adaptive_lines(plan),
+        f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
+        f"ledger before this run: {fc.ledger_records_before} spends, "
+        f"epsilon {_e(fc.epsilon_spent_before)}",
+        f"rounds affordable: {fc.rounds_affordable} | rounds this run will run: {fc.rounds_to_run}",
+        f"at the planned end: task-level epsilon {_e(fc.epsilon_task_at_end)} "
+        f"(delta {_e(plan.delta, 'g')})",
+        "participant-level epsilon at the planned end: "
+        + _participant_eps(fc.epsilon_participant_at_end, plan.participant_level_note),
+    ]
+    if coordinates is not None and plan.delta is not None:
+        released = coordinates * (fc.ledger_records_before + fc.rounds_to_run)
+        eps, delta = implemented_guarantee(fc.epsilon_task_at_end, plan.delta, released)
+        lines.append(f"with the floating-point residual (docs/privacy.md): epsilon {_e(eps, '.4f')}"
+                     f" at delta {_e(delta, '.4g')}")  # fmt: skip
+    if fc.epsilon_theorem3_at_end is not None:
+        lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
+                     "NOT a valid guarantee, not enforced)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _model_start_lines(cfg: Config) -> list[str]:
+    """The plan's lines on a public warm start and on the privately trained subset."""
+    lines = []
+    if cfg.public.warm_start:
+        lines.append(
+            f"public warm start: {cfg.public.steps} non-private MAML steps on Omniglot's "
+            "background alphabets (public, not the participants') before round 1"
+        )
+    if cfg.training.trained_parameters != "all":
+        lines.append(
+            f"privately trained: {_TRAINED[cfg.training.trained_parameters]} alone; the other "
+            "meta-parameters stay at their "
+            + ("public warm-start values" if cfg.public.warm_start else "initial values")
+        )
+    if cfg.training.meta_sgd:
+        lines.append(
+            f"Meta-SGD: one learned inner rate per meta-parameter, starting at "
+            f"{cfg.training.inner_lr:g}; the meta-model has twice the parameters"
+        )
+    return lines
+
+
+def public_line(public: Mapping[str, Any]) -> str:
+    """The line that labels a run which used public data (summary)."""
+    steps = public["non_private_pretraining"]["steps"]
+    return (
+        f"PUBLIC WARM START: the model was pre-trained without privacy on {public['data']}, "
+        f"{public['classes']} classes ({steps} steps), disjoint from the participants' data"
+    )
+
+
+_TRAINED = {
+    "head": "the output layer",
+    "norm_and_head": "the per-layer normalisation scale and shift and the output layer",
+}
+
+
+def trained_line(trained: Mapping[str, Any], *, public: bool) -> str:
+    """The summary line naming a parameter-efficient run's privately trained subset."""
+    rest = "their public warm-start values" if public else "their initial values"
+    return (
+        f"privately trained: {trained['which']}, {trained['count']:,} of {trained['of']:,} "
+        f"meta-parameters (the rest stay at {rest})"
+    )
+
+
+def experiment_line(name: str) -> str:
+    """The mark every output of an experiment carries (``privacy.experiment``)."""
+    return (
+        f"EXPERIMENT {name}: public benchmark data, spent from the experiment's own ledger, "
+        "not from a production budget"
+    )
+
+
+def _target(cfg: Config) -> str:
+    t = cfg.privacy.target_epsilon
+    return "this run's target: the whole budget" if t is None else f"this run's target: {t:g}"
+
+
+def _adaptive_lines(plan: RunPlan) -> list[str]:
+    a = plan.adaptive
+    if a is None:
+        return []
+    return [
+        f"adaptive clipping (Andrew et al. 2021): C starts at {_e(a.initial_clip, 'g')}, tracks "
+        f"the {_e(a.target_quantile, 'g')} quantile of task norms (learning rate "
+        f"{_e(a.learning_rate, 'g')}, C in [{_e(a.min_clip, 'g')}, {_e(a.max_clip, 'g')}])",
+        f"  z = {_e(plan.noise_multiplier, '.4f')} covers both releases: gradient noise "
+        f"z_grad = {_e(a.gradient_noise_multiplier, '.4f')}, count noise s_b = "
+        f"{_e(a.count_noise, '.4g')} tasks",
+    ]
+
+
+def build_summary(
+    cfg: Config,
+    plan: RunPlan,
+    fc: BudgetForecast | None,
+    outcomes: Sequence[RoundOutcome],
+    *,
+    run_id: str,
+    federation_id: str,
+    stopped: str,
+    rounds_completed: int,
+    epsilons: Mapping[str, Any],
+    final: Any,
+    untrained: float,
+    participants: int,
+    noise_secure: bool,
+    ledger: Any,
+    wall_seconds: float,
+    coordinates: int | None = None,
+    model_start: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``summary.json``: the run's plan, its records' totals and the final evaluation.
+
+    ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`.
+    """
+    private = plan.private
+    return {
+        "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
+        "private": private,
+        "neighbouring": plan.neighbouring if private else None,
+        "experiment": cfg.privacy.experiment,
+        "run_id": run_id,
+        "federation_id": federation_id,
+        "rounds_planned": plan.planned_rounds,
+        "rounds_completed": rounds_completed,
+        "rounds_lost_on_resume": [o.round for o in outcomes if o.status == "lost_on_resume"],
+        "stopped_reason": stopped,
+        "epsilon_spent": epsilons.get("epsilon_task"),
+        "epsilon_participant_level": epsilons.get("epsilon_participant"),
+        "participant_level_note": plan.participant_level_note,
+        "delta": plan.delta,
+        "epsilon_budget": plan.epsilon_budget,
+        "target_epsilon": cfg.privacy.target_epsilon if private else None,
+        "implemented_guarantee": _implemented(plan, epsilons, ledger, coordinates),
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_calibrated": plan.noise_calibrated if private else None,
+        "clip": plan.clip,
+        "adaptive_clipping": _adaptive_summary(plan, outcomes),
+        "noise_secure": noise_secure if private else None,
+        "normaliser": plan.normaliser if private else None,
+        "participants_registered": participants,
+        "participants_per_round": plan.scheme.participants_per_round,
+        **_final_metric(cfg, final, untrained),
+        **(model_start or model_start_fields(None, None)),
+        "ledger": None
+        if ledger is None
+        else {"path": str(ledger.path), "records": ledger.position()},
+        "plan": None if fc is None else _forecast_dict(fc),
+        # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
+        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def model_start_fields(
+    public: Mapping[str, Any] | None,
+    trained: Mapping[str, Any] | None,
+    selection: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What was public, which meta-parameters the rounds trained, which model was tested.
+
+    ``selection``: server/fedmeta/server/selection.py's ``ModelSelection.summary`` (None: the last model).
+    """
+    return {
+        "public_warm_start": None if public is None else dict(public),
+        "trained_parameters": None if trained is None else dict(trained),
+        "model_selection": dict(selection) if selection else {"rule": "last"},
+    }
+
+
+def _final_metric(cfg: Config, final: Any, untrained: float) -> dict[str, Any]:
+    """The summary's evaluation fields: the noisy model's metric on public held-out tasks."""
+    return {
+        "metric": _metric_name(cfg),
+        "final_metric": final.mean,
+        # Percentile bootstrap over test tasks: within the metric's range, unlike mean +- 1.96 se.
+        "final_metric_ci95": [final.ci95_low, final.ci95_high],
+        "final_metric_ci95_method": "percentile bootstrap of the mean over test tasks",
+        "final_metric_ci95_halfwidth": final.ci95,
+        "final_metric_median": final.median,
+        "adaptation_diverged_tasks": final.diverged,
+        "adaptation": adaptation_summary(cfg.training),
+        "final_metric_pre_adaptation": final.pre_adaptation_mean,
+        "test_tasks": final.n_tasks,
+        "untrained_metric": untrained,
+    }
+
+
+def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tuple[float, float]:
+    """The accountant's (epsilon, delta) with the release's floating-point residual folded in.
+
+    The one place a reported guarantee takes it (server/fedmeta/server/noise.py ``float_residual``; the arithmetic
+    is in docs/privacy.md): ``coordinates`` noisy values released over the ledger's spends.
+    """
+    return float_residual(coordinates, epsilon, delta)
+
+
+def released_coordinates(plan: RunPlan, dim: int) -> int:
+    """Noisy values one private round releases: the model's, plus adaptive clipping's count."""
+    return dim + (1 if plan.adaptive is not None else 0)
+
+
+def _implemented(
+    plan: RunPlan, epsilons: Mapping[str, Any], ledger: Any, coordinates: int | None
+) -> dict[str, Any] | None:
+    """The summary's guarantee of the implementation, over every spend in the ledger.
+
+    Every spend is taken to have released ``coordinates`` values (this run's model): a federation
+    whose runs used another model size must recompute it with that size.
+    """
+    eps = epsilons.get("epsilon_task")
+    if not plan.private or coordinates is None or eps is None or ledger is None:
+        return None
+    if plan.delta is None:
+        return None
+    released = coordinates * int(ledger.position())
+    epsilon, delta = implemented_guarantee(float(eps), plan.delta, released)
+    return {"epsilon": epsilon, "delta": delta, "released_coordinates": released,
+            "per_cell_residual": RESIDUAL_PER_COORDINATE}  # fmt: skip
+
+
+def _diagnostics(cfg: Config, plan: RunPlan) -> bool:
+    """Whether this run's outputs may hold private diagnostics (always in a non-private run)."""
+    return not plan.private or cfg.metrics.private_diagnostics
+
+
+def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[str, Any] | None:
+    """Adaptive clipping's constants and the last bound used (a function of released counts)."""
+    a = plan.adaptive
+    if a is None:
+        return None
+    clips = [o.clip for o in outcomes if o.clip is not None]
+    return {
+        "target_quantile": a.target_quantile,
+        "learning_rate": a.learning_rate,
+        "count_noise": a.count_noise,
+        "gradient_noise_multiplier": a.gradient_noise_multiplier,
+        "initial_clip": a.initial_clip,
+        "last_clip": clips[-1] if clips else None,
+    }
+
+
+#: The held-out metric a summary reports: regression error or classification accuracy.
+MetricName: TypeAlias = Literal["mse", "accuracy"]
+
+
+def _metric_name(cfg: Config) -> MetricName:
+    return "mse" if cfg.dataset.name == "sinusoid" else "accuracy"
+
+
+def _forecast_dict(fc: BudgetForecast) -> dict[str, Any]:
+    return {
+        "ledger_records_before": fc.ledger_records_before,
+        "epsilon_spent_before": fc.epsilon_spent_before,
+        "rounds_affordable": fc.rounds_affordable,
+        "rounds_to_run": fc.rounds_to_run,
+        "epsilon_task_at_end": fc.epsilon_task_at_end,
+        "epsilon_participant_at_end": fc.epsilon_participant_at_end,
+        "epsilon_tombs2022_published_at_end_NOT_VALID": fc.epsilon_theorem3_at_end,
+    }
+
+
+def format_summary(s: Mapping[str, Any]) -> str:
+    """The summary printed at the end."""
+    lines = ["== fedmeta summary ==",
+             *([experiment_line(s["experiment"])] if s.get("experiment") else []),
+             f"mode: {s['mode']}",
+             f"rounds completed {s['rounds_completed']} of {s['rounds_planned']} planned | "
+             f"stopped: {s['stopped_reason']}"]  # fmt: skip
+    if s["private"]:
+        lines.append(
+            f"epsilon spent (task level, {s['neighbouring']}) {_e(s['epsilon_spent'])} of "
+            f"budget {_e(s['epsilon_budget'], 'g')} at delta {_e(s['delta'], 'g')}"
+        )
+        lines.append(
+            "participant level: "
+            + _participant_eps(s["epsilon_participant_level"], s["participant_level_note"])
+        )
+        if s.get("noise_secure") is False:
+            lines.append("WARNING: insecure_test_seed was set - noise is reproducible, NOT private "
+                         "(tests only)")  # fmt: skip
+    else:
+        lines.append("NON-PRIVATE: no clipping, no noise, no privacy guarantee")
+    ci = s["final_metric_ci95"]
+    lines.append(
+        f"test {s['metric']} after adaptation: {_e(s['final_metric'], '.4f')} "
+        f"(95% bootstrap CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, median "
+        f"{_e(s.get('final_metric_median'), '.4f')}, {s['test_tasks']} tasks, "
+        f"{s.get('adaptation_diverged_tasks')} diverged); "
+        + ("public warm start before private training" if s.get("public_warm_start")
+           else "untrained meta-model")
+        + f": {_e(s['untrained_metric'], '.4f')}"
+    )  # fmt: skip
+    if s.get("public_warm_start"):
+        lines.append(public_line(s["public_warm_start"]))
+    chosen = s.get("model_selection") or {}
+    if chosen.get("rule") == "best_validation":
+        lines.append(f"tested model: round {chosen['round']} (best validation {s['metric']} "
+                     f"{_e(chosen['validation_metric'], '.4f')} on {chosen['validation_tasks']} "
+                     "server-held tasks; the starting model, round 0, validated "
+                     f"{_e(chosen.get('start_validation_metric'), '.4f')})")  # fmt: skip
+    trained = s.get("trained_parameters")
+    if trained and trained["which"] != "all":
+        lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))
+    if s.get("rounds_lost_on_resume"):
+        lines.append("rounds spent but lost before a checkpoint (counted as spent): "
+                     f"{s['rounds_lost_on_resume']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def csv_row(outcome: RoundOutcome, private: bool) -> dict[str, Any]:
+    """One ``rounds.csv`` row of a round's record."""
+    row: dict[str, Any] = {
+        "round": outcome.round,
+        "mode": "private" if private else "NON-PRIVATE",
+        "status": outcome.status,
+        "participants_sampled": outcome.participants_sampled,
+        "participants_replied": outcome.participants_replied,
+        "participants_failed": outcome.participants_failed,
+        "epsilon": outcome.epsilon_task,
+        "epsilon_participant": outcome.epsilon_participant,
+        "loss": outcome.train_loss,
+        "validation_metric": outcome.validation_metric,
+        "clip": outcome.clip,
+    }
+    if outcome.diagnostics is not None:
+        d = outcome.diagnostics
+        row.update({name: getattr(d, name) for name in DIAGNOSTIC_FIELDS})
+    return row
+
+
+def write_rounds_csv(
+    out_dir: Path, outcomes: Sequence[RoundOutcome], private: bool, diagnostics: bool
+) -> Path:
+    """``rounds.csv``: one row per round; diagnostic columns only where they are allowed."""
+    buf = io.StringIO()
+    fields = CSV_FIELDS + (DIAGNOSTIC_FIELDS if diagnostics else [])
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    for outcome in outcomes:
+        writer.writerow({k: "" if v is None else v for k, v in csv_row(outcome, private).items()})
+    path = Path(out_dir) / "rounds.csv"
+    atomic_write_bytes(path, buf.getvalue().encode())
+    return path
+
+
+def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:
+    """``summary.json``."""
+    path = Path(out_dir) / "summary.json"
+    atomic_write_bytes(path, (json.dumps(summary, indent=2, default=str) + "\n").encode())
+    return path
+
+
+PLOTS_MISSING = (
+    "plots: not written: matplotlib is not installed (pip install 'fedmeta[plots]', or set "
+    "output.plots = false)"
+)
+PLOT_FILES = ("epsilon_vs_round.png", "validation_vs_epsilon.png")
+
+
+def write_plots(
+    out_dir: Path, outcomes: Sequence[RoundOutcome], summary: Mapping[str, Any]
+) -> bool:
+    """Two PNG plots: epsilon against round, validation metric against epsilon (or round).
+
+    False, writing nothing, where matplotlib is not installed: it is the optional ``plots`` extra,
+    left out of the deployment images (a service's outputs are read elsewhere; rounds.csv holds
+    every plotted value).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    private = bool(summary["private"])
+    tag = "" if private else " [NON-PRIVATE]"
+    if summary.get("experiment"):
+        tag += f" [EXPERIMENT {summary['experiment']}]"
+    done = [o for o in outcomes if o.status == "completed"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if private:
+        pts = [(o.round, o.epsilon_task) for o in done if o.epsilon_task is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label="task-level epsilon (PLD)")
+        ax.axhline(summary["epsilon_budget"], color="red", linestyle="--", label="budget")
+        ax.set_ylabel("epsilon spent")
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "NON-PRIVATE run: no epsilon", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
+    ax.set_xlabel("round")
+    ax.set_title("privacy spent vs round" + tag)
+    _save(fig, Path(out_dir) / PLOT_FILES[0])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve = [
+        (float(o.epsilon_task if private else o.round), float(o.validation_metric))  # type: ignore[arg-type]
+        for o in done
+        if o.validation_metric is not None and (not private or o.epsilon_task is not None)
+    ]
+    if curve:
+        ax.plot(*zip(*curve, strict=True), marker="o")
+    metric = summary["metric"]
+    ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
+    ax.set_ylabel(f"validation {metric}")
+    ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag)
+    _save(fig, Path(out_dir) / PLOT_FILES[1])
+    return True
+
+
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_all(
+    out_dir: Path,
+    summary: Mapping[str, Any],
+    outcomes: Sequence[RoundOutcome],
+    *,
+    diagnostics: bool,
+    plots: bool = True,
+) -> list[str]:
+    """All files of a finished run; their names, in the order written."""
+    written = [
+        write_summary(out_dir, summary).name,
+        write_rounds_csv(out_dir, outcomes, bool(summary["private"]), diagnostics).name,
+    ]
+    if plots and write_plots(out_dir, outcomes, summary):
+        written += PLOT_FILES
+    return written

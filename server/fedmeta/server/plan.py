@@ -1,0 +1,283 @@
+"""A run's privacy plan: the accounted sampling scheme, its event, the noise, and what it will cost.
+
+:class:`RunPlan` is fixed once participants have registered and the noise multiplier is known; the
+round pipeline (server/fedmeta/server/round.py) reads everything privacy-relevant from it, so the sampler that runs
+and the event the ledger records come from the same scheme object. :class:`BudgetForecast` is what
+the plan will cost against the ledger, printed before the first round.
+
+Under the add/remove relation (the default) the participants' task counts are private: the trusted
+server uses them to sample task indices and nothing else. The scheme's stage-2 bound
+(``min_tasks`` for a fixed-size stage 2) and the normaliser of the noisy sum are public constants
+of the configuration, and participants below the public ``min_tasks`` are refused at registration.
+Under replace-one the counts are public, and the smallest registered count is the accounted bound.
+
+With adaptive clipping (:class:`AdaptiveClipping`) the event's ``z`` is the *total* noise multiplier
+of the round's two releases (the gradient sum and the noisy count of clip bits); the gradient gets
+the smaller ``z_grad`` (accounting/fedmeta/accounting/adaptive.py), and ``RunPlan.clip`` is the first round's bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from fedmeta.accounting import (
+    BudgetLedger,
+    GaussianRound,
+    TwoStageFixedScheme,
+    TwoStagePoissonScheme,
+    calibrate_noise_multiplier,
+    epsilon,
+    gradient_noise_multiplier,
+    participant_level_note,
+    tombs2022_published_epsilon,
+)
+from fedmeta.accounting.composition import Method
+from fedmeta.accounting.schemes import Neighbouring, Unit
+from fedmeta.config import Config
+
+TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """The public constants of adaptive clipping (Andrew et al. 2021), resolved for one run."""
+
+    target_quantile: float
+    learning_rate: float
+    count_noise: float  # s_b, in tasks
+    gradient_noise_multiplier: float  # z_grad = (z^-2 - (2 s_b)^-2)^(-1/2)
+    initial_clip: float
+    min_clip: float
+    max_clip: float
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything privacy-relevant about a run's rounds, fixed before the first one."""
+
+    private: bool
+    neighbouring: Neighbouring
+    scheme: TwoStageScheme
+    event: GaussianRound | None  # None in a non-private run
+    clip: float | None  # None in a non-private run
+    normaliser: float  # public divisor of the noisy sum
+    noise_calibrated: bool
+    epsilon_budget: float | None
+    delta: float | None
+    planned_rounds: int
+    adaptive: AdaptiveClipping | None = None  # None: the clip bound is fixed
+
+    @property
+    def gradient_noise_multiplier(self) -> float | None:
+        """The gradient's own noise multiplier: ``z``, or ``z_grad`` with adaptive clipping."""
+        if self.adaptive is not None:
+            return self.adaptive.gradient_noise_multiplier
+        return self.noise_multiplier
+
+    def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
+        """The same plan (z, clip, normaliser) for the population eligible in a round."""
+        scheme = build_scheme(cfg, task_counts)
+        if self.event is None:
+            return replace(self, scheme=scheme)
+        event = GaussianRound(scheme, self.event.noise_multiplier, _cap(scheme), self.neighbouring)
+        return replace(self, scheme=scheme, event=event)
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """``z``, or None in a non-private run."""
+        return None if self.event is None else self.event.noise_multiplier
+
+    @property
+    def participant_level_note(self) -> str | None:
+        """Why the participant-level epsilon is not meaningful, or None when it is."""
+        return None if self.event is None else participant_level_note(self.event)
+
+
+def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
+    """The two-stage scheme over the registered participants (their number is public)."""
+    participants = len(task_counts)
+    n1 = min(cfg.n1, participants)
+    if cfg.sampling.stage2 == "poisson":
+        return TwoStagePoissonScheme(participants, n1, cfg.sampling.task_rate)
+    assert cfg.sampling.tasks_per_round is not None  # the configuration requires it
+    public = cfg.privacy.neighbouring == "replace_one"
+    min_tasks = min(task_counts.values()) if public else cfg.min_tasks
+    return TwoStageFixedScheme(participants, n1, cfg.sampling.tasks_per_round, min_tasks)
+
+
+def _cap(scheme: TwoStageScheme) -> int | None:
+    """The most tasks a participant sends per round: known only for a fixed-size stage 2."""
+    return scheme.tasks_per_round if isinstance(scheme, TwoStageFixedScheme) else None
+
+
+def normaliser(cfg: Config) -> float:
+    """The public divisor: configured, or the expected lot computed from the configuration alone.
+
+    Neither the registered population nor any task count enters it, so it stays one constant for
+    the whole run, however the population changes.
+    """
+    if cfg.privacy.normaliser is not None:
+        return float(cfg.privacy.normaliser)
+    n1 = cfg.n1
+    if cfg.sampling.stage2 == "fixed":
+        return float(n1 * (cfg.sampling.tasks_per_round or 1))
+    return n1 * cfg.sampling.task_rate * cfg.dataset.tasks_per_participant
+
+
+def build_plan(
+    cfg: Config, task_counts: Mapping[str, int], *, noise_multiplier: float | None = None
+) -> RunPlan:
+    """The plan for the registered participants; ``noise_multiplier`` keeps a resumed run's z."""
+    scheme = build_scheme(cfg, task_counts)
+    norm = normaliser(cfg)
+    if not cfg.privacy.enabled:
+        return RunPlan(False, cfg.privacy.neighbouring, scheme, None, None, norm, False, None,
+                       None, cfg.rounds)  # fmt: skip
+    calibrated = noise_multiplier is None and cfg.privacy.noise_multiplier is None
+    resumed_z = noise_multiplier
+    if noise_multiplier is None:
+        noise_multiplier = cfg.privacy.noise_multiplier
+    if noise_multiplier is None:
+        target = cfg.privacy.target_epsilon or cfg.privacy.epsilon_budget
+        noise_multiplier = calibrate_noise_multiplier(
+            scheme, cfg.rounds, float(target), cfg.privacy.delta,
+            neighbouring=cfg.privacy.neighbouring,
+        )  # fmt: skip
+    event = GaussianRound(scheme, float(noise_multiplier), _cap(scheme), cfg.privacy.neighbouring)
+    if not calibrated and resumed_z is None:
+        _check_noise_meets_target(cfg, event)
+    adaptive = _adaptive(cfg, float(noise_multiplier), norm)
+    return RunPlan(
+        private=True,
+        neighbouring=cfg.privacy.neighbouring,
+        scheme=scheme,
+        event=event,
+        clip=cfg.privacy.clip if adaptive is None else adaptive.initial_clip,
+        normaliser=norm,
+        noise_calibrated=calibrated,
+        epsilon_budget=cfg.privacy.epsilon_budget,
+        delta=cfg.privacy.delta,
+        planned_rounds=cfg.rounds,
+        adaptive=adaptive,
+    )
+
+
+#: Slack of the target check below: the planner and this check may discretise the PLD apart. It
+#: is a consistency check of the configuration, not the guarantee (the ledger enforces the budget).
+TARGET_CHECK_SLACK = 1e-2
+
+
+def _check_noise_meets_target(cfg: Config, event: GaussianRound) -> None:
+    """A run given both ``noise_multiplier`` and ``target_epsilon`` must not exceed its target."""
+    target = cfg.privacy.target_epsilon
+    if target is None:
+        return
+    own = reported_epsilon([(event, cfg.rounds)], cfg.privacy.delta) or 0.0
+    if own > target * (1 + TARGET_CHECK_SLACK):
+        raise ValueError(
+            f"privacy.noise_multiplier={event.noise_multiplier:g} over rounds={cfg.rounds} spends "
+            f"epsilon {own:.4g} > privacy.target_epsilon={target:g}: leave "
+            "privacy.noise_multiplier unset to calibrate it to the target, or lower rounds"
+        )
+
+
+def _adaptive(cfg: Config, z: float, expected_lot: float) -> AdaptiveClipping | None:
+    """Adaptive clipping's constants, with the gradient's share of ``z`` (None when it is off)."""
+    a = cfg.privacy.adaptive_clipping
+    if not a.enabled:
+        return None
+    # Andrew et al.'s lot / 20 costs almost nothing at large lots; at small ones it would exceed the
+    # whole round's noise (2 s_b <= z), so the default never goes below z: at most 15% more
+    # gradient noise (z_grad = z / sqrt(3/4)), and a default configuration always starts.
+    count_noise = a.count_noise if a.count_noise is not None else max(expected_lot / 20.0, z)
+    try:
+        z_grad = gradient_noise_multiplier(z, count_noise)
+    except ValueError:  # only a configured count_noise can be too small (the default is >= z)
+        raise ValueError(
+            f"privacy.adaptive_clipping.count_noise must be > z / 2 = {z / 2:g} (z = the total "
+            f"noise multiplier); got {count_noise:g}: raise it, or lower z"
+        ) from None
+    initial = a.initial_clip if a.initial_clip is not None else cfg.privacy.clip
+    return AdaptiveClipping(a.target_quantile, a.learning_rate, count_noise, z_grad, initial,
+                            a.min_clip, a.max_clip)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- the cost
+
+
+#: Which accountant reports which unit. Task level: PLD, the enforced value. Participant level:
+#: RDP, an upper bound on the PLD value that costs milliseconds where a PLD grid at the
+#: participant-level sensitivity (up to hundreds of C) needs gigabytes; reported, never enforced.
+REPORTING_METHOD: dict[Unit, Method] = {"task": "pld", "participant": "rdp"}
+
+
+def reported_epsilon(
+    groups: Sequence[tuple[GaussianRound, int]], delta: float, unit: Unit = "task"
+) -> float | None:
+    """Epsilon of ``groups`` as fedmeta reports it; None where the unit has no meaningful bound."""
+    groups = [(e, int(n)) for e, n in groups if n > 0]
+    if not groups:
+        return 0.0
+    if unit == "participant" and any(e.participant_cap is None for e, _ in groups):
+        return None
+    return float(epsilon(groups, delta, unit, REPORTING_METHOD[unit]))
+
+
+def ledger_epsilons(
+    ledger: BudgetLedger, event: GaussianRound, *, task: bool = True
+) -> dict[str, float | int | None]:
+    """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
+
+    ``task=False`` leaves out the task-level epsilon, the one costly value (a PLD composition,
+    seconds; server/fedmeta/server/epsilon_curve.py computes it for every round in the background); the others
+    cost milliseconds (RDP, and a cached affordability search).
+    """
+    participant = None
+    # Every recorded kind of round, not ``ledger.rounds()``: that picks the most exposed
+    # participant by its PLD epsilon, the costly composition this function may leave out.
+    if all(e.participant_cap is not None for e in {r.event for r in ledger.records()}):
+        participant = ledger.epsilon(unit="participant", method=REPORTING_METHOD["participant"])
+    values: dict[str, float | int | None] = {
+        "epsilon_participant": participant,
+        "rounds_affordable": ledger.rounds_affordable(event),
+    }
+    if task:
+        values["epsilon_task"] = ledger.epsilon(unit="task", method=REPORTING_METHOD["task"])
+    return values
+
+
+@dataclass(frozen=True)
+class BudgetForecast:
+    """What the plan costs against the ledger, before the run's first round."""
+
+    ledger_records_before: int
+    epsilon_spent_before: float
+    rounds_affordable: int
+    rounds_to_run: int
+    epsilon_task_at_end: float
+    epsilon_participant_at_end: float | None
+    epsilon_theorem3_at_end: float | None  # Tombs et al. 2022 Thm 3: NOT a valid guarantee
+
+
+def forecast(plan: RunPlan, ledger: BudgetLedger, rounds_left: int) -> BudgetForecast:
+    """The budget before the run, what it affords, and epsilon if the run goes to its end."""
+    assert plan.event is not None and plan.delta is not None
+    before = ledger.rounds()
+    affordable = ledger.rounds_affordable(plan.event)
+    to_run = max(0, min(rounds_left, affordable))
+    after = [*before, (plan.event, to_run)]
+    published = (
+        tombs2022_published_epsilon(plan.event, to_run, plan.delta)
+        if to_run and plan.neighbouring == "add_remove"
+        else None
+    )
+    return BudgetForecast(
+        ledger_records_before=ledger.position(),
+        epsilon_spent_before=reported_epsilon(before, plan.delta) or 0.0,
+        rounds_affordable=affordable,
+        rounds_to_run=to_run,
+        epsilon_task_at_end=reported_epsilon(after, plan.delta) or 0.0,
+        epsilon_participant_at_end=reported_epsilon(after, plan.delta, "participant"),
+        epsilon_theorem3_at_end=published,
+    )
