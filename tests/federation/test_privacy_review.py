@@ -100,11 +100,12 @@ def test_the_relation_and_the_participant_level_note_are_printed(
                      open_ledger=opener(ledger))  # fmt: skip
     printed = capsys.readouterr().out
     assert "add_remove neighbours" in printed and printed.count("not meaningful") == 2
+    assert printed.count(PARTICIPANT_LEVEL_NOT_MEANINGFUL) == 1  # the whole sentence: once
     s = result.summary
     assert s["participant_level_note"] == PARTICIPANT_LEVEL_NOT_MEANINGFUL
     assert s["epsilon_participant_level"] is None and s["neighbouring"] == "add_remove"
     text = format_summary(s)
-    assert "add_remove" in text and "not meaningful" in text and "stage2=fixed" in text
+    assert "add_remove" in text and "not meaningful" in text and "participant_level_note" in text
     # Nothing in the summary is computed from a task count.
     assert "expected_tasks_per_round" not in s and s["normaliser"] == pytest.approx(3 * 0.3 * 20)
 

@@ -63,11 +63,13 @@ def execute(
     open_ledger: Callable[[Config, Any], Any] | None = None,
     stop: threading.Event | None = None,
     workload: Workload | None = None,
+    test_when_interrupted: bool = True,
 ) -> RunResult:
     """Run the federation over ``grid``; write summary.json, rounds.csv and plots.
 
     ``workload``: ``cfg``'s, when the caller built it already (``fedmeta simulate`` checks the
-    data with it); else the run builds it once.
+    data with it); else the run builds it once. ``test_when_interrupted``: see
+    ``run_federation``.
     """
     from fedmeta.server.outputs import PLOT_FILES, PLOTS_MISSING, format_summary, write_all
 
@@ -87,6 +89,7 @@ def execute(
         open_ledger=open_ledger,
         stop=stop,
         workload=workload,
+        test_when_interrupted=test_when_interrupted,
     )
     diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
     written = write_all(out, result.summary, result.outcomes, diagnostics=diagnostics,

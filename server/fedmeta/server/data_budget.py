@@ -120,7 +120,9 @@ def no_fit_reason(
     return (
         f"privacy.target_epsilon={target:g} does not fit what is left of "
         f"this data's budget: epsilon {predicted.epsilon_spent_before:.4g} of "
-        f"{ledger.epsilon_budget:g} spent (delta {ledger.delta:g}), and "
+        f"{ledger.epsilon_budget:g} spent, "
+        f"{max(ledger.epsilon_budget - predicted.epsilon_spent_before, 0.0):.4g} left (delta "
+        f"{ledger.delta:g}), and "
         f"{predicted.rounds_affordable} of this run's {cfg.rounds} rounds at noise multiplier "
         f"{plan.event.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
         + other_budget_hint(cfg, ledger.path, ledger.federation_id, (target, ledger.delta))

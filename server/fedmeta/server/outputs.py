@@ -44,6 +44,14 @@ def _participant_eps(value: Any, note: str | None) -> str:
     return note if note else f"epsilon {_e(value)}"
 
 
+def _participant_summary(s: Mapping[str, Any]) -> str:
+    """The summary's participant-level epsilon; its note is the plan's (printed once a run)."""
+    note = s["participant_level_note"]
+    if not note:
+        return f"epsilon {_e(s['epsilon_participant_level'])}"
+    return f"{note.partition(':')[0]} (the plan says why; participant_level_note in summary.json)"
+
+
 def format_plan(
     plan: RunPlan,
     fc: BudgetForecast | None,
@@ -91,7 +99,9 @@ def format_plan(
         released = coordinates * (fc.ledger_records_before + fc.rounds_to_run)
         eps, delta = implemented_guarantee(fc.epsilon_task_at_end, plan.delta, released)
         lines.append(f"with the floating-point residual (docs/privacy.md): epsilon {_e(eps, '.4f')}"
-                     f" at delta {_e(delta, '.4g')}")  # fmt: skip
+                     f" at delta {_e(delta, '.4g')} - the implemented noise is not exactly "
+                     "Gaussian, so its guarantee is a little above the accountant's, which the "
+                     "ledger holds to the budget")  # fmt: skip
     if fc.epsilon_theorem3_at_end is not None:
         lines.append(f"(Tombs et al. 2022 Thm 3 as published: {_e(fc.epsilon_theorem3_at_end)} - "
                      "NOT a valid guarantee, not enforced)")  # fmt: skip
@@ -183,7 +193,7 @@ def build_summary(
     rounds_completed: int,
     epsilons: Mapping[str, Any],
     final: Any,
-    untrained: float,
+    untrained: float | None,
     participants: int,
     noise_secure: bool,
     ledger: Any,
@@ -249,8 +259,19 @@ def model_start_fields(
     }
 
 
-def _final_metric(cfg: Config, final: Any, untrained: float) -> dict[str, Any]:
+#: The summary's word for a test evaluation an interrupted run left to its resume.
+NOT_TESTED = (
+    "not run: the run was interrupted; it runs when the resumed run ends (--resume), or now "
+    "with `fedmeta evaluate --checkpoint DIR`"
+)
+
+
+def _final_metric(cfg: Config, final: Any, untrained: float | None) -> dict[str, Any]:
     """The summary's evaluation fields: the noisy model's metric on public held-out tasks."""
+    if final is None:  # an interrupted run that left its test tasks to the resume
+        return {"metric": _metric_name(cfg), "final_metric": None, "final_metric_ci95": None,
+                "test_evaluation": NOT_TESTED, "adaptation": adaptation_summary(cfg.training),
+                "test_tasks": 0, "untrained_metric": None}  # fmt: skip
     return {
         "metric": _metric_name(cfg),
         "final_metric": final.mean,
@@ -353,17 +374,28 @@ def format_summary(s: Mapping[str, Any]) -> str:
             f"epsilon spent (task level, {s['neighbouring']}) {_e(s['epsilon_spent'])} of "
             f"budget {_e(s['epsilon_budget'], 'g')} at delta {_e(s['delta'], 'g')}"
         )
-        lines.append(
-            "participant level: "
-            + _participant_eps(s["epsilon_participant_level"], s["participant_level_note"])
-        )
+        lines.append("participant level: " + _participant_summary(s))
         if s.get("noise_secure") is False:
             lines.append("WARNING: insecure_test_seed was set - noise is reproducible, NOT private "
                          "(tests only)")  # fmt: skip
     else:
         lines.append("NON-PRIVATE: no clipping, no noise, no privacy guarantee")
     ci = s["final_metric_ci95"]
-    lines.append(
+    if ci is None:
+        lines.append(f"test {s['metric']}: {s.get('test_evaluation', NOT_TESTED)}")
+    else:
+        lines.append(_test_line(s))
+    lines += _model_lines(s)
+    if s.get("rounds_lost_on_resume"):
+        lines.append("rounds spent but lost before a checkpoint (counted as spent): "
+                     f"{s['rounds_lost_on_resume']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _test_line(s: Mapping[str, Any]) -> str:
+    """The summary's line on the test evaluation of the released model."""
+    ci = s["final_metric_ci95"]
+    return (
         f"test {s['metric']} after adaptation: {_e(s['final_metric'], '.4f')} "
         f"(95% bootstrap CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, median "
         f"{_e(s.get('final_metric_median'), '.4f')}, {s['test_tasks']} tasks, "
@@ -372,6 +404,11 @@ def format_summary(s: Mapping[str, Any]) -> str:
            else "untrained meta-model")
         + f": {_e(s['untrained_metric'], '.4f')}"
     )  # fmt: skip
+
+
+def _model_lines(s: Mapping[str, Any]) -> list[str]:
+    """The summary's lines on a public warm start, the tested model and the trained subset."""
+    lines = []
     if s.get("public_warm_start"):
         lines.append(public_line(s["public_warm_start"]))
     chosen = s.get("model_selection") or {}
@@ -383,10 +420,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
     trained = s.get("trained_parameters")
     if trained and trained["which"] != "all":
         lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))
-    if s.get("rounds_lost_on_resume"):
-        lines.append("rounds spent but lost before a checkpoint (counted as spent): "
-                     f"{s['rounds_lost_on_resume']}")  # fmt: skip
-    return "\n".join(lines)
+    return lines
 
 
 def csv_row(outcome: RoundOutcome, private: bool) -> dict[str, Any]:
@@ -459,6 +493,8 @@ def write_plots(
     tag = "" if private else " [NON-PRIVATE]"
     if summary.get("experiment"):
         tag += f" [EXPERIMENT {summary['experiment']}]"
+    if summary.get("stopped_reason") == "interrupted":
+        tag += f"\n[interrupted after round {summary.get('rounds_completed')}]"
     done = [o for o in outcomes if o.status == "completed"]
     fig, ax = plt.subplots(figsize=(6, 4))
     if private:
@@ -482,6 +518,9 @@ def write_plots(
     ]
     if curve:
         ax.plot(*zip(*curve, strict=True), marker="o")
+    else:  # stopped before its first validation round: say so rather than leave it blank
+        ax.text(0.5, 0.5, "no validation yet: the run stopped before\nits first validation round",
+                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
     metric = summary["metric"]
     ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
     ax.set_ylabel(f"validation {metric}")

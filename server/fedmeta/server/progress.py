@@ -4,7 +4,9 @@ On a terminal it redraws one line; otherwise (logs, CI) it prints a line every `
 Each line is a release: it shows only what a round's record shows (server/fedmeta/server/report.py). Epsilon is
 the task-level value after the round (server/fedmeta/server/epsilon_curve.py); with ``privacy.report_every > 1``
 a round whose record carries none shows the latest one and the round it belongs to, e.g.
-``eps 2.978/8 (after round 10)``. Elapsed time and rate only where they are not a release: in a
+``eps 2.978/8 (after round 10)``; a run with ``privacy.target_epsilon`` on data nothing was spent
+from before shows its target instead of the budget (``eps 2.978/4 (target)``). Elapsed time, rate
+and time left only where they are not a release: in a
 non-private run, or a private one whose rounds are padded (``federation.round_min_seconds > 0``:
 a round's end then follows the public minimum, docs/privacy.md "Timing") or that records private
 diagnostics (``metrics.private_diagnostics``, announced in the plan); otherwise a round's duration
@@ -40,6 +42,8 @@ class ProgressBar:
         self.every = every
         self.planned = 1
         self.budget: float | None = None
+        self.target: float | None = None  # the run's own epsilon, where it set one
+        self.spent_before = 0.0
         self.private = True
         self.metric = ""
         self.t0 = time.monotonic()
@@ -51,6 +55,8 @@ class ProgressBar:
     def run_started(self, event: RunStarted) -> None:  # noqa: D102
         self.planned = max(event.planned_rounds, 1)
         self.budget = event.epsilon_budget
+        self.target = event.target_epsilon
+        self.spent_before = event.epsilon_spent_task
         self.private = event.private
         self.show_time = not event.private or event.round_min_seconds > 0 or event.diagnostics
         self.metric = event.metric_name
@@ -75,7 +81,8 @@ class ProgressBar:
             )
             if self.show_time:  # see the module docstring: never a release
                 elapsed = max(time.monotonic() - self.t0, 1e-9)
-                line += f" | {elapsed:.0f}s, {r / elapsed:.2f} r/s"
+                left = (self.planned - r) * elapsed / max(r, 1)
+                line += f" | {elapsed:.0f}s, {r / elapsed:.2f} r/s, ~{left:.0f}s left"
             if self.tty:
                 self.stream.write("\r" + line)
                 self.stream.flush()
@@ -89,10 +96,22 @@ class ProgressBar:
         """Epsilon spent / budget; the round it is for when that is not ``r`` (``report_every``)."""
         if not self.private:
             return "NON-PRIVATE"
-        text = f"eps {_f(self.last_eps, '.3f')}/{_f(self.budget, '.3g')}"
+        text = f"eps {_f(self.last_eps, '.3f')}/{self._limit()}"
         if self.last_eps is not None and self.last_eps_round != r:
             text += f" (after round {self.last_eps_round})"
         return text
+
+    def _limit(self) -> str:
+        """What epsilon runs up to: the run's target, or the data's budget.
+
+        The epsilon shown is the data's (every spend on it); it ends at the target when nothing
+        was spent before this run, and above it otherwise, so the budget is shown there.
+        """
+        if self.target is None:
+            return _f(self.budget, ".3g")
+        if not self.spent_before:
+            return f"{self.target:.3g} (target)"
+        return f"{_f(self.budget, '.3g')} (budget; this run's target {self.target:.3g})"
 
     def run_finished(self, event: RunFinished) -> None:  # noqa: D102
         if self.tty:

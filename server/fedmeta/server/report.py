@@ -110,6 +110,7 @@ class RunStarted:
     metric_name: str
     diagnostics: bool  # whether rounds carry RoundDiagnostics
     round_min_seconds: float = 0.0  # rounds padded to this long (0: no padding)
+    target_epsilon: float | None = None  # the run's own epsilon (privacy.target_epsilon)
 
 
 @dataclass(frozen=True)

