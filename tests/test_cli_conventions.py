@@ -75,6 +75,31 @@ def test_set_without_equals_names_the_form(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.unit
 @pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["simulate", "--rounds", "20"],
+         "fedmeta simulate: error: unrecognized arguments: --rounds 20; use --set rounds=20"),
+        (["simulate", "--epsilon-budget=4"],
+         "fedmeta simulate: error: unrecognized arguments: --epsilon-budget=4; use --set "
+         "privacy.epsilon_budget=4"),
+    ],
+)  # fmt: skip
+def test_a_configuration_key_given_as_a_flag_points_at_set(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _main(argv) == 2
+    assert _one_line(capsys.readouterr().err).startswith(line)
+
+
+@pytest.mark.unit
+def test_evaluate_help_prints_a_plain_percent_sign(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main(["evaluate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "95% CI" in " ".join(out.split()) and "%%" not in out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
     ("override", "wanted"),
     [
         ("privacy.epsilon_budgt=4", "did you mean privacy.epsilon_budget?"),

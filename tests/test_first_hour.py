@@ -31,10 +31,10 @@ def _sets(pairs: list[str]) -> list[str]:
     return [w for s in pairs for w in ("--set", s)]
 
 
-def _fedmeta(args: list[str], cwd: Path, state: Path, **kw: object) -> subprocess.CompletedProcess[str]:
+def _fedmeta(args: list[str], cwd: Path, state: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FEDMETA_STATE_DIR": str(state)}
     return subprocess.run([FEDMETA, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=1800, stdin=subprocess.DEVNULL, **kw)  # type: ignore[call-overload]  # fmt: skip
+                          timeout=1800, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 @pytest.mark.e2e
@@ -145,3 +145,23 @@ def test_first_ctrl_c_ends_the_default_job_within_seconds_with_a_checkpoint(
     assert "test evaluation is left to --resume or `fedmeta evaluate`" in text, text[-3000:]
     assert f"fedmeta simulate --resume --out {Path('runs/fedmeta')}" in text
     assert "fedmeta evaluate --checkpoint runs/fedmeta" in text
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_a_completed_run_piped_into_head_exits_0(tmp_path: Path) -> None:
+    """``fedmeta simulate | head``: the reader leaves after the plan; the run completes, exit 0."""
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen([FEDMETA, "simulate", *_sets(SHORT)], cwd=tmp_path, env=env,
+                            text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    head = [proc.stdout.readline() for _ in range(3)]  # as `head -3` reads, then leaves
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=1800)
+    assert head[0].startswith("== fedmeta federation plan ==")
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "cannot write" not in err, err[-3000:]
+    summary = json.loads((tmp_path / "runs" / "fedmeta" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 4

@@ -52,12 +52,39 @@ def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     if choice:
         word, options = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
     else:
-        flag = re.match(r"unrecognized arguments: (--?[\w-]+)", message)
+        flag = re.match(r"unrecognized arguments: (--?[\w.-]+)(?:[= ](\S+))?", message)
         if not flag:
             return ""
+        key = _config_key(parser, flag.group(1))
+        if key is not None:  # `simulate --rounds 20`: a configuration key, set with --set
+            return f"; use --set {key}={flag.group(2) or 'VALUE'}"
         word, options = flag.group(1), _flags(parser)
     close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _config_key(parser: argparse.ArgumentParser, flag: str) -> str | None:
+    """The configuration key ``flag`` names (``--rounds``), where the command takes ``--set``."""
+    if "--set" not in _flags(parser):
+        return None
+    from fedmeta.config import dotted_keys
+
+    name = flag.lstrip("-").replace("-", "_")
+    keys = dotted_keys()
+    if name in keys:
+        return name
+    leaves = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+    return leaves[0] if len(leaves) == 1 else None
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace
+                    ) -> argparse.ArgumentParser:  # fmt: skip
+    """The (sub-)parser of the command ``args`` parsed: its name and flags go in an error."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest or "", None) or "")
+            return parser if chosen is None else _command_parser(chosen, args)
+    return parser
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -114,7 +141,10 @@ def _quiet_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit status."""
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the command it was given to, with its flags (and --set)
+            _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         result: Any = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below
     except KeyboardInterrupt:

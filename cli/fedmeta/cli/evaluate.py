@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "evaluate",
         help="score a checkpoint on held-out tasks and Lake et al.'s one-shot runs",
-        description="Evaluate a trained meta-model: held-out test tasks with a 95%% CI and, "
+        description="Evaluate a trained meta-model: held-out test tasks with a 95% CI and, "
         "optionally, the 20 official Omniglot one-shot classification runs.",
     )
     p.add_argument("--checkpoint", required=True, type=Path, help="run directory or .pt file")

@@ -64,7 +64,8 @@ def preview_budget(cfg: Config) -> BudgetPreview:
     terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
     if terms is None or terms.epsilon_budget is None:
         fresh = _fresh_forecast(cfg, plan)
-        return BudgetPreview(cfg, plan, fresh, recorded=False, refusal=_fresh_refusal(cfg, plan, fresh))
+        refusal = _fresh_refusal(cfg, plan, fresh)
+        return BudgetPreview(cfg, plan, fresh, recorded=False, refusal=refusal)
     with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:
         members = {r.participant_id: r for r in registered}
         ledger.use_cohort(ledger_participants(cfg, members, members))

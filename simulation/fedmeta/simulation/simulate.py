@@ -402,7 +402,8 @@ def main(
 
         grid = InProcessGrid(cfg.federation.participants)
         return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload,
-                       observers=observers, test_when_interrupted=test_when_interrupted)  # fmt: skip
+                       observers=observers,
+                       test_when_interrupted=test_when_interrupted)  # fmt: skip
     return _run_ray(cfg, out, resume, stop, workload, observers, test_when_interrupted)
 
 
