@@ -165,3 +165,23 @@ def test_a_completed_run_piped_into_head_exits_0(tmp_path: Path) -> None:
     assert "Traceback" not in err and "cannot write" not in err, err[-3000:]
     summary = json.loads((tmp_path / "runs" / "fedmeta" / "summary.json").read_text())
     assert summary["rounds_completed"] == 4
+
+
+@pytest.mark.integration
+def test_ledger_show_says_experiments_keep_ledgers_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedmeta.accounting import BudgetLedger
+    from fedmeta.cli import main
+    from fedmeta.paths import default_ledger_path, experiment_ledger_path
+
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path))
+    for path in (default_ledger_path(secure=True), experiment_ledger_path("eps-1", secure=True)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        BudgetLedger.open(path, "fed-a", epsilon_budget=1.0, delta=1e-5).close()
+    assert main(["ledger", "show"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "ledgers of their own" in last and ": eps-1;" in last, last
+    assert "fedmeta ledger show --experiment NAME" in last
+    assert main(["ledger", "show", "--experiment", "eps-1"]) == 0  # not said of an experiment's
+    assert "ledgers of their own" not in capsys.readouterr().out

@@ -642,7 +642,27 @@ def _cmd_ledger_show(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
         _print_ledger_report(report)
+        experiments = _experiments_line(args)
+        if experiments:
+            print(experiments)
     return 0
+
+
+def _experiments_line(args: argparse.Namespace) -> str | None:
+    """Where the default ledger is shown: experiments keep their own, and which exist."""
+    where: LedgerLocations | None = getattr(args, "locations", None)
+    if where is None or Path(args.db) != where.default:
+        return None
+    try:
+        folder = where.experiment("x").parent
+    except argparse.ArgumentTypeError:  # no state directory: no experiments
+        return None
+    names = sorted(p.stem for p in folder.glob("*.sqlite")) if folder.is_dir() else []
+    found = ", ".join(names) if names else "none yet"
+    return (
+        "experiments on public data (fedmeta simulate --experiment NAME) spend from ledgers of "
+        f"their own, not shown here: {found}; see one with `fedmeta ledger show --experiment NAME`"
+    )
 
 
 def _cmd_ledger_backup(args: argparse.Namespace) -> int:
@@ -1193,7 +1213,7 @@ def _add_ledger_parser(subparsers: Any, default_ledger: LedgerLocations | None) 
         help="the per-participant table: rounds charged, epsilon, data versions (private)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_run("ledger show", _cmd_ledger_show))
+    p.set_defaults(func=_run("ledger show", _cmd_ledger_show), locations=default_ledger)
     p = lsub.add_parser(
         "migrate",
         help="carry whole-data (schema 2) budgets into per-participant budgets (recorded)",
