@@ -185,3 +185,39 @@ def test_ledger_show_says_experiments_keep_ledgers_of_their_own(
     assert "fedmeta ledger show --experiment NAME" in last
     assert main(["ledger", "show", "--experiment", "eps-1"]) == 0  # not said of an experiment's
     assert "ledgers of their own" not in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_the_install_probe_gives_up_within_its_timeout_and_falls_back(tmp_path: Path) -> None:
+    """scripts/install.sh asks PyTorch's CPU index only where it answers within seconds.
+
+    A server that accepts the connection and never answers is the slow case (a name that does not
+    resolve, or a refused connection, fails at once): the probe gives up after its timeout.
+    """
+    import socket
+
+    script = ('source scripts/install.sh; PROBE_SECONDS=2; '
+              'if index_reachable "$1"; then echo reachable; else echo unreachable; fi')  # fmt: skip
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/whl/cpu"
+        started = time.monotonic()
+        res = subprocess.run(["bash", "-c", script, "probe", url], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        took = time.monotonic() - started
+    assert res.stdout.strip() == "unreachable", res.stdout + res.stderr
+    assert took < 60, took  # 2 s and the interpreter's start; a hang would be minutes
+
+
+@pytest.mark.integration
+def test_the_install_says_which_torch_build_it_has(tmp_path: Path) -> None:
+    venv = Path(sys.executable).parent.parent  # this test run's venv: torch is there already
+    res = subprocess.run(["bash", "-c", 'source scripts/install.sh; install_torch "$1" 0',
+                          "install", str(venv)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    import torch
+
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [f"torch {torch.__version__}: {build}, already in {venv}"]

@@ -141,3 +141,23 @@ def test_the_checkouts_fab_runs_the_installed_fedmeta(installed: tuple, tmp_path
         "import fedmeta.config\nprint(fedmeta.config.__file__)"), str(tmp_path / "app")],
         tmp_path, env)
     assert Path(loaded.strip()).is_relative_to(venv), loaded
+
+
+def test_the_wheel_builds_without_deprecation_warnings(tmp_path: Path) -> None:
+    """``pip wheel`` of the sources prints no build-backend warning and no deprecation (issue 40).
+
+    Verbose, so that pip shows what the build backend printed; offline, with the installed
+    hatchling (``--no-build-isolation``), as CI's install is.
+    """
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=NOT_SOURCES, symlinks=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(tmp_path / "wheels"), str(source)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    printed = res.stdout + res.stderr
+    assert res.returncode == 0, printed[-3000:]
+    assert list((tmp_path / "wheels").glob("fedmeta-*.whl")), printed[-3000:]
+    assert "BuildBackendWarning" not in printed, printed[-3000:]
+    assert not [line for line in printed.splitlines() if "deprecat" in line.lower()], printed

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ for _key, _value in (
     ("RAY_USAGE_STATS_ENABLED", "0"),
 ):
     os.environ.setdefault(_key, _value)
+
+# Ray's tip that a future version stops hiding GPUs from actors with num_gpus=0 (this version still
+# hides them, which fedmeta relies on): a FutureWarning in every `flwr run .` log, about nothing the
+# user can act on. Set here, at import, before Flower's simulation starts Ray.
+warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
 
 log = logging.getLogger("fedmeta.server")
 
@@ -139,8 +145,13 @@ NOISY_LOGGERS = ("httpx", "httpcore", "urllib3", "matplotlib", "PIL", "ray")
 
 
 def quiet_logging() -> None:
-    """Fedmeta's own INFO lines on stderr; the libraries' only from WARNING up."""
+    """Fedmeta's own INFO lines on stderr; the libraries' only from WARNING up.
+
+    Flower's logger keeps its own handler (INFO and up) and level (DEBUG): passed on to the root
+    handler as well, every DEBUG record of it would be printed again (``DEBUG:flwr:...``).
+    """
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger("flwr").propagate = False
     logging.getLogger("fedmeta").setLevel(logging.INFO)
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
