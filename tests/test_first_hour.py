@@ -197,7 +197,8 @@ def test_the_install_probe_gives_up_within_its_timeout_and_falls_back(tmp_path: 
     import socket
 
     script = ('source scripts/install.sh; PROBE_SECONDS=2; '
-              'if index_reachable "$1"; then echo reachable; else echo unreachable; fi')  # fmt: skip
+              'if index_reachable "$1"; then echo reachable; else echo unreachable; fi'
+              )  # fmt: skip
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()

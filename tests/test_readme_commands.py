@@ -34,7 +34,8 @@ SHORT = ["rounds=4", "training.eval_every=2", "privacy.report_every=2",
 #: Appended to an Omniglot command in the default suite, which runs it on tiny Omniglot-format
 #: data built here (:func:`tiny_omniglot`) unless ``$FEDMETA_OMNIGLOT_DIR`` names the real set.
 OMNIGLOT_SHORT = ["rounds=2", "dataset.tasks_per_participant=200", "dataset.validation_tasks=4",
-                  "dataset.test_tasks=10", "training.eval_every=2", "output.plots=false"]  # fmt: skip
+                  "dataset.test_tasks=10", "training.eval_every=2",
+                  "output.plots=false"]  # fmt: skip
 
 #: Commands (by what they contain) that need what this test lacks, and where they are tested.
 NOT_HERE = {

@@ -247,3 +247,7 @@ def test_flwr_run_dot(tmp_path: Path) -> None:
     log = res.stdout + res.stderr
     assert "HTTP Request" not in log, log[-2000:]  # httpx's INFO line per request
     assert "deprecated" not in log.lower(), log[-2000:]
+    # Flower's DEBUG records once printed again through the root handler, and Ray's FutureWarning
+    # tip; the federation is the size it was given (issue 40).
+    assert "DEBUG" not in log and "FutureWarning" not in log, log[-3000:]
+    assert "participants 20 (" in log and "20 simulated SuperNodes" in log, log[-3000:]
