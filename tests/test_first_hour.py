@@ -222,3 +222,23 @@ def test_the_install_says_which_torch_build_it_has(tmp_path: Path) -> None:
     build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [f"torch {torch.__version__}: {build}, already in {venv}"]
+
+
+@pytest.mark.unit
+def test_a_signal_before_the_rounds_begin_aborts_at_once() -> None:
+    """Loading data or registering: nothing is spent or in flight, so the first Ctrl-C ends it."""
+    from fedmeta.simulation.simulate import RoundsStarted, _stop_on_signals
+
+    stop, rounds = threading.Event(), threading.Event()
+    restore = _stop_on_signals(stop, rounds)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert not stop.is_set()
+        RoundsStarted(rounds).run_started(None)  # the plan announced: a round may be in flight
+        signal.raise_signal(signal.SIGINT)
+        assert stop.is_set()  # the run stops after its round, with a checkpoint
+        with pytest.raises(KeyboardInterrupt):  # and a second signal aborts at once
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        restore()

@@ -110,4 +110,3 @@ def _refusal(
     except NoRoundAffordable as refused:
         return str(refused)
     return None
-

@@ -99,16 +99,17 @@ def _handle(args: argparse.Namespace) -> int:
             args.out = Path("runs") / args.experiment.partition("=")[2]
     if args.print_config or args.dry_run:
         return _preview(args)
-    stop = threading.Event()
-    restore = _stop_on_signals(stop)
+    stop, rounds = threading.Event(), threading.Event()
+    restore = _stop_on_signals(stop, rounds)
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
-        observers = _tensorboard(cfg, args.tensorboard)
+        observers = [*_observers(cfg, args.tensorboard), RoundsStarted(rounds)]
         result = main(cfg, out_dir=args.out, resume=args.resume, stop=stop, observers=observers,
                       test_when_interrupted=False)  # a Ctrl-C ends the run in seconds
     except KeyboardInterrupt:
-        print("fedmeta simulate: aborted; the ledger holds every spent round: --resume continues",
-              file=sys.stderr)  # fmt: skip
+        print("fedmeta simulate: " + ("aborted; the ledger holds every spent round: --resume "
+              "continues" if rounds.is_set() else "stopped before its first round: nothing was "
+              "spent"), file=sys.stderr)  # fmt: skip
         return exitcodes.INTERRUPTED
     except Exception as error:  # noqa: BLE001 - every failure becomes one line and an exit status
         return _report(error)
@@ -235,14 +236,33 @@ def dry_run_plan(cfg: Any) -> str:
     return f"{format_plan(plan, fc, cfg, participants)}\n{note}"
 
 
-def _tensorboard(cfg: Any, logdir: Path | None) -> list[Any] | None:
-    """The default observers and a TensorBoard writer; None (the defaults) without a directory."""
-    if logdir is None:
-        return None
+def _observers(cfg: Any, logdir: Path | None) -> list[Any]:
+    """The default observers, and a TensorBoard writer with a directory."""
     from fedmeta.server.app import make_observers
+
+    return make_observers(cfg) + ([] if logdir is None else _tensorboard(logdir))
+
+
+def _tensorboard(logdir: Path) -> list[Any]:
     from fedmeta.server.progress import TensorBoardLog
 
-    return [*make_observers(cfg), TensorBoardLog(logdir)]
+    return [TensorBoardLog(logdir)]
+
+
+class RoundsStarted:
+    """A run observer that sets ``event`` once the plan is announced and the rounds begin."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def run_started(self, _event: Any) -> None:  # noqa: D102
+        self.event.set()
+
+    def round_finished(self, _report: Any) -> None:  # noqa: D102
+        pass
+
+    def run_finished(self, _event: Any) -> None:  # noqa: D102
+        pass
 
 
 def _report(error: Exception) -> int:
@@ -298,14 +318,16 @@ def _resource_fault(error: OSError) -> str:
     return text
 
 
-def _stop_on_signals(stop: threading.Event) -> Any:
+def _stop_on_signals(stop: threading.Event, rounds: threading.Event | None = None) -> Any:
     """First SIGINT/SIGTERM: stop and checkpoint. Second: abort at once.
 
     A round not yet spent is abandoned, one already spent finishes (server/fedmeta/server/round.py).
+    ``rounds``: set when the rounds begin; before that (loading data, registering) nothing has
+    been spent and no round is in flight, so the first signal aborts at once too.
     """
 
     def handler(signum: int, _frame: Any) -> None:
-        if stop.is_set():
+        if stop.is_set() or (rounds is not None and not rounds.is_set()):
             raise KeyboardInterrupt
         stop.set()
         print("\nstopping: a round not yet spent is abandoned, one spent finishes, then a "
