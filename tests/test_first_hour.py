@@ -242,3 +242,50 @@ def test_a_signal_before_the_rounds_begin_aborts_at_once() -> None:
             signal.raise_signal(signal.SIGINT)
     finally:
         restore()
+
+
+@pytest.mark.unit
+def test_an_interrupted_runs_plots_say_so_and_an_empty_one_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from fedmeta.server import outputs
+    from fedmeta.server.report import RoundOutcome
+
+    figures: list[object] = []
+    monkeypatch.setattr(outputs, "_save", lambda fig, path: figures.append(fig))
+    summary = {"private": True, "stopped_reason": "interrupted", "rounds_completed": 3,
+               "epsilon_budget": 8.0, "metric": "mse", "experiment": None}  # fmt: skip
+    done = [RoundOutcome("run", "fed", r, epsilon_task=float(r)) for r in (1, 2, 3)]
+    assert outputs.write_plots(tmp_path, done, summary)
+    titles = [fig.axes[0].get_title() for fig in figures]  # type: ignore[attr-defined]
+    assert all("interrupted after round 3" in t for t in titles), titles
+    notes = [t.get_text() for t in figures[1].axes[0].texts]  # type: ignore[attr-defined]
+    assert any("no validation yet" in n for n in notes), notes  # validated every 25 rounds
+
+
+def _bar_lines(private: bool, target: float | None, spent_before: float) -> list[str]:
+    import io
+
+    from fedmeta.server.progress import ProgressBar
+    from fedmeta.server.report import RoundOutcome, RunStarted
+
+    stream = io.StringIO()
+    bar = ProgressBar(stream=stream, every=1)
+    bar.run_started(RunStarted("run", "fed", private, 8.0 if private else None, 1e-5, 1.0, 1.0, 4,
+                               4, spent_before, None, 6, "mse", False,
+                               target_epsilon=target))  # fmt: skip
+    for r in (1, 2):
+        bar.round_finished(RoundOutcome("run", "fed", r, epsilon_task=r / 2 if private else None))
+    return stream.getvalue().splitlines()
+
+
+@pytest.mark.unit
+def test_the_bar_shows_the_runs_target_and_a_baseline_its_time_left() -> None:
+    assert "| eps 1.000/4 (target) |" in _bar_lines(True, 4.0, 0.0)[1]  # flwr run's epsilon=4
+    assert "| eps 1.000/8 (budget; this run's target 4) |" in _bar_lines(True, 4.0, 2.0)[1]
+    assert "| eps 1.000/8 |" in _bar_lines(True, None, 0.0)[1]
+    private = _bar_lines(True, None, 0.0)[1]
+    assert "left" not in private and "r/s" not in private  # a private run's timing is a release
+    baseline = _bar_lines(False, None, 0.0)[1]
+    assert "NON-PRIVATE" in baseline and "r/s, ~" in baseline and baseline.endswith("s left")
