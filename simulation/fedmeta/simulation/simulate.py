@@ -59,13 +59,15 @@ def register(subparsers: Any) -> None:
         "--experiment", metavar="NAME", type=_experiment_override, dest="experiment",
         help="an experiment on public benchmark data (sweeps, ablations): a ledger of its own "
         "(experiments/NAME.sqlite in the state directory), outputs marked as an experiment, "
-        "default --out runs/NAME; the same as --set privacy.experiment=NAME",
+        "in runs/NAME unless --out is given (whatever output.dir says); the same ledger as "
+        "--set privacy.experiment=NAME",
     )  # fmt: skip
     p.add_argument("--print-config", action="store_true",
                    help="print the validated configuration as TOML and exit")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
-                   help="print the privacy plan (noise, rounds, epsilon at the end) and exit; "
-                   "nothing runs and nothing is recorded")  # fmt: skip
+                   help="print the privacy plan (noise, rounds, epsilon at the end) against the "
+                   "data's recorded budget and ledger, and exit with the status the run would "
+                   "have (3: refused); nothing runs and nothing is recorded")  # fmt: skip
     p.add_argument("--tensorboard", type=Path, metavar="DIR", default=None,
                    help="also log the run's public values (epsilon, loss, validation) to a "
                    "TensorBoard directory (needs the tensorboard package)")  # fmt: skip
