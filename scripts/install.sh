@@ -20,7 +20,7 @@ index_reachable() {
   [ -n "$url" ] || return 1
   local bound=()
   if command -v timeout >/dev/null 2>&1; then bound=(timeout "$((PROBE_SECONDS + 1))"); fi
-  "${bound[@]}" "$python" -c '
+  ${bound[@]+"${bound[@]}"} "$python" -c '
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=float(sys.argv[2])).close()
 ' "$url" "$PROBE_SECONDS" >/dev/null 2>&1
