@@ -83,6 +83,7 @@ from fedmeta.server.round import (
 )
 from fedmeta.server.rundir import exclusive_run_directory
 from fedmeta.server.selection import ModelSelection
+from fedmeta.server.starting import StartingModel, source_of
 from fedmeta.server.transport import GridTransport, Registered, RegistrationError
 from fedmeta.workload import HeldOut, Workload, build_workload
 
@@ -186,6 +187,7 @@ class _Run:
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
     selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
+    starting: StartingModel | None = None  # round 0 (server/fedmeta/server/starting.py)
 
 
 def run_federation(
@@ -226,9 +228,12 @@ def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> R
     cfg = run.cfg
     announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
     run.observers.run_started(_run_started(run))
-    if run.selection.keeps_best and run.selection.round is None:
-        # The model this invocation starts from: round 0's, or that of a run resumed under this
-        # rule after starting under "last" (its candidates begin where it resumes).
+    if run.next_round == 0:  # round 0: the plots' first point, the selection's first candidate
+        run.starting = _starting_model(run, _validate(run))
+        run.selection.offer(0, run.starting.validation_metric, run.state.params)
+    elif run.selection.keeps_best and run.selection.round is None:
+        # A run resumed under this rule after starting under "last": its candidates begin where
+        # it resumes.
         run.selection.offer(run.next_round, _validate(run), run.state.params)
     _checkpoint(run)  # the run id is recoverable from the first moment
     first = run.next_round
@@ -282,6 +287,7 @@ def _start(
     if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
         run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
     run.selection = selection
+    run.starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
     return run
 
 
@@ -587,6 +593,12 @@ def _epsilons(run: _Run) -> dict[str, Any]:
     return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
 
 
+def _starting_model(run: _Run, validation: float) -> StartingModel:
+    """Round 0's record: the public starting model's validation score, the data's epsilon then."""
+    before = run.forecast.epsilon_spent_before if run.forecast is not None else None
+    return StartingModel(source_of(run.cfg.public.warm_start), validation, before)
+
+
 def _validate(run: _Run) -> float:
     """The current model's mean metric on the server's validation tasks."""
     tasks = _held_out(run, "validation", run.cfg.dataset.validation_tasks)
@@ -631,6 +643,7 @@ def _checkpoint(run: _Run) -> None:
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
             "selection": run.selection.to_checkpoint(),
+            "starting_model": None if run.starting is None else run.starting.to_dict(),
         },
     )
 
@@ -663,7 +676,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
-    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
+    starting = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
     ci = (final.ci95_low, final.ci95_high)
@@ -676,13 +689,14 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     summary = build_summary(
         run.cfg, run.plan, run.forecast, run.outcomes,
         run_id=run.run_id, federation_id=run.federation_id, stopped=stopped,
-        rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
+        rounds_completed=completed, epsilons=eps, final=final, starting=starting,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
         coordinates=_coordinates(run),
         model_start=model_start_fields(
             run.workload.public_summary(), run.workload.trained_summary(),
             run.selection.summary(run.cfg.dataset.validation_tasks, run.next_round)),
+        start=run.starting,
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
 
