@@ -200,6 +200,7 @@ def build_summary(
     """
     private = plan.private
     model_start = model_start or model_start_fields(None, None)
+    guarantee = _implemented(plan, epsilons, ledger, coordinates)
     return {
         "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
         "marks": marks(
@@ -216,19 +217,7 @@ def build_summary(
         "rounds_completed": rounds_completed,
         "rounds_lost_on_resume": [o.round for o in outcomes if o.status == "lost_on_resume"],
         "stopped_reason": stopped,
-        "epsilon_spent": epsilons.get("epsilon_task"),
-        "epsilon_participant_level": epsilons.get("epsilon_participant"),
-        "participant_level_note": plan.participant_level_note,
-        "delta": plan.delta,
-        "epsilon_budget": plan.epsilon_budget,
-        "target_epsilon": cfg.privacy.target_epsilon if private else None,
-        "implemented_guarantee": _implemented(plan, epsilons, ledger, coordinates),
-        "noise_multiplier": plan.noise_multiplier,
-        "noise_calibrated": plan.noise_calibrated if private else None,
-        "clip": plan.clip,
-        "adaptive_clipping": _adaptive_summary(plan, outcomes),
-        "noise_secure": noise_secure if private else None,
-        "normaliser": plan.normaliser if private else None,
+        **_privacy_fields(cfg, plan, epsilons, outcomes, noise_secure, guarantee),
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final),
@@ -240,6 +229,33 @@ def build_summary(
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
         "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def _privacy_fields(
+    cfg: Config,
+    plan: RunPlan,
+    epsilons: Mapping[str, Any],
+    outcomes: Sequence[RoundOutcome],
+    noise_secure: bool,
+    implemented: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The summary's guarantee and noise fields (None where a non-private run has none)."""
+    private = plan.private
+    return {
+        "epsilon_spent": epsilons.get("epsilon_task"),
+        "epsilon_participant_level": epsilons.get("epsilon_participant"),
+        "participant_level_note": plan.participant_level_note,
+        "delta": plan.delta,
+        "epsilon_budget": plan.epsilon_budget,
+        "target_epsilon": cfg.privacy.target_epsilon if private else None,
+        "implemented_guarantee": implemented,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_calibrated": plan.noise_calibrated if private else None,
+        "clip": plan.clip,
+        "adaptive_clipping": _adaptive_summary(plan, outcomes),
+        "noise_secure": noise_secure if private else None,
+        "normaliser": plan.normaliser if private else None,
     }
 
 
