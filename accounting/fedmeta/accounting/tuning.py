@@ -94,7 +94,7 @@ def _tnb_mean(shape: float, gamma: float) -> float:
     """``E[K]`` of the truncated negative binomial ``D_{shape, gamma}`` (the paper's section 2)."""
     if shape == 0.0:  # the logarithmic distribution
         return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
-    return shape * (1.0 - gamma) / (gamma * (1.0 - gamma**shape))
+    return float(shape * (1.0 - gamma) / (gamma * (1.0 - gamma**shape)))
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,9 @@ class NegativeBinomialTrials:
 Trials: TypeAlias = PoissonTrials | NegativeBinomialTrials
 
 
-def repeated_rdp(trials: Trials, orders: Sequence[float], trial: Sequence[float]) -> _Floats:
+def repeated_rdp(
+    trials: Trials, orders: Sequence[float] | _Floats, trial: Sequence[float] | _Floats
+) -> _Floats:
     """The tuner's RDP curve from one trial's (``trial[i]`` at ``orders[i]``): Theorems 2 and 6.
 
     Orders at or below 1 get infinity (the theorems need ``lambda > 1``); an infinite trial value
@@ -230,7 +232,7 @@ class TuningRun:
 def trial_rdp(run: TuningRun) -> _Floats:
     """RDP of one trial: the pointwise maximum over the candidates (joint quasi-convexity)."""
     curves = [rounds_rdp([(c.event, c.rounds)], run.unit) for c in run.candidates]
-    return np.max(np.vstack(curves), axis=0)
+    return np.asarray(np.max(np.vstack(curves), axis=0), dtype=np.float64)
 
 
 def tuning_rdp(run: TuningRun) -> _Floats:

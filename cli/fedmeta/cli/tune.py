@@ -12,7 +12,10 @@ test tasks never enter the choice. ``tune.json`` names the chosen candidate and 
 **Refused before any trial.** Every candidate's planned rounds (its plan, as ``simulate --dry-run``
 builds it) are composed with what the data's ledger already holds; if the whole tuning would take
 any participant over the data's budget, nothing runs, and one line says how many of the candidates,
-in the order given, fit.
+in the order given, fit. The check plans as ``simulate --dry-run`` does (every configured
+participant with ``dataset.tasks_per_participant`` tasks); each trial's rounds are still checked one
+by one by the ledger when they are spent, so a plan that was too hopeful stops a trial, never the
+budget.
 
 **Why every candidate once, not a random number of trials.** Papernot and Steinke (2022) bound a
 tuner that runs a random number of trials and releases only the best
