@@ -5,7 +5,8 @@ namespaces (one server host, one host per participant, on a bridge), run by the 
 ``fedmeta deploy participant`` (SuperNode + warm worker), ``fedmeta deploy run`` (fedmeta's
 ServerApp, which polls for replies every 50 ms). Presets (what runs each message on a node):
 
-* ``warm`` (default): the warm worker (client/fedmeta/client/worker.py) and the SuperNode's short polls
+* ``warm`` (default): the warm worker (client/fedmeta/client/worker.py) and the SuperNode's short
+polls
   (client/fedmeta/client/supernode.py);
 * ``warm-stockpoll``: the warm worker, Flower's own SuperNode polls (3 s when idle);
 * ``cold``: Flower's per-message ``flwr-clientapp`` process (``--isolation subprocess``) with the

@@ -86,7 +86,7 @@ def run_one(
 #: What a record keeps of a run's summary.json.
 SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_ci95_method",
                   "final_metric_median", "adaptation_diverged_tasks", "adaptation",
-                  "untrained_metric", "epsilon_spent", "delta", "rounds_completed",
+                  "starting_metric", "starting_model", "epsilon_spent", "delta", "rounds_completed",
                   "noise_multiplier", "normaliser", "stopped_reason",
                   "public_warm_start", "trained_parameters", "model_selection")  # fmt: skip
 

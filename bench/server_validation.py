@@ -1,4 +1,4 @@
-"""The server's per-task re-check of a round's replies (server/fedmeta/server/validation.py), whole versus blocked.
+"""The server's per-task re-check of a round's replies (fedmeta.server.validation), whole/blocked.
 
     python bench/server_validation.py                       # DP-MAML's lot: 20 replies of 80 rows
     python bench/server_validation.py --rows 5 --repeat 7   # the CPU scale: lot 100

@@ -1,4 +1,4 @@
-"""The conventions every ``fedmeta`` command shares (cli/fedmeta/cli/__init__.py) and the one-line errors.
+"""The conventions every ``fedmeta`` command shares (fedmeta.cli.__init__) and the one-line errors.
 
 --version; a usage error is one line with a did-you-mean and exit status 2; ``--set`` takes
 ``key=value``; a mistyped configuration key gets a did-you-mean and a value given for a section

@@ -109,7 +109,8 @@ INTERNALS: tuple[Internal, ...] = (
     # the in-process grid answers for a lost node as the SuperLink does
     Internal("flwr.proto.node_pb2", "NodeInfo", "local_grid",
              fields=("node_id", "public_key", "name", "status", "last_activated_at")),
-    # server/fedmeta/server/transport.py copies ErrorCode.NODE_UNAVAILABLE (5): its reason node_unavailable
+    # server/fedmeta/server/transport.py copies ErrorCode.NODE_UNAVAILABLE (5): its reason
+    # node_unavailable
     Internal("flwr.common.constant", "ErrorCode.NODE_UNAVAILABLE", "transport"),
     # fedmeta deploy status: node public keys, which `flwr supernode list` does not print
     Internal("flwr.cli.flower_config", "read_superlink_connection", "deploy_status"),
@@ -156,7 +157,8 @@ def missing(internals: tuple[Internal, ...] = INTERNALS) -> list[str]:
 def supernode_sleeps() -> list[tuple[str, float]]:
     """``(function, seconds)`` of every ``time.sleep(constant)`` in Flower's SuperNode loop.
 
-    client/fedmeta/client/supernode.py tells Flower's waits apart by their length: 3 s is the idle poll of the
+    client/fedmeta/client/supernode.py tells Flower's waits apart by their length: 3 s is the idle
+    poll of the
     SuperLink (the only sleep of 3 s or more), 0.5 s the waits for the worker's reply. A release
     that adds, moves or changes one of these makes the shim shorten the wrong wait.
     """
@@ -203,8 +205,9 @@ def test_a_removed_or_changed_internal_is_named() -> None:
 
 
 def test_supernode_waits_are_where_the_shim_expects_them() -> None:
-    """client/fedmeta/client/supernode.py's TimeShim: a sleep of >= 3 s is the idle poll of the SuperLink, in the
-    main loop; every shorter one is a wait for the worker's reply, inside ``_push_messages``."""
+    """client/fedmeta/client/supernode.py's TimeShim: a sleep of >= 3 s is the idle poll of the
+    SuperLink, in the main loop; every shorter one is a wait for the worker's reply, inside
+    ``_push_messages``."""
     sleeps = supernode_sleeps()
     idle = [(f, s) for f, s in sleeps if s >= 3]
     assert idle == [("start_client_internal", 3.0)], sleeps

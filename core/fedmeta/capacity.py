@@ -3,7 +3,8 @@
 A round holds, at once, what it sends and what comes back: every sampled participant's request
 (the meta-parameters and its task ids) and every reply (one gradient per task with
 ``federation.reply_format = "per_task"``, one sum otherwise), plus the sampler's per-participant
-draw (streamed in chunks: ``accounting/fedmeta/accounting/randomness.py``). Nothing else grows with the number of
+draw (streamed in chunks: ``accounting/fedmeta/accounting/randomness.py``). Nothing else grows with
+the number of
 participants or tasks, so this estimate, from public configuration only, bounds a round's memory.
 ``fedmeta simulate --set federation.participants=100000 --set
 dataset.tasks_per_participant=10000000 --set rounds=1`` once grew to 24 GB and was killed by the

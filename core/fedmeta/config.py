@@ -287,7 +287,8 @@ class FederationConfig(_Section):
         # A cluster address is only read by the Ray backend: with the in-process default it was
         # ignored, and the run stayed on this machine. Given without a backend, it selects Ray.
         # Beside an explicit in-process backend it is refused where a run starts
-        # (simulation/fedmeta/simulation/simulate.py), not here: saved configurations state their backend, and one
+        # (simulation/fedmeta/simulation/simulate.py), not here: saved configurations state their
+        # backend, and one
         # written before this rule must still load (evaluate, resume with backend = 'ray').
         if not isinstance(data, dict):
             return data
@@ -438,7 +439,8 @@ class TrainingConfig(_Section):
         "the per-layer normalisation scale and shift with it; the rest keep their initial (or "
         "public warm-start) values, and the inner loop adapts every parameter",
     )
-    # "last" by default: every recorded result before it tested the last model. server/fedmeta/server/selection.py
+    # "last" by default: every recorded result before it tested the last model.
+    # server/fedmeta/server/selection.py
     # says why the validated choice costs no privacy.
     model_selection: Literal["last", "best_validation"] = Field(
         "last",

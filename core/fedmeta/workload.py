@@ -8,7 +8,8 @@ numbered tasks in any process, so task ids are stable across rounds and restarts
 **The data's identity** keys the privacy budget (``declared_identity``): runs over the same data
 spend from one budget, whatever their output directory, training settings, number of participants
 or edits of the data; each participant's own budget is keyed by that identity plus its index (or
-its node key in a deployment), see server/fedmeta/server/budget_keys.py. ``data_fingerprint`` is a content digest
+its node key in a deployment), see server/fedmeta/server/budget_keys.py. ``data_fingerprint`` is a
+content digest
 (a SHA-256 over the source files, or the sinusoid generator's full specification): the ledger
 records it and reports a change; it is never a budget key, since one added image would otherwise
 open a fresh budget.

@@ -1,4 +1,4 @@
-"""Adaptive clipping's accounting (accounting/fedmeta/accounting/adaptive.py) against independent values.
+"""Adaptive clipping's accounting (fedmeta.accounting.adaptive) against independent values.
 
 Oracles: hand values and mpmath for the split formula; for the claim that the joint release (noisy
 gradient sum and noisy centred count) *is* one Gaussian round at the total ``z``, the exact

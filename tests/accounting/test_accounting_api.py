@@ -110,6 +110,7 @@ def test_import_loads_no_torch_flwr_or_prometheus() -> None:
     code = (
         "import sys, fedmeta.accounting, fedmeta.accounting.cli, fedmeta.accounting.ledger\n"
         "import fedmeta.accounting.sampler, fedmeta.accounting.randomness\n"
+        "import fedmeta.accounting.tuning\n"
         "bad = [m for m in ('torch', 'flwr', 'prometheus_client') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

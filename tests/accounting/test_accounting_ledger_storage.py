@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHEAP = GaussianRound(FlatPoissonScheme(0.01), 1.0)
 OTHER = GaussianRound(FlatPoissonScheme(0.02), 1.0)
 DATA = "sinusoid|P20|T30"
-#: A written ledger's directory: the file and its rollback anchor (accounting/fedmeta/accounting/ledger/anchor.py).
+#: A written ledger's directory: the file and its rollback anchor
+# (accounting/fedmeta/accounting/ledger/anchor.py).
 ANCHORED = ["ledger.sqlite", "ledger.sqlite.anchor"]
 
 

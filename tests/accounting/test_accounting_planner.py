@@ -1,4 +1,4 @@
-"""accounting/fedmeta/accounting/planner.py and `fedmeta privacy plan`: contracts, properties, the CLI."""
+"""fedmeta.accounting.planner and `fedmeta privacy plan`: contracts, properties, the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ledger's exposures and projection (accounting/fedmeta/accounting/ledger/projection.py): epsilon after k spends.
+"""The ledger's exposures and projection (fedmeta.accounting.ledger.projection): epsilon after k.
 
 Contract: ``projection.after(k).epsilon()`` is the very float ``ledger.epsilon()`` returns after
 ``k`` more spends of the projected event in the projected cohort, with one cohort and with

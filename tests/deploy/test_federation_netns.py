@@ -134,13 +134,15 @@ def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
     for o in outcomes:
         assert o["participants_failed"] == sum(o["failures"].values()), o
         assert o["participants_replied"] + o["participants_failed"] == o["participants_sampled"]
-        # A private run releases availability failures only (server/fedmeta/server/releases.py): a timeout is a
+        # A private run releases availability failures only (server/fedmeta/server/releases.py): a
+        # timeout is a
         # private diagnostic, and _check_no_private_diagnostics holds none are written.
         assert set(o["failures"]) <= {"node_unavailable"}, o
         assert not o["stray_replies"], o
         failures += o["participants_failed"]
     # The killed node's timeouts are private diagnostics in a private run, and only availability
-    # failures suspend (server/fedmeta/server/releases.py): whether it is still asked does not show in what the
+    # failures suspend (server/fedmeta/server/releases.py): whether it is still asked does not show
+    # in what the
     # run releases (suspension is tested non-private in tests/federation/test_membership.py).
     # What shows is at most MAX_FAILURES availability failures before it is dropped.
     assert failures <= MAX_FAILURES, [o["failures"] for o in outcomes]

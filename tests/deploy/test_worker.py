@@ -1,6 +1,6 @@
-"""The warm participant worker (client/fedmeta/client/worker.py) and the SuperNode launcher (client/fedmeta/client/supernode.py)
-without a SuperNode: the Flower version pin, the app check, the warm-up through the real ClientApp,
-and the bounded waits."""
+"""The warm participant worker (client/fedmeta/client/worker.py) and the SuperNode launcher
+(client/fedmeta/client/supernode.py) without a SuperNode: the Flower version pin, the app check,
+the warm-up through the real ClientApp, and the bounded waits."""
 
 from __future__ import annotations
 

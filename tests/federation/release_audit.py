@@ -1,8 +1,10 @@
 """An empirical audit of the real release path: sampling, validation, aggregation, secure noise.
 
 Each trial is one private round through ``server.round.run_round``: the real ``TwoStageSampler``
-on the operating system's CSPRNG, replies validated and re-clipped by ``server/fedmeta/server/validation.py``, the
-sum noised by ``server/fedmeta/server/noise.py`` (AES-CTR keystreams, the release grid), divided by the public
+on the operating system's CSPRNG, replies validated and re-clipped by
+``server/fedmeta/server/validation.py``, the
+sum noised by ``server/fedmeta/server/noise.py`` (AES-CTR keystreams, the release grid), divided by
+the public
 normaliser. Participants are scripted to send fixed 1-D gradients (unclipped: the server's re-clip
 is part of what is audited), for a worst-case pair of neighbouring datasets D (with the target
 task) and D' (without it). The released values of many rounds on each give, for a test fixed in
@@ -170,7 +172,8 @@ def projection(
     For releases with means ``with_target`` (D) or ``without_target`` (D') and standard deviations
     ``stds``, the optimal test thresholds ``sum_k d_k x_k / s_k^2`` (``d`` the mean difference).
     Shifted and scaled, it is ``N(1, zeta^2)`` on D and ``N(0, zeta^2)`` on D', ``zeta = 1 /
-    |d / s|``: the one Gaussian mechanism the pair of releases is (accounting/fedmeta/accounting/adaptive.py). The
+    |d / s|``: the one Gaussian mechanism the pair of releases is
+    (accounting/fedmeta/accounting/adaptive.py). The
     means and scales come from the mechanism's closed form, fixed before any sample is drawn.
     """
     a, b, s = (np.asarray(v, dtype=np.float64) for v in (with_target, without_target, stds))

@@ -1,7 +1,8 @@
 """Bounded memory: a round that cannot fit is refused up front with the number it would need.
 
 Issue 21: 100,000 participants with 10 million tasks each grew to 24 GB and was killed by the
-kernel. The estimate (core/fedmeta/capacity.py) is checked here against its parts, and end to end in a
+kernel. The estimate (core/fedmeta/capacity.py) is checked here against its parts, and end to end in
+a
 subprocess whose address space is capped (RLIMIT_AS): the huge configuration is refused in one
 line, a small one runs to the end inside the same cap.
 """

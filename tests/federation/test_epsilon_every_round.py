@@ -1,4 +1,4 @@
-"""Task-level epsilon in every round's record (server/fedmeta/server/epsilon_curve.py, issue 22 "Visibility").
+"""Task-level epsilon in every round's record (fedmeta.server.epsilon_curve, issue 22 "Visibility").
 
 The background curve computes guesses without being asked, survives a failed composition and
 stops; a real private run's every record, rounds.csv row and progress line carry the epsilon the

@@ -1,6 +1,7 @@
 """The floating-point residual of the release: the cell computation, the bound folded in.
 
-server/fedmeta/server/noise.py releases ``round((S + std Z) / grid)`` computed in cells of the grid, so that the
+server/fedmeta/server/noise.py releases ``round((S + std Z) / grid)`` computed in cells of the grid,
+so that the
 one inexact addition is of numbers under 2^16 whatever ``|S|``; ``float_residual`` folds the
 remaining per-cell factor ``1 +- 2^-34`` into the reported guarantee (docs/privacy.md).
 """

@@ -107,7 +107,8 @@ def test_adam_bc_steps_at_most_sqrt2_times_adams_by_default() -> None:
 
 def test_adam_floor_shrinks_noise_only_steps_and_keeps_signal_steps() -> None:
     """eps = k * sigma: a coordinate of pure noise moves about 1/(1+k) of Adam's distance, one
-    whose signal dwarfs the noise keeps Adam's step (server/fedmeta/server/optimizer.py's argument)."""
+    whose signal dwarfs the noise keeps Adam's step (server/fedmeta/server/optimizer.py's
+    argument)."""
     from fedmeta.server.optimizer import NoiseFloorAdam
 
     gen = torch.Generator().manual_seed(0)  # test data only

@@ -113,7 +113,8 @@ def test_plan_cli_writes_a_config_that_simulate_runs(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_rate_advice_at_the_measured_ends_and_between() -> None:
-    # The measured ends (server/fedmeta/server/rate_advice.py): the base rate at high SNR, a tenth at low SNR.
+    # The measured ends (server/fedmeta/server/rate_advice.py): the base rate at high SNR, a tenth
+    # at low SNR.
     high = advise_rate(38.0, 0.00123456)
     assert high.rate == 0.00123456 and not high.select_best_validation  # kept is kept, unrounded
     assert advise_rate(0.85, 0.003).rate == pytest.approx(0.0003)

@@ -50,7 +50,11 @@ def test_a_warm_started_run_says_what_was_public(tmp_path: Path, monkeypatch) ->
     assert public["non_private_pretraining"]["steps"] == 2
     assert summary["rounds_completed"] == 2
     text = format_summary(summary)
-    assert "PUBLIC WARM START" in text and "public warm start before private training" in text
+    assert "PUBLIC WARM START" in text and "PUBLIC warm start before private training" in text
+    # The starting model is named for what it is (issue 42), and every output carries the mark.
+    assert summary["starting_model"]["source"] == "public warm start"
+    assert summary["starting_metric"] == summary["starting_model"]["test_metric"]
+    assert summary["marks"] == ["PUBLIC WARM START", "EXPERIMENT warm-start-test"]
     # The ledger records it too, beside the budget the private rounds spent, before the first.
     with BudgetLedger.open_readonly(summary["ledger"]["path"], summary["federation_id"]) as led:
         (declared,) = led.public_uses()

@@ -167,7 +167,8 @@ def test_each_failure_is_counted_once_with_its_true_reason(tmp_path: Path) -> No
         assert dict(r.failures) == every
         assert dict(r.stray_replies) == {"duplicate_reply": 1}
         assert (r.participants_sampled, r.participants_replied, r.participants_failed) == (7, 2, 5)
-    # A private run releases only what follows availability (server/fedmeta/server/releases.py); the rest is a
+    # A private run releases only what follows availability (server/fedmeta/server/releases.py); the
+    # rest is a
     # private diagnostic, here because the run opted in.
     rec = Recorder()
     cfg = small("federation.participants=7", "sampling.participants_per_round=7", "rounds=3",

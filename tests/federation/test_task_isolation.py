@@ -1,7 +1,8 @@
 """A task's effect stays within C on the participant: one failing task never removes its siblings.
 
 The participant computes a request's tasks in one batch; when that raises, each task alone, and a
-task that raises contributes a zero row with clip bit 0 (client/fedmeta/client/gradients.py ``isolated_rows``).
+task that raises contributes a zero row with clip bit 0 (client/fedmeta/client/gradients.py
+``isolated_rows``).
 """
 
 from __future__ import annotations

@@ -85,3 +85,35 @@ def test_the_command_line(tmp_path: Path) -> None:
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     bad = subprocess.run([*cli, str(tmp_path / "bad.pt")], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+def _tiny_omniglot(root: Path) -> None:
+    """6 background (public) and 104 evaluation characters, 28 x 28: an evaluation split."""
+    rng = np.random.default_rng(0)
+    for part, n_chars in (("images_background", 6), ("images_evaluation", 104)):
+        strokes = rng.random((n_chars, 1, 28, 28)) < 0.15
+        jitter = rng.random((n_chars, 20, 28, 28)) < 0.03
+        np.savez_compressed(root / f"{part}.npz", images=~(strokes ^ jitter))
+
+
+def test_the_output_carries_the_summarys_marks(tmp_path: Path) -> None:
+    """PUBLIC / EXPERIMENT / NON-PRIVATE, as the run's summary and plots say (issue 42, item 1)."""
+    from fedmeta.cli.evaluate import _table
+
+    _tiny_omniglot(tmp_path)  # 6 background (public) and 104 evaluation characters
+    sets = ["dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.ways=3",
+            "dataset.shots=1", "dataset.query=1", "dataset.split=evaluation",
+            "dataset.tasks_per_participant=20", "federation.participants=2",
+            "training.eval_inner_steps=1", "public.warm_start=true",
+            "privacy.experiment=demo"]  # fmt: skip
+    cfg = load_config(None, sets)
+    run = tmp_path / "run-public"
+    save_checkpoint(run, {"config": cfg.to_dict(), "next_round": 3, "private": False,
+                          "params": initial_params(cfg, build_model(cfg))})  # fmt: skip
+    out = main(_args(run, tasks=2))
+    assert out["marks"] == ["PUBLIC WARM START", "EXPERIMENT demo", "NON-PRIVATE"]
+    assert out["public_warm_start"]["classes"] == 6
+    assert _table(out).splitlines()[0] == "[PUBLIC WARM START] [EXPERIMENT demo] [NON-PRIVATE]"
+    private = main(_args(_checkpoint(tmp_path, ways=5, name="sinusoid"), tasks=2))
+    assert private["marks"] == [] and private["public_warm_start"] is None
+    assert not _table(private).startswith("[")

@@ -1,6 +1,7 @@
 """Pinned task data: the same seed gives the same tasks, bit for bit, across refactorings.
 
-The digests below were computed before ``metalearning/fedmeta/metalearning/data.py`` was split into modules (issue 10)
+The digests below were computed before ``metalearning/fedmeta/metalearning/data.py`` was split into
+modules (issue 10)
 and must not change unless task generation is changed on purpose (which breaks the stability of
 task ids across restarts: say so in the commit). Everything pinned is computed from integers (seeded
 draws, example indices, uint8 pixels at their source size) so that it does not depend on the

@@ -1,4 +1,5 @@
-"""server/monitoring/ and server/fedmeta/server/exporter.py without Prometheus: names, labels, privacy, faults."""
+"""fedmeta.server.monitoring and fedmeta.server.exporter without Prometheus: names, labels, faults.
+"""
 
 from __future__ import annotations
 

@@ -124,12 +124,12 @@ def _registrars() -> tuple[Any, ...]:
     :func:`main`'s handler. The accounting commands (privacy, ledger) come through plan_config,
     which hands ``privacy plan`` the configuration writer (accounting knows no configuration).
     """
-    from fedmeta.cli import deploy, evaluate, plan_config
+    from fedmeta.cli import deploy, evaluate, plan_config, tune
     from fedmeta.server import exporter
     from fedmeta.simulation import simulate
 
-    return (plan_config.register, simulate.register, exporter.register, evaluate.register,
-            deploy.register)  # fmt: skip
+    return (plan_config.register, simulate.register, tune.register, exporter.register,
+            evaluate.register, deploy.register)  # fmt: skip
 
 
 def _quiet_stdout() -> None:

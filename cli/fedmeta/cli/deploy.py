@@ -337,7 +337,8 @@ def submit(env: Mapping[str, str], app: Path, config_file: Path, reach_s: float 
     other containers (seen once on a fresh podman). flwr says the same for a request that timed
     out after the SuperLink may have accepted it, so only a fast failure is retried; were a run
     still submitted twice, both would name the same output directory, whose lock and checkpoint
-    check refuse the second before it spends (server/fedmeta/server/rundir.py, server/fedmeta/server/run.py).
+    check refuse the second before it spends (server/fedmeta/server/rundir.py,
+    server/fedmeta/server/run.py).
     """
     deadline = time.monotonic() + reach_s
     while True:

@@ -5,7 +5,8 @@ exists of it, from the sources of truth on the ServerApp's host: the ledger (eve
 checkpoint (the rounds whose update is in the saved model) and ``summary.json`` (written only
 when the ServerApp finishes). After a crash of the ServerApp a round can be *spent* (its record
 is in the ledger) without being *applied* (its update was after the last checkpoint): a resumed
-run counts it as spent and never runs it again (server/fedmeta/server/run.py), so the two counts are reported
+run counts it as spent and never runs it again (server/fedmeta/server/run.py), so the two counts are
+reported
 separately.
 
 ``fedmeta deploy status`` shows the nodes the SuperLink knows (with their authentication keys'
@@ -69,7 +70,8 @@ def run_progress(out: str, ledger_path: str | None) -> Progress:
 def _from_checkpoint(progress: Progress, directory: Path, ledger_path: str | None) -> None:
     """Spent from the ledger's records of the checkpoint's run; applied = spent before its end.
 
-    The same rule as a resume (server/fedmeta/server/run.py ``_initial_state``): ledger rounds at or after the
+    The same rule as a resume (server/fedmeta/server/run.py ``_initial_state``): ledger rounds at or
+    after the
     checkpoint's ``next_round`` were spent but their update is lost.
     """
     from fedmeta.checkpoint import read_checkpoint  # torch: only after a run that did not finish

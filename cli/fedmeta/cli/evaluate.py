@@ -8,7 +8,9 @@ only) and its own configuration rebuilds the model and the test split, so a mode
 tasks it was configured for: ``--tasks`` held-out test tasks with a 95% confidence interval
 (normal approximation over tasks), and with ``--omniglot-runs`` the 20 within-alphabet 20-way
 one-shot runs of Lake et al. (2015), reported per run and as the mean error (people: 4.5%). Both are
-post-processing of the released model on public data: evaluating costs no privacy.
+post-processing of the released model on public data: evaluating costs no privacy. The table and
+the JSON carry the run summary's marks (``PUBLIC WARM START``, ``EXPERIMENT name``,
+``NON-PRIVATE``).
 
 ``main(args) -> dict`` is the programmatic entry point; ``register`` imports nothing heavy.
 """
@@ -91,6 +93,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "diverged_tasks": held_out.diverged,
         "tasks": held_out.n_tasks,
         **privacy_of(state, cfg),
+        **marks_of(state, cfg, workload),
     }
     if args.omniglot_runs is not None:
         result.update(_official_runs(cfg, model, params, args.omniglot_runs, steps))
@@ -116,6 +119,24 @@ def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
         "delta": cfg.privacy.delta,
         "neighbouring": cfg.privacy.neighbouring,
         "experiment": experiment,
+    }
+
+
+def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
+    """The summary's marks for this model (PUBLIC / EXPERIMENT / NON-PRIVATE) and its public data.
+
+    The same marks as the run's summary.json and plots (server/fedmeta/server/outputs.py).
+    """
+    from fedmeta.server.outputs import marks
+
+    public = workload.public_summary() if cfg.public.warm_start else None
+    return {
+        "marks": marks(
+            private=bool(state.get("private")),
+            experiment=cfg.privacy.experiment,
+            public=public is not None,
+        ),
+        "public_warm_start": public,
     }
 
 
@@ -149,6 +170,7 @@ def _table(result: dict[str, Any]) -> str:
     if result.get("experiment"):
         guarantee += f"; EXPERIMENT {result['experiment']}"
     lines = [
+        *([" ".join(f"[{mark}]" for mark in result["marks"])] if result.get("marks") else []),
         f"checkpoint {result['checkpoint']} ({guarantee}, {result['rounds']} rounds)",
         f"held-out test {result['metric']}: {result['mean']:.4f} (95% bootstrap CI {lo:.4f} .. "
         f"{hi:.4f}, median {result['median']:.4f}, {result['tasks']} tasks, "

@@ -138,7 +138,8 @@ def write_config(
     """Write ``row`` over ``base_config`` (or the defaults) to ``path``.
 
     With the planner's run SNR (``--signal-norm`` and ``--dimension``) the file also gets the
-    meta-learning rate and model selection that SNR calls for (server/fedmeta/server/rate_advice.py); each such
+    meta-learning rate and model selection that SNR calls for
+    (server/fedmeta/server/rate_advice.py); each such
     choice is a note of the result and a comment in the file.
     """
     from fedmeta.config import config_from_dict, load_config

@@ -1,4 +1,4 @@
-"""The fedmeta ClientApp (Flower Message API): decode, compute (client/fedmeta/client/gradients.py), encode.
+"""The fedmeta ClientApp (Flower Message API): decode, compute (fedmeta.client.gradients), encode.
 
 The participant id comes from the node config (``partition-id`` in simulation, ``participant-id``
 in deployment). A request this version cannot read is answered with an error reply naming the

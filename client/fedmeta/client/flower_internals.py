@@ -2,10 +2,14 @@
 
 fedmeta's participant side reaches below Flower's public API (``flwr.app``, ``flwr.clientapp``,
 ``flwr.serverapp``, ``flwr.simulation`` and the CLIs) in two places: the warm worker
-(``client/fedmeta/client/worker.py``) speaks the SuperNode's Runtime API itself instead of a per-message
-``flwr-clientapp`` process, and the SuperNode launcher (``client/fedmeta/client/supernode.py``) shortens
-``flower-supernode``'s fixed waits. A few smaller uses sit in ``simulation/fedmeta/simulation/local_grid.py``,
-``server/fedmeta/server/transport.py`` and ``cli/fedmeta/cli/deploy_status.py``. ``tests/test_flower_internals.py`` lists
+(``client/fedmeta/client/worker.py``) speaks the SuperNode's Runtime API itself instead of a
+per-message
+``flwr-clientapp`` process, and the SuperNode launcher (``client/fedmeta/client/supernode.py``)
+shortens
+``flower-supernode``'s fixed waits. A few smaller uses sit in
+``simulation/fedmeta/simulation/local_grid.py``,
+``server/fedmeta/server/transport.py`` and ``cli/fedmeta/cli/deploy_status.py``.
+``tests/test_flower_internals.py`` lists
 every such name and checks that the installed Flower has it as fedmeta uses it (keyword
 parameters, protobuf fields, the SuperNode's waits), so that an upgrade that moves one fails with
 its name; docs/deploy.md, "Moving to the next Flower release", explains each.

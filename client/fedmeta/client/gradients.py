@@ -1,6 +1,7 @@
 """A participant's work, free of Flower: registration facts and one round's clipped gradients.
 
-Called by the thin ClientApp (client/fedmeta/client/app.py) with decoded requests (fedmeta.protocol). The
+Called by the thin ClientApp (client/fedmeta/client/app.py) with decoded requests
+(fedmeta.protocol). The
 participant computes the MAML query gradient of exactly the requested tasks, clips each to the
 round's bound C, and returns them (or their sum and post-clip norms). Pre-clip norms never leave
 the participant; in a private run one bit per task does, ``[pre-clip norm <= C]``, which the server

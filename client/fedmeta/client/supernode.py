@@ -17,7 +17,8 @@ wait polls every ``--reply-poll`` seconds and ends the process (exit status 75) 
 ``--reply-timeout`` seconds, so that its supervisor restarts the node and its worker together; the
 object pulls retry after ``--pull-backoff``. Every other argument is ``flower-supernode``'s.
 
-**What it relies on in Flower 1.41** (another version is refused; ``client/fedmeta/client/flower_internals.py``
+**What it relies on in Flower 1.41** (another version is refused;
+``client/fedmeta/client/flower_internals.py``
 lists these and a unit test checks them): the module-level names
 ``time``, ``pull_objects`` and ``_push_messages`` of ``flwr.supernode.start_client_internal``, the
 3 s idle sleep being the only sleep of 3 s or more there, and ``flower_supernode()`` reading

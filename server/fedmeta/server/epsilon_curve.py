@@ -3,7 +3,8 @@
 The enforced epsilon after a round is a PLD composition: 0.01-0.45 s for the default job, 0.01-1.1 s
 for configs/omniglot-5way-cpu.toml's scheme, 0.5-1.9 s for a fixed stage 2 (means on a loaded core,
 docs/benchmarks.md "Epsilon every round"), too slow to compute inside every round. But it is a
-function of the ledger's exposures alone (accounting/fedmeta/accounting/ledger/projection.py), and a run's next spends
+function of the ledger's exposures alone (accounting/fedmeta/accounting/ledger/projection.py), and a
+run's next spends
 are known before they happen: the same event, charged to the same cohort. So before each round the
 run asks the ledger for its :class:`SpendProjection` and :class:`EpsilonCurve` computes, in a
 background thread, the epsilon of the exposures after this and the next few rounds. After the spend

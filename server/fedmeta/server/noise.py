@@ -28,7 +28,8 @@ one draw per coordinate of the flat vector. How the draw is made is part of the 
   further post-processing.
 * **Adaptive clipping.** :func:`noised_release` also releases the centred count of the lot's clip
   bits with ``N(0, s_b^2)`` and lowers the gradient's multiplier to ``z_grad = (z^-2 -
-  (2 s_b)^-2)^(-1/2)`` (accounting/fedmeta/accounting/adaptive.py), so the two releases together are the one Gaussian
+  (2 s_b)^-2)^(-1/2)`` (accounting/fedmeta/accounting/adaptive.py), so the two releases together are
+  the one Gaussian
   round at ``z`` that the event records. The count is drawn after the gradient, from the same
   source, and rounded to its own grid.
 * **Test mode.** :meth:`NoiseSource.insecure_for_tests` derives the keys from a seed, so runs are
@@ -203,7 +204,7 @@ class NoisedRelease:
 
     value: Tensor  # the noisy gradient sum, float64, on its release grid
     count: float  # the noisy centred count sum_i (b_i - 1/2) + N(0, s_b^2), on its grid
-    event: GaussianRound  # the total z: covers both releases (accounting/fedmeta/accounting/adaptive.py)
+    event: GaussianRound  # the total z: covers both releases (fedmeta.accounting.adaptive)
     noise_std: float  # z_grad * C
     count_std: float  # s_b
     grid: float

@@ -23,6 +23,7 @@ from fedmeta.config import Config
 from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.report import RoundOutcome
+from fedmeta.server.starting import StartingModel, source_of, starting_metric_of
 
 CSV_FIELDS = [
     "round", "mode", "status", "participants_sampled", "participants_replied",
@@ -193,21 +194,30 @@ def build_summary(
     rounds_completed: int,
     epsilons: Mapping[str, Any],
     final: Any,
-    untrained: float | None,
+    starting: float | None,
     participants: int,
     noise_secure: bool,
     ledger: Any,
     wall_seconds: float,
     coordinates: int | None = None,
     model_start: Mapping[str, Any] | None = None,
+    start: StartingModel | None = None,
 ) -> dict[str, Any]:
     """``summary.json``: the run's plan, its records' totals and the final evaluation.
 
-    ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`.
+    ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`;
+    ``starting``: the starting model's test metric; ``start``: its round-0 record.
     """
     private = plan.private
+    model_start = model_start or model_start_fields(None, None)
+    guarantee = _implemented(plan, epsilons, ledger, coordinates)
     return {
         "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
+        "marks": marks(
+            private=private,
+            experiment=cfg.privacy.experiment,
+            public=model_start["public_warm_start"] is not None,
+        ),
         "private": private,
         "neighbouring": plan.neighbouring if private else None,
         "experiment": cfg.privacy.experiment,
@@ -217,29 +227,45 @@ def build_summary(
         "rounds_completed": rounds_completed,
         "rounds_lost_on_resume": [o.round for o in outcomes if o.status == "lost_on_resume"],
         "stopped_reason": stopped,
-        "epsilon_spent": epsilons.get("epsilon_task"),
-        "epsilon_participant_level": epsilons.get("epsilon_participant"),
-        "participant_level_note": plan.participant_level_note,
-        "delta": plan.delta,
-        "epsilon_budget": plan.epsilon_budget,
-        "target_epsilon": cfg.privacy.target_epsilon if private else None,
-        "implemented_guarantee": _implemented(plan, epsilons, ledger, coordinates),
-        "noise_multiplier": plan.noise_multiplier,
-        "noise_calibrated": plan.noise_calibrated if private else None,
-        "clip": plan.clip,
-        "adaptive_clipping": _adaptive_summary(plan, outcomes),
-        "noise_secure": noise_secure if private else None,
-        "normaliser": plan.normaliser if private else None,
+        **_privacy_fields(cfg, plan, epsilons, outcomes, noise_secure, guarantee),
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
-        **_final_metric(cfg, final, untrained),
-        **(model_start or model_start_fields(None, None)),
+        **_final_metric(cfg, final),
+        **_starting_fields(cfg, starting, start),
+        **model_start,
         "ledger": None
         if ledger is None
         else {"path": str(ledger.path), "records": ledger.position()},
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
         "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+    }
+
+
+def _privacy_fields(
+    cfg: Config,
+    plan: RunPlan,
+    epsilons: Mapping[str, Any],
+    outcomes: Sequence[RoundOutcome],
+    noise_secure: bool,
+    implemented: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The summary's guarantee and noise fields (None where a non-private run has none)."""
+    private = plan.private
+    return {
+        "epsilon_spent": epsilons.get("epsilon_task"),
+        "epsilon_participant_level": epsilons.get("epsilon_participant"),
+        "participant_level_note": plan.participant_level_note,
+        "delta": plan.delta,
+        "epsilon_budget": plan.epsilon_budget,
+        "target_epsilon": cfg.privacy.target_epsilon if private else None,
+        "implemented_guarantee": implemented,
+        "noise_multiplier": plan.noise_multiplier,
+        "noise_calibrated": plan.noise_calibrated if private else None,
+        "clip": plan.clip,
+        "adaptive_clipping": _adaptive_summary(plan, outcomes),
+        "noise_secure": noise_secure if private else None,
+        "normaliser": plan.normaliser if private else None,
     }
 
 
@@ -250,7 +276,8 @@ def model_start_fields(
 ) -> dict[str, Any]:
     """What was public, which meta-parameters the rounds trained, which model was tested.
 
-    ``selection``: server/fedmeta/server/selection.py's ``ModelSelection.summary`` (None: the last model).
+    ``selection``: server/fedmeta/server/selection.py's ``ModelSelection.summary`` (None: the last
+    model).
     """
     return {
         "public_warm_start": None if public is None else dict(public),
@@ -266,12 +293,12 @@ NOT_TESTED = (
 )
 
 
-def _final_metric(cfg: Config, final: Any, untrained: float | None) -> dict[str, Any]:
+def _final_metric(cfg: Config, final: Any) -> dict[str, Any]:
     """The summary's evaluation fields: the noisy model's metric on public held-out tasks."""
     if final is None:  # an interrupted run that left its test tasks to the resume
         return {"metric": _metric_name(cfg), "final_metric": None, "final_metric_ci95": None,
                 "test_evaluation": NOT_TESTED, "adaptation": adaptation_summary(cfg.training),
-                "test_tasks": 0, "untrained_metric": None}  # fmt: skip
+                "test_tasks": 0}  # fmt: skip
     return {
         "metric": _metric_name(cfg),
         "final_metric": final.mean,
@@ -284,14 +311,52 @@ def _final_metric(cfg: Config, final: Any, untrained: float | None) -> dict[str,
         "adaptation": adaptation_summary(cfg.training),
         "final_metric_pre_adaptation": final.pre_adaptation_mean,
         "test_tasks": final.n_tasks,
-        "untrained_metric": untrained,
     }
+
+
+def _starting_fields(
+    cfg: Config, test: float | None, start: StartingModel | None
+) -> dict[str, Any]:
+    """The starting model's scores, named for what it is (``untrained_metric`` before).
+
+    ``start`` is None for a run resumed from a checkpoint written before round 0 was recorded.
+    """
+    source = start.source if start is not None else source_of(cfg.public.warm_start)
+    return {
+        "starting_metric": test,
+        "starting_model": {
+            "source": source,
+            "test_metric": test,
+            "validation_metric": None if start is None else start.validation_metric,
+            "epsilon_before": None if start is None else start.epsilon_before,
+        },
+    }
+
+
+def marks(*, private: bool, experiment: str | None, public: bool) -> list[str]:
+    """The marks every output of a run carries: PUBLIC, EXPERIMENT, NON-PRIVATE.
+
+    The summary, the plots and ``fedmeta evaluate`` print the same marks for the same model.
+    """
+    out = ["PUBLIC WARM START"] if public else []
+    if experiment:
+        out.append(f"EXPERIMENT {experiment}")
+    if not private:
+        out.append("NON-PRIVATE")
+    return out
+
+
+def summary_marks(summary: Mapping[str, Any]) -> list[str]:
+    """The marks of a summary, old (without ``marks``) or new."""
+    return marks(private=bool(summary["private"]), experiment=summary.get("experiment"),
+                 public=bool(summary.get("public_warm_start")))  # fmt: skip
 
 
 def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tuple[float, float]:
     """The accountant's (epsilon, delta) with the release's floating-point residual folded in.
 
-    The one place a reported guarantee takes it (server/fedmeta/server/noise.py ``float_residual``; the arithmetic
+    The one place a reported guarantee takes it (server/fedmeta/server/noise.py ``float_residual``;
+    the arithmetic
     is in docs/privacy.md): ``coordinates`` noisy values released over the ledger's spends.
     """
     return float_residual(coordinates, epsilon, delta)
@@ -400,9 +465,9 @@ def _test_line(s: Mapping[str, Any]) -> str:
         f"(95% bootstrap CI {_e(ci[0], '.4f')} .. {_e(ci[1], '.4f')}, median "
         f"{_e(s.get('final_metric_median'), '.4f')}, {s['test_tasks']} tasks, "
         f"{s.get('adaptation_diverged_tasks')} diverged); "
-        + ("public warm start before private training" if s.get("public_warm_start")
-           else "untrained meta-model")
-        + f": {_e(s['untrained_metric'], '.4f')}"
+        + ("starting model (round 0), PUBLIC warm start before private training"
+           if s.get("public_warm_start") else "starting model (round 0), untrained")
+        + f": {_e(starting_metric_of(s), '.4f')}"
     )  # fmt: skip
 
 
@@ -478,27 +543,36 @@ def write_plots(
 ) -> bool:
     """Two PNG plots: epsilon against round, validation metric against epsilon (or round).
 
-    False, writing nothing, where matplotlib is not installed: it is the optional ``plots`` extra,
-    left out of the deployment images (a service's outputs are read elsewhere; rounds.csv holds
-    every plotted value).
+    Both start at round 0, the starting model (``summary["starting_model"]``: untrained or a
+    public warm start), and carry the summary's marks (:func:`summary_marks`), so a private curve
+    that stays under its public start is seen to. False, writing nothing, where matplotlib is not
+    installed: it is the optional ``plots`` extra, left out of the deployment images (a service's
+    outputs are read elsewhere; rounds.csv holds every plotted value but round 0's, which is in
+    summary.json).
     """
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    private = bool(summary["private"])
-    tag = "" if private else " [NON-PRIVATE]"
-    if summary.get("experiment"):
-        tag += f" [EXPERIMENT {summary['experiment']}]"
+    done = [o for o in outcomes if o.status == "completed"]
+    tag = "".join(f"\n[{mark}]" for mark in summary_marks(summary))
     if summary.get("stopped_reason") == "interrupted":
         tag += f"\n[interrupted after round {summary.get('rounds_completed')}]"
-    done = [o for o in outcomes if o.status == "completed"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if private:
-        pts = [(o.round, o.epsilon_task) for o in done if o.epsilon_task is not None]
+    start = summary.get("starting_model") or {}
+    _plot_epsilon(Path(out_dir) / PLOT_FILES[0], done, summary, start, tag)
+    _plot_validation(Path(out_dir) / PLOT_FILES[1], done, summary, start, tag)
+    return True
+
+
+def _plot_epsilon(path: Path, done: Sequence[RoundOutcome], summary: Mapping[str, Any],
+                  start: Mapping[str, Any], tag: str) -> None:  # fmt: skip
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    if summary["private"]:
+        first = [] if start.get("epsilon_before") is None else [(0, start["epsilon_before"])]
+        pts = first + [(o.round, o.epsilon_task) for o in done if o.epsilon_task is not None]
         if pts:
             ax.plot(*zip(*pts, strict=True), label="task-level epsilon (PLD)")
         ax.axhline(summary["epsilon_budget"], color="red", linestyle="--", label="budget")
@@ -507,26 +581,46 @@ def write_plots(
     else:
         ax.text(0.5, 0.5, "NON-PRIVATE run: no epsilon", ha="center", va="center",
                 transform=ax.transAxes)  # fmt: skip
-    ax.set_xlabel("round")
-    ax.set_title("privacy spent vs round" + tag)
-    _save(fig, Path(out_dir) / PLOT_FILES[0])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.set_xlabel("round (0: the starting model)")
+    ax.set_xlim(left=0)
+    ax.set_title("privacy spent vs round" + tag, fontsize=9)
+    _save(fig, path)
+
+
+def _plot_validation(path: Path, done: Sequence[RoundOutcome], summary: Mapping[str, Any],
+                     start: Mapping[str, Any], tag: str) -> None:  # fmt: skip
+    import matplotlib.pyplot as plt
+
+    private = bool(summary["private"])
+    fig, ax = plt.subplots(figsize=(6, 4.5))
     curve = [
         (float(o.epsilon_task if private else o.round), float(o.validation_metric))  # type: ignore[arg-type]
         for o in done
         if o.validation_metric is not None and (not private or o.epsilon_task is not None)
     ]
+    x0 = start.get("epsilon_before") if private else 0.0
+    y0 = start.get("validation_metric")
+    if x0 is not None and y0 is not None:  # round 0: drawn apart, and as a level to beat
+        label = f"round 0: {start.get('source', 'starting model')}"
+        ax.axhline(float(y0), color="grey", linestyle=":", label=label)
+        ax.plot([float(x0)], [float(y0)], marker="*", markersize=12, color="grey")
+        curve = [(float(x0), float(y0)), *curve]
     if curve:
-        ax.plot(*zip(*curve, strict=True), marker="o")
+        ax.plot(*zip(*curve, strict=True), marker="o", label="validated rounds")
+        ax.legend(fontsize=8)
     else:  # stopped before its first validation round: say so rather than leave it blank
         ax.text(0.5, 0.5, "no validation yet: the run stopped before\nits first validation round",
                 ha="center", va="center", transform=ax.transAxes)  # fmt: skip
     metric = summary["metric"]
-    ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
+    ax.set_xlabel(
+        "task-level epsilon spent (round 0 at the data's epsilon before the run)"
+        if private
+        else "round (0: the starting model; NON-PRIVATE: no epsilon)"
+    )
     ax.set_ylabel(f"validation {metric}")
-    ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag)
-    _save(fig, Path(out_dir) / PLOT_FILES[1])
-    return True
+    ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag,
+                 fontsize=9)  # fmt: skip
+    _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> None:

@@ -1,7 +1,8 @@
 """A run's privacy plan: the accounted sampling scheme, its event, the noise, and what it will cost.
 
 :class:`RunPlan` is fixed once participants have registered and the noise multiplier is known; the
-round pipeline (server/fedmeta/server/round.py) reads everything privacy-relevant from it, so the sampler that runs
+round pipeline (server/fedmeta/server/round.py) reads everything privacy-relevant from it, so the
+sampler that runs
 and the event the ledger records come from the same scheme object. :class:`BudgetForecast` is what
 the plan will cost against the ledger, printed before the first round.
 
@@ -13,7 +14,8 @@ Under replace-one the counts are public, and the smallest registered count is th
 
 With adaptive clipping (:class:`AdaptiveClipping`) the event's ``z`` is the *total* noise multiplier
 of the round's two releases (the gradient sum and the noisy count of clip bits); the gradient gets
-the smaller ``z_grad`` (accounting/fedmeta/accounting/adaptive.py), and ``RunPlan.clip`` is the first round's bound.
+the smaller ``z_grad`` (accounting/fedmeta/accounting/adaptive.py), and ``RunPlan.clip`` is the
+first round's bound.
 """
 
 from __future__ import annotations
@@ -230,7 +232,8 @@ def ledger_epsilons(
     """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
 
     ``task=False`` leaves out the task-level epsilon, the one costly value (a PLD composition,
-    seconds; server/fedmeta/server/epsilon_curve.py computes it for every round in the background); the others
+    seconds; server/fedmeta/server/epsilon_curve.py computes it for every round in the background);
+    the others
     cost milliseconds (RDP, and a cached affordability search).
     """
     participant = None

@@ -1,8 +1,10 @@
 """A dependency-free progress bar, a ``RunObserver``: round, eps spent/budget, loss, validation.
 
 On a terminal it redraws one line; otherwise (logs, CI) it prints a line every ``every`` rounds.
-Each line is a release: it shows only what a round's record shows (server/fedmeta/server/report.py). Epsilon is
-the task-level value after the round (server/fedmeta/server/epsilon_curve.py); with ``privacy.report_every > 1``
+Each line is a release: it shows only what a round's record shows (server/fedmeta/server/report.py).
+Epsilon is
+the task-level value after the round (server/fedmeta/server/epsilon_curve.py); with
+``privacy.report_every > 1``
 a round whose record carries none shows the latest one and the round it belongs to, e.g.
 ``eps 2.978/8 (after round 10)``; a run with ``privacy.target_epsilon`` on data nothing was spent
 from before shows its target instead of the budget (``eps 2.978/4 (target)``). Elapsed time, rate
@@ -126,7 +128,8 @@ class TensorBoardError(RuntimeError):
 class TensorBoardLog:
     """A ``RunObserver`` writing a run's public values as TensorBoard scalars; never raises.
 
-    Only what a round's record holds (server/fedmeta/server/report.py), never its diagnostics. TensorBoard stamps
+    Only what a round's record holds (server/fedmeta/server/report.py), never its diagnostics.
+    TensorBoard stamps
     every event with the wall time, which in a private run would publish each round's duration (a
     function of how many tasks it sampled): there every event carries the run's start time.
     """

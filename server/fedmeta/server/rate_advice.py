@@ -6,9 +6,11 @@ Prop. 2.1), so this advice costs no privacy whichever way it errs.
 
 Why the rate should shrink with the signal-to-noise ratio. ``fedmeta privacy plan
 --signal-norm G --dimension d`` gives each design's run SNR, ``round_snr * sqrt(T)`` with
-``round_snr = G / sqrt(d sigma^2 + (C^2 - G^2) / E[lot])`` (accounting/fedmeta/accounting/planner.py). When it is
+``round_snr = G / sqrt(d sigma^2 + (C^2 - G^2) / E[lot])``
+(accounting/fedmeta/accounting/planner.py). When it is
 small, each round's update is mostly noise and Adam moves every coordinate by about its learning
-rate whatever the signal (server/fedmeta/server/optimizer.py): the progress along the signal grows with the rate,
+rate whatever the signal (server/fedmeta/server/optimizer.py): the progress along the signal grows
+with the rate,
 the variance of the random walk the noise adds (and the loss it costs) with its square, so a
 smaller rate keeps more of the gain. The same holds for SGD with momentum, so the factor applies
 whatever ``training.optimizer`` is; the measurements below are Adam's.
@@ -28,7 +30,8 @@ So the advice is the base rate at run SNR 10 and above (measured at 38 only; the
 designs in docs/results.md, at 6 to 38, ran at that rate with no other rate tried; 10 is a choice,
 not a measured edge), a tenth of it at 1.5 and below, and between them log-linear in the SNR: an
 interpolation, not measured. Below
-run SNR 10 it also releases the best validated model (server/fedmeta/server/selection.py), which guards against a
+run SNR 10 it also releases the best validated model (server/fedmeta/server/selection.py), which
+guards against a
 rate still too large: such a run can end below where it started.
 """
 

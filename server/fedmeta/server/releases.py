@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-#: Flower's own answer for a node that is not connected (server/fedmeta/server/transport.py reports it).
+#: Flower's own answer for a node that is not connected (server/fedmeta/server/transport.py reports
+# it).
 FAILURE_NODE_UNAVAILABLE = "node_unavailable"
 #: Failure reasons that depend on availability alone: released, and the only ones that suspend.
 AVAILABILITY_FAILURES = frozenset({FAILURE_NODE_UNAVAILABLE})

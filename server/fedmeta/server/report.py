@@ -7,7 +7,8 @@ separately, so every output of a run says the same thing.
 **Everything here is a release.** In a private run a record holds only what the accountant covers
 or what is public: stage-1 facts (how many participants were sampled, which is fixed, and how many
 were available or not: in a private run ``participants_replied``/``participants_failed`` and
-``failures`` count only Flower's ``node_unavailable``, server/fedmeta/server/releases.py), the ledger's epsilon,
+``failures`` count only Flower's ``node_unavailable``, server/fedmeta/server/releases.py), the
+ledger's epsilon,
 the noise scale, and metrics computed from the noisy model on public held-out tasks. Anything that
 depends on stage-2 outcomes or on private values (realised task counts, clipping statistics, norm
 violations, timeouts and rejected replies, per-round and per-participant timings) sits in

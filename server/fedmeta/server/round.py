@@ -13,7 +13,8 @@
    rest meanwhile it raises and nothing is released. What follows the spend (sum, noise, step)
    costs the same whatever was sampled.
 6. **Noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release grid
-   (server/fedmeta/server/noise.py), divide by the public normaliser, and take the optimizer step. With adaptive
+   (server/fedmeta/server/noise.py), divide by the public normaliser, and take the optimizer step.
+   With adaptive
    clipping the round's bound ``C_t`` is the training state's, the centred count of the replies'
    clip bits is released beside the sum (the gradient's noise multiplier lowered so that the two
    together are the event's ``z``), and the next bound ``C_{t+1}`` is computed from that release
@@ -278,7 +279,8 @@ def _spend(session: RoundSession, index: int) -> int | None:
 def centred_count(checked: RoundReplies) -> float:
     """``sum_i (b_i - 1/2)`` over the accepted tasks: sensitivity 1/2 under add/remove.
 
-    Centring is what makes the count's sensitivity half the clip's share (accounting/fedmeta/accounting/adaptive.py);
+    Centring is what makes the count's sensitivity half the clip's share
+    (accounting/fedmeta/accounting/adaptive.py);
     a dropped reply or task contributes 0 to both the count and the sum.
     """
     return float(sum(a.under_clip - a.n_tasks / 2 for a in checked.accepted))
@@ -326,7 +328,8 @@ def _outcome(
         round=index + 1,
         participants_registered=len(session.task_counts),
         participants_sampled=sampled,
-        # Private: sampled participants whose node was available (server/fedmeta/server/releases.py).
+        # Private: sampled participants whose node was available
+        # (server/fedmeta/server/releases.py).
         participants_replied=sampled - split.released_count if private else len(checked.accepted),
         participants_failed=split.released_count,
         failures=dict(split.released),

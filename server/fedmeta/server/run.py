@@ -1,12 +1,14 @@
 """A federation run: start or resume, register, plan, rounds, evaluation, checkpoints, summary.
 
 ``run_federation(cfg, transport, ...)`` is what every entry point runs (``fedmeta simulate``, the
-Flower ServerApp, tests). Flower stays behind the transport (server/fedmeta/server/transport.py); one round is
+Flower ServerApp, tests). Flower stays behind the transport (server/fedmeta/server/transport.py);
+one round is
 ``server.round.run_round``; this module strings rounds together.
 
 **The budget belongs to the data.** A private run spends from the ledger in fedmeta's state
 directory (or ``privacy.ledger_path``), in the federation of its data's identity
-(core/fedmeta/workload.py): runs over the same data compose, whatever their seed or output directory.
+(core/fedmeta/workload.py): runs over the same data compose, whatever their seed or output
+directory.
 Runs in the reproducible test mode (``privacy.insecure_test_seed``) use a separate ledger.
 
 **Resume** (the ledger is the source of truth for spends): a round whose spend is in the ledger is
@@ -83,6 +85,7 @@ from fedmeta.server.round import (
 )
 from fedmeta.server.rundir import exclusive_run_directory
 from fedmeta.server.selection import ModelSelection
+from fedmeta.server.starting import StartingModel, source_of
 from fedmeta.server.transport import GridTransport, Registered, RegistrationError
 from fedmeta.workload import HeldOut, Workload, build_workload
 
@@ -138,7 +141,8 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
 
     The federation id is an HMAC of the data set's declared identity under the ledger's secret
     salt (``accounting.resolve_federation``); each participant is charged under its own stable key
-    (server/fedmeta/server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger refuses the other
+    (server/fedmeta/server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger
+    refuses the other
     mode.
     """
     mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
@@ -181,12 +185,13 @@ class _Run:
     workload: Workload  # built once, in _start; the server's model and held-out tasks
     membership: Membership
     ledger: BudgetLedger | None = None
-    epsilons: RoundEpsilons | None = None  # task-level epsilon per round (server/fedmeta/server/epsilon_curve.py)
+    epsilons: RoundEpsilons | None = None  # task-level epsilon per round (server.epsilon_curve)
     started_at: float = field(default_factory=time.monotonic)
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
     selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
     test_when_interrupted: bool = True  # False: an interrupted run ends without its test tasks
+    starting: StartingModel | None = None  # round 0 (server/fedmeta/server/starting.py)
 
 
 def run_federation(
@@ -207,7 +212,8 @@ def run_federation(
     ``open_ledger(cfg, registered)`` opens the budget (default :func:`open_budget`). Setting
     ``stop`` ends the run within the round in progress (abandoned if not yet spent, finished if
     spent), with a final checkpoint and summary. The output directory is held exclusively for the
-    whole run (server/fedmeta/server/rundir.py). ``workload``: the one ``cfg`` describes, when the caller has
+    whole run (server/fedmeta/server/rundir.py). ``workload``: the one ``cfg`` describes, when the
+    caller has
     built it already (else it is built once here). ``test_when_interrupted=False``: a stopped
     run ends at once, without scoring its test tasks (a resume or ``fedmeta evaluate`` does).
     """
@@ -230,9 +236,12 @@ def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> R
     cfg = run.cfg
     announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
     run.observers.run_started(_run_started(run))
-    if run.selection.keeps_best and run.selection.round is None:
-        # The model this invocation starts from: round 0's, or that of a run resumed under this
-        # rule after starting under "last" (its candidates begin where it resumes).
+    if run.next_round == 0:  # round 0: the plots' first point, the selection's first candidate
+        run.starting = _starting_model(run, _validate(run))
+        run.selection.offer(0, run.starting.validation_metric, run.state.params)
+    elif run.selection.keeps_best and run.selection.round is None:
+        # A run resumed under this rule after starting under "last": its candidates begin where
+        # it resumes.
         run.selection.offer(run.next_round, _validate(run), run.state.params)
     _checkpoint(run)  # the run id is recoverable from the first moment
     first = run.next_round
@@ -286,6 +295,7 @@ def _start(
     if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
         run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
     run.selection = selection
+    run.starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
     return run
 
 
@@ -357,7 +367,7 @@ def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
 
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
-    """The run's membership once enough participants registered (server/fedmeta/server/membership.py)."""
+    """The run's membership once enough participants registered (fedmeta.server.membership)."""
     membership = Membership(cfg, transport, RegisterRequest(run_id, cfg.model_dump_json()))
     membership.start()
     want = cfg.federation.min_participants or cfg.n1
@@ -576,7 +586,7 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
 
 
 def _epsilons(run: _Run) -> dict[str, Any]:
-    """The ledger's epsilons now; the task-level one from the curve (server/fedmeta/server/epsilon_curve.py).
+    """The ledger's epsilons now; the task-level one from the curve (fedmeta.server.epsilon_curve).
 
     The curve's value is ``Exposures.epsilon`` of the ledger's exposures read here, the value
     ``ledger.epsilon()`` would compute; the ledger computes it itself only without a curve (a
@@ -589,6 +599,12 @@ def _epsilons(run: _Run) -> dict[str, Any]:
     if task is None:
         return ledger_epsilons(run.ledger, run.plan.event)
     return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
+
+
+def _starting_model(run: _Run, validation: float) -> StartingModel:
+    """Round 0's record: the public starting model's validation score, the data's epsilon then."""
+    before = run.forecast.epsilon_spent_before if run.forecast is not None else None
+    return StartingModel(source_of(run.cfg.public.warm_start), validation, before)
 
 
 def _validate(run: _Run) -> float:
@@ -635,6 +651,7 @@ def _checkpoint(run: _Run) -> None:
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
             "selection": run.selection.to_checkpoint(),
+            "starting_model": None if run.starting is None else run.starting.to_dict(),
         },
     )
 
@@ -665,18 +682,18 @@ def _run_started(run: _Run) -> RunStarted:
 
 
 def _test(run: _Run, stopped: str) -> tuple[Any, float | None]:
-    """The released model's and the untrained model's test scores; (None, None) when skipped."""
+    """The released model's and the starting model's test scores; (None, None) when skipped."""
     if stopped == STOP_INTERRUPTED and not run.test_when_interrupted:
         return None, None
     test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
-    untrained = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
-    return final, float(untrained)
+    starting = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
+    return final, float(starting)
 
 
 def _finish(run: _Run, stopped: str) -> RunResult:
     _checkpoint(run)
-    final, untrained = _test(run, stopped)
+    final, starting = _test(run, stopped)
     eps = _epsilons(run) if run.ledger is not None else {}
     completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
     ci = None if final is None else (final.ci95_low, final.ci95_high)
@@ -689,13 +706,14 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     summary = build_summary(
         run.cfg, run.plan, run.forecast, run.outcomes,
         run_id=run.run_id, federation_id=run.federation_id, stopped=stopped,
-        rounds_completed=completed, epsilons=eps, final=final, untrained=untrained,
+        rounds_completed=completed, epsilons=eps, final=final, starting=starting,
         participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
         ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
         coordinates=_coordinates(run),
         model_start=model_start_fields(
             run.workload.public_summary(), run.workload.trained_summary(),
             run.selection.summary(run.cfg.dataset.validation_tasks, run.next_round)),
+        start=run.starting,
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
 

@@ -1,6 +1,7 @@
 """The Flower side of a run: registration and one round's send-and-receive over a ``Grid``.
 
-The only server module that builds or reads Flower messages (with server/fedmeta/server/app.py). It turns a round's
+The only server module that builds or reads Flower messages (with server/fedmeta/server/app.py). It
+turns a round's
 requests into messages, sends them with one timeout, and hands back exactly one
 :class:`~server.round.Delivery` per requested participant, with the *true* reason when there is no
 usable reply. Replies are matched to requests by ``reply_to_message_id``, not by sender: Flower

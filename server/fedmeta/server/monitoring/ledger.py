@@ -1,9 +1,11 @@
 """The ledger exporter's collector: the budget ledger's cumulative state, re-read on every scrape.
 
-A run's live metrics (``server/fedmeta/server/monitoring/live.py``) last only as long as the run; the privacy
+A run's live metrics (``server/fedmeta/server/monitoring/live.py``) last only as long as the run;
+the privacy
 budget outlives runs. ``LedgerCollector`` re-reads the SQLite ledger (and the latest
 ``summary.json`` of each federation under the run directories) on every scrape and is served by
-``fedmeta exporter`` (server/fedmeta/server/exporter.py). Labels: ``federation`` (and ``run`` on the latest-run
+``fedmeta exporter`` (server/fedmeta/server/exporter.py). Labels: ``federation`` (and ``run`` on the
+latest-run
 records); ``db`` and a bounded ``reason`` on the health series.
 
 It tells the truth or says it cannot:
@@ -247,7 +249,8 @@ class LedgerCollector(Collector):
             if cached is not None and cached[:2] == (position, head):
                 eps_task, eps_part = cached[2], cached[3]
             else:
-                # Same methods as the round loop (server/fedmeta/server/privacy.py): task level PLD (enforced),
+                # Same methods as the round loop (server/fedmeta/server/privacy.py): task level PLD
+                # (enforced),
                 # participant level RDP (reported).
                 eps_task = float(ledger.epsilon(unit="task", method="pld"))
                 try:

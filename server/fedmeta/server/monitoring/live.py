@@ -4,7 +4,8 @@ The observer is fed the round loop's records (server/fedmeta/server/report.py) a
 ``make_observer(config)`` on ``(metrics.bind, metrics.port)`` while a run is alive. Labels:
 ``federation``, ``run`` (plus bounded enums: ``reason`` on rejected replies and stop reasons,
 ``quantile``). The ledger's cumulative state, which outlives runs, is served by the separate
-exporter (``server/fedmeta/server/monitoring/ledger.py``). One naming scheme for both: ``fedmeta_`` prefix, base
+exporter (``server/fedmeta/server/monitoring/ledger.py``). One naming scheme for both: ``fedmeta_``
+prefix, base
 units, ``_total`` on counters.
 
 Never a participant or task id as a label: unbounded cardinality, and it would publish who took
@@ -343,7 +344,7 @@ class PrometheusRunObserver:
                 self.compute_seconds.labels(*lab).observe(max(0.0, float(s)))
 
     def _withheld_failures(self, lab: tuple[str, str], r: RoundOutcome) -> None:
-        """Failures a private run's record leaves out (server/fedmeta/server/releases.py): a diagnostic here."""
+        """Failures a private run's record leaves out (fedmeta.server.releases): a diagnostic."""
         d = r.diagnostics
         assert d is not None
         for table, released in ((d.failures, r.failures), (d.stray_replies, r.stray_replies)):
