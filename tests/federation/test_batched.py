@@ -75,7 +75,8 @@ def test_on_cuda_batched_rows_agree_to_float32_rounding(monkeypatch: pytest.Monk
 def test_requests_that_differ_in_more_than_their_tasks_are_not_batched() -> None:
     cfg = load_config(None, SMALL)
     requests = _requests(cfg, 0.05)
-    requests[2] = P.GradientRequest("run", 3, (0,), 0.05, requests[2].params, requests[2].config_json)
+    other = requests[2]
+    requests[2] = P.GradientRequest("run", 3, (0,), 0.05, other.params, other.config_json)
     assert batched_replies(requests, {k: str(k) for k in requests}) == {}
 
 
