@@ -76,8 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="an override after the paper configuration's (repeatable)")  # fmt: skip
-    ap.add_argument("--experiment", default=None,
-                    help="the experiment ledger's name (default paper-5way, paper-20way)")
+    ap.add_argument(
+        "--experiment",
+        default=None,
+        help="the experiment ledger's name (default paper-5way, paper-20way)",
+    )
     return ap.parse_args(argv)
 
 
