@@ -36,12 +36,14 @@ not it drew a task, so that contact reveals nothing about stage 2.
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, ConfigRecordValues, MetricRecord, RecordDict
+from numpy.lib import format as npy
 
 #: 3: replies carry ``clip_bits`` (adaptive clipping); 2: typed request and reply records.
 PROTOCOL_VERSION: Final = 3
@@ -68,6 +70,8 @@ REPLY_SUM_AND_NORMS: Final = "sum_and_norms"
 NODE_PARTITION_ID: Final = "partition-id"
 NODE_PARTICIPANT_ID: Final = "participant-id"
 NODE_DATA_PATH: Final = "data-path"  # a deployed participant's own data (overrides dataset.path)
+#: Set by the in-process grid (simulation): replies share the participant's memory (SHARED_STYPE).
+NODE_SHARED_MEMORY: Final = "fedmeta-shared-memory"
 
 # Flower run_config keys read by server/fedmeta/server/app.py (`flwr run .`, pyproject
 # [tool.flwr.app.config]).
@@ -201,20 +205,100 @@ def _task_ids(record: ConfigRecord) -> tuple[int, ...]:
     return tuple(int(t) for t in raw)
 
 
-def _array(content: RecordDict, record_name: str, key: str) -> np.ndarray:
+def _array(
+    content: RecordDict, record_name: str, key: str, *, copy: bool = True, shared: bool = False
+) -> np.ndarray:
+    """The named float32 array; with ``copy=False`` a read-only view of the message's bytes.
+
+    ``shared``: a :data:`SHARED_STYPE` array is accepted too (the in-process grid).
+    """
     arrays = content.array_records.get(record_name)
     if arrays is None or key not in arrays:
         raise ProtocolError(REASON_MISSING_RECORD, f"message lacks the array {record_name}/{key}")
     array = arrays[key]
     if str(getattr(array, "dtype", None)) != "float32":
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: dtype {array.dtype}, expected float32")
+    if array.stype == SHARED_STYPE and not shared:
+        raise ProtocolError(REASON_BAD_DTYPE, f"{key}: an in-process array outside a process")
     try:
-        values = np.asarray(array.numpy())
+        values = shared_values(array) if array.stype == SHARED_STYPE else npy_values(array)
     except Exception as error:  # noqa: BLE001 - any undecodable array is a malformed message
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: cannot decode ({error})") from None
     if values.dtype != np.float32:
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: decoded {values.dtype}, expected float32")
+    return values.copy() if copy else values
+
+
+# Flower's ``Array`` of a numpy array holds the bytes ``np.save`` writes (its ``stype`` "numpy.
+# ndarray"). ``Array.from_numpy_ndarray`` writes them through a BytesIO and copies its buffer out,
+# and ``Array.numpy()`` reads them back with ``np.load``, a third copy: on DP-MAML's round (1,600
+# rows of 112,261 float32 values, 718 MB) those copies were a quarter of a GPU round
+# (docs/benchmarks.md). The two functions below make and read the same bytes with numpy's own
+# format module: the header from ``numpy.lib.format``, the values joined to it in one copy, and
+# read back as a view of the message's bytes. The wire format is unchanged (a test compares the
+# bytes with ``np.save``'s), so a deployed peer of either kind reads them.
+
+
+def npy_array(values: np.ndarray) -> Array:
+    """Flower's ``Array`` of ``values``: ``np.save``'s bytes, made with one copy of the values."""
+    values = np.ascontiguousarray(values)
+    head = io.BytesIO()
+    npy.write_array_header_1_0(head, npy.header_data_from_array_1_0(values))
+    data = b"".join((head.getvalue(), values.reshape(-1).view(np.uint8)))
+    return Array(dtype=str(values.dtype), shape=tuple(int(n) for n in values.shape),
+                 stype="numpy.ndarray", data=data)  # fmt: skip
+
+
+#: The ``stype`` of an array whose ``data`` is the participant's own float32 buffer, shared within
+#: one process (the in-process grid): no bytes are made or parsed. Only a server whose grid is
+#: in-process accepts it (``decode_gradient_reply(..., shared=True)``); over a network it is
+#: refused as malformed, so the deployed wire format is the ``numpy.ndarray`` one alone.
+SHARED_STYPE: Final = "fedmeta.shared"
+
+
+def shared_array(values: np.ndarray) -> Array:
+    """An ``Array`` whose data is ``values``' own memory (no copy), for the in-process grid only."""
+    values = np.ascontiguousarray(values)
+    array = Array(dtype=str(values.dtype), shape=tuple(int(n) for n in values.shape),
+                  stype=SHARED_STYPE, data=b"")  # fmt: skip
+    array.data = memoryview(values.reshape(-1)).cast("B")  # type: ignore[assignment]
+    return array
+
+
+def shared_values(array: Array) -> np.ndarray:
+    """The values of a :func:`shared_array`, read-only, checked against its dtype and shape."""
+    dtype = np.dtype(array.dtype)
+    count = math.prod(array.shape)
+    if len(array.data) != count * dtype.itemsize:
+        raise ValueError(f"{len(array.data)} bytes for {count} values of {dtype}")
+    values = np.frombuffer(array.data, dtype=dtype, count=count).reshape(array.shape)
+    values.flags.writeable = False
     return values
+
+
+def npy_values(array: Array) -> np.ndarray:
+    """The values of a numpy ``Array``: a read-only view of its bytes where their layout allows.
+
+    A header numpy would refuse raises; an object dtype or Fortran order (which fedmeta never
+    sends) is left to ``np.load`` (no pickles: ``Array.numpy`` refuses them).
+    """
+    if array.stype != "numpy.ndarray":
+        raise ValueError(f"stype {array.stype!r}, expected 'numpy.ndarray'")
+    data = array.data
+    stream = io.BytesIO(data)
+    version = npy.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran, dtype = npy.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran, dtype = npy.read_array_header_2_0(stream)
+    else:
+        return np.asarray(array.numpy())
+    if fortran or dtype.hasobject:
+        return np.asarray(array.numpy())
+    count = math.prod(shape)
+    if len(data) - stream.tell() != count * dtype.itemsize:
+        raise ValueError(f"{len(data) - stream.tell()} bytes for {count} values of {dtype}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell()).reshape(shape)
 
 
 # ------------------------------------------------------------------------------------- registration
@@ -275,7 +359,7 @@ def encode_gradient_request(request: GradientRequest) -> RecordDict:
         record["clip"] = float(request.clip)
     return RecordDict(
         {
-            WEIGHTS_RECORD: ArrayRecord({"params": Array(params)}),
+            WEIGHTS_RECORD: ArrayRecord({"params": npy_array(params)}),
             REQUEST_RECORD: ConfigRecord(record),
         }
     )
@@ -300,8 +384,12 @@ def decode_gradient_request(content: RecordDict) -> GradientRequest:
     )
 
 
-def encode_gradient_reply(reply: GradientReply) -> RecordDict:
-    """A participant's reply to a round's request."""
+def encode_gradient_reply(reply: GradientReply, *, shared: bool = False) -> RecordDict:
+    """A participant's reply to a round's request.
+
+    ``shared``: the arrays share the reply's memory (:data:`SHARED_STYPE`, the in-process grid).
+    """
+    to_array = shared_array if shared else npy_array
     meta: dict[str, ConfigRecordValues] = {
         "version": PROTOCOL_VERSION,
         "run_id": reply.run_id,
@@ -310,16 +398,19 @@ def encode_gradient_reply(reply: GradientReply) -> RecordDict:
         "task_ids": [int(t) for t in reply.task_ids],
     }
     if reply.grads is not None:
-        arrays = {"grads": Array(np.ascontiguousarray(reply.grads, dtype=np.float32))}
+        arrays = {"grads": to_array(np.asarray(reply.grads, dtype=np.float32))}
     elif reply.grad_sum is not None and reply.task_norms is not None:
-        arrays = {"grad_sum": Array(np.ascontiguousarray(reply.grad_sum, dtype=np.float32))}
+        arrays = {"grad_sum": to_array(np.asarray(reply.grad_sum, dtype=np.float32))}
         meta["task_norms"] = [float(x) for x in reply.task_norms]
     else:
         raise ValueError("a GradientReply needs grads, or grad_sum with task_norms")
     if reply.clip_bits is not None:
         meta["clip_bits"] = [int(b) for b in reply.clip_bits]
+    record = ArrayRecord()  # filled by key: ArrayRecord(arrays) rebuilds each Array from bytes
+    for name, array in arrays.items():
+        record[name] = array
     content: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
-        GRADS_RECORD: ArrayRecord(arrays),
+        GRADS_RECORD: record,
         REPLY_RECORD: ConfigRecord(meta),
     }
     if reply.compute_seconds is not None:
@@ -329,20 +420,24 @@ def encode_gradient_reply(reply: GradientReply) -> RecordDict:
     return RecordDict(content)
 
 
-def decode_gradient_reply(content: RecordDict) -> GradientReply:
-    """Parse a reply (raises :class:`ProtocolError`); its values are checked by the server."""
+def decode_gradient_reply(content: RecordDict, *, shared: bool = False) -> GradientReply:
+    """Parse a reply (raises :class:`ProtocolError`); its values are checked by the server.
+
+    ``shared``: the reply came through an in-process grid, whose arrays may share memory.
+    """
     meta = _record(content, REPLY_RECORD)
     arrays = content.array_records.get(GRADS_RECORD)
     grads = grad_sum = None
     norms: tuple[float, ...] | None = None
     if arrays is not None and "grad_sum" in arrays:
-        grad_sum = _array(content, GRADS_RECORD, "grad_sum")
+        grad_sum = _array(content, GRADS_RECORD, "grad_sum", copy=False, shared=shared)
         raw = _get(meta, "task_norms", list)
         if not all(isinstance(x, int | float) and not isinstance(x, bool) for x in raw):
             raise ProtocolError(REASON_BAD_DTYPE, "task_norms must be numbers")
         norms = tuple(float(x) for x in raw)
     else:
-        grads = _array(content, GRADS_RECORD, "grads")
+        # A view of the message's bytes: the server only reads a reply (server/validation).
+        grads = _array(content, GRADS_RECORD, "grads", copy=False, shared=shared)
     return GradientReply(
         run_id=_get(meta, "run_id", str),
         round_id=_get(meta, "round_id", int),

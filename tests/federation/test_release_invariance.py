@@ -62,7 +62,7 @@ def neighbour(tasks_of_participant_0: tuple[int, ...]) -> Any:
         content = P.encode_gradient_request(replace(req, task_ids=real))
         inner = Message(content, msg.metadata.dst_node_id, P.MSG_TRAIN, group_id="x")
         inner.metadata.__dict__["_message_id"] = msg.metadata.message_id
-        reply = P.decode_gradient_reply(client_app(inner, ctx).content)
+        reply = P.decode_gradient_reply(client_app(inner, ctx).content, shared=True)  # in-process
         local = replace(reply, task_ids=req.task_ids)  # back to the server's numbering
         return Message(P.encode_gradient_reply(local), reply_to=msg)
 

@@ -131,7 +131,7 @@ def test_non_private_mode_is_labelled_and_leaves_the_ledger_alone(tmp_path: Path
 
 def _reply(msg: Message, ctx: Context, **change: Any) -> Message:
     honest = client_app(msg, ctx)
-    reply = replace(P.decode_gradient_reply(honest.content), **change)
+    reply = replace(P.decode_gradient_reply(honest.content, shared=True), **change)  # in-process
     return Message(P.encode_gradient_reply(reply), reply_to=msg)
 
 

@@ -49,4 +49,6 @@ def train(message: Message, context: Context) -> Message:
     torch.set_num_threads(1)  # one participant per core in simulation
     request = P.decode_gradient_request(message.content)
     reply = gradient_reply(request, participant_id(context), data_path(context))
-    return Message(P.encode_gradient_reply(reply), reply_to=message)
+    # The in-process grid's nodes share the server's memory: the rows cross without a copy.
+    shared = bool(context.node_config.get(P.NODE_SHARED_MEMORY, False))
+    return Message(P.encode_gradient_reply(reply, shared=shared), reply_to=message)

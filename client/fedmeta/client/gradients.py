@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,27 +97,39 @@ def _task_gradients(
     cfg: Config, wl: Workload, request: GradientRequest, participant_id: str, data_path: str | None
 ) -> TaskGradients:
     """The workload's batched per-task clipped gradients (non-finite rows zeroed) for some ids."""
-    from fedmeta.metalearning import per_task_clipped_grads
-
     params = torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32))
 
     def compute(task_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        grads, norms = per_task_clipped_grads(
-            wl.model,
-            params,
-            participant_tasks(wl, participant_id, data_path).tasks(list(task_ids)),
-            **inner_kwargs(cfg.training, evaluation=False),  # the guards, as at test time
-            first_order=cfg.training.first_order,
-            clip=math.inf if request.clip is None else request.clip,
-            device=cfg.federation.client_device,
-            chunk_size=cfg.training.chunk_size,
-            nonfinite="zero",
-            coordinates=wl.trained_coordinates,
-        )
-        return (grads.detach().to("cpu", torch.float32).numpy(),
-                norms.detach().to("cpu", torch.float64).numpy())  # fmt: skip
+        tasks = participant_tasks(wl, participant_id, data_path).tasks(list(task_ids))
+        return clipped_rows(cfg, wl, params, tasks, request.clip)
 
     return compute
+
+
+def clipped_rows(
+    cfg: Config, wl: Workload, params: torch.Tensor, tasks: Any, clip: float | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 clipped rows, float64 pre-clip norms) of a batch of ``wl``'s tasks, on the host.
+
+    The one gradient call of a participant, and of the simulation's batched round
+    (simulation/fedmeta/simulation/batched.py), which gives it every sampled participant's tasks.
+    """
+    from fedmeta.metalearning import per_task_clipped_grads
+
+    grads, norms = per_task_clipped_grads(
+        wl.model,
+        params,
+        tasks,
+        **inner_kwargs(cfg.training, evaluation=False),  # the guards, as at test time
+        first_order=cfg.training.first_order,
+        clip=math.inf if clip is None else clip,
+        device=cfg.federation.client_device,
+        chunk_size=cfg.training.chunk_size,
+        nonfinite="zero",
+        coordinates=wl.trained_coordinates,
+    )
+    return (grads.detach().to("cpu", torch.float32).numpy(),
+            norms.detach().to("cpu", torch.float64).numpy())  # fmt: skip
 
 
 def isolated_rows(

@@ -77,6 +77,9 @@ class GridTransport:
         self.round_timeout_s = round_timeout_s
         #: Set on SIGINT/SIGTERM: a round's wait for replies ends at once (the round is abandoned).
         self.stop: threading.Event | None = None
+        #: An in-process grid (simulation) may hand replies over in shared memory (protocol's
+        #: SHARED_STYPE); any other grid's replies must be in the wire format.
+        self.shared = bool(getattr(grid, "shares_memory", False))
 
     # ------------------------------------------------------------------------------ registration
 
@@ -133,7 +136,7 @@ class GridTransport:
         ids = list(self.grid.push_messages(messages))
         pending = dict(zip(ids, requests, strict=True))
         replies = self._pull(pending)
-        return self._deliveries(requests, pending, replies)
+        return self._deliveries(requests, pending, replies, self.shared)
 
     def _pull(self, pending: Mapping[str, str]) -> list[Message]:
         """Collect replies until every request has one or the round timeout passes."""
@@ -156,6 +159,7 @@ class GridTransport:
         requests: Mapping[str, P.GradientRequest],
         pending: Mapping[str, str],
         replies: Iterable[Message],
+        shared: bool = False,
     ) -> Exchange:
         deliveries: dict[str, Delivery] = {}
         strays: dict[str, int] = {}
@@ -165,18 +169,18 @@ class GridTransport:
             if pid is None or pid in deliveries:
                 strays[stray] = strays.get(stray, 0) + 1
                 continue
-            deliveries[pid] = _delivery(reply)
+            deliveries[pid] = _delivery(reply, shared)
         for pid in requests:
             deliveries.setdefault(pid, Delivery(None, FAILURE_TIMEOUT, "no reply in time"))
         return Exchange({pid: deliveries[pid] for pid in requests}, strays)
 
 
-def _delivery(reply: Message) -> Delivery:
+def _delivery(reply: Message, shared: bool = False) -> Delivery:
     if reply.has_error():
         code = int(reply.error.code)
         reason = FAILURE_NODE_UNAVAILABLE if code == _NODE_UNAVAILABLE else FAILURE_ERROR_REPLY
         return Delivery(None, reason, f"code {code}: {reply.error.reason}")
     try:
-        return Delivery(P.decode_gradient_reply(reply.content))
+        return Delivery(P.decode_gradient_reply(reply.content, shared=shared))
     except P.ProtocolError as error:
         return Delivery(None, error.reason, error.detail)

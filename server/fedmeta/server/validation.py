@@ -40,6 +40,7 @@ from torch import Tensor
 
 from fedmeta.metalearning import clip_by_global_norm
 from fedmeta.protocol import GradientReply, ReplyFormat
+from fedmeta.server.recheck import fused_row_sum
 
 REASON_WRONG_RUN = "wrong_run"
 REASON_WRONG_ROUND = "wrong_round"
@@ -164,13 +165,14 @@ def _under_clip(reply: GradientReply, exp: Expectation) -> int:
     return sum(reply.clip_bits) if exp.clip_bits and reply.clip_bits is not None else 0
 
 
-# Rows are re-checked in float64 a few at a time. The float64 copy of a block (4 rows of the
-# Omniglot net's 113k parameters: 3.6 MB) stays in cache, where the whole reply converted at once
-# (80 rows: 72 MB; 1.45 GB a round at DP-MAML's lot of 1,600) streams through memory in each of the
-# check's passes: 3.4x faster on one or two threads of a quiet 2-core machine
-# (bench/server_validation.py, docs/benchmarks.md).
-# Every row's norm, clip and post-clip norm are bit for bit what one block gives; the sum differs
-# only by the order of float64 additions.
+# The unfused re-check, kept as the reference the fused one (server/fedmeta/server/recheck.py,
+# which validation uses) is tested against, and for bench/server_validation.py. Rows are re-checked
+# in float64 a few at a time: the float64 copy of a block (4 rows of the Omniglot net's 113k
+# parameters: 3.6 MB) stays in cache, where the whole reply converted at once (80 rows: 72 MB;
+# 1.45 GB a round at DP-MAML's lot of 1,600) streams through memory in each of the check's passes:
+# 3.4x faster on one or two threads of a quiet 2-core machine (bench/server_validation.py,
+# docs/benchmarks.md). Every row's norm, clip and post-clip norm are bit for bit what one block
+# gives; the sum differs only by the order of float64 additions.
 ROWS_PER_BLOCK = 4
 
 
@@ -208,7 +210,9 @@ def clipped_row_sum(
 def _per_task(reply: GradientReply, exp: Expectation) -> Accepted:
     assert reply.grads is not None
     clip = math.inf if exp.clip is None else exp.clip
-    total, norms, post, nonfinite = clipped_row_sum(reply.grads, clip)
+    # The fused check (server/fedmeta/server/recheck.py): the same norms and bound as
+    # clipped_row_sum, each row read from memory once.
+    total, norms, post, nonfinite = fused_row_sum(reply.grads, clip)
     over = (norms > clip * (1 + exp.tolerance)) & torch.isfinite(norms)
     return Accepted(
         exp.participant_id,
@@ -216,7 +220,7 @@ def _per_task(reply: GradientReply, exp: Expectation) -> Accepted:
         total,
         norm_violations=int(over.sum()),
         nonfinite=nonfinite,
-        post_clip_norms=tuple(float(x) for x in post),
+        post_clip_norms=tuple(post.tolist()),
         compute_seconds=reply.compute_seconds,
         under_clip=_under_clip(reply, exp),
     )

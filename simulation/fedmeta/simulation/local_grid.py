@@ -4,6 +4,11 @@ Used by the tests (runs are tested against it, with handlers that misbehave on p
 ``federation.backend = "inprocess"`` (benchmarks of the server's own overhead). Each node gets its
 own ``Context`` with ``partition-id`` in its node config, as in Flower's simulation. A handler may
 return ``None`` (no reply: a timeout) or a list of messages (duplicates).
+
+Server and participants share one process, so a reply's rows cross without being copied: the
+node config's ``fedmeta-shared-memory`` tells the ClientApp to put its rows' own buffer in the
+message (``protocol.SHARED_STYPE``), and ``shares_memory`` tells the server's transport to accept
+that; everything else about the message (records, keys, validation) is the deployed one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ Handler = Callable[[Message, Context], Any]
 class InProcessGrid(Grid):
     """Routes each message to ``handler(message, context)`` of its destination, synchronously."""
 
+    #: Read by the server's transport: replies may share the participants' memory.
+    shares_memory = True
+
     def __init__(
         self, num_nodes: int, handler: Handler | None = None, *, first_node_id: int = 1000
     ) -> None:
@@ -41,7 +49,8 @@ class InProcessGrid(Grid):
             nid: Context(
                 run_id=1,
                 node_id=nid,
-                node_config={P.NODE_PARTITION_ID: i, "num-partitions": num_nodes},
+                node_config={P.NODE_PARTITION_ID: i, "num-partitions": num_nodes,
+                             P.NODE_SHARED_MEMORY: True},  # fmt: skip
                 state=RecordDict(),
                 run_config={},
             )

@@ -422,9 +422,10 @@ def main(
     _check_round_fits(cfg, workload)
     if cfg.federation.backend == "inprocess":
         from fedmeta.server.app import execute
-        from fedmeta.simulation.local_grid import InProcessGrid
+        from fedmeta.simulation.batched import BatchedGrid
 
-        grid = InProcessGrid(cfg.federation.participants)
+        # Every sampled participant's tasks in one gradient call (simulation/batched.py).
+        grid = BatchedGrid(cfg.federation.participants)
         return execute(cfg, grid, out_dir=out, resume=resume, stop=stop, workload=workload,
                        observers=observers,
                        test_when_interrupted=test_when_interrupted)  # fmt: skip
