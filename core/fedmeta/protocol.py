@@ -242,7 +242,7 @@ def npy_array(values: np.ndarray) -> Array:
     values = np.ascontiguousarray(values)
     head = io.BytesIO()
     npy.write_array_header_1_0(head, npy.header_data_from_array_1_0(values))
-    data = b"".join((head.getvalue(), values.reshape(-1).view(np.uint8)))
+    data = b"".join((head.getvalue(), values.reshape(-1).view(np.uint8).data))
     return Array(dtype=str(values.dtype), shape=tuple(int(n) for n in values.shape),
                  stype="numpy.ndarray", data=data)  # fmt: skip
 
@@ -259,7 +259,7 @@ def shared_array(values: np.ndarray) -> Array:
     values = np.ascontiguousarray(values)
     array = Array(dtype=str(values.dtype), shape=tuple(int(n) for n in values.shape),
                   stype=SHARED_STYPE, data=b"")  # fmt: skip
-    array.data = memoryview(values.reshape(-1)).cast("B")  # type: ignore[assignment]
+    array.data = values.reshape(-1).view(np.uint8).data  # type: ignore[assignment]
     return array
 
 
