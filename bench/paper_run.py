@@ -23,12 +23,13 @@ process, on ``--device`` (``cuda`` by default), with its test evaluation, and wr
   in the background for the whole run and ended by its process id; absent without nvidia-smi.
 
 **A machine without internet and without fedmeta installed** (a lent GPU machine holding a copy of
-this working tree): the command puts the checkout's source roots on ``sys.path`` when fedmeta is
-not importable (a plain checkout imports as is; nothing is built), and when a dependency is
-missing it installs every wheel in ``$WHEELS`` (default ``.device/wheels`` beside this checkout,
-a git-ignored folder carried to the machine) with ``pip install --no-index --no-deps``, then
-starts again. Anything still missing is one line naming it, exit status 2. So is a missing
-``OMNIGLOT_DIR``, an OUT that already holds a run, or ``--device cuda`` without CUDA.
+this working tree): the command puts the checkout's source roots first on ``sys.path`` (a plain
+checkout imports as is; nothing is built, and an installed fedmeta is not used), and when a
+dependency is missing it installs every wheel in ``$WHEELS`` (default ``.device/wheels`` beside
+this checkout, a git-ignored folder carried to the machine) with ``pip install --no-index
+--no-deps``, then starts again. Anything still missing is one line naming it, exit status 2. So
+is a missing ``OMNIGLOT_DIR``, an OUT that already holds a run, or ``--device cuda`` without
+CUDA.
 
 A first SIGINT or SIGTERM (a time limit's) stops the run as ``fedmeta simulate`` does (a round not
 yet spent is abandoned); what was done is evaluated and recorded, ``stopped_reason``
@@ -99,13 +100,15 @@ def check_inputs(args: argparse.Namespace) -> Path:
 
 
 def ensure_imports() -> None:
-    """fedmeta from this checkout, and its dependencies, or one line naming what is missing."""
-    try:
-        import fedmeta.config  # noqa: F401
-    except ImportError:
-        roots = sorted(str(p.parent) for p in REPO.glob("*/fedmeta") if p.is_dir())
-        sys.path[:0] = roots
-        os.environ["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+    """fedmeta from this checkout, and its dependencies, or one line naming what is missing.
+
+    The checkout's source roots go first on the path whether or not a fedmeta is installed, so
+    the code that runs is this tree's (a plain checkout imports as is; nothing is built).
+    """
+    roots = sorted(str(p.parent) for p in REPO.glob("*/fedmeta") if p.is_dir())
+    sys.path[:0] = roots
+    before = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*roots, *([before] if before else [])])
     missing = [name for name in NEEDED if not _importable(name)]
     if not missing:
         return

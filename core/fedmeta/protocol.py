@@ -73,14 +73,12 @@ NODE_DATA_PATH: Final = "data-path"  # a deployed participant's own data (overri
 #: Set by the in-process grid (simulation): replies share the participant's memory (SHARED_STYPE).
 NODE_SHARED_MEMORY: Final = "fedmeta-shared-memory"
 
-# Flower run_config keys read by server/fedmeta/server/app.py (`flwr run .`, pyproject
-# [tool.flwr.app.config]).
+# Flower run_config keys read by server/fedmeta/server/app.py (`flwr run .`, pyproject [tool.flwr.app.config]).
 RUN_CONFIG_FILE: Final = "config-file"
 RUN_CONFIG_SET: Final = "set"
 RUN_CONFIG_OUT: Final = "out"
 RUN_CONFIG_RESUME: Final = "resume"
-#: Flower-style typed run_config keys -> the configuration key each sets
-# (server/fedmeta/server/app.py maps them,
+#: Flower-style typed run_config keys -> the configuration key each sets (server/fedmeta/server/app.py maps them,
 #: after ``config-file`` and before ``set``). Their pyproject value 0 (or "") means "leave the
 #: configuration's value": every mapped key's valid range excludes it.
 RUN_CONFIG_TYPED: Final = {
@@ -261,7 +259,7 @@ def shared_array(values: np.ndarray) -> Array:
     values = np.ascontiguousarray(values)
     array = Array(dtype=str(values.dtype), shape=tuple(int(n) for n in values.shape),
                   stype=SHARED_STYPE, data=b"")  # fmt: skip
-    array.data = values.reshape(-1).data.cast("B")  # type: ignore[assignment]
+    array.data = values.reshape(-1).view(np.uint8).data  # type: ignore[assignment]
     return array
 
 
