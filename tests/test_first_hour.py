@@ -113,8 +113,9 @@ def test_first_ctrl_c_ends_the_default_job_within_seconds_with_a_checkpoint(
     """SIGINT at round 3 of the 200-round default job: exit within 10 s of the signal (issue 40).
 
     The clock starts at the signal, so a loaded machine's slow start does not count; what is
-    bounded is the round in flight, the checkpoint, the files and the exit, the test
-    evaluation being left to the resume.
+    bounded is the round in flight, the checkpoint, the summary and the exit, the test
+    evaluation and the plots being left to the resume. Measured here: 4.8 and 5.5 s at a load
+    average of 10 on 2 cores (12.8 and 13.2 s while the plots were still drawn).
     """
     term = _Terminal()
     env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
@@ -140,6 +141,7 @@ def test_first_ctrl_c_ends_the_default_job_within_seconds_with_a_checkpoint(
     assert (run / "checkpoint.pt").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_reason"] == "interrupted" and summary["final_metric"] is None
+    assert not list(run.glob("*.png"))  # drawn when the resumed run ends
     assert 3 <= summary["rounds_completed"] < 200
     text = " ".join(term.text.split())  # the lines as printed, whatever the terminal wrapped
     assert "test evaluation is left to --resume or `fedmeta evaluate`" in text, text[-3000:]

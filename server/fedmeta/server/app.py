@@ -98,13 +98,17 @@ def execute(
         test_when_interrupted=test_when_interrupted,
     )
     diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
+    # A run stopped to end quickly leaves its plots, like its test evaluation, to the resumed run's
+    # end: drawing them takes seconds (matplotlib), and they would stop at the interruption.
+    stopped = result.summary["stopped_reason"] == "interrupted" and not test_when_interrupted
+    plots = cfg.output.plots and not stopped
     written = write_all(out, result.summary, result.outcomes, diagnostics=diagnostics,
-                        plots=cfg.output.plots)  # fmt: skip
+                        plots=plots)  # fmt: skip
     if (out / CHECKPOINT_NAME).exists():
         written.append(CHECKPOINT_NAME)
     if echo:
         print(format_summary(result.summary), flush=True)
-        if cfg.output.plots and not set(PLOT_FILES) <= set(written):
+        if plots and not set(PLOT_FILES) <= set(written):
             print(PLOTS_MISSING, flush=True)
         print(f"outputs: {out}/{', '.join(written)}", flush=True)
     return result

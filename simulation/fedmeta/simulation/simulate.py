@@ -95,10 +95,9 @@ def _handle(args: argparse.Namespace) -> int:
     from fedmeta import exitcodes
     from fedmeta.config import load_config
 
-    if args.experiment:
-        args.overrides = [*args.overrides, args.experiment]
-        if args.out is None:  # runs/NAME, whatever the configuration's output.dir (README)
-            args.out = Path("runs") / args.experiment.partition("=")[2]
+    if args.experiment:  # its outputs in runs/NAME, whatever the configuration file's output.dir
+        runs = f'output.dir="runs/{args.experiment.partition("=")[2]}"'  # --out, --set still win
+        args.overrides = [runs, *args.overrides, args.experiment]
     if args.print_config or args.dry_run:
         return _preview(args)
     stop, rounds = threading.Event(), threading.Event()
