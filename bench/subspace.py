@@ -81,7 +81,7 @@ def _layers(wl: Any, basis: Any, grads: Any) -> list[dict[str, Any]]:
         n = p.numel()
         if start + n > mean.numel():
             break
-        full, part = mean[start:start + n], kept[start:start + n]
+        full, part = mean[start : start + n], kept[start : start + n]
         rows.append({"tensor": name, "share": float(full.norm() ** 2 / mean.norm() ** 2),
                      "kept": float(part.norm() / full.norm().clamp_min(1e-300))})  # fmt: skip
         start += n
