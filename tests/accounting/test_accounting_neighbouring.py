@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import integrate, stats
 
 from fedmeta.accounting import (
@@ -72,6 +73,12 @@ def assert_tight_and_never_below(value: float, exact: float) -> None:
 
 
 # ----------------------------------------------------------------------------- round models
+
+
+@pytest.mark.unit
+def test_rdp_orders_are_dp_accountings_default_grid() -> None:
+    """RDP_ORDERS is spelled out (dp-accounting loads when it computes); the floats are its own."""
+    assert RDP_ORDERS == tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 
 
 @pytest.mark.unit

@@ -98,16 +98,10 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-from dp_accounting import dp_event
-from dp_accounting.pld import pld_pmf
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from dp_accounting.pld import privacy_loss_mechanism as plm
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-from scipy import fft, signal
 
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
@@ -122,6 +116,13 @@ from fedmeta.accounting.schemes import (
     Unit,
 )
 
+if TYPE_CHECKING:
+    # dp-accounting and scipy load where they compute (about 1.5 s), not with the package: the
+    # ``fedmeta`` command's registration and a participant import accounting names only.
+    from dp_accounting import dp_event
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
 Method: TypeAlias = Literal["pld", "rdp"]
 METHODS: tuple[Method, ...] = ("pld", "rdp")
 RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
@@ -133,8 +134,12 @@ _Floats: TypeAlias = npt.NDArray[np.float64]
 
 #: Finest PLD grid (the note's reference numbers use 1e-4).
 DEFAULT_DISCRETIZATION = 1e-4
-#: RDP orders: dp-accounting's default grid, which the reference RDP numbers use.
-RDP_ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.RdpAccountant().orders)
+#: RDP orders: dp-accounting's default grid (``rdp_privacy_accountant.DEFAULT_RDP_ORDERS``, spelled
+#: the same way so the floats are equal; a test compares), which the reference RDP numbers use.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    float(a)
+    for a in [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+)
 #: Most rounds in one query (a range of the accountant, see the module docstring).
 MAX_ROUNDS_LIMIT = 10**9
 #: Accepted noise multipliers (a range of the accountant).
@@ -147,7 +152,7 @@ MAX_GRID = 1.0
 #: Probability mass a self-composition may cut from the tails (moved to an infinite loss).
 TAIL_MASS = 1e-15
 
-_PLD: TypeAlias = pld_lib.PrivacyLossDistribution
+_PLD: TypeAlias = "pld_lib.PrivacyLossDistribution"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,18 +280,25 @@ def round_components(event: GaussianRound, unit: Unit = "task") -> RoundModel:
 # --------------------------------------------------------------------------------------------------
 
 _Direction: TypeAlias = Literal["remove", "add", "replace"]
-_ADJACENCY = {
-    "remove": plm.AdjacencyType.REMOVE,
-    "add": plm.AdjacencyType.ADD,
-    "replace": plm.AdjacencyType.REPLACE,
-}
 
 
 @functools.lru_cache(maxsize=512)
 def _mechanism(direction: _Direction, sigma: float, rate: float) -> plm.GaussianPrivacyLoss:
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
     return plm.GaussianPrivacyLoss(
-        sigma, sensitivity=1.0, sampling_prob=rate, adjacency_type=_ADJACENCY[direction]
+        sigma, sensitivity=1.0, sampling_prob=rate, adjacency_type=_adjacency(direction)
     )
+
+
+def _adjacency(direction: _Direction) -> plm.AdjacencyType:
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+
+    return {
+        "remove": plm.AdjacencyType.REMOVE,
+        "add": plm.AdjacencyType.ADD,
+        "replace": plm.AdjacencyType.REPLACE,
+    }[direction]
 
 
 def _inverse_loss(direction: _Direction, sigma: float, q: float, eps: _Floats) -> _Floats:
@@ -549,6 +561,8 @@ def _self_compose(pmf: _Pmf, count: int, window: tuple[int, int]) -> _Pmf:
     the (at most ``TAIL_MASS``) mass outside it back in, and ``TAIL_MASS`` is added to the infinite
     loss to cover both: the result errs on the safe side, as dp-accounting's ``self_compose``.
     """
+    from scipy import fft
+
     if count == 1:
         return pmf
     lo, hi = window
@@ -578,6 +592,8 @@ def _compose(a: _Pmf, b: _Pmf) -> _Pmf:
     At most ``TAIL_MASS / 2`` is cut from each end: the low end's mass moves up onto the first kept
     point and the high end's to an infinite loss, both on the safe side.
     """
+    from scipy import signal
+
     probs = signal.fftconvolve(a.probs, b.probs)
     rounding = _convolution_rounding(a.probs, b.probs, probs.size)
     infinity = a.infinity_mass + b.infinity_mass - a.infinity_mass * b.infinity_mass + rounding
@@ -601,6 +617,8 @@ def _convolution_rounding(a: _Floats, b: _Floats, size: int) -> float:
     sqrt(L) ||a||_1 ||b||_2``. The inputs' own errors are carried by their ``rounding`` (a
     composition puts weights in [0, 1] on them, times the other's mass, at most 1).
     """
+    from scipy import fft
+
     length = fft.next_fast_len(size, real=True)
     kappa = _fft_error(length)
     l1_a, l1_b = float(np.abs(a).sum()), float(np.abs(b).sum())
@@ -622,6 +640,8 @@ def _epsilon_for_delta(pmf: _Pmf, grid: float, delta: float) -> float:
     ``e^-loss`` is ever formed: losses above 709 would overflow it, and dp-accounting then answers
     infinity. Negative probabilities (FFT rounding) count as 0, which can only raise delta.
     """
+    from scipy import signal
+
     if pmf.infinity_mass > delta:
         return math.inf
     probs = np.maximum(pmf.probs, 0.0)
@@ -745,6 +765,9 @@ def composed_pld(
     A dp-accounting ``PrivacyLossDistribution`` (pessimistic). Raises ValueError when no grid up to
     ``MAX_GRID`` fits the size limits (use ``epsilon``, which then answers with RDP).
     """
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
     _check_discretization(discretization)
     groups = _model_groups(rounds, unit)
     if not groups:
@@ -779,6 +802,8 @@ def _sanitize(values: npt.ArrayLike) -> _Floats:
 
 
 def _rdp_of(event: dp_event.DpEvent, orders: Sequence[float], *, replace: bool = False) -> _Floats:
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
     relation = rdp_lib.NeighborRel.REPLACE_ONE if replace else rdp_lib.NeighborRel.ADD_OR_REMOVE_ONE
     accountant = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
     # dp-accounting logs (via absl) when a fractional order's series does not converge and then sets
@@ -806,6 +831,8 @@ _WOR_ORDERS = frozenset(
 
 
 def _stage_rdp(model: RoundModel) -> _Floats:
+    from dp_accounting import dp_event
+
     orders = np.asarray(RDP_ORDERS)
     gaussian = dp_event.GaussianDpEvent(model.sigma)
     if model.pair == "add_remove":
@@ -849,6 +876,8 @@ def _rdp_total(groups: ModelGroups) -> _Floats:
 
 
 def _rdp_epsilon(groups: ModelGroups, delta: float) -> float:
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
     if not groups:
         return 0.0
     total = _rdp_total(groups)
@@ -859,6 +888,8 @@ def _rdp_epsilon(groups: ModelGroups, delta: float) -> float:
 
 
 def _rdp_delta(groups: ModelGroups, epsilon_value: float) -> float:
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
     if not groups:
         return 0.0
     total = _rdp_total(groups)
