@@ -160,12 +160,14 @@ _PLD: TypeAlias = "pld_lib.PrivacyLossDistribution"
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_delta(delta: float) -> None:
+def check_delta(delta: float) -> None:
+    """Refuse a delta outside (0, 1), naming it."""
     if isinstance(delta, bool) or not isinstance(delta, int | float) or not 0.0 < delta < 1.0:
         raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
 
 
-def _check_unit(unit: object) -> None:
+def check_unit(unit: object) -> None:
+    """Refuse a privacy unit other than ``task`` or ``participant``."""
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {UNITS}; got {unit!r}")
 
@@ -240,7 +242,7 @@ def _check_noise(z: float) -> None:
 
 def round_components(event: GaussianRound, unit: Unit = "task") -> RoundModel:
     """Return the dominating pair of one round of ``event`` (derived in the module docstring)."""
-    _check_unit(unit)
+    check_unit(unit)
     scheme = event.scheme
     z = float(event.noise_multiplier)
     _check_noise(z)
@@ -935,8 +937,8 @@ def epsilon(
     ``method="rdp"`` is the RDP bound alone, the looser independent cross-check. May be ``inf``
     (no finite bound).
     """
-    _check_delta(delta)
-    _check_unit(unit)
+    check_delta(delta)
+    check_unit(unit)
     _check_method(method)
     _check_discretization(discretization)
     return _groups_epsilon(_model_groups(rounds, unit), delta, method, discretization)
@@ -950,7 +952,7 @@ def pld_delta(
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
     """Smallest delta (pessimistic PLD, or RDP where smaller) with the rounds (eps, delta)-DP."""
-    _check_unit(unit)
+    check_unit(unit)
     _check_discretization(discretization)
     if not (isinstance(epsilon_value, int | float) and epsilon_value >= 0):
         raise ValueError(f"epsilon_value must be a number >= 0; got {epsilon_value!r}")
@@ -981,7 +983,7 @@ def tombs2022_published_epsilon(
     valid one for comparison and is never used to enforce a budget (add/remove form, whatever the
     event's relation: it is the published statement).
     """
-    _check_delta(delta)
+    check_delta(delta)
     scheme = event.scheme
     if not isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
         raise ValueError(
@@ -1017,8 +1019,8 @@ def _check_calibration(
     rounds: int, target_epsilon: float, delta: float, unit: Unit, method: Method, tolerance: float
 ) -> tuple[int, float]:
     """:func:`calibrate_noise_multiplier`'s arguments checked: ``(rounds, target)``."""
-    _check_delta(delta)
-    _check_unit(unit)
+    check_delta(delta)
+    check_unit(unit)
     _check_method(method)
     rounds = _check_rounds("rounds", rounds, minimum=1)
     target = _check_target("target_epsilon", target_epsilon, allow_zero=False)
@@ -1167,8 +1169,8 @@ def max_rounds(
     search and a safeguarded interpolation. Returns 0 if not even one round fits, and ``limit`` if
     ``limit`` rounds fit.
     """
-    _check_delta(delta)
-    _check_unit(unit)
+    check_delta(delta)
+    check_unit(unit)
     _check_method(method)
     _check_discretization(discretization)
     budget = _check_target("epsilon_budget", epsilon_budget, allow_zero=True)

@@ -56,8 +56,8 @@ from fedmeta.accounting.ledger.budget import (
     affordable_rounds,
 )
 from fedmeta.accounting.ledger.chain import (
-    _genesis_hash,
-    _record_hash,
+    genesis_hash,
+    record_hash,
 )
 from fedmeta.accounting.ledger.faults import ensure_directory
 from fedmeta.accounting.ledger.operations import (
@@ -133,8 +133,8 @@ __all__ = [
     "SpendProjection",
     "SpendRecord",
     "UNREADABLE_REASONS",
-    "_genesis_hash",
-    "_record_hash",
+    "genesis_hash",
+    "record_hash",
     "affordable_rounds",
     "accept_rollback",
     "backup",
