@@ -29,7 +29,8 @@ from fedmeta.accounting import (
     pld_delta,
     round_components,
 )
-from fedmeta.accounting.composition import RDP_ORDERS, RoundModel, _rdp_curve
+from fedmeta.accounting.pairs import RoundModel
+from fedmeta.accounting.rdp import RDP_ORDERS, _rdp_curve
 
 Density = Callable[[float], float]
 ADD, REPLACE = "add_remove", "replace_one"

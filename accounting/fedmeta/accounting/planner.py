@@ -96,11 +96,11 @@ from types import FrameType
 from typing import Literal, TypeAlias
 
 from fedmeta.accounting.adaptive import gradient_noise_multiplier
+from fedmeta.accounting.calibration import calibrate_noise_multiplier
 from fedmeta.accounting.composition import (
     DEFAULT_DISCRETIZATION,
     MAX_ROUNDS_LIMIT,
     Method,
-    calibrate_noise_multiplier,
     epsilon,
 )
 from fedmeta.accounting.schemes import (

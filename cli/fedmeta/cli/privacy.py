@@ -11,13 +11,8 @@ import argparse
 import json
 from typing import Any
 
-from fedmeta.accounting.composition import (
-    MAX_ROUNDS_LIMIT,
-    calibrate_noise_multiplier,
-    epsilon,
-    max_rounds,
-    tombs2022_published_epsilon,
-)
+from fedmeta.accounting.calibration import calibrate_noise_multiplier, max_rounds
+from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, epsilon, tombs2022_published_epsilon
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,

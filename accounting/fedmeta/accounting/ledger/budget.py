@@ -8,14 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from fedmeta.accounting.composition import (
-    MAX_ROUNDS_LIMIT,
-    Method,
-    check_delta,
-    check_unit,
-    epsilon,
-    max_rounds,
-)
+from fedmeta.accounting.calibration import max_rounds
+from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
 from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
 from fedmeta.accounting.ledger.chain import (
     canonical_json,
@@ -61,6 +55,8 @@ from fedmeta.accounting.schemes import (
     GaussianRound,
     Neighbouring,
     Unit,
+    check_delta,
+    check_unit,
 )
 
 # --------------------------------------------------------------------------------- affordable

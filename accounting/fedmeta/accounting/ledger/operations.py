@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedmeta.accounting.composition import check_delta
 from fedmeta.accounting.ledger.anchor import (
     Anchor,
     anchor_path,
@@ -54,7 +53,7 @@ from fedmeta.accounting.ledger.storage import (
     read_transaction,
     sidecar,
 )
-from fedmeta.accounting.schemes import Neighbouring, Unit
+from fedmeta.accounting.schemes import Neighbouring, Unit, check_delta
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
