@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedmeta.accounting import epsilon
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     DESIGNS,
     Candidate,
     ComputeBudget,
@@ -22,13 +22,9 @@ from fedmeta.accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    _gradient_share,
-    _Precision,
-    design_candidate,
-    evaluate,
     expected_lot,
-    plan,
 )
+from fedmeta.accounting.planner import _gradient_share, _Precision, design_candidate, evaluate, plan
 from fedmeta.cli import privacy as privacy_cli
 
 GRID = 1e-3  # coarser pessimistic PLD grid: still a valid bound, and fast

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedmeta.server.outputs import PLOT_FILES, write_all
+from fedmeta.server.outputs import write_all
+from fedmeta.server.plots import PLOT_FILES
 from fedmeta.server.report import RoundOutcome
 
 SUMMARY = {"private": True, "epsilon_budget": 8.0, "metric": "mse", "experiment": None}

@@ -12,14 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.federation.test_e2e import fedmeta, sets
 
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     ComputeBudget,
     Federation,
     PlanBudget,
     PlanRequest,
     PlanRow,
-    plan,
 )
+from fedmeta.accounting.planner import plan
 from fedmeta.cli.plan_config import write_config
 from fedmeta.cli.privacy_plan import WrittenConfig
 from fedmeta.config import Config, load_config, to_toml

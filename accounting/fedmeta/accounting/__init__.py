@@ -56,7 +56,7 @@ from fedmeta.accounting.ledger import (
     start_new_budget,
 )
 from fedmeta.accounting.pairs import RoundModel, round_components
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     Candidate,
     ComputeBudget,
     Federation,
@@ -64,8 +64,8 @@ from fedmeta.accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    plan,
 )
+from fedmeta.accounting.planner import plan
 from fedmeta.accounting.randomness import (
     InsecureSeededSource,
     RandomSource,

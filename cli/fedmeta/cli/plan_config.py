@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedmeta.accounting.planner import PlanRequest, PlanRow
+from fedmeta.accounting.plan_request import PlanRequest, PlanRow
 from fedmeta.cli import ledger, privacy
 from fedmeta.cli.privacy_plan import WrittenConfig
 from fedmeta.config import to_toml

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     DESIGNS,
     Candidate,
     ComputeBudget,
@@ -25,8 +25,8 @@ from fedmeta.accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    plan,
 )
+from fedmeta.accounting.planner import plan
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,

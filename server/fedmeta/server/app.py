@@ -69,7 +69,8 @@ def execute(
     ``workload``: ``cfg``'s, when the caller built it already (``fedmeta simulate`` checks the
     data with it); else the run builds it once.
     """
-    from fedmeta.server.outputs import PLOT_FILES, PLOTS_MISSING, format_summary, write_all
+    from fedmeta.server.outputs import format_summary, write_all
+    from fedmeta.server.plots import PLOT_FILES, PLOTS_MISSING
 
     out = Path(out_dir or cfg.output.dir)
     transport = GridTransport(

@@ -1,4 +1,4 @@
-"""Run outputs: the printed plan and summary, ``summary.json``, ``rounds.csv`` and PNG plots.
+"""Run outputs: the printed plan and summary, ``summary.json``, ``rounds.csv`` (plots: plots.py).
 
 Every file is derived from the run's records (:class:`~server.report.RoundOutcome`, the plan and the
 final evaluation), so they cannot disagree. Non-private runs are labelled NON-PRIVATE in each. In a
@@ -22,6 +22,7 @@ from fedmeta.checkpoint import atomic_write_bytes
 from fedmeta.config import Config
 from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
 
 CSV_FIELDS = [
@@ -430,74 +431,6 @@ def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:
     path = Path(out_dir) / "summary.json"
     atomic_write_bytes(path, (json.dumps(summary, indent=2, default=str) + "\n").encode())
     return path
-
-
-PLOTS_MISSING = (
-    "plots: not written: matplotlib is not installed (pip install 'fedmeta[plots]', or set "
-    "output.plots = false)"
-)
-PLOT_FILES = ("epsilon_vs_round.png", "validation_vs_epsilon.png")
-
-
-def write_plots(
-    out_dir: Path, outcomes: Sequence[RoundOutcome], summary: Mapping[str, Any]
-) -> bool:
-    """Two PNG plots: epsilon against round, validation metric against epsilon (or round).
-
-    False, writing nothing, where matplotlib is not installed: it is the optional ``plots`` extra,
-    left out of the deployment images (a service's outputs are read elsewhere; rounds.csv holds
-    every plotted value).
-    """
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    private = bool(summary["private"])
-    tag = "" if private else " [NON-PRIVATE]"
-    if summary.get("experiment"):
-        tag += f" [EXPERIMENT {summary['experiment']}]"
-    done = [o for o in outcomes if o.status == "completed"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if private:
-        pts = [(o.round, o.epsilon_task) for o in done if o.epsilon_task is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), label="task-level epsilon (PLD)")
-        ax.axhline(summary["epsilon_budget"], color="red", linestyle="--", label="budget")
-        ax.set_ylabel("epsilon spent")
-        ax.legend()
-    else:
-        ax.text(0.5, 0.5, "NON-PRIVATE run: no epsilon", ha="center", va="center",
-                transform=ax.transAxes)  # fmt: skip
-    ax.set_xlabel("round")
-    ax.set_title("privacy spent vs round" + tag)
-    _save(fig, Path(out_dir) / PLOT_FILES[0])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    curve = [
-        (float(o.epsilon_task if private else o.round), float(o.validation_metric))  # type: ignore[arg-type]
-        for o in done
-        if o.validation_metric is not None and (not private or o.epsilon_task is not None)
-    ]
-    if curve:
-        ax.plot(*zip(*curve, strict=True), marker="o")
-    metric = summary["metric"]
-    ax.set_xlabel("task-level epsilon spent" if private else "round (NON-PRIVATE: no epsilon)")
-    ax.set_ylabel(f"validation {metric}")
-    ax.set_title(f"validation {metric} vs " + ("epsilon" if private else "round") + tag)
-    _save(fig, Path(out_dir) / PLOT_FILES[1])
-    return True
-
-
-def _save(fig: Any, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def write_all(

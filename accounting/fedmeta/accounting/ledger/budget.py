@@ -36,12 +36,12 @@ from fedmeta.accounting.ledger.records import (
     ParticipantExposure,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.registration import check_registration, register_federation
 from fedmeta.accounting.ledger.storage import (
     absolute_path,
     check_federation_id,
     check_mode,
     check_neighbouring,
-    check_registration,
     classify_error,
     closed_on_error,
     connect_writable,
@@ -49,7 +49,6 @@ from fedmeta.accounting.ledger.storage import (
     file_identity,
     immediate_transaction,
     read_transaction,
-    register_federation,
 )
 from fedmeta.accounting.schemes import (
     GaussianRound,

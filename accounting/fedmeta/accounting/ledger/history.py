@@ -37,9 +37,9 @@ from fedmeta.accounting.ledger.records import (
     Participant,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.registration import Registration, find_registration
 from fedmeta.accounting.ledger.storage import (
     PER_PARTICIPANT,
-    Registration,
     absolute_path,
     check_federation_id,
     classify_error,
@@ -47,7 +47,6 @@ from fedmeta.accounting.ledger.storage import (
     column_or_null,
     connect_readonly,
     file_identity,
-    find_registration,
     read_meta,
     read_transaction,
     stored_mode,
