@@ -3,9 +3,7 @@
 A module over ``MAX_MODULE_LINES`` usually holds two concepts; a private name (``_x``) imported from
 another module is an interface nobody declared. Both are counted on the source, nothing imported.
 The issue's limits: at most ``MAX_LARGE_MODULES`` modules over ``MAX_MODULE_LINES`` lines, at most
-``MAX_PRIVATE_IMPORTS`` private names imported across modules. Until every split has landed,
-``STILL_LARGE`` names the large modules left: no other module may grow past the limit, and a
-module split below it must leave the list (both checked), so the list only shrinks.
+``MAX_PRIVATE_IMPORTS`` private names imported across modules (today 4 and 1).
 """
 
 from __future__ import annotations
@@ -20,12 +18,6 @@ MAX_MODULE_LINES = 500
 #: At most this many modules over MAX_MODULE_LINES, and at most this many private imports.
 MAX_LARGE_MODULES = 4
 MAX_PRIVATE_IMPORTS = 5
-#: The modules over the limit today, beyond the MAX_LARGE_MODULES allowed (issue 37 lists the cuts).
-STILL_LARGE = frozenset({
-    "fedmeta.config", "fedmeta.cli.deploy",
-    "fedmeta.metalearning.maml",
-    "fedmeta.server.run", "fedmeta.client.worker",
-})  # fmt: skip
 #: ``fedmeta`` is the shared floor (core/fedmeta).
 PACKAGES = ("fedmeta", *SUBPACKAGES)
 
@@ -61,14 +53,7 @@ def all_private_imports() -> list[str]:
 @pytest.mark.unit
 def test_few_modules_are_large() -> None:
     large = large_modules()
-    assert len(large) <= MAX_LARGE_MODULES or set(large) <= STILL_LARGE, large
-
-
-@pytest.mark.unit
-def test_the_list_of_large_modules_is_true() -> None:
-    """A module split below the limit leaves STILL_LARGE, so the exceptions only shrink."""
-    large = large_modules()
-    assert len(large) <= MAX_LARGE_MODULES or STILL_LARGE <= set(large), STILL_LARGE - set(large)
+    assert len(large) <= MAX_LARGE_MODULES, large
 
 
 @pytest.mark.unit
