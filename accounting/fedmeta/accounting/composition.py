@@ -147,7 +147,7 @@ def check_method(method: object) -> None:
 
 
 def check_rounds(name: str, value: object, *, minimum: int) -> int:
-    """``value`` if it is an integer round count in ``[minimum, MAX_ROUNDS_LIMIT]``, else refused."""
+    """``value`` if it is a round count in ``[minimum, MAX_ROUNDS_LIMIT]``, else a ValueError."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int)

@@ -38,7 +38,7 @@ def _number(name: str, value: object, *, low: float, high: float, open_low: bool
 def checked_integer(
     name: str, value: object, *, minimum: int, maximum: int = MAX_ROUNDS_LIMIT
 ) -> int:
-    """``value`` if it is an integer in ``[minimum, maximum]``; else a ValueError naming ``name``."""
+    """``value`` if it is an integer in ``[minimum, maximum]``, else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise ValueError(f"{name} must be an integer in [{minimum}, {maximum}]; got {value!r}")
     return value
@@ -131,8 +131,8 @@ class ComputeBudget:
             _number("max_task_gradients", self.max_task_gradients, low=1.0, high=1e15,
                     open_low=False)  # fmt: skip
         if self.max_participants_per_round is not None:
-            checked_integer("max_participants_per_round", self.max_participants_per_round, minimum=1,
-                     maximum=10_000_000)  # fmt: skip
+            checked_integer("max_participants_per_round", self.max_participants_per_round,
+                            minimum=1, maximum=10_000_000)  # fmt: skip
 
     def lot_cap(self, rounds: int) -> float:
         """The largest expected lot these caps allow in each of ``rounds`` rounds."""
@@ -156,7 +156,7 @@ class Candidate:
         if self.design not in DESIGNS:
             raise ValueError(f"design must be one of {DESIGNS}; got {self.design!r}")
         checked_integer("participants_per_round", self.participants_per_round, minimum=1,
-                 maximum=10_000_000)  # fmt: skip
+                        maximum=10_000_000)  # fmt: skip
         checked_integer("rounds", self.rounds, minimum=1)
         fixed = self.design == "two_stage_fixed"
         if fixed and (self.tasks_per_round is None or self.task_rate is not None):

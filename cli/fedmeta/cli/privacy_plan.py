@@ -341,7 +341,7 @@ def _cmd_plan(
 def add_plan_parser(
     psub: Any, writer: ConfigWriter | None, budget_delta: BudgetDelta | None
 ) -> None:
-    """Add ``plan`` below ``privacy``; ``--write-config`` goes through ``writer`` (None: refused)."""
+    """Add ``plan`` below ``privacy``; ``--write-config`` calls ``writer`` (None: refused)."""
     p = psub.add_parser(
         "plan",
         help="search sampling, rounds and noise for the least noise per averaged gradient",

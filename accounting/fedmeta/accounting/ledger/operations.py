@@ -1,4 +1,4 @@
-"""Operator commands on data-keyed budgets: resolve, new budget, list, migrate, accept a rollback."""
+"""Operator commands on data-keyed budgets: resolve, new budget, list, migrate, accept rollback."""
 
 from __future__ import annotations
 
