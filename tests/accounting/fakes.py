@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,7 @@ from fedmeta.accounting import (
     GaussianRound,
     LedgerCheckpoint,
     LedgerError,
+    Participant,
     SpendRecord,
 )
 
@@ -126,6 +128,9 @@ class LinearLedger:
             raise LedgerError(f"the ledger is behind: {len(self._records)} < {saved.position}")
         if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
             raise LedgerError("the ledger's history diverged")
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Every spend is charged to the whole federation here: nothing to record."""
 
     def close(self) -> None:
         """Nothing to release."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from fedmeta.accounting.composition import Method
 from fedmeta.accounting.ledger.records import (
+    Participant,
     SpendRecord,
 )
 from fedmeta.accounting.schemes import (
@@ -89,6 +91,10 @@ class Ledger(Protocol):
 
     def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round durably, or raise having recorded nothing."""
+        ...
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Charge the following spends to ``participants`` (those the rounds may sample)."""
         ...
 
     def close(self) -> None:
