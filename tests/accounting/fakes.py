@@ -22,6 +22,7 @@ from fedmeta.accounting import (
     LedgerCheckpoint,
     LedgerError,
     Participant,
+    PublicDataUse,
     SpendRecord,
 )
 
@@ -131,6 +132,9 @@ class LinearLedger:
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:
         """Every spend is charged to the whole federation here: nothing to record."""
+
+    def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
+        """Public data spends nothing, and this fake keeps no declarations."""
 
     def close(self) -> None:
         """Nothing to release."""

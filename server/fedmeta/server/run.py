@@ -270,7 +270,7 @@ def _start(
     selection = _model_selection(cfg, wl, ckpt)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
-    if isinstance(ledger, BudgetLedger) and public is not None:  # before the first spend
+    if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0

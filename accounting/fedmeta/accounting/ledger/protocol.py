@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from fedmeta.accounting.composition import Method
+from fedmeta.accounting.ledger.public import PublicDataUse
 from fedmeta.accounting.ledger.records import (
     Participant,
     SpendRecord,
@@ -95,6 +96,10 @@ class Ledger(Protocol):
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:
         """Charge the following spends to ``participants`` (those the rounds may sample)."""
+        ...
+
+    def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
+        """Declare, before the run's first spend, the public data it used (spends nothing)."""
         ...
 
     def close(self) -> None:
