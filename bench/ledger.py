@@ -40,12 +40,12 @@ from fedmeta.accounting import (  # noqa: E402
 )
 
 _HOLDS: list[float] = []
-_real_immediate = ledger_module._immediate
+_real_immediate = ledger_module.immediate_transaction
 
 
 @contextmanager
 def _timed_immediate(conn: object) -> Iterator[None]:
-    """``_immediate``, timed from BEGIN IMMEDIATE to the end of COMMIT (or ROLLBACK)."""
+    """``immediate_transaction``, timed from BEGIN IMMEDIATE to the end of COMMIT (or ROLLBACK)."""
     t0 = time.perf_counter()
     try:
         with _real_immediate(conn):  # type: ignore[arg-type]
@@ -128,7 +128,7 @@ def main() -> None:
         "--dir", default=None, help="where the ledger files go (default: a temp dir)"
     )
     args = parser.parse_args()
-    ledger_module._immediate = _timed_immediate  # type: ignore[assignment]
+    ledger_module.immediate_transaction = _timed_immediate  # type: ignore[assignment]
     print(
         f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
         f"{os.cpu_count()} cores, loadavg at start {os.getloadavg()}, SQLite "

@@ -96,14 +96,8 @@ def signal_norms(files: list[Path]) -> tuple[int, dict[float, float]]:
 
 def design_rows(work: Path, signal: list[Path]) -> list[dict[str, Any]]:
     """Per design: the planner's numbers and the runs' test MSE."""
-    from fedmeta.accounting.planner import (
-        Candidate,
-        Federation,
-        PlanBudget,
-        PlanRequest,
-        _Precision,
-        evaluate,
-    )
+    from fedmeta.accounting.plan_request import Candidate, Federation, PlanBudget, PlanRequest
+    from fedmeta.accounting.planner import _Precision, evaluate
 
     dimension, g_by_clip = signal_norms(signal)
     rows = []

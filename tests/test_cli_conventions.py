@@ -305,7 +305,7 @@ class _Stream:
 @pytest.mark.unit
 @pytest.mark.parametrize("tty", [True, False])
 def test_privacy_plan_shows_its_progress(tty: bool) -> None:
-    from fedmeta.accounting.cli import _progress_line
+    from fedmeta.cli.privacy_plan import _progress_line
 
     stream = _Stream(tty)
     show = _progress_line(stream)

@@ -73,12 +73,14 @@ NODE_DATA_PATH: Final = "data-path"  # a deployed participant's own data (overri
 #: Set by the in-process grid (simulation): replies share the participant's memory (SHARED_STYPE).
 NODE_SHARED_MEMORY: Final = "fedmeta-shared-memory"
 
-# Flower run_config keys read by server/fedmeta/server/app.py (`flwr run .`, pyproject [tool.flwr.app.config]).
+# Flower run_config keys read by server/fedmeta/server/app.py (`flwr run .`, pyproject
+# [tool.flwr.app.config]).
 RUN_CONFIG_FILE: Final = "config-file"
 RUN_CONFIG_SET: Final = "set"
 RUN_CONFIG_OUT: Final = "out"
 RUN_CONFIG_RESUME: Final = "resume"
-#: Flower-style typed run_config keys -> the configuration key each sets (server/fedmeta/server/app.py maps them,
+#: Flower-style typed run_config keys -> the configuration key each sets
+# (server/fedmeta/server/app.py maps them,
 #: after ``config-file`` and before ``set``). Their pyproject value 0 (or "") means "leave the
 #: configuration's value": every mapped key's valid range excludes it.
 RUN_CONFIG_TYPED: Final = {

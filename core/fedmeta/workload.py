@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 import torch
 from torch import Tensor, nn
 
-from fedmeta.accounting import PublicDataUse
 from fedmeta.config import GROUP_NORM_GROUPS, Config, DatasetConfig
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
+    from fedmeta.accounting.ledger.public import PublicDataUse
     from fedmeta.metalearning.federated import (
         FederatedTaskSet,
         ParticipantTasks,
@@ -155,6 +155,8 @@ class Workload:
 
     def public_data_use(self) -> PublicDataUse | None:
         """The ledger's record of the public data (None: nothing public was used)."""
+        from fedmeta.accounting.ledger.public import PublicDataUse  # the server's: no participant
+
         summary = self.public_summary()
         if summary is None or self.warm_start is None:
             return None

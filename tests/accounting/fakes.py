@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,8 @@ from fedmeta.accounting import (
     GaussianRound,
     LedgerCheckpoint,
     LedgerError,
+    Participant,
+    PublicDataUse,
     SpendRecord,
 )
 
@@ -126,6 +129,12 @@ class LinearLedger:
             raise LedgerError(f"the ledger is behind: {len(self._records)} < {saved.position}")
         if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
             raise LedgerError("the ledger's history diverged")
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Every spend is charged to the whole federation here: nothing to record."""
+
+    def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
+        """Public data spends nothing, and this fake keeps no declarations."""
 
     def close(self) -> None:
         """Nothing to release."""

@@ -11,7 +11,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from fedmeta.accounting.ledger import _genesis_hash, _record_hash
+from fedmeta.accounting.ledger import genesis_hash, record_hash
 from fedmeta.accounting.schemes import GaussianRound
 
 SCHEMA1 = """
@@ -74,12 +74,12 @@ def write_schema1_ledger(
         "INSERT INTO federations VALUES (?, ?, ?, ?, ?)",
         (federation_id, budget, delta, "task", created),
     )
-    prev = _genesis_hash(federation_id, budget, delta, "task", created, None)
+    prev = genesis_hash(federation_id, budget, delta, "task", created, None)
     data = event.to_dict()
     data.pop("neighbouring")  # schema-1 records predate the relation (all add/remove)
     event_json = json.dumps(data, sort_keys=True, separators=(",", ":"))
     for position in range(count):
-        digest = _record_hash(
+        digest = record_hash(
             federation_id, position, "old-run", position, event_json, created, prev
         )
         conn.execute(

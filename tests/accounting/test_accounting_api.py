@@ -22,7 +22,7 @@ from fedmeta.accounting import (
     TwoStageSampler,
     epsilon,
 )
-from fedmeta.accounting import cli as accounting_cli
+from fedmeta.cli import arguments, ledger, privacy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def test_sampler_poisson_rate() -> None:
 @pytest.mark.integration
 def test_import_loads_no_torch_flwr_or_prometheus() -> None:
     code = (
-        "import sys, fedmeta.accounting, fedmeta.accounting.cli, fedmeta.accounting.ledger\n"
+        "import sys, fedmeta.accounting, fedmeta.cli.privacy, fedmeta.cli.ledger\n"
         "import fedmeta.accounting.sampler, fedmeta.accounting.randomness\n"
         "import fedmeta.accounting.tuning\n"
         "bad = [m for m in ('torch', 'flwr', 'prometheus_client') if m in sys.modules]\n"
@@ -120,7 +120,8 @@ def test_import_loads_no_torch_flwr_or_prometheus() -> None:
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="fedmeta")
     sub = parser.add_subparsers(dest="command")
-    accounting_cli.register(sub)
+    privacy.register(sub)
+    ledger.register(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
@@ -246,7 +247,7 @@ def test_cli_neighbouring_is_a_flag_and_printed(capsys: pytest.CaptureFixture[st
 def test_cli_default_delta_is_the_configurations(capsys: pytest.CaptureFixture[str]) -> None:
     from fedmeta.config import PrivacyConfig
 
-    assert accounting_cli.DEFAULT_DELTA == PrivacyConfig().delta
+    assert arguments.DEFAULT_DELTA == PrivacyConfig().delta
     argv = ["privacy", "epsilon", "--flat-poisson-rate", "0.01", "--noise-multiplier", "1"]
     assert _cli([*argv, "--rounds", "10", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["delta"] == PrivacyConfig().delta

@@ -26,9 +26,12 @@ from fedmeta.accounting import (
     composed_pld,
     epsilon,
     max_rounds,
+    pairs,
     pld_delta,
+    rdp,
 )
 from fedmeta.accounting import composition as comp
+from fedmeta.accounting import pmf as engine
 
 REPLACE = "replace_one"
 
@@ -43,12 +46,12 @@ def fft_lengths(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
         seen.append(int(n if n is not None else len(x)))
         return real_rfft(x, n)
 
-    monkeypatch.setattr(comp.fft, "rfft", rfft)
+    monkeypatch.setattr(scipy_fft, "rfft", rfft)  # the accountant imports scipy.fft when it runs
     yield seen
 
 
 def _clear_caches() -> None:
-    for cached in (comp._round_pmfs, comp._window, comp._window_size, comp._composed_on):
+    for cached in (engine._round_pmfs, engine._window, engine._window_size, engine._composed_on):
         cached.cache_clear()
 
 
@@ -74,7 +77,7 @@ def test_a_billion_rounds_stay_within_the_size_limits(
     value = epsilon([(event, rounds)], 1e-5)
     assert value > 0  # a number (possibly inf: no finite bound), never an exception
     assert value <= epsilon([(event, rounds)], 1e-5, method="rdp")
-    limit = scipy_fft.next_fast_len(comp.MAX_PLD_BINS, real=True)
+    limit = scipy_fft.next_fast_len(engine.MAX_PLD_BINS, real=True)
     assert all(n <= limit for n in fft_lengths), max(fft_lengths, default=0)
 
 
@@ -141,15 +144,15 @@ def test_a_coarser_grid_is_never_below_a_finer_one() -> None:
         GaussianRound(TwoStageFixedScheme(100, 10, 5, 50), 1.0),
         GaussianRound(FixedSizeScheme(2, 20), 1.0, None, REPLACE),
     ):
-        groups = comp._model_groups([(event, 300)], "task")
+        groups = comp.model_groups([(event, 300)], "task")
         previous = None
         for grid in (1e-4, 4e-4, 1.6e-3):
-            parts = comp._composed_on(groups, grid)
-            value = max(comp._epsilon_for_delta(p, grid, 1e-6) for p in parts)
+            parts = engine._composed_on(groups, grid)
+            value = max(engine.epsilon_for_delta(p, grid, 1e-6) for p in parts)
             if previous is not None:
                 assert previous <= value, (grid, previous, value)
             previous = max(
-                comp._epsilon_for_delta(p, grid, 1e-6 + 3 * p.rounding + comp.TAIL_MASS)
+                engine.epsilon_for_delta(p, grid, 1e-6 + 3 * p.rounding + engine.TAIL_MASS)
                 for p in parts
             )
             assert previous <= value
@@ -158,14 +161,14 @@ def test_a_coarser_grid_is_never_below_a_finer_one() -> None:
 @pytest.mark.unit
 def test_the_grid_doubles_until_the_composition_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     event = GaussianRound(FlatPoissonScheme(0.01), 1.0)
-    groups = comp._model_groups([(event, 100_000)], "task")
-    assert comp._plan_grid(groups, 1e-4) == 1e-4
-    monkeypatch.setattr(comp, "MAX_PLD_BINS", 50_000)
-    grid = comp._plan_grid(groups, 1e-4)
+    groups = comp.model_groups([(event, 100_000)], "task")
+    assert engine._plan_grid(groups, 1e-4) == 1e-4
+    monkeypatch.setattr(engine, "MAX_PLD_BINS", 50_000)
+    grid = engine._plan_grid(groups, 1e-4)
     assert grid is not None and grid > 1e-4 and math.log2(grid / 1e-4).is_integer()
-    assert comp._window_size(groups[0][0], grid, 100_000) <= 50_000
-    monkeypatch.setattr(comp, "MAX_GRID", grid / 2)
-    assert comp._plan_grid(groups, 1e-4) is None
+    assert engine._window_size(groups[0][0], grid, 100_000) <= 50_000
+    monkeypatch.setattr(engine, "MAX_GRID", grid / 2)
+    assert engine._plan_grid(groups, 1e-4) is None
     _clear_caches()
     # No PLD fits: epsilon answers with RDP, composed_pld says why in one line.
     assert epsilon([(event, 100_000)], 1e-5) == epsilon([(event, 100_000)], 1e-5, method="rdp")
@@ -176,21 +179,23 @@ def test_the_grid_doubles_until_the_composition_fits(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.unit
 def test_tail_window_holds_all_but_the_allowed_mass() -> None:
-    pmf = comp._round_pmfs(comp.round_components(GaussianRound(FlatPoissonScheme(0.3), 2.0)), 0.05)
+    pmf = engine._round_pmfs(
+        pairs.round_components(GaussianRound(FlatPoissonScheme(0.3), 2.0)), 0.05
+    )
     probs = pmf[0].probs
     exact = probs.copy()
     for _ in range(29):  # the exact 30-fold convolution
         exact = np.convolve(exact, probs)
-    lo, hi = comp._tail_window(probs, 30)
+    lo, hi = engine._tail_window(probs, 30)
     outside = float(exact[:lo].sum() + exact[hi + 1 :].sum())
-    assert outside <= comp.TAIL_MASS
+    assert outside <= engine.TAIL_MASS
     assert hi - lo + 1 < exact.size  # and it does cut something
 
 
 @pytest.mark.unit
 def test_negative_rdp_values_drop_the_order_instead_of_reading_as_zero() -> None:
     # dp-accounting maps a negative RDP value (numerical trouble) to epsilon 0.
-    cleaned = comp._sanitize([0.5, -1e-3, float("nan"), 2.0])
+    cleaned = rdp._sanitize([0.5, -1e-3, float("nan"), 2.0])
     assert cleaned[0] == 0.5 and cleaned[3] == 2.0
     assert math.isinf(cleaned[1]) and math.isinf(cleaned[2])
 
@@ -199,15 +204,15 @@ def test_negative_rdp_values_drop_the_order_instead_of_reading_as_zero() -> None
 
 
 MODELS = [
-    comp.RoundModel(1.0, 0.01, 1.0, "add_remove"),
-    comp.RoundModel(0.1, 0.1, 0.5, "add_remove"),
-    comp.RoundModel(1.0, 1.0, 2.0, "add_remove"),
-    comp.RoundModel(1.0, 0.2, 1.0, "replace"),
-    comp.RoundModel(0.3, 0.05, 3.0, "replace"),
+    pairs.RoundModel(1.0, 0.01, 1.0, "add_remove"),
+    pairs.RoundModel(0.1, 0.1, 0.5, "add_remove"),
+    pairs.RoundModel(1.0, 1.0, 2.0, "add_remove"),
+    pairs.RoundModel(1.0, 0.2, 1.0, "replace"),
+    pairs.RoundModel(0.3, 0.05, 3.0, "replace"),
 ]
 
 
-def _library_pld(model: comp.RoundModel, grid: float) -> pld_lib.PrivacyLossDistribution:
+def _library_pld(model: pairs.RoundModel, grid: float) -> pld_lib.PrivacyLossDistribution:
     relation = (
         pld_lib.NeighborRel.REPLACE_ONE
         if model.pair == "replace"
@@ -229,19 +234,19 @@ def _library_pld(model: comp.RoundModel, grid: float) -> pld_lib.PrivacyLossDist
 @pytest.mark.parametrize(("sigma", "q"), [(0.3, 0.01), (1.0, 0.1), (4.0, 0.9), (1.0, 1.0)])
 def test_vectorised_deltas_match_dp_accounting(direction: str, sigma: float, q: float) -> None:
     mech = plm.GaussianPrivacyLoss(
-        sigma, sampling_prob=q, adjacency_type=comp._ADJACENCY[direction]
+        sigma, sampling_prob=q, adjacency_type=pairs._adjacency(direction)
     )
     bounds = mech.connect_dots_bounds()
     eps = np.linspace(bounds.epsilon_lower, bounds.epsilon_upper, 257)
-    ours = comp._stage_deltas(direction, sigma, q, eps)  # type: ignore[arg-type]
+    ours = pairs._stage_deltas(direction, sigma, q, eps)  # type: ignore[arg-type]
     assert np.allclose(ours, mech.get_delta_for_epsilon(eps), rtol=1e-9, atol=1e-15)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("model", MODELS)
-def test_pmfs_and_their_queries_match_dp_accounting(model: comp.RoundModel) -> None:
+def test_pmfs_and_their_queries_match_dp_accounting(model: pairs.RoundModel) -> None:
     grid = 1e-3
-    ours = comp._round_pmfs(model, grid)
+    ours = engine._round_pmfs(model, grid)
     library = _library_pld(model, grid)
     lib_pmfs = [library._pmf_remove.to_dense_pmf(), library._pmf_add.to_dense_pmf()]
     for mine, theirs in zip(ours, lib_pmfs, strict=False):
@@ -251,7 +256,7 @@ def test_pmfs_and_their_queries_match_dp_accounting(model: comp.RoundModel) -> N
         assert mine.infinity_mass == pytest.approx(theirs._infinity_mass, rel=1e-9, abs=1e-15)
     # Composition (self and pairwise) and the epsilon/delta queries, through our arrays.
     count = 300
-    parts = tuple(comp._self_compose(p, count, comp._tail_window(p.probs, count)) for p in ours)
+    parts = tuple(engine._self_compose(p, count, engine._tail_window(p.probs, count)) for p in ours)
     lib_composed = library.self_compose(count)
     lib_parts = [lib_composed._pmf_remove, lib_composed._pmf_add]
     # The tolerance, from the FFT's error bound (composition.py, above _fft_error), not from one
@@ -261,30 +266,30 @@ def test_pmfs_and_their_queries_match_dp_accounting(model: comp.RoundModel) -> N
     # final sums (cumsum, lfilter) add a relative error of at most 4 u per point.
     for mine, lib_pmf, lib_single in zip(parts, lib_parts, lib_pmfs, strict=False):
         lib_error = _library_rounding(lib_single, count)
-        below = lib_error + comp.TAIL_MASS
-        above = 3 * mine.rounding + lib_error + 2 * comp.TAIL_MASS
-        relative = 4 * comp._UNIT_ROUNDOFF * (mine.probs.size + len(lib_pmf._probs))
+        below = lib_error + engine.TAIL_MASS
+        above = 3 * mine.rounding + lib_error + 2 * engine.TAIL_MASS
+        relative = 4 * engine._UNIT_ROUNDOFF * (mine.probs.size + len(lib_pmf._probs))
         for delta in (1e-3, 1e-6, 1e-9):
-            mine_eps = comp._epsilon_for_delta(mine, grid, delta)
+            mine_eps = engine.epsilon_for_delta(mine, grid, delta)
             low = lib_pmf.get_epsilon_for_delta(delta * (1 + relative) + below)
             high = lib_pmf.get_epsilon_for_delta(delta * (1 - relative) - above)
             assert low <= mine_eps <= high, (delta, low, mine_eps, high)
         for eps in (0.0, 0.5, 2.0):
-            mine_delta = comp._delta_for_epsilon(mine, grid, eps)
+            mine_delta = engine.delta_for_epsilon(mine, grid, eps)
             theirs_delta = lib_pmf.get_delta_for_epsilon(eps)
             slack = relative * max(mine_delta, theirs_delta)
             assert theirs_delta - below - slack <= mine_delta <= theirs_delta + above + slack
-    pair = comp._compose(parts[0], ours[0])
+    pair = engine._compose(parts[0], ours[0])
     lib_pair = pld_pmf.compose_pmfs(
-        lib_composed._pmf_remove, library._pmf_remove, tail_mass_truncation=comp.TAIL_MASS
+        lib_composed._pmf_remove, library._pmf_remove, tail_mass_truncation=engine.TAIL_MASS
     )
     # The pair's rounding holds ours and its convolution's; dp-accounting's convolution has the
     # same bound (scipy's fftconvolve, the same lengths), its power the one above.
     convolution = pair.rounding - parts[0].rounding
     lib_error = _library_rounding(lib_pmfs[0], count)
-    below = lib_error + convolution + 2 * comp.TAIL_MASS
+    below = lib_error + convolution + 2 * engine.TAIL_MASS
     above = 3 * pair.rounding + below
-    mine_eps = comp._epsilon_for_delta(pair, grid, 1e-6)
+    mine_eps = engine.epsilon_for_delta(pair, grid, 1e-6)
     assert lib_pair.get_epsilon_for_delta(1e-6 + below) <= mine_eps
     assert mine_eps <= lib_pair.get_epsilon_for_delta(1e-6 - above)
 
@@ -297,12 +302,12 @@ def _library_rounding(single: pld_pmf.DensePLDPmf, count: int) -> float:
     same error terms as ours, here on the full spectrum (the factor sqrt(2) only errs large).
     """
     probs = np.asarray(single._probs, dtype=np.float64)
-    lo, hi = common.compute_self_convolve_bounds(probs, count, comp.TAIL_MASS)
+    lo, hi = common.compute_self_convolve_bounds(probs, count, engine.TAIL_MASS)
     length = scipy_fft.next_fast_len(max(hi - lo + 1, probs.size))
     spectrum = scipy_fft.fft(probs, length)
     powered = spectrum**count
-    kappa = comp._fft_error(length)
-    return comp._power_rounding(spectrum, powered, count, kappa, float(np.abs(probs).sum()))
+    kappa = engine._fft_error(length)
+    return engine._power_rounding(spectrum, powered, count, kappa, float(np.abs(probs).sum()))
 
 
 @pytest.mark.unit
@@ -313,7 +318,7 @@ def test_connect_the_dots_is_dp_accountings_bit_for_bit() -> None:
         np.exp(-np.cumsum(rng.uniform(0.0, 0.05, eps.size))) - np.exp(eps) * 1e-4, 0, 1
     )
     deltas = np.minimum.accumulate(deltas)
-    ours = comp._connect_dots(0.01, -50, deltas)
+    ours = engine._connect_dots(0.01, -50, deltas)
     theirs = pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(0.01, -50, 300, deltas)
     dense = theirs.to_dense_pmf()
     assert ours.lower == dense._lower_loss and ours.infinity_mass == dense._infinity_mass
@@ -325,11 +330,11 @@ def test_our_window_is_about_dp_accountings() -> None:
     # The same Chernoff bound at fewer orders (cheaper), plus orders near the optimum: within a
     # few percent of dp-accounting's window (its size is what the plan bounds).
     for model in MODELS:
-        for pmf in comp._round_pmfs(model, 1e-3):
+        for pmf in engine._round_pmfs(model, 1e-3):
             for count in (10, 10_000, 10**7):
-                lo, hi = comp._tail_window(pmf.probs, count)
+                lo, hi = engine._tail_window(pmf.probs, count)
                 lib_lo, lib_hi = common.compute_self_convolve_bounds(
-                    pmf.probs, count, comp.TAIL_MASS
+                    pmf.probs, count, engine.TAIL_MASS
                 )
                 assert hi - lo <= 1.05 * (lib_hi - lib_lo)
 
@@ -340,7 +345,7 @@ def test_pld_delta_is_the_smaller_valid_bound() -> None:
     value = pld_delta([(event, 1000)], 1.0)
     # Equal up to the FFT noise below 0 that we count as 0 (dp-accounting subtracts it).
     assert 0 < value <= composed_pld([(event, 1000)]).get_delta_for_epsilon(1.0) + 1e-12
-    assert value <= comp._rdp_delta(comp._model_groups([(event, 1000)], "task"), 1.0)
+    assert value <= rdp.rdp_delta(comp.model_groups([(event, 1000)], "task"), 1.0)
 
 
 @pytest.mark.integration
@@ -349,14 +354,14 @@ def test_epsilon_for_delta_beyond_exp_overflow() -> None:
     # points, 1000 and 1000.5; delta(eps) = P(inf) + sum over losses above eps of p (1 - e^(eps-l)).
     grid, inf = 0.5, 1e-9
     p1, p2 = 0.4, 0.6 - inf
-    pmf = comp._Pmf(2000, np.array([p1, p2]), inf)
+    pmf = engine._Pmf(2000, np.array([p1, p2]), inf)
     roots = {
         0.1: 1000.5 + math.log((inf + p2 - 0.1) / p2),  # root in [1000, 1000.5)
         0.3: 1000.0 + math.log(0.7) - math.log(p1 + p2 * math.exp(-0.5)),  # root below 1000
     }
     for delta, expected in roots.items():
-        assert comp._epsilon_for_delta(pmf, grid, delta) == pytest.approx(expected, rel=1e-12)
-        assert comp._delta_for_epsilon(pmf, grid, expected) == pytest.approx(delta, rel=1e-9)
+        assert engine.epsilon_for_delta(pmf, grid, delta) == pytest.approx(expected, rel=1e-12)
+        assert engine.delta_for_epsilon(pmf, grid, expected) == pytest.approx(delta, rel=1e-9)
     # ... and a composition whose epsilon crosses 709 stays continuous in T.
     event = GaussianRound(TwoStageFixedScheme(100, 10, 5, 50), 100.0, 200)
     values = [epsilon([(event, t)], 1e-5, "participant") for t in (832, 833, 834, 835)]
@@ -366,26 +371,26 @@ def test_epsilon_for_delta_beyond_exp_overflow() -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("model", [MODELS[0], MODELS[4]])
-def test_self_composition_is_never_below_the_exact_one(model: comp.RoundModel) -> None:
+def test_self_composition_is_never_below_the_exact_one(model: pairs.RoundModel) -> None:
     # The accountant's claim, checked against an oracle with no cancellation: 32 rounds by five
     # direct squarings of a non-negative array, each entry a sum of non-negative products, so
     # every entry is within a relative 2 n u of exact per squaring (n the terms summed; Higham
     # 2002, section 3.1), and delta, a sum of non-negative terms, within another n u. With neither
     # the FFT rounding bound nor the cut tails added to delta, ours falls below it on this range.
     grid, count = 1e-2, 32
-    for pmf in comp._round_pmfs(model, grid):
+    for pmf in engine._round_pmfs(model, grid):
         exact = pmf.probs
         relative = 0.0
         for _ in range(5):
-            relative += 2 * exact.size * comp._UNIT_ROUNDOFF
+            relative += 2 * exact.size * engine._UNIT_ROUNDOFF
             exact = np.convolve(exact, exact)
-        relative += 2 * exact.size * comp._UNIT_ROUNDOFF
+        relative += 2 * exact.size * engine._UNIT_ROUNDOFF
         infinity = -math.expm1(count * math.log1p(-pmf.infinity_mass))
-        oracle = comp._Pmf(count * pmf.lower, exact, infinity)
-        mine = comp._self_compose(pmf, count, comp._tail_window(pmf.probs, count))
+        oracle = engine._Pmf(count * pmf.lower, exact, infinity)
+        mine = engine._self_compose(pmf, count, engine._tail_window(pmf.probs, count))
         for eps in np.linspace(0.0, 60.0, 121):
-            exact_delta = comp._delta_for_epsilon(oracle, grid, eps)
-            mine_delta = comp._delta_for_epsilon(mine, grid, eps)
+            exact_delta = engine.delta_for_epsilon(oracle, grid, eps)
+            mine_delta = engine.delta_for_epsilon(mine, grid, eps)
             assert mine_delta >= exact_delta * (1 - relative), eps
-            slack = 3 * mine.rounding + comp.TAIL_MASS + relative * mine_delta
+            slack = 3 * mine.rounding + engine.TAIL_MASS + relative * mine_delta
             assert mine_delta <= exact_delta * (1 + relative) + slack, eps

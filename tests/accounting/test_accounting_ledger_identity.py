@@ -370,10 +370,10 @@ def test_cli_ledger_commands_default_to_the_state_directory_ledger(
     write_schema1_ledger(db, "fed", CHEAP, 2)
     assert main(["ledger", "show"]) == 0
     assert "federation fed: 2 spends" in capsys.readouterr().out
-    # accounting alone (no fedmeta) knows no default: --db stays required there
+    # registered without fedmeta's state directory there is no default: --db stays required
     import argparse
 
-    from fedmeta.accounting.cli import register
+    from fedmeta.cli.ledger import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import integrate, stats
 
 from fedmeta.accounting import (
@@ -28,7 +29,8 @@ from fedmeta.accounting import (
     pld_delta,
     round_components,
 )
-from fedmeta.accounting.composition import RDP_ORDERS, RoundModel, _rdp_curve
+from fedmeta.accounting.pairs import RoundModel
+from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
 
 Density = Callable[[float], float]
 ADD, REPLACE = "add_remove", "replace_one"
@@ -72,6 +74,12 @@ def assert_tight_and_never_below(value: float, exact: float) -> None:
 
 
 # ----------------------------------------------------------------------------- round models
+
+
+@pytest.mark.unit
+def test_rdp_orders_are_dp_accountings_default_grid() -> None:
+    """RDP_ORDERS is spelled out (dp-accounting loads when it computes); the floats are its own."""
+    assert RDP_ORDERS == tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 
 
 @pytest.mark.unit
@@ -267,13 +275,13 @@ def test_replace_one_rdp_bounds_are_above_the_realised_renyi_divergence(order: f
     p = log_gaussian_mixture([(1 - q, 0.0), (q, 1.0)], z)
     p_prime = log_gaussian_mixture([(1 - q, 0.0), (q, -1.0)], z)
     realised = renyi(p, p_prime, order, -20, 25)
-    bound = _rdp_curve(round_components(GaussianRound(FlatPoissonScheme(q), z, None, REPLACE)))
+    bound = rdp_curve(round_components(GaussianRound(FlatPoissonScheme(q), z, None, REPLACE)))
     assert bound[index] >= realised
     # Without replacement: the remove pair at 2C (realised by the fixed-size oracle above).
     m, n = 1, 5
     p = log_gaussian_mixture([(1 - m / n, 0.0), (m / n, 2.0)], z)
     p_prime = log_gaussian_mixture([(1.0, 0.0)], z)
-    wor = _rdp_curve(round_components(GaussianRound(FixedSizeScheme(m, n), z, None, REPLACE)))
+    wor = rdp_curve(round_components(GaussianRound(FixedSizeScheme(m, n), z, None, REPLACE)))
     for x, y in ((p, p_prime), (p_prime, p)):
         assert wor[index] >= renyi(x, y, order, -20, 40)
 

@@ -13,9 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedmeta.accounting import cli as accounting_cli
 from fedmeta.accounting import epsilon
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     DESIGNS,
     Candidate,
     ComputeBudget,
@@ -23,13 +22,10 @@ from fedmeta.accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    _gradient_share,
-    _Precision,
-    design_candidate,
-    evaluate,
     expected_lot,
-    plan,
 )
+from fedmeta.accounting.planner import _gradient_share, _Precision, design_candidate, evaluate, plan
+from fedmeta.cli import privacy as privacy_cli
 
 GRID = 1e-3  # coarser pessimistic PLD grid: still a valid bound, and fast
 FAST = settings(max_examples=4, deadline=None, derandomize=True)
@@ -262,9 +258,9 @@ def test_bad_input_is_one_line_naming_the_flag(
 
 @pytest.mark.unit
 def test_write_config_needs_fedmeta(capsys: pytest.CaptureFixture[str]) -> None:
-    """accounting's commands registered alone (no configuration writer) cannot write a config."""
+    """The privacy commands registered without a configuration writer cannot write a config."""
     parser = argparse.ArgumentParser(prog="fedmeta")
-    accounting_cli.register(parser.add_subparsers(dest="command"))
+    privacy_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args([*PLAN, "--rounds", "30", "--write-config", "x.toml"])
     assert int(args.func(args)) == 2
     err = capsys.readouterr().err

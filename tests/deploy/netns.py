@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedmeta.cli.deploy_local import end_pinned, pin
+from fedmeta.cli.process_tree import end_pinned, pin
 
 _LIVE: weakref.WeakSet[Network] = weakref.WeakSet()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tests.deploy.procs import running
 
-from fedmeta.cli.deploy_local import _descendants, end_pinned, pin
+from fedmeta.cli.process_tree import descendants, end_pinned, pin
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +35,8 @@ def test_a_detached_grandchild_is_pinned_and_ended_after_its_parents_group(tmp_p
         while os.getpgid(detached) == parent.pid and time.monotonic() < deadline:
             time.sleep(0.05)  # setsid() is under way
         assert os.getpgid(detached) != parent.pid
-        assert detached in _descendants(parent.pid)
-        pinned = pin(_descendants(parent.pid))
+        assert detached in descendants(parent.pid)
+        pinned = pin(descendants(parent.pid))
         os.killpg(parent.pid, signal.SIGKILL)  # the group signal: the detached one survives it
         parent.wait(timeout=10)
         assert running(detached)

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from fedmeta.server.outputs import PLOT_FILES, marks, summary_marks, write_all, write_plots
+from fedmeta.server.marks import marks, summary_marks
+from fedmeta.server.outputs import write_all
+from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.starting import StartingModel, starting_metric_of
 
@@ -51,10 +53,10 @@ def test_plots_off_writes_none(tmp_path: Path) -> None:
 def _figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """The figures ``write_plots`` would save, by file name (kept open for inspection)."""
     pytest.importorskip("matplotlib")
-    from fedmeta.server import outputs
+    from fedmeta.server import plots
 
     saved: dict[str, Any] = {}
-    monkeypatch.setattr(outputs, "_save", lambda fig, path: saved.__setitem__(path.name, fig))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.__setitem__(path.name, fig))
     return saved
 
 

@@ -12,16 +12,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tests.federation.test_e2e import fedmeta, sets
 
-from fedmeta.accounting.cli import WrittenConfig
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.plan_request import (
     ComputeBudget,
     Federation,
     PlanBudget,
     PlanRequest,
     PlanRow,
-    plan,
 )
+from fedmeta.accounting.planner import plan
 from fedmeta.cli.plan_config import write_config
+from fedmeta.cli.privacy_plan import WrittenConfig
 from fedmeta.config import Config, load_config, to_toml
 from fedmeta.server.plan import build_plan
 from fedmeta.server.rate_advice import HIGH_SNR, LOW_SNR, SMALLEST_FACTOR, advise_rate

@@ -118,16 +118,16 @@ def test_batchnorm_nhwc_float32_as_accurate_as_the_nchw_kernel() -> None:
 
 
 def test_loop_path_uses_the_fused_forward_on_cpu_only() -> None:
-    from fedmeta.metalearning.maml import _loop_forward
+    from fedmeta.metalearning.execution import loop_forward
 
     model = ml.ConvNet4(3, hidden=8)
     params = ml.init_params(model, 0)
     x = torch.rand(4, 1, 28, 28)
-    cpu = _loop_forward(model, torch.device("cpu"))
-    meta = _loop_forward(model, torch.device("meta"))
+    cpu = loop_forward(model, torch.device("cpu"))
+    meta = loop_forward(model, torch.device("meta"))
     torch.testing.assert_close(cpu(params, x, True), functional_call(model, params, (x,)))
     assert cpu.__name__ == "fast" and meta.__name__ == "plain"
-    assert _loop_forward(ml.SinusoidMLP(), torch.device("cpu")).__name__ == "plain"
+    assert loop_forward(ml.SinusoidMLP(), torch.device("cpu")).__name__ == "plain"
     assert math.isfinite(float(cpu(params, x, False).sum()))
 
 
@@ -179,13 +179,13 @@ def test_worker_errors_propagate_and_threads_are_restored() -> None:
 def test_only_pure_forwards_run_side_by_side() -> None:
     """``functional_call`` swaps parameters into the shared module, so a model without a
     ``fused_forward`` must never run two tasks at once (it did, and raced, during development)."""
-    from fedmeta.metalearning.maml import _task_threads
+    from fedmeta.metalearning.execution import task_threads
 
     cpu = torch.device("cpu")
     with _threads(2):
-        assert _task_threads(ml.SinusoidMLP(), cpu, 8) == 1
-        assert _task_threads(ml.ConvNet4(3), cpu, 8) == 2
-        assert _task_threads(ml.ConvNet4(3), cpu, 1) == 1
+        assert task_threads(ml.SinusoidMLP(), cpu, 8) == 1
+        assert task_threads(ml.ConvNet4(3), cpu, 8) == 2
+        assert task_threads(ml.ConvNet4(3), cpu, 1) == 1
         model = ml.SinusoidMLP()
         params = ml.init_params(model, 0)
         tasks = ml.SinusoidTasks(5, 5).sample(16, seed=3)
@@ -211,20 +211,20 @@ def test_norm_none_loop_matches_vmap(first_order: bool) -> None:
 
 
 def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
-    from fedmeta.metalearning.maml import _faithful_fused_forward
+    from fedmeta.metalearning.execution import faithful_fused_forward
 
     class Scaled(ml.ConvNet4):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * super().forward(x)
 
     plain = ml.ConvNet4(3, hidden=8)
-    assert _faithful_fused_forward(plain) is not None
-    assert _faithful_fused_forward(Scaled(3, hidden=8)) is None
+    assert faithful_fused_forward(plain) is not None
+    assert faithful_fused_forward(Scaled(3, hidden=8)) is None
     hooked = ml.ConvNet4(3, hidden=8)
     handle = hooked.blocks[1].register_forward_hook(lambda m, i, o: o * 0)
-    assert _faithful_fused_forward(hooked) is None
+    assert faithful_fused_forward(hooked) is None
     handle.remove()
-    assert _faithful_fused_forward(hooked) is not None
+    assert faithful_fused_forward(hooked) is not None
     # and the gradients then follow the subclass's forward
     sub = Scaled(3, hidden=8).double()
     params = {k: v.double() for k, v in ml.init_params(sub, 0).items()}
@@ -241,7 +241,7 @@ def test_fused_forward_not_used_when_calling_the_module_would_differ() -> None:
 def test_workers_run_on_one_thread_and_leave_torch_as_it_was() -> None:
     import threading
 
-    from fedmeta.metalearning.maml import _one_thread_workers
+    from fedmeta.metalearning.execution import one_thread_workers
 
     def fresh_thread_setting() -> int:
         seen: list[int] = []
@@ -251,7 +251,7 @@ def test_workers_run_on_one_thread_and_leave_torch_as_it_was() -> None:
         return seen[0]
 
     with _threads(2):
-        with _one_thread_workers(2) as pool:
+        with one_thread_workers(2) as pool:
             # each worker, whenever it runs, computes with one intra-op thread
             assert set(pool.map(lambda _: torch.get_num_threads(), range(8))) == {1}
             # while the process-wide default is already back for everyone else

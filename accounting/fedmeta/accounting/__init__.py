@@ -11,15 +11,12 @@ from fedmeta.accounting.adaptive import (
     next_clip,
     noisy_fraction,
 )
+from fedmeta.accounting.calibration import calibrate_noise_multiplier, max_rounds
 from fedmeta.accounting.composition import (
     DEFAULT_DISCRETIZATION,
-    RoundModel,
-    calibrate_noise_multiplier,
     composed_pld,
     epsilon,
-    max_rounds,
     pld_delta,
-    round_components,
     round_pld,
     tombs2022_published_epsilon,
 )
@@ -58,7 +55,8 @@ from fedmeta.accounting.ledger import (
     resolve_federation,
     start_new_budget,
 )
-from fedmeta.accounting.planner import (
+from fedmeta.accounting.pairs import RoundModel, round_components
+from fedmeta.accounting.plan_request import (
     Candidate,
     ComputeBudget,
     Federation,
@@ -66,8 +64,8 @@ from fedmeta.accounting.planner import (
     PlanBudget,
     PlanRequest,
     PlanRow,
-    plan,
 )
+from fedmeta.accounting.planner import plan
 from fedmeta.accounting.randomness import (
     InsecureSeededSource,
     RandomSource,

@@ -174,7 +174,8 @@ def _int_bytes(value: int) -> bytes:
     return value.to_bytes(max(1, (value.bit_length() + 7) // 8), "big")
 
 
-def _check_source(source: object) -> RandomSource:
+def check_source(source: object) -> RandomSource:
+    """The source, if it is a ``RandomSource``; else a ValueError naming the two to use."""
     if not isinstance(source, RandomSource):
         raise ValueError(
             "source must be a RandomSource (SystemRandomSource() for private runs, "
@@ -208,7 +209,7 @@ def bernoulli(source: RandomSource, n: int, p: float) -> npt.NDArray[np.bool_]:
     Each draw compares 64 uniform bits ``u`` with ``t = floor(p * 2**64)``, and
     ``P(u < t) = t / 2**64``.
     """
-    return _bernoulli(_check_source(source), _check_count("n", n, minimum=0), p)
+    return bernoulli_unchecked(check_source(source), _check_count("n", n, minimum=0), p)
 
 
 #: Most 64-bit words drawn in one request: a draw over millions of tasks streams in chunks (8 MiB),
@@ -217,7 +218,8 @@ def bernoulli(source: RandomSource, n: int, p: float) -> npt.NDArray[np.bool_]:
 BERNOULLI_CHUNK = 1 << 20
 
 
-def _bernoulli(source: RandomSource, count: int, p: float) -> npt.NDArray[np.bool_]:
+def bernoulli_unchecked(source: RandomSource, count: int, p: float) -> npt.NDArray[np.bool_]:
+    """``bernoulli`` for a source and count already checked (the sampler's inner loop)."""
     threshold = _bernoulli_threshold(p)
     if threshold >= _TWO_64:  # p == 1: every draw is included (t / 2**64 == 1)
         return np.ones(count, dtype=np.bool_)
@@ -236,15 +238,16 @@ def sample_without_replacement(source: RandomSource, population: int, k: int) ->
     ``[i, population)``. With an exactly uniform ``randbelow`` the result is exactly uniform. Only
     the swapped positions are stored, so the cost is O(k) even for a huge population.
     """
-    src = _check_source(source)
+    src = check_source(source)
     size = _check_count("population", population, minimum=0)
     count = _check_count("k", k, minimum=0)
     if count > size:
         raise ValueError(f"k must be <= population ({size}); got {count}")
-    return _sample_without_replacement(src, size, count)
+    return sample_without_replacement_unchecked(src, size, count)
 
 
-def _sample_without_replacement(source: RandomSource, size: int, count: int) -> list[int]:
+def sample_without_replacement_unchecked(source: RandomSource, size: int, count: int) -> list[int]:
+    """``sample_without_replacement`` for arguments already checked (the sampler's inner loop)."""
     swapped: dict[int, int] = {}
     out: list[int] = []
     for i in range(count):

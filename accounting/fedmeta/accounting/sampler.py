@@ -16,9 +16,9 @@ import numpy as np
 
 from fedmeta.accounting.randomness import (
     RandomSource,
-    _bernoulli,
-    _check_source,
-    _sample_without_replacement,
+    bernoulli_unchecked,
+    check_source,
+    sample_without_replacement_unchecked,
 )
 from fedmeta.accounting.schemes import TwoStageFixedScheme, TwoStagePoissonScheme
 
@@ -46,7 +46,7 @@ class TwoStageSampler:
         if not isinstance(scheme, TwoStagePoissonScheme | TwoStageFixedScheme):
             raise ValueError(f"scheme must be a two-stage scheme; got {type(scheme).__name__}")
         self.scheme = scheme
-        self._source = _check_source(source)
+        self._source = check_source(source)
 
     @property
     def secure(self) -> bool:
@@ -81,7 +81,7 @@ class TwoStageSampler:
                 )
         # The source was checked once, in __init__; the helpers' own checks would cost more than
         # the draws (a runtime Protocol check is slow).
-        chosen = _sample_without_replacement(self._source, len(ids), n1)
+        chosen = sample_without_replacement_unchecked(self._source, len(ids), n1)
         out: dict[str, list[int]] = {}
         for index in sorted(chosen):
             pid = ids[index]
@@ -89,11 +89,15 @@ class TwoStageSampler:
             if isinstance(scheme, TwoStagePoissonScheme):
                 tasks = [
                     int(t)
-                    for t in np.flatnonzero(_bernoulli(self._source, count, scheme.task_rate))
+                    for t in np.flatnonzero(
+                        bernoulli_unchecked(self._source, count, scheme.task_rate)
+                    )
                 ]
             else:
                 tasks = sorted(
-                    _sample_without_replacement(self._source, count, scheme.tasks_per_round)
+                    sample_without_replacement_unchecked(
+                        self._source, count, scheme.tasks_per_round
+                    )
                 )
             out[pid] = tasks
         return out

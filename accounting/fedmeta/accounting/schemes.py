@@ -323,3 +323,15 @@ def participant_level_note(event: GaussianRound) -> str | None:
     if isinstance(event.scheme, TwoStageFixedScheme):
         return None
     return PARTICIPANT_LEVEL_UNDEFINED
+
+
+def check_delta(delta: float) -> None:
+    """Refuse a delta outside (0, 1), naming it."""
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be a number in (0, 1); got {delta!r}")
+
+
+def check_unit(unit: object) -> None:
+    """Refuse a privacy unit other than ``task`` or ``participant``."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}; got {unit!r}")

@@ -60,8 +60,9 @@ import numpy.typing as npt
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
-from fedmeta.accounting.composition import RDP_ORDERS, _rdp_curve, round_components
+from fedmeta.accounting.pairs import round_components
 from fedmeta.accounting.randomness import RandomSource
+from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
 from fedmeta.accounting.schemes import GaussianRound, Unit
 
 _Floats: TypeAlias = npt.NDArray[np.float64]
@@ -188,7 +189,7 @@ def rounds_rdp(rounds: RoundGroups, unit: Unit = "task") -> _Floats:
     """RDP over ``RDP_ORDERS`` of ``rounds`` (the ledger's per-round pairs), summed (composed)."""
     total = np.zeros(len(RDP_ORDERS))
     for event, count in rounds:
-        total = total + int(count) * np.asarray(_rdp_curve(round_components(event, unit)))
+        total = total + int(count) * np.asarray(rdp_curve(round_components(event, unit)))
     return total
 
 

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedmeta import exitcodes
+from fedmeta.cli.process_tree import child_commands, descendants, end_pinned, pin
 from fedmeta.client import worker
 
 #: The package data this module runs, as parts of a path in ``fedmeta.deploy`` (see deploy_file).
@@ -177,68 +177,6 @@ def proxy_config(work: Path, certs: Path, listen: str, upstream: str) -> str:
     for key, value in values.items():
         server = server.replace("${" + key + "}", value)
     return NGINX_MAIN.format(work=work, server=server)
-
-
-def _parents() -> dict[int, int]:
-    """Process id -> its parent's id, from one read of /proc (Linux)."""
-    parent_of: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (entry / "stat").read_text()
-                parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parent_of
-
-
-def _children(pid: int) -> dict[int, str]:
-    """Child process id -> command line, from /proc (Linux)."""
-    out: dict[int, str] = {}
-    for child, parent in _parents().items():
-        if parent == pid:
-            with contextlib.suppress(OSError):
-                out[child] = (
-                    Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                )
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from one read of /proc."""
-    parent_of = _parents()
-    found: list[int] = []
-    frontier = {pid}
-    while frontier:
-        below = [child for child, parent in parent_of.items() if parent in frontier]
-        found += below
-        frontier = set(below)
-    return found
-
-
-def pin(pids: Sequence[int]) -> dict[int, int]:
-    """Pin the processes of ``pids`` still running: pid -> pidfd.
-
-    A pidfd names its process even after the pid is reused, so a signal sent through it later can
-    only reach that process.
-    """
-    fds: dict[int, int] = {}
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            fds[pid] = os.pidfd_open(pid)
-    return fds
-
-
-def end_pinned(fds: Sequence[int], grace_s: float) -> None:
-    """SIGTERM each pinned process, SIGKILL what still runs after ``grace_s``; close the fds."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        for fd in fds:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, sig)
-        # A pidfd turns readable when its process ends.
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and len(select.select(fds, [], [], 0)[0]) < len(fds):
-            time.sleep(0.1)
-    for fd in fds:
-        os.close(fd)
 
 
 class LocalFederation:
@@ -431,7 +369,7 @@ class LocalFederation:
         timeout of fedmeta's (docs/deploy.md, "Failure behaviour").
         """
         assert node.proc is not None
-        children = _children(node.proc.pid)
+        children = child_commands(node.proc.pid)
         os.kill(node.proc.pid, signal.SIGKILL)  # the supervisor: it must not stop the others
         for pid, args in children.items():
             if worker.__name__ in args:
@@ -472,7 +410,7 @@ class LocalFederation:
         SuperLink's executor and its ServerApp, should the SuperLink not end them itself. They
         are pinned before any signal, while they are still known as descendants.
         """
-        pinned = pin([d for _, proc in self.procs for d in _descendants(proc.pid)])
+        pinned = pin([d for _, proc in self.procs for d in descendants(proc.pid)])
         for host, proc in reversed(self.procs):
             host.kill(proc, signal.SIGTERM)
         deadline = time.monotonic() + 20

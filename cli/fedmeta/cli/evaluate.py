@@ -127,7 +127,7 @@ def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
 
     The same marks as the run's summary.json and plots (server/fedmeta/server/outputs.py).
     """
-    from fedmeta.server.outputs import marks
+    from fedmeta.server.marks import marks
 
     public = workload.public_summary() if cfg.public.warm_start else None
     return {

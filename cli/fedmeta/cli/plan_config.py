@@ -1,7 +1,7 @@
 """``fedmeta privacy plan --write-config``: a plan row as a configuration for ``fedmeta simulate``.
 
-``accounting`` knows no configuration, so the fedmeta command line registers the ``privacy``
-commands through :func:`register`, handing them :func:`write_config`. The file holds only the keys
+The ``privacy`` commands know no configuration schema, so the fedmeta command line registers them
+through :func:`register`, handing them :func:`write_config`. The file holds only the keys
 the plan decides (rounds, participants, sampling, the run's target epsilon and delta, noise, clip
 and normaliser, and the task count the plan assumed), on top of an optional base configuration; it
 is validated with the configuration schema before it is written and read back after.
@@ -19,9 +19,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from fedmeta.accounting import cli as accounting_cli
-from fedmeta.accounting.cli import WrittenConfig
-from fedmeta.accounting.planner import PlanRequest, PlanRow
+from fedmeta.accounting.plan_request import PlanRequest, PlanRow
+from fedmeta.cli import ledger, privacy
+from fedmeta.cli.privacy_plan import WrittenConfig
 from fedmeta.config import to_toml
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
 from fedmeta.server.rate_advice import HIGH_SNR, advise_rate
@@ -30,11 +30,11 @@ __all__ = ["plan_keys", "register", "write_config"]
 
 
 def register(subparsers: Any) -> None:
-    """Add ``privacy`` and ``ledger`` (accounting's commands) with the configuration writer."""
-    accounting_cli.register(
-        subparsers, config_writer=write_config, default_ledger=default_ledger_path(secure=True),
+    """Add ``privacy`` (with the configuration writer) and ``ledger`` (with fedmeta's ledgers)."""
+    privacy.register(subparsers, config_writer=write_config, budget_delta=budget_delta)
+    ledger.register(
+        subparsers, default_ledger=default_ledger_path(secure=True),
         experiment_ledger=lambda name: experiment_ledger_path(_experiment_name(name), secure=True),
-        budget_delta=budget_delta,
     )  # fmt: skip
 
 

@@ -5,6 +5,14 @@ Plain PyTorch + numpy; imports neither flwr nor prometheus_client. See ``docs/wo
 
 from fedmeta.metalearning.digests import verify_checksum
 from fedmeta.metalearning.errors import ChecksumError, DataError
+from fedmeta.metalearning.evaluation import (
+    EvalResult,
+    bootstrap_interval,
+    diverged_tasks,
+    evaluate,
+    task_scores,
+)
+from fedmeta.metalearning.execution import resolve_device, resolve_method
 from fedmeta.metalearning.federated import (
     FederatedTaskSet,
     ParticipantTasks,
@@ -18,18 +26,10 @@ from fedmeta.metalearning.images import (
     load_image_folder,
 )
 from fedmeta.metalearning.maml import (
-    EvalResult,
     InnerLoop,
-    bootstrap_interval,
     clip_by_global_norm,
-    diverged_tasks,
-    evaluate,
-    meta_train,
     per_task_clipped_grads,
     per_task_grads,
-    resolve_device,
-    resolve_method,
-    task_scores,
 )
 from fedmeta.metalearning.models import (
     INNER_RATES,
@@ -63,6 +63,7 @@ from fedmeta.metalearning.tasks import Task, sample_tasks, stack_tasks
 from fedmeta.metalearning.warm_start import (
     WarmStart,
     check_disjoint,
+    meta_train,
     public_warm_start,
 )
 
@@ -74,10 +75,8 @@ __all__ = [
     "DataError",
     "DataSplits",
     "EvalResult",
-    "InnerLoop",
-    "bootstrap_interval",
-    "diverged_tasks",
     "FederatedTaskSet",
+    "InnerLoop",
     "OneShotResult",
     "OneShotRun",
     "ParamSpec",
@@ -88,9 +87,11 @@ __all__ = [
     "Task",
     "TrainedParameters",
     "WarmStart",
+    "bootstrap_interval",
     "check_disjoint",
     "clip_by_global_norm",
     "default_cache_dir",
+    "diverged_tasks",
     "download_omniglot",
     "evaluate",
     "evaluate_oneshot_runs",
@@ -106,9 +107,9 @@ __all__ = [
     "omniglot_source_digest",
     "param_spec",
     "partition_classes",
-    "public_warm_start",
     "per_task_clipped_grads",
     "per_task_grads",
+    "public_warm_start",
     "resolve_device",
     "resolve_method",
     "sample_tasks",

@@ -26,254 +26,52 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedmeta.metalearning.execution import (
+    Forward,
+    GradientMethod,
+    Params,
+    as_params,
+    default_chunk,
+    deterministic_algorithms,
+    loop_forward,
+    loss_function,
+    num_tasks,
+    one_thread_workers,
+    resolve_device,
+    resolve_method,
+    task_chunks,
+    task_threads,
+)
 from fedmeta.metalearning.models import inner_rates
-from fedmeta.metalearning.tasks import Task, stack_tasks
+from fedmeta.metalearning.tasks import Task
 
 __all__ = [
-    "EvalResult",
-    "GradientMethod",
     "InnerLoop",
     "Metric",
     "NonFinite",
     "adapt",
-    "bootstrap_interval",
-    "diverged_tasks",
     "clip_by_global_norm",
-    "evaluate",
-    "meta_train",
     "per_task_clipped_grads",
     "per_task_grads",
-    "resolve_device",
-    "resolve_method",
-    "task_scores",
 ]
 
-Params = dict[str, Tensor]
-#: How per-task gradients are batched: ``auto`` picks ``vmap`` or ``loop`` (module docstring).
-GradientMethod: TypeAlias = Literal["auto", "vmap", "loop"]
 #: What a held-out task's score is: query accuracy (classification) or query MSE (regression).
 Metric: TypeAlias = Literal["accuracy", "mse"]
 #: What to do with a task whose gradient is not finite (see :func:`clip_by_global_norm`).
 NonFinite: TypeAlias = Literal["raise", "zero"]
-# Serialises the start-up of worker pools (see _one_thread_workers).
-_WORKER_START_LOCK = threading.Lock()
-# (params, inputs, once_differentiable) -> outputs; see _loop_forward.
-Forward = Callable[[Params, Tensor, bool], Tensor]
 
 
 # --------------------------------------------------------------------------------------------------
 # small helpers
-
-
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"``/``None`` -> ``cuda`` when available, else ``cpu``; anything else as given."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_method(
-    model: nn.Module,
-    device: torch.device,
-    method: GradientMethod = "auto",
-    n_tasks: int | None = None,
-) -> Literal["vmap", "loop"]:
-    """Choose ``"vmap"`` or ``"loop"`` for ``model`` on ``device`` (see the module docstring).
-
-    Measured (docs/benchmarks.md): on CUDA vmap is 2.5-12x faster than a loop from 8 tasks on, but
-    about 2x slower for a single task; on 2 CPU cores the loop wins for the conv net and vmap for
-    the sinusoid MLP.
-    """
-    if method not in ("auto", "vmap", "loop"):
-        raise ValueError(f"method must be 'auto', 'vmap' or 'loop'; got {method!r}")
-    if method != "auto":
-        return method
-    if device.type == "cuda":
-        return "loop" if n_tasks == 1 else "vmap"
-    return "vmap" if getattr(model, "prefers_vmap_on_cpu", False) else "loop"
-
-
-def _default_chunk(
-    method: str,
-    device: torch.device,
-    model: nn.Module | None = None,
-    tasks: Task | Sequence[Task] | None = None,
-    inner_steps: int = 1,
-) -> int:
-    """Tasks per vmap chunk: 32 on the CPU; on CUDA as many as fit in half the free memory.
-
-    The CUDA estimate is conservative against peaks measured on an H100 (ConvNet4, 28x28, 64
-    filters, per task in a vmap chunk: 141 MiB for 5-way 1-shot 1 query second order 5 steps, 225
-    MiB with 15 queries, 880 MiB for 20-way 15 queries): 150 MiB plus 50 bytes x pixels x filters
-    per image, doubled at five inner steps.
-    """
-    if method == "loop":
-        return 64
-    if device.type != "cuda" or model is None or tasks is None:
-        return 32
-    first = tasks.task(0) if isinstance(tasks, Task) else tasks[0]
-    images = first.support_x.shape[0] + first.query_x.shape[0]
-    pixels = first.support_x[0].numel()
-    hidden = getattr(model, "hidden", 64)
-    # Plus the parameter copies vmap batches per task (one per inner step and a few more), which
-    # the activation term above, measured at 64 filters, does not grow with: parameters grow with
-    # the square of the width (dataset.filters), and Meta-SGD doubles them.
-    copies = 4 * sum(p.numel() for p in model.parameters()) * (inner_steps + 3)
-    per_task = 150 * 2**20 + images * pixels * hidden * 50 * (1 + 0.2 * inner_steps) + copies
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(max(1, min(512, 0.5 * free // per_task)))
-
-
-def _loop_forward(model: nn.Module, device: torch.device) -> Forward:
-    """The per-task forward of the loop path: ``(params, x, once_differentiable) -> output``.
-
-    On the CPU a model may offer ``fused_forward`` (the same function, evaluated faster; see
-    :meth:`~metalearning.models.ConvNet4.fused_forward`); ``once_differentiable`` tells it that the
-    pass's graph will be differentiated at most once, which allows kernels without a double
-    backward. Elsewhere it is ``functional_call``.
-    """
-    fused = _faithful_fused_forward(model) if device.type == "cpu" else None
-    if fused is not None:
-
-        def fast(p: Params, x: Tensor, once: bool) -> Tensor:
-            out: Tensor = fused(p, x, once_differentiable=once)
-            return out
-
-        return fast
-
-    def plain(p: Params, x: Tensor, once: bool) -> Tensor:
-        out: Tensor = functional_call(model, p, (x,))
-        return out
-
-    return plain
-
-
-def _faithful_fused_forward(model: nn.Module) -> Callable[..., Tensor] | None:
-    """``model.fused_forward`` when it computes what calling the module computes, else None.
-
-    It does not when a subclass overrides ``forward`` or a forward hook is registered: calling the
-    module would run them, and ``fused_forward`` would silently bypass them.
-    """
-    fused = getattr(model, "fused_forward", None)
-    faithful = getattr(model, "fused_forward_is_faithful", None)
-    if fused is None or faithful is None or not faithful():
-        return None
-    return fused  # type: ignore[no-any-return]
-
-
-def _task_threads(model: nn.Module, device: torch.device, n_tasks: int) -> int:
-    """Worker threads for the CPU loop: tasks side by side, one intra-op thread each.
-
-    Measured on 2 cores (``docs/benchmarks.md``): two tasks at once on one thread each beat one
-    task at a time on two intra-op threads, most for second order, whose many small support-set
-    ops split poorly across threads. A call with a single task keeps the intra-op threads. Every
-    task of a multi-task call runs on one thread, so its gradient does not depend on the chunking
-    or the scheduling.
-
-    Only models with a ``fused_forward`` qualify: it is a pure function of the parameters it is
-    given, whereas ``functional_call`` swaps them into the shared module for the duration of the
-    call, so two threads would run on each other's parameters.
-    """
-    if device.type != "cpu" or n_tasks < 2 or _faithful_fused_forward(model) is None:
-        return 1
-    return max(1, min(torch.get_num_threads(), n_tasks))
-
-
-@contextlib.contextmanager
-def _one_thread_workers(workers: int) -> Iterator[ThreadPoolExecutor]:
-    """A pool of ``workers`` threads, each set to one intra-op thread, that leaves torch as it was.
-
-    ``torch.set_num_threads`` sets the calling thread's own setting and also the process-wide value
-    that threads starting later inherit. The workers therefore all set theirs while this (locked)
-    start-up waits, and the process-wide value is put back at once: two calls cannot capture each
-    other's 1, and only a thread whose first torch work falls in those few milliseconds inherits
-    1 (PyTorch initialises a thread's setting lazily from the process-wide value).
-    """
-    ready = threading.Barrier(workers + 1)
-
-    def one_thread() -> None:
-        # Initialise this thread's torch threading first: PyTorch does so lazily on a thread's
-        # first parallel op, from the process-wide value, which would undo the 1 set here.
-        torch.get_num_threads()
-        torch.set_num_threads(1)
-        ready.wait()
-
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="fedmeta-task")
-    try:
-        with _WORKER_START_LOCK:
-            threads = torch.get_num_threads()
-            try:
-                for _ in range(workers):  # one per thread: each blocks at the barrier
-                    pool.submit(one_thread)
-                ready.wait(timeout=60)
-            finally:
-                torch.set_num_threads(threads)
-        yield pool
-    finally:
-        pool.shutdown()
-
-
-def _loss_fn(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
-    kind = getattr(model, "loss_kind", "ce")
-    if kind == "mse":
-        return F.mse_loss
-    if kind == "ce":
-        return F.cross_entropy
-    raise ValueError(f"model.loss_kind must be 'mse' or 'ce'; got {kind!r}")
-
-
-def _as_params(
-    model: nn.Module, params: Mapping[str, Tensor] | Tensor | None, device: torch.device
-) -> Params:
-    """Meta-parameters as a dict on ``device`` from a dict, a flat vector or the module's own."""
-    from fedmeta.metalearning.models import param_spec, unflatten_params
-
-    if params is None:
-        params = {n: p.detach() for n, p in model.named_parameters()}
-    elif isinstance(params, Tensor):
-        params = unflatten_params(params, param_spec(model))
-    names = [n for n, _ in model.named_parameters()]
-    if list(params) != names:
-        raise ValueError(
-            f"params must have the model's parameter names {names}; got {list(params)}"
-        )
-    return {n: p.detach().to(device) for n, p in params.items()}
-
-
-def _chunks(tasks: Task | Sequence[Task], size: int) -> Iterator[tuple[int, Task]]:
-    """Yield ``(start, batched_task)`` chunks of at most ``size`` tasks."""
-    if isinstance(tasks, Task):
-        n = tasks.support_x.shape[0]
-        for s in range(0, n, size):
-            yield s, Task(*(t[s : s + size] for t in tasks))
-    else:
-        for s in range(0, len(tasks), size):
-            yield s, stack_tasks(tasks[s : s + size])
-
-
-def _num_tasks(tasks: Task | Sequence[Task]) -> int:
-    return tasks.support_x.shape[0] if isinstance(tasks, Task) else len(tasks)
-
-
-@contextlib.contextmanager
-def _deterministic(device: torch.device, on: bool = True) -> Iterator[None]:
-    if device.type == "cuda" and on:
-        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
-            yield
-    else:
-        yield
 
 
 # --------------------------------------------------------------------------------------------------
@@ -478,7 +276,7 @@ def _task_grad_autograd(
     return torch.cat([g.reshape(-1) for g in grads])
 
 
-def _func_inner(
+def func_inner(
     model: nn.Module,
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     inner: InnerLoop,
@@ -510,7 +308,7 @@ def _make_func_grad(
     first_order: bool,
 ) -> Callable[..., Tensor]:
     """Build a pure function (params, sx, sy, qx, qy) -> flat query gradient."""
-    adapted = _func_inner(model, loss_fn, inner, detach=first_order)
+    adapted = func_inner(model, loss_fn, inner, detach=first_order)
 
     def query_loss(p: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
         return loss_fn(functional_call(model, adapted(p, sx, sy), (qx,)), qy)
@@ -533,7 +331,7 @@ def _chunk_gradient_fn(
     first_order: bool,
 ) -> Callable[[Task, ThreadPoolExecutor | None], Tensor]:
     """``chunk_grads(batch, pool)``: a chunk's per-task gradients, by ``vmap`` or a task loop."""
-    loss_fn = _loss_fn(model)
+    loss_fn = loss_function(model)
     if meth == "vmap":
         batched = torch.func.vmap(
             _make_func_grad(model, loss_fn, inner, first_order),
@@ -544,7 +342,7 @@ def _chunk_gradient_fn(
             return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
 
         return vmapped
-    forward = _loop_forward(model, dev)
+    forward = loop_forward(model, dev)
 
     def one_task(b: Task, i: int) -> Tensor:
         return _task_grad_autograd(forward, loss_fn, p, b.task(i), inner, first_order)
@@ -585,13 +383,13 @@ def per_task_grads(
     """
     inner = InnerLoop(inner_steps, inner_lr, inner_grad_clip, step_check)
     dev = resolve_device(device)
-    n = _num_tasks(tasks)
+    n = num_tasks(tasks)
     meth = resolve_method(model, dev, method, n)
-    chunk = chunk_size or _default_chunk(meth, dev, model, tasks, inner_steps)
+    chunk = chunk_size or default_chunk(meth, dev, model, tasks, inner_steps)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk}")
     model = model.to(dev)
-    p = _as_params(model, params, dev)
+    p = as_params(model, params, dev)
     dim = sum(v.numel() for v in p.values())
     if coordinates is not None:
         coordinates = coordinates.to(dev)
@@ -599,12 +397,12 @@ def per_task_grads(
     dtype = next(iter(p.values())).dtype
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
-    workers = _task_threads(model, dev, n) if meth == "loop" else 1
+    workers = task_threads(model, dev, n) if meth == "loop" else 1
     chunk_grads = _chunk_gradient_fn(model, p, dev, meth, inner, first_order)
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(_one_thread_workers(workers)) if workers > 1 else None
-        stack.enter_context(_deterministic(dev, deterministic))
-        for start, batch in _chunks(tasks, chunk):
+        pool = stack.enter_context(one_thread_workers(workers)) if workers > 1 else None
+        stack.enter_context(deterministic_algorithms(dev, deterministic))
+        for start, batch in task_chunks(tasks, chunk):
             g = chunk_grads(batch.to(dev), pool)
             if coordinates is not None:
                 g = g[:, coordinates]
@@ -677,264 +475,3 @@ def per_task_clipped_grads(
 
 # --------------------------------------------------------------------------------------------------
 # evaluation
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """The test metric over held-out tasks: mean, a valid interval, median and diverged tasks.
-
-    ``ci95`` is the normal-approximation half-width ``1.96 * std / sqrt(n)`` (MAML's reporting
-    convention), kept for comparison only: on heavy-tailed errors it leaves the metric's range (an
-    MSE interval below 0). ``ci95_low``/``ci95_high`` are the 95% percentile-bootstrap interval of
-    the mean (Efron and Tibshirani 1993, ch. 13), which lies within the tasks' smallest and largest
-    scores and so never leaves the metric's range. ``diverged`` counts tasks whose adaptation
-    failed (:func:`diverged_tasks`); they stay in the mean.
-    """
-
-    mean: float
-    ci95: float
-    n_tasks: int
-    metric: Metric
-    pre_adaptation_mean: float | None = None
-    median: float = math.nan
-    ci95_low: float = math.nan
-    ci95_high: float = math.nan
-    diverged: int = 0
-
-    def __iter__(self) -> Iterator[float]:
-        """Unpack as ``mean, ci95 = evaluate(...)``."""
-        return iter((self.mean, self.ci95))
-
-
-# A task's adaptation counts as diverged when its query MSE ends this many times above where it
-# started (or non-finite): adaptation is meant to lower the error, and the runs that blew up
-# (docs/results.md) ended 1e9-1e25 times above it, whereas a noisy but working step ends within a
-# small factor of its start.
-DIVERGENCE_FACTOR = 10.0
-
-
-def diverged_tasks(scores: Tensor, pre_scores: Tensor, metric: str) -> int:
-    """Tasks whose score is non-finite or (MSE) ``DIVERGENCE_FACTOR`` times its pre-adaptation."""
-    bad = ~torch.isfinite(scores)
-    if metric == "mse":
-        bad |= scores > DIVERGENCE_FACTOR * pre_scores
-    return int(bad.sum())
-
-
-def bootstrap_interval(scores: Tensor, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile-bootstrap interval of the mean of ``scores`` (scipy.stats.bootstrap).
-
-    Each resampled mean is a mean of observed scores, so the interval lies within [min, max] of
-    them. A non-finite score makes the mean non-finite, and the interval is then reported as
-    ``(nan, nan)`` rather than computed on the finite tasks alone. The seed is fixed: the interval
-    is a function of the public test scores, and a fixed seed makes it repeatable.
-    """
-    from scipy import stats
-
-    x = scores.double().numpy()
-    if x.size < 2 or not bool(torch.isfinite(scores).all()):
-        return math.nan, math.nan
-    if float(x.min()) == float(x.max()):
-        return float(x[0]), float(x[0])
-    res = stats.bootstrap(
-        (x,), np.mean, n_resamples=resamples, confidence_level=0.95, method="percentile",
-        random_state=np.random.default_rng(seed), vectorized=True,
-    )  # fmt: skip
-    lo, hi = res.confidence_interval
-    return float(lo), float(hi)
-
-
-def _score(out: Tensor, y: Tensor, metric: str) -> Tensor:
-    if metric == "accuracy":
-        return (out.argmax(-1) == y).float().mean()
-    return F.mse_loss(out, y)
-
-
-def _adapt_and_score(
-    forward: Forward,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    params: Params,
-    task: Task,
-    inner: InnerLoop,
-    metric: Metric,
-) -> Tensor:
-    def loss_only(q: Params) -> Tensor:
-        with torch.no_grad():
-            return loss_fn(forward(q, task.support_x, True), task.support_y)
-
-    def loss_and_grad(q: Params) -> tuple[Tensor, Params]:
-        q = {n: v.detach().requires_grad_(True) for n, v in q.items()}
-        loss = loss_fn(forward(q, task.support_x, False), task.support_y)
-        g = torch.autograd.grad(loss, list(q.values()), allow_unused=True, materialize_grads=True)
-        return loss.detach(), dict(zip(q, g, strict=True))
-
-    start = {n: p.detach() for n, p in params.items()}
-    fast = adapt(start, loss_and_grad, loss_only, inner)
-    with torch.no_grad():
-        return _score(forward(fast, task.query_x, True), task.query_y, metric)
-
-
-def _vmap_scores(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    params: Params,
-    batch: Task,
-    inner: InnerLoop,
-    metric: Metric,
-) -> Tensor:
-    """The vmap form of :func:`_adapt_and_score`, over a batch of tasks."""
-    adapted = _func_inner(model, loss_fn, inner, detach=True)
-
-    def one(pp: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor) -> Tensor:
-        out: Tensor = functional_call(model, adapted(pp, sx, sy), (qx,))
-        return _score(out, qy, metric)
-
-    fn = torch.func.vmap(one, in_dims=(None, 0, 0, 0, 0))
-    return fn(params, batch.support_x, batch.support_y, batch.query_x, batch.query_y).detach()
-
-
-def task_scores(
-    model: nn.Module,
-    params: Mapping[str, Tensor] | Tensor | None,
-    tasks: Task | Sequence[Task],
-    *,
-    inner_steps: int = 10,
-    inner_lr: float = 0.4,
-    device: str | torch.device | None = "auto",
-    chunk_size: int | None = None,
-    method: GradientMethod = "auto",
-    inner_grad_clip: float = math.inf,
-    step_check: bool = False,
-) -> Tensor:
-    """Each task's query score after ``inner_steps`` SGD steps on its own support set.
-
-    The score is the query accuracy (classification) or MSE (regression). Each task is adapted
-    separately from ``params`` by the same guarded inner loop as training (:class:`InnerLoop`),
-    and with ``norm="batch"`` each forward pass normalises with its own batch (the task's support
-    set, then its query set). Returns float64 ``[n_tasks]`` on the CPU; :func:`evaluate`
-    summarises it.
-    """
-    inner = InnerLoop(inner_steps, inner_lr, inner_grad_clip, step_check)
-    dev = resolve_device(device)
-    meth = resolve_method(model, dev, method, _num_tasks(tasks))
-    chunk = chunk_size or _default_chunk(meth, dev, model, tasks, 0)
-    model = model.to(dev)
-    p = _as_params(model, params, dev)
-    loss_fn = _loss_fn(model)
-    metric: Metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
-    scores: list[Tensor] = []
-    forward = _loop_forward(model, dev)
-    with _deterministic(dev):
-        for _, batch in _chunks(tasks, chunk):
-            b = batch.to(dev)
-            if meth == "vmap":
-                scores.append(_vmap_scores(model, loss_fn, p, b, inner, metric))
-                continue
-            for i in range(b.support_x.shape[0]):
-                one = _adapt_and_score(forward, loss_fn, p, b.task(i), inner, metric)
-                scores.append(one.reshape(1))
-    if not scores:
-        raise ValueError("task_scores needs at least one task")
-    return torch.cat(scores).double().cpu()
-
-
-def evaluate(
-    model: nn.Module,
-    params: Mapping[str, Tensor] | Tensor | None,
-    tasks: Task | Sequence[Task],
-    *,
-    inner_steps: int = 10,
-    inner_lr: float = 0.4,
-    device: str | torch.device | None = "auto",
-    chunk_size: int | None = None,
-    method: GradientMethod = "auto",
-    with_pre_adaptation: bool = False,
-    inner_grad_clip: float = math.inf,
-    step_check: bool = False,
-) -> EvalResult:
-    """Adapt on each task's support set (:class:`InnerLoop`), then score its query set.
-
-    Returns the mean query accuracy (classification) or MSE (regression) over the tasks
-    (:func:`task_scores`), its median, a 95% percentile-bootstrap interval of the mean
-    (:func:`bootstrap_interval`), the normal-approximation half-width (MAML's convention) and the
-    number of diverged tasks (:func:`diverged_tasks`; the pre-adaptation scores are computed for
-    it). Build the tasks from held-out classes, e.g. ``sample_tasks(test_split, ..., n_tasks=600,
-    seed=...)``. ``mean, ci95 = evaluate(...)`` unpacks.
-    """
-    if _num_tasks(tasks) == 0:
-        raise ValueError("evaluate needs at least one task")
-
-    def scores(steps: int) -> Tensor:
-        return task_scores(
-            model, params, tasks, inner_steps=steps, inner_lr=inner_lr, device=device,
-            chunk_size=chunk_size, method=method, inner_grad_clip=inner_grad_clip,
-            step_check=step_check,
-        )  # fmt: skip
-
-    s = scores(inner_steps)
-    pre_scores = scores(0)
-    n = s.numel()
-    ci = 1.96 * float(s.std(unbiased=True)) / math.sqrt(n) if n > 1 else math.nan
-    metric: Metric = "mse" if getattr(model, "loss_kind", "ce") == "mse" else "accuracy"
-    lo, hi = bootstrap_interval(s)
-    return EvalResult(
-        float(s.mean()), ci, n, metric,
-        float(pre_scores.mean()) if with_pre_adaptation else None,
-        median=float(s.median()), ci95_low=lo, ci95_high=hi,
-        diverged=diverged_tasks(s, pre_scores, metric),
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------------
-# a small non-private trainer (tests, docs, baselines)
-
-
-def meta_train(
-    model: nn.Module,
-    params: Mapping[str, Tensor] | Tensor | None,
-    next_batch: Callable[[int], Task],
-    *,
-    steps: int,
-    meta_lr: float = 1e-3,
-    inner_steps: int = 1,
-    inner_lr: float = 0.4,
-    first_order: bool = False,
-    clip: float = math.inf,
-    device: str | torch.device | None = "auto",
-    chunk_size: int | None = None,
-    method: GradientMethod = "auto",
-    inner_grad_clip: float = math.inf,
-    step_check: bool = False,
-) -> Params:
-    """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
-
-    ``next_batch(step)`` returns a batched :class:`Task`; ``inner_grad_clip`` and ``step_check``
-    guard the inner loop (:class:`InnerLoop`). Returns the trained parameters (a new dict).
-    This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
-    """
-    from fedmeta.metalearning.models import param_spec, unflatten_params
-
-    dev = resolve_device(device)
-    p = _as_params(model, params, dev)
-    spec = param_spec(model)
-    vec = torch.cat([v.reshape(-1) for v in p.values()]).clone().requires_grad_(True)
-    opt = torch.optim.Adam([vec], lr=meta_lr)
-    for step in range(steps):
-        g, _ = per_task_clipped_grads(
-            model,
-            vec.detach(),
-            next_batch(step),
-            inner_steps=inner_steps,
-            inner_lr=inner_lr,
-            first_order=first_order,
-            clip=clip,
-            device=dev,
-            chunk_size=chunk_size,
-            method=method,
-            inner_grad_clip=inner_grad_clip,
-            step_check=step_check,
-        )
-        opt.zero_grad(set_to_none=True)
-        vec.grad = g.mean(0)
-        opt.step()
-    return {k: v.clone() for k, v in unflatten_params(vec.detach(), spec).items()}

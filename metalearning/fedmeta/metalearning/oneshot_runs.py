@@ -14,7 +14,7 @@ exactly - :func:`~metalearning.omniglot.decode_png` (grey > 127 is background), 
 :func:`~metalearning.omniglot.resize_strokes` (antialiased bilinear to ``image_size``), then
 float32 in [0, 1] with 1.0 = ink - so a model trained by fedmeta sees the same kind of input.
 :func:`evaluate_oneshot_runs` adapts a meta-model on each run's training drawings with the inner
-loop of :func:`~metalearning.maml.evaluate` and reports each run's error rate.
+loop of :func:`~metalearning.evaluation.evaluate` and reports each run's error rate.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from fedmeta.metalearning.errors import DataError
+from fedmeta.metalearning.evaluation import task_scores
 from fedmeta.metalearning.images import pixels_to_unit
-from fedmeta.metalearning.maml import task_scores
 from fedmeta.metalearning.omniglot import decode_png, resize_strokes
 from fedmeta.metalearning.tasks import Task, stack_tasks
 
@@ -246,7 +246,8 @@ def evaluate_oneshot_runs(
 
     Each run is adapted separately from ``params`` on its 20 training drawings (one per class)
     with ``inner_steps`` SGD steps at ``inner_lr`` - the inner loop of
-    :func:`~metalearning.maml.evaluate`, through :func:`~metalearning.maml.task_scores`, with
+    :func:`~metalearning.evaluation.evaluate`, through
+    :func:`~metalearning.evaluation.task_scores`, with
     per-task batch statistics - then its 20 test items are classified. ``runs`` is what
     :func:`load_oneshot_runs` returns, or a path for it (read at ``image_size``). Compare the mean
     with people's 4.5% (:data:`HUMAN_ERROR_RATE`).

@@ -142,7 +142,8 @@ def sample_tasks(
     """``n_tasks`` N-way K-shot tasks (``q_query`` queries per class) from all classes of ``ds``.
 
     For validation / meta-test evaluation (default 600 tasks in
-    :func:`~metalearning.maml.evaluate`'s usage) and public pre-training. Task i depends only on
+    :func:`~metalearning.evaluation.evaluate`'s usage) and public pre-training. Task i depends only
+    on
     ``(seed, *path, i)``; ``path`` keeps one builder's stream apart from another's.
     """
     per = k_shot + q_query

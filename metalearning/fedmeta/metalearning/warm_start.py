@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +26,14 @@ import torch
 from torch import Tensor, nn
 
 from fedmeta.metalearning.errors import DataError
+from fedmeta.metalearning.execution import (
+    GradientMethod,
+    Params,
+    as_params,
+    resolve_device,
+)
 from fedmeta.metalearning.images import ClassDataset
-from fedmeta.metalearning.maml import meta_train, resolve_device
+from fedmeta.metalearning.maml import per_task_clipped_grads
 from fedmeta.metalearning.models import flatten_params, param_spec
 from fedmeta.metalearning.tasks import Task, check_task_shape, sample_tasks
 
@@ -163,3 +169,54 @@ def _write_cached(path: Path, params: Tensor) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache only costs the next run the pre-training again
+
+
+def meta_train(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    next_batch: Callable[[int], Task],
+    *,
+    steps: int,
+    meta_lr: float = 1e-3,
+    inner_steps: int = 1,
+    inner_lr: float = 0.4,
+    first_order: bool = False,
+    clip: float = math.inf,
+    device: str | torch.device | None = "auto",
+    chunk_size: int | None = None,
+    method: GradientMethod = "auto",
+    inner_grad_clip: float = math.inf,
+    step_check: bool = False,
+) -> Params:
+    """Non-private MAML with Adam on the mean (optionally clipped) per-task gradient.
+
+    ``next_batch(step)`` returns a batched :class:`Task`; ``inner_grad_clip`` and ``step_check``
+    guard the inner loop (:class:`InnerLoop`). Returns the trained parameters (a new dict).
+    This is the outer loop of MAML without noise; the federated, private loop lives in ``server/``.
+    """
+    from fedmeta.metalearning.models import param_spec, unflatten_params
+
+    dev = resolve_device(device)
+    p = as_params(model, params, dev)
+    spec = param_spec(model)
+    vec = torch.cat([v.reshape(-1) for v in p.values()]).clone().requires_grad_(True)
+    opt = torch.optim.Adam([vec], lr=meta_lr)
+    for step in range(steps):
+        g, _ = per_task_clipped_grads(
+            model,
+            vec.detach(),
+            next_batch(step),
+            inner_steps=inner_steps,
+            inner_lr=inner_lr,
+            first_order=first_order,
+            clip=clip,
+            device=dev,
+            chunk_size=chunk_size,
+            method=method,
+            inner_grad_clip=inner_grad_clip,
+            step_check=step_check,
+        )
+        opt.zero_grad(set_to_none=True)
+        vec.grad = g.mean(0)
+        opt.step()
+    return {k: v.clone() for k, v in unflatten_params(vec.detach(), spec).items()}

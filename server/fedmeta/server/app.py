@@ -77,7 +77,8 @@ def execute(
     data with it); else the run builds it once. ``test_when_interrupted``: see
     ``run_federation``.
     """
-    from fedmeta.server.outputs import PLOT_FILES, PLOTS_MISSING, format_summary, write_all
+    from fedmeta.server.outputs import format_summary, write_all
+    from fedmeta.server.plots import PLOT_FILES, PLOTS_MISSING
 
     out = Path(out_dir or cfg.output.dir)
     transport = GridTransport(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from fedmeta.accounting import BudgetLedger, Participant
+from fedmeta.accounting import Ledger, Participant
 from fedmeta.config import Config
 from fedmeta.server.transport import Registered
 from fedmeta.workload import declared_identity
@@ -49,8 +49,8 @@ def ledger_participants(
 
 
 def use_round_cohort(
-    ledger: object, cfg: Config, members: Mapping[str, Registered], eligible: Iterable[str]
+    ledger: Ledger | None, cfg: Config, members: Mapping[str, Registered], eligible: Iterable[str]
 ) -> None:
-    """Charge the next spends to the participants this round may sample (a real ledger only)."""
-    if isinstance(ledger, BudgetLedger):
+    """Charge the next spends to the participants this round may sample (None: a public run)."""
+    if ledger is not None:
         ledger.use_cohort(ledger_participants(cfg, members, eligible))

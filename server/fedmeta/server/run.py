@@ -219,8 +219,7 @@ def run_federation(
     """
     out = Path(out_dir or cfg.output.dir)
     with exclusive_run_directory(out):
-        run = _start(cfg, transport, out, resume, list(observers), open_ledger or open_budget,
-                     workload)  # fmt: skip
+        run = _start(cfg, transport, out, resume, list(observers), open_ledger, workload)
         run.test_when_interrupted = test_when_interrupted
         try:
             return _run(run, stop or threading.Event(), announce)
@@ -257,7 +256,7 @@ def _start(
     out: Path,
     resume: bool,
     observers: list[RunObserver],
-    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger],
+    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger] | None,
     workload: Workload | None,
 ) -> _Run:
     ckpt = refuse_to_overwrite_run(out, resume)
@@ -266,8 +265,9 @@ def _start(
     registered = list(membership.members.values())
     task_counts = membership.eligible()
     z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
-    opened_with = _with_recorded_ledger(cfg, ckpt, check=open_ledger is open_budget)
-    if open_ledger is open_budget:  # the data's recorded budget, not the run's configuration
+    recorded = open_ledger is None  # fedmeta's ledger, where the data's budget is recorded
+    opened_with = _with_recorded_ledger(cfg, ckpt, check=recorded)
+    if recorded:  # the data's recorded budget, not the run's configuration
         try:
             cfg = adopt_data_budget(cfg, registered, ledger_file(opened_with))
         except BudgetMismatch as error:
@@ -277,13 +277,13 @@ def _start(
         plan = build_plan(cfg, task_counts, noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
-    ledger = open_ledger(opened_with, registered) if plan.private else None
+    ledger = (open_ledger or open_budget)(opened_with, registered) if plan.private else None
     federation_id = ledger.federation_id if ledger is not None else "non-private"
     wl = workload or build_workload(cfg)
     selection = _model_selection(cfg, wl, ckpt)
     state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
-    if isinstance(ledger, BudgetLedger) and public is not None:  # before the first spend
+    if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0

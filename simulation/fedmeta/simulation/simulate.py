@@ -269,9 +269,18 @@ class RoundsStarted:
 def _report(error: Exception) -> int:
     """One line on stderr and the exit status that says what kind of failure it was."""
     from fedmeta import exitcodes
+    from fedmeta.config import ConfigError
+
+    if isinstance(error, ConfigError):  # said before torch and Flower load for the other kinds
+        print(f"fedmeta simulate: {error}", file=sys.stderr)
+        return exitcodes.BAD_INPUT
+    return _report_run_failure(error)
+
+
+def _report_run_failure(error: Exception) -> int:
+    from fedmeta import exitcodes
     from fedmeta.accounting import LedgerError
     from fedmeta.checkpoint import CheckpointError
-    from fedmeta.config import ConfigError
     from fedmeta.metalearning import DataError
     from fedmeta.server.progress import TensorBoardError
     from fedmeta.server.round import TrainingDiverged
@@ -281,7 +290,7 @@ def _report(error: Exception) -> int:
 
     if isinstance(error, BrokenPipeError):
         raise error  # the reader closed stdout (`| head`): the CLI ends quietly with status 0
-    bad_input = (ConfigError, CheckpointError, DataError, LedgerError, FederationError, PlanError,
+    bad_input = (CheckpointError, DataError, LedgerError, FederationError, PlanError,
                  TrainingDiverged, TensorBoardError)  # fmt: skip
     if isinstance(error, bad_input):
         status, text = exitcodes.BAD_INPUT, str(error)

@@ -43,27 +43,28 @@ Design (privacy-accounting note, section 4; conventions, items 3-4; users' guide
 
 Layout (issue 20): ``records`` (constants, errors, frozen records), ``chain`` (hashing and
 verification), ``storage`` (the SQLite file: schema, migration, connections, transactions),
-``protocol`` (``Ledger``), ``budget`` (``BudgetLedger``: the budget rules) and ``operations``
-(operator commands: data-keyed budgets, backup). Everything public is re-exported here, so
+``registration`` (a federation's fixed terms), ``protocol`` (``Ledger``), ``budget``
+(``BudgetLedger``: the budget rules), ``operations`` (operator commands on data-keyed budgets) and
+``backup`` (the verified copy). Everything public is re-exported here, so
 ``from fedmeta.accounting.ledger import X`` is the one import path.
 """
 
 from __future__ import annotations
 
 from fedmeta.accounting.ledger.anchor import LedgerRolledBack
+from fedmeta.accounting.ledger.backup import backup
 from fedmeta.accounting.ledger.budget import (
     BudgetLedger,
     affordable_rounds,
 )
 from fedmeta.accounting.ledger.chain import (
-    _genesis_hash,
-    _record_hash,
+    genesis_hash,
+    record_hash,
 )
 from fedmeta.accounting.ledger.faults import ensure_directory
 from fedmeta.accounting.ledger.operations import (
     BudgetTerms,
     accept_rollback,
-    backup,
     budgets,
     current_budget,
     migrate_to_participants,
@@ -133,8 +134,8 @@ __all__ = [
     "SpendProjection",
     "SpendRecord",
     "UNREADABLE_REASONS",
-    "_genesis_hash",
-    "_record_hash",
+    "genesis_hash",
+    "record_hash",
     "affordable_rounds",
     "accept_rollback",
     "backup",

@@ -8,19 +8,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from fedmeta.accounting.composition import (
-    MAX_ROUNDS_LIMIT,
-    Method,
-    _check_delta,
-    _check_unit,
-    epsilon,
-    max_rounds,
-)
+from fedmeta.accounting.calibration import max_rounds
+from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
 from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
 from fedmeta.accounting.ledger.chain import (
-    _canonical,
-    _record_hash,
+    canonical_json,
     cohort_id,
+    record_hash,
 )
 from fedmeta.accounting.ledger.cohorts import (
     coarse_day,
@@ -42,25 +36,26 @@ from fedmeta.accounting.ledger.records import (
     ParticipantExposure,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.registration import check_registration, register_federation
 from fedmeta.accounting.ledger.storage import (
-    _abs,
-    _check_federation_id,
-    _check_mode,
-    _check_neighbouring,
-    _check_registration,
-    _classify,
-    _closed_on_error,
-    _connect_writable,
-    _ensure_schema,
-    _file_identity,
-    _immediate,
-    _reading,
-    _register,
+    absolute_path,
+    check_federation_id,
+    check_mode,
+    check_neighbouring,
+    classify_error,
+    closed_on_error,
+    connect_writable,
+    ensure_schema,
+    file_identity,
+    immediate_transaction,
+    read_transaction,
 )
 from fedmeta.accounting.schemes import (
     GaussianRound,
     Neighbouring,
     Unit,
+    check_delta,
+    check_unit,
 )
 
 # --------------------------------------------------------------------------------- affordable
@@ -124,8 +119,8 @@ class BudgetLedger(LedgerHistory):
         uses the stored relation (``add_remove`` for a new federation). ``mode`` is ``"insecure"``
         for runs with reproducible test noise: such runs never share a ledger with secure ones.
         """
-        path = _abs(path)
-        _check_federation_id(federation_id)
+        path = absolute_path(path)
+        check_federation_id(federation_id)
         if epsilon_budget is not None and not (
             isinstance(epsilon_budget, int | float)
             and not isinstance(epsilon_budget, bool)
@@ -134,22 +129,22 @@ class BudgetLedger(LedgerHistory):
         ):
             raise ValueError(f"epsilon_budget must be a finite number > 0; got {epsilon_budget!r}")
         if delta is not None:
-            _check_delta(delta)
-        _check_unit(unit)
-        _check_neighbouring(neighbouring)
-        _check_mode(mode)
-        conn = _connect_writable(path, create=create)
-        with _closed_on_error(conn, path):
-            identity = _file_identity(path)
-            meta = _ensure_schema(conn, path, mode)
-            row = _register(
+            check_delta(delta)
+        check_unit(unit)
+        check_neighbouring(neighbouring)
+        check_mode(mode)
+        conn = connect_writable(path, create=create)
+        with closed_on_error(conn, path):
+            identity = file_identity(path)
+            meta = ensure_schema(conn, path, mode)
+            row = register_federation(
                 conn, path, federation_id, epsilon_budget, delta, unit, neighbouring, create
             )
-            _check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
+            check_registration(federation_id, row, epsilon_budget, delta, unit, neighbouring)
             ledger = cls(conn, path, meta, federation_id, row, readonly=False, identity=identity)
             ledger._inherit()
             ledger._catch_up()  # a damaged chain is reported as such before any anchor check
-            with _reading(conn):
+            with read_transaction(conn):
                 check_anchor(conn, path, meta.get("ledger_id"))
             if participants is not None:
                 ledger.use_cohort(participants)
@@ -244,10 +239,10 @@ class BudgetLedger(LedgerHistory):
             self._cohort = (cohort_id(self.federation_id, sorted(keys)), keys)
             return
         try:
-            with _immediate(self._conn):
+            with immediate_transaction(self._conn):
                 cid, keys = record_cohort(self._conn, self.federation_id, self._salt, participants)
         except sqlite3.Error as error:
-            raise _classify(self.path, error) from error
+            raise classify_error(self.path, error) from error
         self._cohort = (cid, keys)
         self._catch_up()
 
@@ -260,10 +255,10 @@ class BudgetLedger(LedgerHistory):
         if not isinstance(use, PublicDataUse):
             raise TypeError(f"use must be a PublicDataUse; got {type(use).__name__}")
         try:
-            with _immediate(self._conn):
+            with immediate_transaction(self._conn):
                 record_public_use(self._conn, self.federation_id, run_id, use)
         except sqlite3.Error as error:
-            raise _classify(self.path, error) from error
+            raise classify_error(self.path, error) from error
 
     # ---------------------------------------------------------------------------------- identity
 
@@ -336,7 +331,7 @@ class BudgetLedger(LedgerHistory):
         the lock is held for the catch-up, the re-check and the append (milliseconds).
         """
         self._check_spend(event, run_id, round_index)
-        event_json = _canonical(event.to_dict())
+        event_json = canonical_json(event.to_dict())
         for _ in range(SPEND_ATTEMPTS):
             self._catch_up()
             checks = self._checks(event)
@@ -387,7 +382,7 @@ class BudgetLedger(LedgerHistory):
         try:
             return self._append(event, event_json, run_id, round_index, checks, totals)
         except sqlite3.Error as error:
-            fault = _classify(self.path, error)
+            fault = classify_error(self.path, error)
             try:
                 self._catch_up()
             except LedgerError:
@@ -412,7 +407,7 @@ class BudgetLedger(LedgerHistory):
         ``totals`` were computed for ``checks``: the caller searches again outside the lock.
         """
         cohort = None if self._cohort is None else self._cohort[0]
-        with _immediate(self._conn):
+        with immediate_transaction(self._conn):
             self._catch_up()
             now = self._checks(event)
             if [base for base, _ in now] != [base for base, _ in checks]:
@@ -424,7 +419,7 @@ class BudgetLedger(LedgerHistory):
             # The day only: a finer time would let the gap between spends follow a round's
             # realised work (issue 18, item 2); the hash chain, not the time, orders records.
             created = coarse_day()
-            digest = _record_hash(
+            digest = record_hash(
                 self.federation_id, position, run_id, round_index, event_json, created, prev, cohort
             )
             seq = self._conn.execute(

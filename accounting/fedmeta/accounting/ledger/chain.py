@@ -29,7 +29,8 @@ from fedmeta.accounting.schemes import (
 # ------------------------------------------------------------------------------------ hashing
 
 
-def _canonical(data: Any) -> str:
+def canonical_json(data: Any) -> str:
+    """The one JSON spelling every hash is taken over (sorted keys, no spaces, no NaN)."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
@@ -37,7 +38,7 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _genesis_hash(
+def genesis_hash(
     federation_id: str,
     budget: float,
     delta: float,
@@ -45,6 +46,7 @@ def _genesis_hash(
     created: str,
     neighbouring: Neighbouring | None,
 ) -> str:
+    """The hash a federation's first record chains to (its own row)."""
     data: dict[str, Any] = {
         "federation_id": federation_id,
         "epsilon_budget": budget,
@@ -54,10 +56,10 @@ def _genesis_hash(
     }
     if neighbouring is not None:  # schema-1 federations recorded no relation (all add/remove)
         data["neighbouring"] = neighbouring
-    return _sha256(_canonical(data))
+    return _sha256(canonical_json(data))
 
 
-def _record_hash(
+def record_hash(
     federation_id: str,
     position: int,
     run_id: str,
@@ -67,6 +69,7 @@ def _record_hash(
     prev_hash: str,
     cohort: str | None = None,
 ) -> str:
+    """The hash of one spend record, chained to ``prev_hash``."""
     data: dict[str, Any] = {
         "federation_id": federation_id,
         "position": position,
@@ -78,17 +81,17 @@ def _record_hash(
     }
     if cohort is not None:  # records before per-participant budgets named no cohort
         data["cohort"] = cohort
-    return _sha256(_canonical(data))
+    return _sha256(canonical_json(data))
 
 
 def cohort_id(federation_id: str, members: Sequence[str]) -> str:
     """The id of a cohort: a hash of its federation and sorted members (so it cannot be edited)."""
-    return _sha256(_canonical({"federation_id": federation_id, "members": sorted(members)}))
+    return _sha256(canonical_json({"federation_id": federation_id, "members": sorted(members)}))
 
 
 def _budget_hash(ledger_id: str, record: BudgetRecord, prev_hash: str) -> str:
     return _sha256(
-        _canonical(
+        canonical_json(
             {
                 "ledger_id": ledger_id,
                 "data_key": record.data_key,
@@ -104,10 +107,10 @@ def _budget_hash(ledger_id: str, record: BudgetRecord, prev_hash: str) -> str:
 
 
 def _budget_genesis(ledger_id: str, data_key: str) -> str:
-    return _sha256(_canonical({"ledger_id": ledger_id, "data_key": data_key}))
+    return _sha256(canonical_json({"ledger_id": ledger_id, "data_key": data_key}))
 
 
-def _verify_chain(
+def verify_chain(
     path: Path, federation_id: str, start: int, prev: str, rows: Sequence[Sequence[Any]]
 ) -> list[SpendRecord]:
     """Verify rows ``start, start+1, ...`` against the chain ending in ``prev``; return records."""
@@ -122,7 +125,7 @@ def _verify_chain(
             raise LedgerCorrupted(f"{where}: expected record #{expected} next; a record is missing")
         if prev_hash != prev:
             raise LedgerCorrupted(f"{where}: its link to the previous record is broken")
-        recomputed = _record_hash(
+        recomputed = record_hash(
             federation_id, position, run_id, round_index, event_json, created, prev_hash, cohort
         )
         if recomputed != digest:
@@ -140,7 +143,7 @@ def _verify_chain(
     return out
 
 
-def _verify_head(
+def verify_head(
     path: Path, federation_id: str, head: Sequence[Any] | None, count: int, end: str
 ) -> None:
     """The head row must name the chain's last record (so truncation is seen)."""
@@ -157,7 +160,8 @@ def _verify_head(
         )
 
 
-def _data_key(salt: str, data_identity: str, label: str) -> str:
+def data_key_of(salt: str, data_identity: str, label: str) -> str:
+    """The budget key of a data set: ``label-HMAC(salt, data identity)``, truncated to 64 bits."""
     digest = hmac.new(bytes.fromhex(salt), data_identity.encode("utf-8"), hashlib.sha256)
     return f"{label}-{digest.hexdigest()[:16]}"
 
@@ -166,7 +170,7 @@ def _budget_federation_id(data_key: str, number: int) -> str:
     return data_key if number == 1 else f"{data_key}-b{number}"
 
 
-def _actor() -> str:
+def default_actor() -> str:
     """Who starts a budget: user@host (pid), for the record."""
     try:
         user = getpass.getuser()
@@ -175,7 +179,7 @@ def _actor() -> str:
     return f"{user}@{socket.gethostname()} (pid {os.getpid()})"
 
 
-def _budget_chain(
+def budget_chain(
     conn: sqlite3.Connection, path: Path, ledger_id: str, data_key: str
 ) -> list[BudgetRecord]:
     """The verified budgets of one data key, oldest first."""
@@ -198,7 +202,7 @@ def _budget_chain(
     return out
 
 
-def _append_budget(
+def append_budget(
     conn: sqlite3.Connection,
     ledger_id: str,
     data_key: str,

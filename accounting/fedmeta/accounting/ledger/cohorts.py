@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fedmeta.accounting.ledger.chain import cohort_id
 from fedmeta.accounting.ledger.records import LedgerCorrupted, LedgerError, Participant
-from fedmeta.accounting.ledger.storage import PER_PARTICIPANT, _column_or_null
+from fedmeta.accounting.ledger.storage import PER_PARTICIPANT, column_or_null
 from fedmeta.accounting.schemes import GaussianRound, Neighbouring
 
 
@@ -87,7 +87,7 @@ def load_cohorts(
 def participant_rows(conn: sqlite3.Connection, federation_id: str) -> dict[str, list[str]]:
     """Participant key -> [name, digest, digest, ...] (first name; digests oldest first)."""
     out: dict[str, list[str]] = {}
-    if _column_or_null(conn, "participants", "name") == "NULL":
+    if column_or_null(conn, "participants", "name") == "NULL":
         return out
     rows = conn.execute(
         "SELECT participant, name, digest FROM participants WHERE federation_id = ? ORDER BY rowid",
@@ -126,7 +126,7 @@ def carried_federations(
     data_key, number, seq = budget
     if number != 1 or seq <= int(meta[PER_PARTICIPANT]):
         return []
-    if _column_or_null(conn, "carried", "label") == "NULL":
+    if column_or_null(conn, "carried", "label") == "NULL":
         return []
     rows = conn.execute(
         "SELECT federation_id FROM carried WHERE label = ? ORDER BY federation_id",

@@ -9,10 +9,11 @@ from pathlib import Path
 from fedmeta.accounting.ledger.records import LedgerUnwritable
 
 #: Below this much free space an I/O error while writing is reported as a full disk.
-_LOW_SPACE_BYTES = 1 << 20
+LOW_SPACE_BYTES = 1 << 20
 
 
-def _free_bytes(directory: Path) -> int | None:
+def free_bytes(directory: Path) -> int | None:
+    """Bytes free on the file system of ``directory``, or None when it cannot be read."""
     try:
         return shutil.disk_usage(directory).free
     except OSError:
@@ -21,8 +22,8 @@ def _free_bytes(directory: Path) -> int | None:
 
 def unwritable(path: Path, cause: str) -> LedgerUnwritable:
     """One line for a write the file system refused: the path, the cause, what to do."""
-    free = _free_bytes(path.parent)
-    if cause == "full" or (free is not None and free < _LOW_SPACE_BYTES):
+    free = free_bytes(path.parent)
+    if cause == "full" or (free is not None and free < LOW_SPACE_BYTES):
         return LedgerUnwritable(
             f"ledger {path}: no space left on the file system holding {path.parent} "
             f"({free if free is not None else 'unknown'} bytes free); free space there (a spend "

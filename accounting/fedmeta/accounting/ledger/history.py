@@ -16,9 +16,9 @@ from typing import Any, Self
 from fedmeta.accounting.composition import Method
 from fedmeta.accounting.ledger.anchor import LedgerRolledBack, accept_command, accepted
 from fedmeta.accounting.ledger.chain import (
-    _genesis_hash,
-    _verify_chain,
-    _verify_head,
+    genesis_hash,
+    verify_chain,
+    verify_head,
 )
 from fedmeta.accounting.ledger.cohorts import (
     carried_federations,
@@ -37,20 +37,19 @@ from fedmeta.accounting.ledger.records import (
     Participant,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.registration import Registration, find_registration
 from fedmeta.accounting.ledger.storage import (
     PER_PARTICIPANT,
-    _abs,
-    _check_federation_id,
-    _classify,
-    _closed_on_error,
-    _column_or_null,
-    _connect_readonly,
-    _file_identity,
-    _read_meta,
-    _reading,
-    _Registration,
-    _registration,
-    _stored_mode,
+    absolute_path,
+    check_federation_id,
+    classify_error,
+    closed_on_error,
+    column_or_null,
+    connect_readonly,
+    file_identity,
+    read_meta,
+    read_transaction,
+    stored_mode,
 )
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
@@ -69,7 +68,7 @@ class LedgerHistory:
         path: Path,
         meta: Mapping[str, str],
         federation_id: str,
-        registration: _Registration,
+        registration: Registration,
         *,
         readonly: bool,
         identity: tuple[int, int] | None,
@@ -78,7 +77,7 @@ class LedgerHistory:
         self._conn = conn
         self.path = path
         self.ledger_id: str | None = meta.get("ledger_id")
-        self.mode: LedgerMode | None = _stored_mode(path, meta)
+        self.mode: LedgerMode | None = stored_mode(path, meta)
         self.federation_id = federation_id
         self.epsilon_budget = registration.epsilon_budget
         self.delta = registration.delta
@@ -86,7 +85,7 @@ class LedgerHistory:
         self.neighbouring: Neighbouring = registration.neighbouring or ADD_REMOVE
         self.readonly = readonly
         self._identity = identity
-        self._genesis = _genesis_hash(
+        self._genesis = genesis_hash(
             federation_id,
             registration.epsilon_budget,
             registration.delta,
@@ -114,17 +113,17 @@ class LedgerHistory:
         chain, naming the first bad record), ``LedgerUnreadable`` (anything else, with a reason).
         ``spend`` on the result raises ``LedgerReadOnly``.
         """
-        path = _abs(path)
-        _check_federation_id(federation_id)
-        conn = _connect_readonly(path)
-        with _closed_on_error(conn, path):
-            identity = _file_identity(path)
-            with _reading(conn):
+        path = absolute_path(path)
+        check_federation_id(federation_id)
+        conn = connect_readonly(path)
+        with closed_on_error(conn, path):
+            identity = file_identity(path)
+            with read_transaction(conn):
                 check = conn.execute("PRAGMA quick_check").fetchone()[0]
                 if check != "ok":
                     raise LedgerCorrupted(f"ledger {path} failed SQLite's integrity check: {check}")
-                meta = _read_meta(conn)
-                row = _registration(conn, path, federation_id)
+                meta = read_meta(conn)
+                row = find_registration(conn, path, federation_id)
                 if row is None:
                     known = [
                         str(r[0]) for r in conn.execute("SELECT federation_id FROM federations")
@@ -141,11 +140,11 @@ class LedgerHistory:
     @staticmethod
     def describe(path: str | Path) -> LedgerInfo:
         """What the ledger file at ``path`` says about itself (read-only; no chain verified)."""
-        path = _abs(path)
-        conn = _connect_readonly(path)
+        path = absolute_path(path)
+        conn = connect_readonly(path)
         try:
-            with _reading(conn):
-                meta = _read_meta(conn)
+            with read_transaction(conn):
+                meta = read_meta(conn)
                 feds = tuple(
                     str(r[0])
                     for r in conn.execute(
@@ -153,7 +152,7 @@ class LedgerHistory:
                     )
                 )
         except sqlite3.Error as error:
-            raise _classify(path, error) from error
+            raise classify_error(path, error) from error
         finally:
             conn.close()
         return LedgerInfo(
@@ -161,7 +160,7 @@ class LedgerHistory:
             ledger_id=meta.get("ledger_id"),
             # meta is append-only: a migrated ledger says so by the per-participant marker
             schema_version=3 if PER_PARTICIPANT in meta else int(meta.get("schema_version", "1")),
-            mode=_stored_mode(path, meta),
+            mode=stored_mode(path, meta),
             created_at=meta.get("created_at"),
             federations=feds,
         )
@@ -188,7 +187,7 @@ class LedgerHistory:
 
     def file_replaced(self) -> bool:
         """Whether the path now names another file than the one opened (a restore, a move)."""
-        return _file_identity(self.path) != self._identity
+        return file_identity(self.path) != self._identity
 
     def _catch_up(self) -> None:
         """Read and verify records appended since we last looked (by us or another process).
@@ -203,8 +202,8 @@ class LedgerHistory:
             )
         known = len(self._records)
         try:
-            with _reading(self._conn):
-                cohort = _column_or_null(self._conn, "spends", "cohort")
+            with read_transaction(self._conn):
+                cohort = column_or_null(self._conn, "spends", "cohort")
                 rows = self._conn.execute(
                     "SELECT seq, position, run_id, round_index, event, created_at, prev_hash, "
                     f"hash, {cohort} FROM spends WHERE federation_id = ? AND position >= ? "
@@ -223,7 +222,7 @@ class LedgerHistory:
                     (self.federation_id, known - 1),
                 ).fetchone()
         except sqlite3.Error as error:
-            raise _classify(self.path, error) from error
+            raise classify_error(self.path, error) from error
         if known and (ours is None or ours[0] != self._records[-1].hash):
             raise LedgerReplaced(
                 f"ledger {self.path}, federation {self.federation_id!r}: record #{known - 1} is no "
@@ -231,9 +230,9 @@ class LedgerHistory:
                 "reopen it"
             )
         prev = self._records[-1].hash if self._records else self._genesis
-        new = _verify_chain(self.path, self.federation_id, known, prev, rows)
+        new = verify_chain(self.path, self.federation_id, known, prev, rows)
         end = new[-1].hash if new else prev
-        _verify_head(self.path, self.federation_id, head, known + len(new), end)
+        verify_head(self.path, self.federation_id, head, known + len(new), end)
         for cid, members in cohorts.items():
             self._exposure.add_cohort(cid, members)
         for record in new:
@@ -253,10 +252,10 @@ class LedgerHistory:
     def public_uses(self) -> list[PublicDataRecord]:
         """The public data runs on this budget declared (``BudgetLedger.record_public_use``)."""
         try:
-            with _reading(self._conn):
+            with read_transaction(self._conn):
                 return public_uses(self._conn, self.path, self.federation_id)
         except sqlite3.Error as error:
-            raise _classify(self.path, error) from error
+            raise classify_error(self.path, error) from error
 
     def position(self) -> int:
         """Return the number of records (checkpoints store it; a resumed run checks it)."""

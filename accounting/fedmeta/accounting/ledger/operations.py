@@ -1,17 +1,14 @@
-"""Operator commands: data-keyed budgets (resolve, new budget, list) and verified backup."""
+"""Operator commands on data-keyed budgets: resolve, new budget, list, migrate, accept rollback."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
 import sqlite3
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedmeta.accounting.composition import _check_delta
 from fedmeta.accounting.ledger.anchor import (
     Anchor,
     anchor_path,
@@ -25,36 +22,32 @@ from fedmeta.accounting.ledger.budget import (
     BudgetLedger,
 )
 from fedmeta.accounting.ledger.chain import (
-    _actor,
-    _append_budget,
-    _budget_chain,
-    _data_key,
+    append_budget,
+    budget_chain,
+    data_key_of,
+    default_actor,
 )
 from fedmeta.accounting.ledger.cohorts import coarse_day, label_of, legacy_uncarried
 from fedmeta.accounting.ledger.records import (
     FIRST_BUDGET_REASON,
-    BackupResult,
     BudgetRecord,
     LedgerError,
-    LedgerInfo,
     LedgerMode,
-    LedgerUnreadable,
 )
+from fedmeta.accounting.ledger.registration import find_registration
 from fedmeta.accounting.ledger.storage import (
-    _abs,
-    _check_federation_id,
-    _check_mode,
-    _classify,
-    _connect_readonly,
-    _connect_writable,
-    _ensure_schema,
-    _immediate,
-    _read_meta,
-    _reading,
-    _registration,
-    _sidecar,
+    absolute_path,
+    check_federation_id,
+    check_mode,
+    classify_error,
+    connect_readonly,
+    connect_writable,
+    ensure_schema,
+    immediate_transaction,
+    read_meta,
+    read_transaction,
 )
-from fedmeta.accounting.schemes import Neighbouring, Unit
+from fedmeta.accounting.schemes import Neighbouring, Unit, check_delta
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -90,24 +83,26 @@ def resolve_federation(
     if not isinstance(data_identity, str) or not data_identity:
         raise ValueError(f"data_identity must be a non-empty string; got {data_identity!r}")
     _check_label(label)
-    _check_mode(mode)
-    path = _abs(path)
+    check_mode(mode)
+    path = absolute_path(path)
     if not create:
         return _resolve_readonly(path, data_identity, label)
-    conn = _connect_writable(path, create=True)
+    conn = connect_writable(path, create=True)
     try:
-        meta = _ensure_schema(conn, path, mode)
-        key = _data_key(meta["salt"], data_identity, label)
-        with _immediate(conn):
-            chain = _budget_chain(conn, path, meta["ledger_id"], key)
+        meta = ensure_schema(conn, path, mode)
+        key = data_key_of(meta["salt"], data_identity, label)
+        with immediate_transaction(conn):
+            chain = budget_chain(conn, path, meta["ledger_id"], key)
             if not chain:
                 _refuse_unmigrated(conn, path, meta, label)
                 chain = [
-                    _append_budget(conn, meta["ledger_id"], key, (), FIRST_BUDGET_REASON, _actor())
+                    append_budget(
+                        conn, meta["ledger_id"], key, (), FIRST_BUDGET_REASON, default_actor()
+                    )
                 ]
         return chain[-1].federation_id
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
 
@@ -136,20 +131,23 @@ def migrate_to_participants(path: str | Path, *, who: str | None = None) -> list
     per-participant budget of the same label (the old records do not say who could have been
     sampled). Recorded (who, when), append-only. Returns the carried federation ids.
     """
-    path = _abs(path)
-    conn = _connect_writable(path, create=False)
+    path = absolute_path(path)
+    conn = connect_writable(path, create=False)
     try:
-        meta = _ensure_schema(conn, path, None)
-        with _immediate(conn):
+        meta = ensure_schema(conn, path, None)
+        with immediate_transaction(conn):
             legacy = legacy_uncarried(conn, meta, None)
             keys = dict(conn.execute("SELECT federation_id, data_key FROM budgets"))
             conn.executemany(
                 "INSERT INTO carried (federation_id, label, actor, created_at) VALUES (?, ?, ?, ?)",
-                [(fid, label_of(keys[fid]), who or _actor(), coarse_day()) for fid in legacy],
+                [
+                    (fid, label_of(keys[fid]), who or default_actor(), coarse_day())
+                    for fid in legacy
+                ],
             )
         return legacy
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
 
@@ -171,13 +169,15 @@ def accept_rollback(
     """
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")
-    path = _abs(path)
-    conn = _connect_writable(path, create=False)
+    path = absolute_path(path)
+    conn = connect_writable(path, create=False)
     try:
-        meta = _ensure_schema(conn, path, None)
-        with _immediate(conn):
+        meta = ensure_schema(conn, path, None)
+        with immediate_transaction(conn):
             found, anchor = _rollback_found(conn, path, meta["ledger_id"], ledger_id, head)
-            record_acceptance(conn, anchor[0], anchor[1], found, reason.strip(), who or _actor())
+            record_acceptance(
+                conn, anchor[0], anchor[1], found, reason.strip(), who or default_actor()
+            )
             now = current_anchor(conn, meta["ledger_id"])
         if now is None:
             anchor_path(path).unlink(missing_ok=True)
@@ -185,7 +185,7 @@ def accept_rollback(
             write_anchor(path, now)
         return found
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
 
@@ -212,12 +212,12 @@ def _rollback_found(
 
 
 def _resolve_readonly(path: Path, data_identity: str, label: str) -> str:
-    conn = _connect_readonly(path)
+    conn = connect_readonly(path)
     try:
-        with _reading(conn):
+        with read_transaction(conn):
             federation = _current_federation(conn, path, data_identity, label)
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
     if federation is None:
@@ -232,13 +232,13 @@ def _current_federation(
     conn: sqlite3.Connection, path: Path, data_identity: str, label: str
 ) -> str | None:
     """The id of the data's current budget, read inside the caller's transaction; None if none."""
-    meta = _read_meta(conn)
+    meta = read_meta(conn)
     if "salt" not in meta:
         raise LedgerError(
             f"ledger {path} has no budgets (legacy, no id: written by an older fedmeta)"
         )
-    key = _data_key(meta["salt"], data_identity, label)
-    chain = _budget_chain(conn, path, meta["ledger_id"], key)
+    key = data_key_of(meta["salt"], data_identity, label)
+    chain = budget_chain(conn, path, meta["ledger_id"], key)
     return chain[-1].federation_id if chain else None
 
 
@@ -262,16 +262,16 @@ def current_budget(path: str | Path, data_identity: str, *, label: str) -> Budge
     which verifies everything). None when the file does not exist or holds no budget for this
     data.
     """
-    path = _abs(path)
+    path = absolute_path(path)
     if not path.is_file():
         return None
-    conn = _connect_readonly(path)
+    conn = connect_readonly(path)
     try:
-        with _reading(conn):  # one snapshot: the current budget and its terms
+        with read_transaction(conn):  # one snapshot: the current budget and its terms
             federation = _current_federation(conn, path, data_identity, label)
-            row = None if federation is None else _registration(conn, path, federation)
+            row = None if federation is None else find_registration(conn, path, federation)
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
     if federation is None:
@@ -342,22 +342,22 @@ def _terms_like(
 def _check_terms(epsilon_budget: float, delta: float) -> None:
     if not (math.isfinite(epsilon_budget) and epsilon_budget > 0):
         raise ValueError(f"epsilon_budget must be a finite number > 0; got {epsilon_budget!r}")
-    _check_delta(delta)
+    check_delta(delta)
 
 
 def _start_new_budget(
     path: str | Path, federation_id: str, reason: str, *, who: str | None = None
 ) -> str:
-    _check_federation_id(federation_id)
+    check_federation_id(federation_id)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError(f"reason must be a non-empty text saying why; got {reason!r}")
     if who is not None and (not isinstance(who, str) or not who.strip()):
         raise ValueError(f"who must be a non-empty string or None; got {who!r}")
-    path = _abs(path)
-    conn = _connect_writable(path, create=False)
+    path = absolute_path(path)
+    conn = connect_writable(path, create=False)
     try:
-        meta = _ensure_schema(conn, path, None)
-        with _immediate(conn):
+        meta = ensure_schema(conn, path, None)
+        with immediate_transaction(conn):
             row = conn.execute(
                 "SELECT data_key FROM budgets WHERE federation_id = ?", (federation_id,)
             ).fetchone()
@@ -366,161 +366,38 @@ def _start_new_budget(
                     f"federation {federation_id!r} has no budget record in {path}: new budgets "
                     "apply to data-keyed federations (named by resolve_federation)"
                 )
-            chain = _budget_chain(conn, path, meta["ledger_id"], str(row[0]))
+            chain = budget_chain(conn, path, meta["ledger_id"], str(row[0]))
             if chain[-1].federation_id != federation_id:
                 raise LedgerError(
                     f"federation {federation_id!r} is not the current budget of its data; the "
                     f"current one is {chain[-1].federation_id!r}: start a new budget from it"
                 )
-            record = _append_budget(
-                conn, meta["ledger_id"], str(row[0]), chain, reason.strip(), who or _actor()
+            record = append_budget(
+                conn, meta["ledger_id"], str(row[0]), chain, reason.strip(), who or default_actor()
             )
         return record.federation_id
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
 
 
 def budgets(path: str | Path) -> list[BudgetRecord]:
     """Every budget recorded in the ledger at ``path``, by data key then number (read-only)."""
-    path = _abs(path)
-    conn = _connect_readonly(path)
+    path = absolute_path(path)
+    conn = connect_readonly(path)
     try:
-        with _reading(conn):
-            meta = _read_meta(conn)
+        with read_transaction(conn):
+            meta = read_meta(conn)
             if "ledger_id" not in meta:
                 return []
             keys = [str(r[0]) for r in conn.execute("SELECT DISTINCT data_key FROM budgets")]
             return [
                 record
                 for key in sorted(keys)
-                for record in _budget_chain(conn, path, meta["ledger_id"], key)
+                for record in budget_chain(conn, path, meta["ledger_id"], key)
             ]
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     finally:
         conn.close()
-
-
-# ---------------------------------------------------------------------------------- backup
-
-
-def _heads(path: Path) -> tuple[LedgerInfo, dict[str, tuple[int, str | None]]]:
-    """Open every federation read-only (verifying its chain); return (info, position and head)."""
-    info = BudgetLedger.describe(path)
-    heads: dict[str, tuple[int, str | None]] = {}
-    for fid in info.federations:
-        with BudgetLedger.open_readonly(path, fid) as ledger:
-            cp = ledger.checkpoint()
-            heads[fid] = (cp.position, cp.head)
-    return info, heads
-
-
-def _contains(
-    path: Path, older: Mapping[str, tuple[int, str | None]], *, this: str, other: str
-) -> str | None:
-    """``None`` if the ledger at ``path`` (``this``) holds every record of ``older`` (``other``)."""
-    for fid, (position, head) in older.items():
-        try:
-            ledger = BudgetLedger.open_readonly(path, fid)
-        except LedgerUnreadable:
-            raise
-        except LedgerError:
-            return f"federation {fid!r} is in {other}, not in {this}"
-        with ledger:
-            records = ledger.records()
-        if len(records) < position:
-            return f"federation {fid!r} has {len(records)} records in {this}, {position} in {other}"
-        if position and records[position - 1].hash != head:
-            return f"federation {fid!r} has another history in {this} than in {other}"
-    return None
-
-
-def _check_destination(src_info: LedgerInfo, copy: Path, dest: Path, force: bool) -> None:
-    """Refuse to overwrite a ledger holding spends ``copy`` lacks (unless ``force``)."""
-    for suffix in ("-journal", "-wal"):
-        side = _sidecar(dest, suffix)
-        if side.exists() and not force:
-            raise LedgerError(
-                f"{side} exists: a writer has {dest} open or died mid-commit; open {dest} "
-                "writable once (or stop its writer) and retry, or pass --force to discard it"
-            )
-    if not dest.exists() or force:
-        return
-    try:
-        dest_info, dest_heads = _heads(dest)
-    except LedgerUnreadable as error:
-        raise LedgerError(
-            f"{dest} exists and cannot be read ({error.reason}); replacing it would forget "
-            "whatever it holds: pass --force if that is intended"
-        ) from error
-    if dest_info.ledger_id != src_info.ledger_id:
-        raise LedgerError(
-            f"{dest} is another ledger ({dest_info.ledger_id or 'legacy, no id'}, not "
-            f"{src_info.ledger_id or 'legacy, no id'}); pass --force to replace it"
-        )
-    missing = _contains(copy, dest_heads, this="the copy", other=str(dest))
-    if missing is not None:
-        raise LedgerError(
-            f"{dest} holds spends the source lacks ({missing}): restoring would forget privacy "
-            "loss that happened; pass --force only if you know why"
-        )
-
-
-def backup(src: str | Path, dest: str | Path, *, force: bool = False) -> BackupResult:
-    """Copy the ledger at ``src`` to ``dest`` consistently, atomically and verified.
-
-    Uses SQLite's online backup API (a consistent snapshot even while runs spend), writes a
-    temporary file beside ``dest``, fsyncs it, verifies every federation's chain in it, renames it
-    over ``dest`` and verifies again by reopening. Restoring is the same call with the roles
-    swapped; it refuses to replace a ledger that holds spends the backup lacks unless ``force``.
-    """
-    src_path, dest_path = _abs(src), _abs(dest)
-    if dest_path == src_path:
-        raise ValueError(f"--to must differ from --db; both are {src_path}")
-    if not dest_path.parent.is_dir():
-        raise ValueError(f"--to must be in an existing directory; {dest_path.parent} is not one")
-    src_info, src_heads = _heads(src_path)
-    tmp = dest_path.with_name(f".{dest_path.name}.backup-{uuid.uuid4().hex}")
-    try:
-        _copy(src_path, tmp)
-        missing = _contains(tmp, src_heads, this="the copy", other=str(src_path))
-        if missing is not None:
-            raise LedgerError(f"the backup does not verify ({missing}); {dest_path} left alone")
-        _, tmp_heads = _heads(tmp)
-        _check_destination(src_info, tmp, dest_path, force)
-        for suffix in ("-journal", "-wal", "-shm"):
-            _sidecar(dest_path, suffix).unlink(missing_ok=True)  # only reached with force
-        os.replace(tmp, dest_path)
-        _fsync_dir(dest_path.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if _contains(dest_path, tmp_heads, this=str(dest_path), other="the copy") is not None:
-        raise LedgerError(f"{dest_path} does not verify after the rename")
-    return BackupResult(dest_path, src_info.ledger_id, {f: p for f, (p, _) in tmp_heads.items()})
-
-
-def _copy(src: Path, tmp: Path) -> None:
-    source = _connect_readonly(src)
-    target = sqlite3.connect(str(tmp), isolation_level=None)
-    try:
-        source.backup(target)
-        # A schema-1 source was in WAL mode; the copy must read anywhere, without side files.
-        target.execute("PRAGMA journal_mode = DELETE")
-    except sqlite3.Error as error:
-        raise _classify(src, error) from error
-    finally:
-        target.close()
-        source.close()
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from fedmeta.accounting.composition import Method
+from fedmeta.accounting.ledger.public import PublicDataUse
 from fedmeta.accounting.ledger.records import (
+    Participant,
     SpendRecord,
 )
 from fedmeta.accounting.schemes import (
@@ -89,6 +92,14 @@ class Ledger(Protocol):
 
     def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round durably, or raise having recorded nothing."""
+        ...
+
+    def use_cohort(self, participants: Sequence[Participant]) -> None:
+        """Charge the following spends to ``participants`` (those the rounds may sample)."""
+        ...
+
+    def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
+        """Declare, before the run's first spend, the public data it used (spends nothing)."""
         ...
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ SPEND_ATTEMPTS = 8
 #: How long SQLite waits for another connection's lock (a commit takes milliseconds).
 BUSY_TIMEOUT_S = 60.0
 #: How long a writable open waits for an older fedmeta to let go of a WAL ledger it converts.
-_SWITCH_TIMEOUT_S = 5.0
+SWITCH_TIMEOUT_S = 5.0
 #: The reason recorded for the first budget of a data set.
 FIRST_BUDGET_REASON = "first budget for this data"
 

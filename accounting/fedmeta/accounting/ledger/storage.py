@@ -8,16 +8,15 @@ import urllib.parse
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from fedmeta.accounting.ledger.faults import _LOW_SPACE_BYTES, _free_bytes, unwritable
+from fedmeta.accounting.ledger.faults import LOW_SPACE_BYTES, free_bytes, unwritable
 from fedmeta.accounting.ledger.records import (
-    _SWITCH_TIMEOUT_S,
     BUSY_TIMEOUT_S,
     LEDGER_MODES,
     SCHEMA_VERSION,
+    SWITCH_TIMEOUT_S,
     LedgerCorrupted,
     LedgerError,
     LedgerMissing,
@@ -29,11 +28,7 @@ from fedmeta.accounting.ledger.records import (
 )
 from fedmeta.accounting.randomness import SystemRandomSource
 from fedmeta.accounting.schemes import (
-    ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
-    UNITS,
-    Neighbouring,
-    Unit,
 )
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -137,16 +132,18 @@ _CREATE: tuple[str, ...] = (
 # -------------------------------------------------------------------------------- connections
 
 
-def _abs(path: str | Path) -> Path:
+def absolute_path(path: str | Path) -> Path:
     """The absolute, symlink-resolved path (what a run records and a resume compares)."""
     return Path(path).expanduser().resolve()
 
 
-def _sidecar(path: Path, suffix: str) -> Path:
+def sidecar(path: Path, suffix: str) -> Path:
+    """The file named ``path`` plus ``suffix`` beside it (SQLite's ``-journal``, ``-wal``)."""
     return path.with_name(path.name + suffix)
 
 
-def _file_identity(path: Path) -> tuple[int, int] | None:
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """``(device, inode)`` of ``path``, None when it is gone: a replaced file has another."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -177,13 +174,13 @@ def _check_sqlite_header(path: Path, header: bytes) -> None:
         )
 
 
-def _classify(path: Path, error: sqlite3.Error) -> LedgerError:
+def classify_error(path: Path, error: sqlite3.Error) -> LedgerError:
     """Turn a SQLite error met while opening, reading or writing into a one-line ledger error."""
     code = getattr(error, "sqlite_errorcode", 0) & 0xFF
     if code == 13:  # SQLITE_FULL
         return unwritable(path, "full")
-    free = _free_bytes(path.parent)
-    if code == 10 and free is not None and free < _LOW_SPACE_BYTES:  # SQLITE_IOERR, disk full
+    free = free_bytes(path.parent)
+    if code == 10 and free is not None and free < LOW_SPACE_BYTES:  # SQLITE_IOERR, disk full
         return unwritable(path, "full")
     if code == 14 and not os.access(path.parent, os.W_OK):  # SQLITE_CANTOPEN: no journal here
         return unwritable(path, "readonly")
@@ -191,7 +188,7 @@ def _classify(path: Path, error: sqlite3.Error) -> LedgerError:
         return NotALedger(f"{path} is not a SQLite database ({error})", reason="not_sqlite")
     if code in (5, 6):  # SQLITE_BUSY, SQLITE_LOCKED
         return LedgerUnreadable(f"ledger {path} stayed locked: {error}", reason="busy")
-    if code == 8 and _sidecar(path, "-journal").exists():  # SQLITE_READONLY (hot journal)
+    if code == 8 and sidecar(path, "-journal").exists():  # SQLITE_READONLY (hot journal)
         return LedgerUnreadable(
             f"ledger {path}: a writer died in the middle of a commit ({path.name}-journal "
             "exists); the next writable open rolls it back, a read-only one cannot",
@@ -219,19 +216,19 @@ def _not_a_ledger(path: Path, header: bytes) -> NotALedger:
 
 
 @contextmanager
-def _closed_on_error(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
+def closed_on_error(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
     """Close ``conn`` if the block raises; a SQLite error becomes the one-line ledger error."""
     try:
         yield
     except sqlite3.Error as error:
         conn.close()
-        raise _classify(path, error) from error
+        raise classify_error(path, error) from error
     except BaseException:
         conn.close()
         raise
 
 
-def _connect_readonly(path: Path) -> sqlite3.Connection:
+def connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection that writes nothing: ``mode=ro``, no pragma that changes the file."""
     header = _read_header(path)
     if not header:
@@ -239,7 +236,7 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
     _check_sqlite_header(path, header)
     params = {"mode": "ro"}
     if header[18:20] == b"\x02\x02":  # a schema-1 ledger still in WAL mode
-        wal = _sidecar(path, "-wal")
+        wal = sidecar(path, "-wal")
         if wal.exists() and wal.stat().st_size > 0:
             raise LedgerUnreadable(
                 f"ledger {path} was written by an older fedmeta in WAL mode and {wal.name} holds "
@@ -252,8 +249,8 @@ def _connect_readonly(path: Path) -> sqlite3.Connection:
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None)
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
-    with _closed_on_error(conn, path):
+        raise classify_error(path, error) from error
+    with closed_on_error(conn, path):
         if not _LEDGER_TABLES <= _tables(conn):
             raise _not_a_ledger(path, header)
     return conn
@@ -282,15 +279,15 @@ def _check_writable_location(path: Path, *, create: bool) -> None:
             )
 
 
-def _connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
+def connect_writable(path: Path, *, create: bool) -> sqlite3.Connection:
     """A writer's connection: rollback journal, ``synchronous=EXTRA``, integrity checked."""
     _check_writable_location(path, create=create)
     try:
         # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
         conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
     except sqlite3.Error as error:
-        raise _classify(path, error) from error
-    with _closed_on_error(conn, path):
+        raise classify_error(path, error) from error
+    with closed_on_error(conn, path):
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         _use_rollback_journal(conn, path)
         # EXTRA: also fsync the directory after deleting the journal (the commit point), so a
@@ -309,7 +306,7 @@ def _use_rollback_journal(conn: sqlite3.Connection, path: Path) -> None:
     if mode == "delete":
         return
     # The switch needs every other connection closed; do not wait the spend's full minute for it.
-    conn.execute(f"PRAGMA busy_timeout = {int(_SWITCH_TIMEOUT_S * 1000)}")
+    conn.execute(f"PRAGMA busy_timeout = {int(SWITCH_TIMEOUT_S * 1000)}")
     try:
         mode = str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower()
     except sqlite3.OperationalError as error:
@@ -324,26 +321,27 @@ def _use_rollback_journal(conn: sqlite3.Connection, path: Path) -> None:
         )
 
 
-def _read_meta(conn: sqlite3.Connection) -> dict[str, str]:
+def read_meta(conn: sqlite3.Connection) -> dict[str, str]:
+    """The ``meta`` table (ledger id, schema, mode, salt) as a dict."""
     if "meta" not in _tables(conn):
         return {}
     return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
 
 
-def _stored_mode(path: Path, meta: Mapping[str, str]) -> LedgerMode | None:
+def stored_mode(path: Path, meta: Mapping[str, str]) -> LedgerMode | None:
     """The meta table's mode, checked; ``None`` for a schema-1 ledger, which recorded none."""
     mode = meta.get("mode")
     return None if mode is None else stored_choice(f"ledger {path}", "mode", mode, LEDGER_MODES)
 
 
-def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None) -> dict[str, str]:
+def ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None) -> dict[str, str]:
     """Create or migrate the schema and the identity; check the mode. Returns the meta table.
 
     A schema-1 ledger (no meta table) gets its identity here, in the mode of the first writable
     open that meets it: schema 1 recorded no mode. ``mode=None`` checks nothing and refuses to
     create an identity (the caller is not a run).
     """
-    with _immediate(conn):
+    with immediate_transaction(conn):
         tables = _tables(conn)
         if tables - {"sqlite_sequence"} and not _LEDGER_TABLES <= tables:
             raise NotALedger(
@@ -353,7 +351,7 @@ def _ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None
         for statement in _CREATE:
             conn.execute(statement)
         _add_columns(conn)
-        meta = _read_meta(conn)
+        meta = read_meta(conn)
         if not meta:
             if mode is None:
                 raise LedgerError(
@@ -392,7 +390,7 @@ def _add_columns(conn: sqlite3.Connection) -> None:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
 
-def _column_or_null(conn: sqlite3.Connection, table: str, column: str) -> str:
+def column_or_null(conn: sqlite3.Connection, table: str, column: str) -> str:
     """``column`` if the table has it, else ``NULL`` (an older ledger read without migrating)."""
     columns = {str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")}
     return column if column in columns else "NULL"
@@ -412,19 +410,22 @@ def _new_meta(mode: LedgerMode, *, migrated: bool) -> dict[str, str]:
     return meta
 
 
-def _check_mode(mode: object) -> None:
+def check_mode(mode: object) -> None:
+    """Refuse a ledger mode other than ``secure`` or ``insecure``."""
     if mode not in LEDGER_MODES:
         raise ValueError(f"mode must be one of {LEDGER_MODES}; got {mode!r}")
 
 
-def _check_neighbouring(neighbouring: object) -> None:
+def check_neighbouring(neighbouring: object) -> None:
+    """Refuse a neighbouring relation the accountant does not know."""
     if neighbouring is not None and neighbouring not in NEIGHBOURING_RELATIONS:
         raise ValueError(
             f"neighbouring must be one of {NEIGHBOURING_RELATIONS}; got {neighbouring!r}"
         )
 
 
-def _check_federation_id(federation_id: object) -> None:
+def check_federation_id(federation_id: object) -> None:
+    """Refuse an empty or non-string federation id."""
     if not isinstance(federation_id, str) or not federation_id:
         raise ValueError(f"federation_id must be a non-empty string; got {federation_id!r}")
 
@@ -432,112 +433,11 @@ def _check_federation_id(federation_id: object) -> None:
 # ---------------------------------------------------------------------------- BudgetLedger
 
 
-@dataclass(frozen=True)
-class _Registration:
-    """A federation's row: what it was registered with."""
-
-    epsilon_budget: float
-    delta: float
-    unit: Unit
-    created_at: str
-    neighbouring: Neighbouring | None  # None: schema 1, all add/remove
-
-
-def _register(
-    conn: sqlite3.Connection,
-    path: Path,
-    federation_id: str,
-    epsilon_budget: float | None,
-    delta: float | None,
-    unit: Unit,
-    neighbouring: Neighbouring | None,
-    create: bool,
-) -> _Registration:
-    """The federation's row, inserted first if it is new (and ``create`` allows it)."""
-    with _immediate(conn):
-        row = _registration(conn, path, federation_id)
-        if row is not None:
-            return row
-        if not create or epsilon_budget is None or delta is None:
-            raise LedgerError(
-                f"federation {federation_id!r} is not in ledger {path}; opening a new one needs "
-                "epsilon_budget and delta"
-            )
-        row = _Registration(
-            float(epsilon_budget),
-            float(delta),
-            unit,
-            datetime.now(UTC).isoformat(),
-            neighbouring or ADD_REMOVE,
-        )
-        conn.execute(
-            "INSERT INTO federations (federation_id, epsilon_budget, delta, unit, created_at, "
-            "neighbouring) VALUES (?, ?, ?, ?, ?, ?)",
-            (federation_id, row.epsilon_budget, row.delta, unit, row.created_at, row.neighbouring),
-        )
-        return row
-
-
-def _registration(conn: sqlite3.Connection, path: Path, federation_id: str) -> _Registration | None:
-    columns = {str(r[1]) for r in conn.execute("PRAGMA table_info(federations)")}
-    # A schema-1 ledger read without migrating (read-only) has no relation column.
-    relation = "neighbouring" if "neighbouring" in columns else "NULL"
-    row = conn.execute(
-        f"SELECT epsilon_budget, delta, unit, created_at, {relation} FROM federations "
-        "WHERE federation_id = ?",
-        (federation_id,),
-    ).fetchone()
-    if row is None:
-        return None
-    where = f"ledger {path}, federation {federation_id!r}"
-    return _Registration(
-        float(row[0]),
-        float(row[1]),
-        stored_choice(where, "unit", row[2], UNITS),
-        str(row[3]),
-        None
-        if row[4] is None
-        else stored_choice(where, "neighbouring", row[4], NEIGHBOURING_RELATIONS),
-    )
-
-
-def _check_registration(
-    federation_id: str,
-    row: _Registration,
-    epsilon_budget: float | None,
-    delta: float | None,
-    unit: Unit,
-    neighbouring: Neighbouring | None,
-) -> None:
-    """A federation's budget, delta, unit and relation are fixed when it is registered."""
-    for name, given, stored in (
-        ("epsilon_budget", epsilon_budget, row.epsilon_budget),
-        ("delta", delta, row.delta),
-    ):
-        if given is not None and float(given) != float(stored):
-            raise LedgerError(
-                f"{name} must match the value federation {federation_id!r} was registered "
-                f"with ({stored}); got {given}. A budget is fixed for a federation."
-            )
-    if row.unit != unit and not (epsilon_budget is None and delta is None):
-        raise LedgerError(
-            f"unit must match the unit federation {federation_id!r} was registered with "
-            f"({row.unit!r}); got {unit!r}"
-        )
-    stored_relation = row.neighbouring or ADD_REMOVE
-    if neighbouring is not None and neighbouring != stored_relation:
-        raise LedgerError(
-            f"neighbouring must match the relation federation {federation_id!r} was registered "
-            f"with ({stored_relation!r}); got {neighbouring!r}. A composition never mixes "
-            "relations."
-        )
-
-
 # ----------------------------------------------------------------------------- transactions
 
 
 @contextmanager
-def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+def immediate_transaction(conn: sqlite3.Connection) -> Iterator[None]:
     """Run a write transaction taken up front (BEGIN IMMEDIATE), rolled back on any error.
 
     A failed COMMIT (a full disk) is rolled back too, so the connection never stays inside a
@@ -568,7 +468,7 @@ def _rollback(conn: sqlite3.Connection) -> None:
 
 
 @contextmanager
-def _reading(conn: sqlite3.Connection) -> Iterator[None]:
+def read_transaction(conn: sqlite3.Connection) -> Iterator[None]:
     """One read transaction (a consistent snapshot), unless one is already open."""
     if conn.in_transaction:
         yield

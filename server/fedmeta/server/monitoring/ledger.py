@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -47,7 +46,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from fedmeta.accounting.ledger import UNREADABLE_REASONS
-from fedmeta.server.monitoring.live import FED_LABELS, _finite, _remaining
+from fedmeta.accounting.ledger.storage import file_identity
+from fedmeta.server.monitoring.live import FED_LABELS, finite, remaining_budget
 
 if TYPE_CHECKING:
     from fedmeta.accounting import BudgetLedger, GaussianRound
@@ -105,14 +105,6 @@ class LedgerSnapshot:
 def _reason(error: BaseException) -> str:
     reason = str(getattr(error, "reason", "error"))
     return reason if reason in READ_REASONS else "error"
-
-
-def _file_identity(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 class LedgerCollector(Collector):
@@ -191,7 +183,10 @@ class LedgerCollector(Collector):
     def _read_once(self) -> LedgerSnapshot:
         from fedmeta.accounting import BudgetLedger, LedgerUnreadable
 
-        identity = _file_identity(self.db)
+        try:
+            identity = file_identity(self.db)
+        except OSError:  # unreadable counts as changed: the reopen below says why
+            identity = None
         if identity != self._identity:  # replaced (a restore), removed or created: reopen
             self._close_all()
             self._identity = identity
@@ -264,7 +259,7 @@ class LedgerCollector(Collector):
                     values["affordable"] = affordable
         values["eps_task"] = eps_task
         values["eps_part"] = eps_part
-        values["remaining"] = _remaining(eps_task, budget) or 0.0
+        values["remaining"] = remaining_budget(eps_task, budget) or 0.0
         return values
 
     def _affordable(self, ledger: BudgetLedger, event: GaussianRound) -> float | None:
@@ -380,7 +375,7 @@ class LedgerCollector(Collector):
             for fed in snapshot.federations:
                 fams["up"].add_metric([fed.federation], 0 if fed.values is None else 1)
                 for key, value in (fed.values or {}).items():
-                    if key in fams and _finite(value):
+                    if key in fams and finite(value):
                         fams[key].add_metric([fed.federation], value)
         yield readable
         yield from fams.values()
@@ -425,7 +420,7 @@ class LedgerCollector(Collector):
             lab = [fed, str(summary.get("run_id", ""))]
             for key, fam in fams.items():
                 value = summary.get(key)
-                if isinstance(value, int | float) and _finite(value):
+                if isinstance(value, int | float) and finite(value):
                     fam.add_metric(lab, float(value))
             if summary.get("stopped_reason"):
                 stopped.add_metric([*lab, str(summary["stopped_reason"])], 1)

@@ -90,12 +90,14 @@ LIVE_METRICS: tuple[str, ...] = (
 )
 
 
-def _finite(x: float | None) -> bool:
+def finite(x: float | None) -> bool:
+    """True for a float that is neither None, infinite nor NaN."""
     return x is not None and isinstance(x, int | float) and math.isfinite(float(x))
 
 
-def _remaining(spent: float | None, budget: float | None) -> float | None:
-    if not _finite(spent) or not _finite(budget) or not budget:
+def remaining_budget(spent: float | None, budget: float | None) -> float | None:
+    """The fraction of ``budget`` not yet spent (0 to 1); None when either is unknown or 0."""
+    if not finite(spent) or not finite(budget) or not budget:
         return None
     return max(0.0, 1.0 - float(spent) / float(budget))  # type: ignore[arg-type]
 
@@ -268,14 +270,14 @@ class PrometheusRunObserver:
             counters += [self.tasks_requested, self.tasks_received]
         for counter in counters:
             counter.labels(*lab)  # initialise at 0 so rate() has a start point
-        if _finite(e.epsilon_budget):
+        if finite(e.epsilon_budget):
             self._budget[lab] = float(e.epsilon_budget)  # type: ignore[arg-type]
             self.eps_budget.labels(*lab).set(float(e.epsilon_budget))  # type: ignore[arg-type]
-        if _finite(e.delta):
+        if finite(e.delta):
             self.delta.labels(*lab).set(float(e.delta))  # type: ignore[arg-type]
-        if _finite(e.noise_multiplier):
+        if finite(e.noise_multiplier):
             self.z.labels(*lab).set(float(e.noise_multiplier))  # type: ignore[arg-type]
-        if _finite(e.clip):
+        if finite(e.clip):
             self.clip.labels(*lab).set(float(e.clip))  # type: ignore[arg-type]
         if e.rounds_affordable is not None:
             self.affordable.labels(*lab).set(e.rounds_affordable)
@@ -283,12 +285,12 @@ class PrometheusRunObserver:
             self._set_eps(lab, e.epsilon_spent_task, e.epsilon_spent_participant)
 
     def _set_eps(self, lab: tuple[str, str], task: float | None, part: float | None) -> None:
-        if _finite(task):
+        if finite(task):
             self.eps_task.labels(*lab).set(float(task))  # type: ignore[arg-type]
-            rem = _remaining(task, self._budget.get(lab))
+            rem = remaining_budget(task, self._budget.get(lab))
             if rem is not None:
                 self.remaining.labels(*lab).set(rem)
-        if _finite(part):
+        if finite(part):
             self.eps_part.labels(*lab).set(float(part))  # type: ignore[arg-type]
 
     def _round_finished(self, r: RoundOutcome) -> None:
@@ -322,7 +324,7 @@ class PrometheusRunObserver:
             (self.noise_std, r.noise_std),
             (self.clip, r.clip),
         ):
-            if _finite(value):
+            if finite(value):
                 gauge.labels(*lab).set(float(value))  # type: ignore[arg-type]
         if r.diagnostics is not None:
             self._diagnostics_of(lab, r.diagnostics)
@@ -332,15 +334,15 @@ class PrometheusRunObserver:
         """Private diagnostics: present only in non-private runs or on the explicit opt-in."""
         self.tasks_requested.labels(*lab).inc(max(0, d.tasks_requested))
         self.tasks_received.labels(*lab).inc(max(0, d.tasks_received))
-        if _finite(d.clipped_fraction):
+        if finite(d.clipped_fraction):
             self.clipped.labels(*lab).set(float(d.clipped_fraction))  # type: ignore[arg-type]
         for q, v in (d.norm_quantiles or {}).items():
-            if _finite(v):
+            if finite(v):
                 self.norms.labels(*lab, f"{float(q):g}").set(float(v))
         self.round_seconds.labels(*lab).observe(max(0.0, d.round_seconds))
         self.agg_seconds.labels(*lab).observe(max(0.0, d.aggregation_seconds))
         for s in d.compute_seconds_per_task:
-            if _finite(s):
+            if finite(s):
                 self.compute_seconds.labels(*lab).observe(max(0.0, float(s)))
 
     def _withheld_failures(self, lab: tuple[str, str], r: RoundOutcome) -> None:
@@ -360,7 +362,7 @@ class PrometheusRunObserver:
         self.rounds_completed.labels(*lab).set(e.rounds_completed)
         self.run_stopped.labels(*lab, str(e.stopped_reason)).set(1)
         self._set_eps(lab, e.epsilon_spent_task, e.epsilon_spent_participant)
-        if _finite(e.final_metric):
+        if finite(e.final_metric):
             self.final.labels(*lab).set(float(e.final_metric))  # type: ignore[arg-type]
 
 

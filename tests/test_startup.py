@@ -1,0 +1,85 @@
+"""Start-up pays for what it uses (issue 37): what the ``fedmeta`` command and a participant import.
+
+``python -X importtime`` reports every module a process imports, so the installed command itself
+is run, as a user runs it, and its report read. No time is asserted (timings are measured by
+``bench/``-style commands and recorded in docs/benchmarks.md); only which modules load.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FEDMETA = str(Path(sys.executable).parent / "fedmeta")
+#: Seconds of imports a command that does not compute must not pay for (docs/benchmarks.md).
+HEAVY = ("torch", "flwr", "dp_accounting", "scipy")
+
+
+def imported(argv: list[str], tmp_path: Path) -> set[str]:
+    """Every module ``fedmeta ARGV`` imports, read from ``-X importtime`` on its stderr."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", FEDMETA, *argv],
+        capture_output=True, text=True, cwd=tmp_path, check=False, timeout=120,
+    )  # fmt: skip
+    names = {
+        line.rsplit("|", 1)[1].strip()
+        for line in run.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    assert "fedmeta.cli" in names, run.stderr[-2000:]  # the report was read, not an empty one
+    return names
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version"],
+        ["--help"],
+        ["simulat"],  # a usage error
+        ["privacy", "epsilon", "--noise-multiplier"],  # a usage error below a command
+        ["simulate", "--set", "privacy.delta=2"],  # a configuration error
+        ["simulate", "--config", "missing.toml"],
+    ],
+    ids=["version", "help", "usage-error", "sub-usage-error", "config-error", "config-missing"],
+)
+def test_a_command_that_computes_nothing_imports_nothing_heavy(
+    argv: list[str], tmp_path: Path
+) -> None:
+    names = imported(argv, tmp_path)
+    heavy = sorted(n for n in names if n.split(".")[0] in HEAVY)
+    assert not heavy, heavy
+
+
+@pytest.mark.integration
+def test_the_check_sees_a_heavy_import(tmp_path: Path) -> None:
+    """Negative control: a command that computes an epsilon does load dp-accounting."""
+    argv = ["privacy", "epsilon", "--flat-poisson-rate", "0.01", "--noise-multiplier", "1",
+            "--rounds", "10"]  # fmt: skip
+    assert "dp_accounting" in imported(argv, tmp_path)
+
+
+@pytest.mark.integration
+def test_a_participant_loads_no_accounting_code() -> None:
+    """The ClientApp, its gradient code and the warm worker, as a participant's process runs them.
+
+    The participant's first request builds its workload (model, tasks): that is run too, since the
+    workload module is where accounting was reached from.
+    """
+    code = (
+        "import sys\n"
+        "import fedmeta.client.app, fedmeta.client.gradients, fedmeta.client.worker\n"
+        "import fedmeta.client.supernode\n"
+        "from fedmeta.config import load_config\n"
+        "from fedmeta.workload import build_workload\n"
+        "build_workload(load_config(None, ['dataset.name=sinusoid']))\n"
+        "bad = sorted(m for m in sys.modules\n"
+        "             if m.startswith('fedmeta.accounting') or m.split('.')[0] in\n"
+        "             ('dp_accounting', 'scipy'))\n"
+        "assert 'torch' in sys.modules, 'the workload was not built'\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
