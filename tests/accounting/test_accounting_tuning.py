@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from fedmeta.accounting import BudgetLedger, FlatPoissonScheme, GaussianRound, InsecureSeededSource
-from fedmeta.accounting.composition import RDP_ORDERS
+from fedmeta.accounting.rdp import RDP_ORDERS
 from fedmeta.accounting.tuning import (
     Candidate,
     NegativeBinomialTrials,
