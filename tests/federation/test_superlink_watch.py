@@ -63,14 +63,28 @@ def test_no_answer_for_the_bound_ends_the_run(kind: str) -> None:
     assert index == 11 and "has not answered for 10 s" in reason  # 10 s after the first failure
 
 
-def test_the_watch_sets_stop_and_leaves_through_flower_when_the_run_hangs() -> None:
+def test_the_watch_leaves_through_flower_when_the_superlink_is_silent_again() -> None:
+    # Restarted, then gone again while the run cannot finish its calls: Flower's exit path.
     probes = iter([Probe(OK), Probe(REFUSED), Probe(OK)])
     stop, stuck = threading.Event(), threading.Event()
-    watch = sw.SuperLinkWatch(lambda: next(probes, Probe(OK)), timeout_s=0.4, stop=stop,
+    watch = sw.SuperLinkWatch(lambda: next(probes, Probe(REFUSED)), timeout_s=0.4, stop=stop,
                               every_s=0.01, on_stuck=stuck.set)  # fmt: skip
     watch.start()
     assert stop.wait(5) and "restarted" in (watch.reason or "")
-    assert stuck.wait(5)  # nobody closed the watch within timeout_s: Flower's exit path
+    assert stuck.wait(5)
+    watch.close()
+
+
+def test_a_run_finishing_slowly_beside_an_answering_superlink_is_left_to_end() -> None:
+    probes = iter([Probe(OK), Probe(REFUSED), Probe(OK)])
+    stop, stuck = threading.Event(), threading.Event()
+    watch = sw.SuperLinkWatch(lambda: next(probes, Probe(OK)), timeout_s=0.2, stop=stop,
+                              every_s=0.01, on_stuck=stuck.set)  # fmt: skip
+    watch.stuck_after_s = 1.0
+    watch.start()
+    assert stop.wait(5)
+    assert not stuck.wait(0.6)  # its last checkpoint and evaluation may take longer than 0.2 s
+    assert stuck.wait(5)  # but not for ever (stuck_after_s)
     watch.close()
 
 

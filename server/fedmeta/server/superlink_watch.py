@@ -20,9 +20,10 @@ yet spent is abandoned, one already spent is finished, a final checkpoint and ``
 are written (``stopped: interrupted``), and :func:`watching` raises :class:`SuperLinkLost`, so
 that Flower records the run as ``finished:failed`` with the reason and ``fedmeta deploy run`` exits
 1 with the command that resumes it. Nothing is spent twice: a resume continues one past the
-ledger's last spend (server/fedmeta/server/run.py). Should the run not end within the same bound
-(a Flower call that does not return), the watch raises SIGINT, Flower's own exit path, which
-pushes the task's failure to the SuperLink.
+ledger's last spend (server/fedmeta/server/run.py). Should the run be unable to end (its
+SuperLink silent for the same bound again, or a Flower call that has not returned after
+``max(600 s, 10 x bound)``), the watch raises SIGINT, Flower's own exit path, which pushes the
+task's failure to the SuperLink.
 """
 
 from __future__ import annotations
@@ -94,11 +95,12 @@ class SuperLinkWatch:
         self, probe: Callable[[], Probe], timeout_s: float, stop: threading.Event,
         *, every_s: float | None = None, on_stuck: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
-        """``on_stuck``: called when the run has not ended ``timeout_s`` after ``stop``."""
+        """``on_stuck``: called when the run cannot end by itself after ``stop`` (see _end)."""
         self.probe, self.timeout_s, self.stop = probe, timeout_s, stop
         # Every second: a restarted SuperLink is closed for seconds at least (its imports).
         self.every_s = every_s if every_s is not None else min(1.0, timeout_s / 4)
         self.on_stuck = on_stuck or (lambda: signal.raise_signal(signal.SIGINT))
+        self.stuck_after_s = max(600.0, 10 * timeout_s)
         self.reason: str | None = None
         self.noticed_after_s: float | None = None  # from the first failed probe
         self._done = threading.Event()
@@ -116,20 +118,34 @@ class SuperLinkWatch:
     def _loop(self) -> None:
         outage: Outage | None = None
         while not self._done.wait(self.every_s):
+            seen = self.probe()
             now = time.monotonic()
-            outage, reason = judge(outage, self.probe(), now, self.timeout_s)
+            since = outage.since if outage else now
+            outage, reason = judge(outage, seen, now, self.timeout_s)
             if reason is not None:
-                self._end(reason, now - (outage.since if outage else now))
+                self._end(reason, now - since)
                 return
 
     def _end(self, reason: str, noticed_after_s: float) -> None:
+        """Stop the run; leave through Flower's exit path only if it cannot end by itself.
+
+        It can while the SuperLink answers (the run's calls return; its last checkpoint and
+        evaluation may take a while): only a SuperLink silent for ``timeout_s`` more, or a run
+        not ended after ``stuck_after_s``, calls ``on_stuck``.
+        """
         self.reason, self.noticed_after_s = reason, noticed_after_s
         log.warning("ending the run: %s", reason)
         self.stop.set()
-        if not self._done.wait(self.timeout_s):
-            log.warning("the run did not end within %g s of that: leaving through Flower's exit "
-                        "path (SIGINT)", self.timeout_s)  # fmt: skip
-            self.on_stuck()
+        deadline = time.monotonic() + self.stuck_after_s
+        silent_since: float | None = None
+        while not self._done.wait(self.every_s):
+            answered = self.probe().kind in (OK, FORGOTTEN)
+            now = time.monotonic()
+            silent_since = None if answered else (silent_since or now)
+            if now >= deadline or (silent_since and now - silent_since >= self.timeout_s):
+                log.warning("the run has not ended: leaving through Flower's exit path (SIGINT)")
+                self.on_stuck()
+                return
 
 
 def heartbeat_probe(grid: Any, timeout_s: float) -> Callable[[], Probe] | None:
