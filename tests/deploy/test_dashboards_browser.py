@@ -146,3 +146,35 @@ def test_dashboards_prometheus_draws_the_runs_epsilon_in_a_browser(
     _chromium(_graph(base, SERIES), tmp_path / "chromium", f"--screenshot={shot}")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     print(f"screenshot: {shot}")
+
+
+@pytest.mark.slow
+def test_dashboards_profile_on_podman_draws_a_deployed_runs_epsilon(
+    podman_images: dict[str, str], tmp_path: Path
+) -> None:
+    """``docker compose --profile dashboards up`` on podman with no image registry: Prometheus
+    from Debian's package (``scripts/podman-setup.sh dashboards``, FEDMETA_PROMETHEUS_IMAGE),
+    scraping the ServerApp of a ``deploy run``; the same browser check on 127.0.0.1:9090."""
+    from tests.deploy.test_compose_faults import Compose
+
+    image = podman_images.get("FEDMETA_PROMETHEUS_IMAGE", "")
+    if not image.startswith("localhost/"):
+        pytest.skip("no local Prometheus image: run `scripts/podman-setup.sh dashboards` first")
+    dc = Compose(podman_images, "fedmeta-dashboards", "--profile", "dashboards")
+    dc("down", "-v", "--remove-orphans", "-t", "5")
+    try:
+        up = dc("up", "-d", "--no-build", "--wait", "--wait-timeout", "840", timeout=900)
+        assert up.returncode == 0, up.stdout + up.stderr
+        run = dc.deploy_run("--set", "rounds=200")
+        base = "http://127.0.0.1:9090"
+        wait_for(lambda: prom_query(base, f"count_over_time({SERIES}[5m]) >= 4"), 600,
+                 interval=2, what=f"4 scrapes of {SERIES} from the ServerApp")  # fmt: skip
+        assert run.poll() is None, run.communicate()[0]  # during the run
+        drawn = _chromium(_graph(base, SERIES), tmp_path / "chromium", "--dump-dom")
+        assert _LINE.search(drawn) and SERIES in drawn, drawn[-3000:]
+        shot = tmp_path / "compose-prometheus-epsilon.png"
+        _chromium(_graph(base, SERIES), tmp_path / "chromium", f"--screenshot={shot}")
+        print(f"screenshot: {shot}; Prometheus image {image}")
+        run.terminate()
+    finally:
+        dc("down", "-v", "--remove-orphans", "-t", "5", timeout=300)
