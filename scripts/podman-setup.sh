@@ -19,10 +19,16 @@
 #             that runs every container's healthcheck every $FEDMETA_HEALTHCHECK_EVERY_S (5) s, so
 #             `depends_on: service_healthy` and `up --wait` work
 #   check     a two-service compose project through that socket: up / wait / logs / down
+#   dashboards  localhost/fedmeta-prometheus:2.42: Debian's Prometheus on the base image
+#             (deploy/images/prometheus.Dockerfile), for `--profile dashboards` where no image
+#             registry is reachable (`env` then exports FEDMETA_PROMETHEUS_IMAGE); not part of `all`
 #   stop      ends the service and the runner (by their pid files)
 #   mirror    prints the Debian mirror apt uses (the base image's; scripts/compose-smoke.sh's too)
 #   env       prints the exports for a shell: CONTAINERS_CONF, CONTAINERS_STORAGE_CONF, DOCKER_HOST,
-#             FEDMETA_BASE_IMAGE (when the local base exists and it is not set already)
+#             FEDMETA_BASE_IMAGE (when the local base exists and it is not set already), and the
+#             mirror and proxy settings (FEDMETA_PACKAGE_INDEX_URL, FEDMETA_TORCH_INDEX_URL,
+#             FEDMETA_WHEELHOUSE, FEDMETA_CA_CERTS, the image mirrors, HTTP(S)_PROXY, NO_PROXY, ...)
+#             that are set: in this shell, else as `install` found them (sudo -E keeps them)
 #
 # State lives under $FEDMETA_PODMAN_DIR (default /var/tmp/fedmeta-podman): configuration, image
 # storage, the socket, pid files and logs. Configuration for VMs like the development machine
@@ -37,6 +43,7 @@ set -euo pipefail
 dir=${FEDMETA_PODMAN_DIR:-/var/tmp/fedmeta-podman}
 netns=${FEDMETA_PODMAN_NETNS:-}
 base_tag=${FEDMETA_LOCAL_BASE:-localhost/fedmeta-base:bookworm}
+prom_tag=${FEDMETA_LOCAL_PROMETHEUS:-localhost/fedmeta-prometheus:2.42}
 suite=${FEDMETA_BASE_SUITE:-bookworm}
 every=${FEDMETA_HEALTHCHECK_EVERY_S:-5}
 sock="$dir/podman.sock"
@@ -71,12 +78,45 @@ graphroot = "$dir/storage"
 CONF
 }
 
+# The mirror and proxy settings a build behind a mirror or a TLS-inspecting proxy needs
+# (docs/deploy.md, "Offline and mirrored builds"). FEDMETA_TORCH_INDEX_URL counts when set but
+# empty: it means "no torch index".
+settings=(FEDMETA_PACKAGE_INDEX_URL FEDMETA_TORCH_INDEX_URL FEDMETA_TORCH_VARIANT FEDMETA_WHEELHOUSE
+          FEDMETA_CA_CERTS FEDMETA_STRIP_LIBRARIES FEDMETA_PULL_POLICY FEDMETA_PROMETHEUS_IMAGE
+          FEDMETA_GRAFANA_IMAGE FEDMETA_FLWR_SUPERLINK_IMAGE FEDMETA_FLWR_SUPERNODE_IMAGE
+          HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy)
+
+save_settings() {
+  # Those set where `all`/`install` runs (sudo -E keeps them) are kept for `env` in later shells.
+  local f="$dir/settings.env" v
+  mkdir -p "$dir"
+  : > "$f.tmp"
+  for v in "${settings[@]}"; do
+    if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}" >> "$f.tmp"; fi
+  done
+  mv "$f.tmp" "$f"
+  if [ -s "$f" ]; then echo "mirror/proxy settings kept for \`env\`: $(cut -d= -f1 "$f" | cut -d' ' -f2 | xargs)"; fi
+}
+
 print_env() {
   echo "export CONTAINERS_CONF=$dir/containers.conf CONTAINERS_STORAGE_CONF=$dir/storage.conf DOCKER_HOST=unix://$sock"
   if [ -z "${FEDMETA_BASE_IMAGE:-}" ] && command -v podman >/dev/null \
      && (conf_env; podman image exists "$base_tag") 2>/dev/null; then
     echo "export FEDMETA_BASE_IMAGE=$base_tag"
   fi
+  if [ -z "${FEDMETA_PROMETHEUS_IMAGE:-}" ] && command -v podman >/dev/null \
+     && (conf_env; podman image exists "$prom_tag") 2>/dev/null; then
+    echo "export FEDMETA_PROMETHEUS_IMAGE=$prom_tag"
+  fi
+  # The mirror and proxy settings: this shell's where set, else those `all` kept.
+  local v line
+  for v in "${settings[@]}"; do
+    if [ -n "${!v+x}" ]; then
+      printf 'export %s=%q\n' "$v" "${!v}"
+    elif [ -f "$dir/settings.env" ] && line=$(grep -m1 "^export $v=" "$dir/settings.env"); then
+      echo "$line"
+    fi
+  done
 }
 
 compose_bin() {
@@ -114,6 +154,7 @@ cmd_install() {
     DEBIAN_FRONTEND=noninteractive timeout 1200 apt-get install -y -q --no-install-recommends "${missing[@]}"
   fi
   write_conf
+  save_settings
   link_compose_plugin
   echo "podman $(podman --version | awk '{print $3}') ready; configuration in $dir"
 }
@@ -141,6 +182,19 @@ cmd_base() {
     --change 'CMD ["/bin/bash"]' - "$base_tag"
   rm -rf "$root"
   podman run --rm "$base_tag" python3 --version
+}
+
+cmd_dashboards() {
+  # Debian's Prometheus on the local base: the `dashboards` profile without an image registry.
+  need_root; write_conf; conf_env
+  if podman image exists "$prom_tag"; then echo "$prom_tag exists"; return; fi
+  local base=${FEDMETA_BASE_IMAGE:-$base_tag} ctx
+  podman image exists "$base" || cmd_base
+  ctx=$(mktemp -d)   # the Dockerfile copies nothing: an empty build context
+  timeout 1800 podman build -f "$here/deploy/images/prometheus.Dockerfile" \
+    --build-arg "BASE_IMAGE=$base" -t "$prom_tag" "$ctx"
+  rmdir "$ctx"
+  echo "built $prom_tag (Debian's Prometheus); \`env\` exports FEDMETA_PROMETHEUS_IMAGE=$prom_tag"
 }
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -240,10 +294,11 @@ case "${1:-}" in
   service) cmd_service ;;
   healthchecks) cmd_healthchecks ;;
   check) cmd_check ;;
+  dashboards) cmd_dashboards ;;
   stop) cmd_stop ;;
   env) write_conf >/dev/null 2>&1 || true; print_env ;;
   compose-bin) compose_bin ;;
   mirror) mirror ;;
   all) cmd_install; cmd_base; cmd_service; cmd_check ;;
-  *) sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

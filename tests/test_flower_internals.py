@@ -112,6 +112,13 @@ INTERNALS: tuple[Internal, ...] = (
     # server/fedmeta/server/transport.py copies ErrorCode.NODE_UNAVAILABLE (5): its reason
     # node_unavailable
     Internal("flwr.common.constant", "ErrorCode.NODE_UNAVAILABLE", "transport"),
+    # the ServerApp's watch on its SuperLink: the task's heartbeat, sent once, from HttpGrid's
+    # address, TLS and token (its _addr, _insecure, _cert, _token: tests/federation/
+    # test_superlink_watch.py builds a real HttpGrid and probes a server with them)
+    Internal("flwr.superlink.grid", "HttpGrid", "superlink_watch",
+             ("runtime_api_address", "insecure", "root_certificates", "token")),
+    Internal(_RUNTIME, "RuntimeHttpClient.SendTaskHeartbeat", "superlink_watch"),
+    Internal(_PB, "SendTaskHeartbeatResponse", "superlink_watch", fields=("success",)),
     # fedmeta deploy status: node public keys, which `flwr supernode list` does not print
     Internal("flwr.cli.flower_config", "read_superlink_connection", "deploy_status"),
     Internal("flwr.cli.utils", "init_http_client_from_connection", "deploy_status"),

@@ -242,6 +242,13 @@ class FederationConfig(_Section):
     register_timeout_s: float = Field(
         120.0, gt=0, le=86_400, description="longest wait for min_participants at the start (s)"
     )
+    superlink_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="deployed runs: end the run (summary, exit 1, resume command) once the "
+        "SuperLink has restarted, forgotten this run, or not answered for this long (s)",
+    )
     min_participants: int | None = Field(
         None,
         ge=1,

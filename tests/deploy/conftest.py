@@ -50,3 +50,11 @@ def network3(netns_ok: None) -> Iterator[Network]:
     """One server host and three participant hosts on a bridge; participant 2 shaped to 8 Mbit/s."""
     with Network(participants=3, shaped={2: "8mbit"}) as net:
         yield net
+
+
+@pytest.fixture(scope="session")
+def podman_images() -> dict[str, str]:
+    """podman set up and fedmeta's images built once for every compose test of the session."""
+    from tests.deploy.compose_engine import podman_with_images
+
+    return podman_with_images()

@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = Path(sys.executable).parent / "docker-compose"
 FEDERATION = {"superlink", "serverapp", "exporter"}
-DASHBOARDS = {"prometheus", "grafana"}  # images from a registry: the `dashboards` profile
+DASHBOARDS = {"prometheus"}  # the `dashboards` profile: also from Debian's package, no registry
+GRAFANA = {"grafana"}  # its own profile: only from a registry or a mirror
+LOCAL_PROMETHEUS = "localhost/fedmeta-prometheus:2.42"  # scripts/podman-setup.sh dashboards
 
 
 def _config(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> dict[str, object]:
@@ -170,12 +172,18 @@ def test_flower_images_with_tls_authenticate_every_supernode_with_its_own_key() 
 def test_monitoring_profile_keeps_the_simulate_layout() -> None:
     services = _config("--profile", "monitoring")["services"]
     assert isinstance(services, dict)
-    assert {"simulate", *DASHBOARDS} <= set(services)
+    assert {"simulate", *DASHBOARDS, *GRAFANA} <= set(services)
     assert services["simulate"]["environment"]["FEDMETA_STATE_DIR"] == "/ledger"
     assert "federation.backend=inprocess" in services["simulate"]["command"]  # no Ray in images
     dashboards = _config("--profile", "dashboards")["services"]
     assert isinstance(dashboards, dict)
     assert set(dashboards) == FEDERATION | DASHBOARDS | {f"participant-{i}" for i in range(3)}
+    both = _config("--profile", "dashboards", "--profile", "grafana")["services"]
+    assert isinstance(both, dict) and set(both) == set(dashboards) | GRAFANA
+    # Where no registry is reachable, Prometheus comes from Debian's package (podman-setup.sh).
+    local = _config("--profile", "dashboards", env={"FEDMETA_PROMETHEUS_IMAGE": LOCAL_PROMETHEUS})
+    services = local["services"]
+    assert isinstance(services, dict) and services["prometheus"]["image"] == LOCAL_PROMETHEUS
 
 
 def test_build_arguments_come_from_the_environment() -> None:

@@ -10,9 +10,11 @@ Run on both engines: podman (set up by the script, as the guide says) and Docker
 machine's own, or Debian's docker.io started here: tests/deploy/docker_engine.py); and with the
 overlay that runs the SuperLink and SuperNodes from Flower's images (--flower-images), on both
 engines, and with TLS on podman.
-`slow`: 10-20 minutes each with the image build on 2 shared cores, 3-5 with the images cached
-(FEDMETA_SMOKE_NO_BUILD=1). Skipped only where it cannot run: not root (podman-setup installs
-packages; dockerd needs root) or no apt-get, with the reason."""
+`slow`. The podman tests share one set of images, built once per test session by the
+``podman_images`` fixture (scripts/compose-build.sh; tests/deploy/compose_engine.py), and run
+compose with --no-build; the Docker Engine tests build in their own engine (FEDMETA_SMOKE_NO_BUILD=1
+skips that where the images exist). Skipped only where it cannot run: not root (podman-setup
+installs packages; dockerd needs root) or no apt-get, with the reason."""
 
 from __future__ import annotations
 
@@ -54,14 +56,11 @@ def _smoke(engine: str, env: dict[str, str], *more: str) -> str:
 
 # The image build alone can take 20 minutes on 2 shared cores (docs/benchmarks.md); the script's
 # own steps are bounded by their timeouts.
-def _smoke_on_podman(*more: str) -> str:
-    """_smoke through podman, as scripts/podman-setup.sh sets it up; skipped where it cannot."""
-    if os.geteuid() != 0:
-        pytest.skip("scripts/podman-setup.sh (packages, the API service) needs root")
-    if shutil.which("apt-get") is None:
-        pytest.skip("scripts/podman-setup.sh needs Debian's apt-get")
+def _smoke_on_podman(images: dict[str, str], *more: str) -> str:
+    """_smoke through podman, on the images the session's ``podman_images`` fixture built once
+    (tests/deploy/compose_engine.py: podman-setup.sh all, compose-build.sh podman)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}  # podman-setup sets it
-    return _smoke("podman", env, *more)
+    return _smoke("podman", {**env, **images}, "--no-build", *more)
 
 
 def _smoke_on_docker_engine(*more: str) -> str:
@@ -76,16 +75,16 @@ def _smoke_on_docker_engine(*more: str) -> str:
 
 
 @pytest.mark.timeout(5700)
-def test_compose_federation_on_podman() -> None:
-    _smoke_on_podman()
+def test_compose_federation_on_podman(podman_images: dict[str, str]) -> None:
+    _smoke_on_podman(podman_images)
 
 
 @pytest.mark.timeout(5700)
-def test_compose_federation_on_flowers_images_on_podman() -> None:
+def test_compose_federation_on_flowers_images_on_podman(podman_images: dict[str, str]) -> None:
     """The overlay deploy/compose/flower-images.yml: the SuperLink and SuperNodes from Flower's
     published images (or, where no registry has them, the stand-ins built to their contract, which
     the script says), fedmeta's worker beside each SuperNode; the same runs and ledger checks."""
-    out = _smoke_on_podman("--flower-images")
+    out = _smoke_on_podman(podman_images, "--flower-images")
     # Which images ran is said: Flower's published ones, a mirror's given ones, or the stand-ins.
     said = ("compose-smoke: Flower's published images", "compose-smoke: Flower's images as given",
             "stand-ins built from deploy/images/flower-standin.Dockerfile")  # fmt: skip
@@ -94,10 +93,12 @@ def test_compose_federation_on_flowers_images_on_podman() -> None:
 
 
 @pytest.mark.timeout(5700)
-def test_compose_federation_on_flowers_images_with_tls_on_podman() -> None:
+def test_compose_federation_on_flowers_images_with_tls_on_podman(
+    podman_images: dict[str, str],
+) -> None:
     """The same with TLS and node authentication: the four files of docs/deploy.md, the keys
     readable by fedmeta's and Flower's users (--owner 10001:49999 --group-read)."""
-    out = _smoke_on_podman("--flower-images", "--tls")
+    out = _smoke_on_podman(podman_images, "--flower-images", "--tls")
     assert "as uid 49999, without fedmeta" in out
 
 

@@ -60,24 +60,33 @@ def federation(tmp_path: Path) -> Iterator[LocalFederation]:
     yield from _federation(tmp_path, database=None)
 
 
-@pytest.fixture
-def federation_with_state(tmp_path: Path) -> Iterator[LocalFederation]:
-    """The guide's SuperLink: its state (keys, node ids, runs) in a file, so a restart keeps it."""
-    yield from _federation(tmp_path, database=_superlink_db(tmp_path / "fed"))
-
-
-def _superlink_db(work: Path) -> Path:
+def superlink_db(work: Path) -> Path:
+    """Where the tests keep the SuperLink's state (keys, node ids, runs), so a restart keeps it."""
     return work / "state" / "superlink.db"
 
 
-def _federation(tmp_path: Path, database: Path | None) -> Iterator[LocalFederation]:
+def start_executor(fed: LocalFederation) -> None:
+    """``flower-superexec`` apart from the SuperLink, as compose's ``serverapp`` service runs it."""
+    fed.start(fed.server, "superexec", [
+        str(BIN / "flower-superexec"), "--root-certificates", str(fed.certs / "ca.crt"),
+        "--runtime-api-address", fed.control_address,
+        "--superexec-auth-secret-file", str(fed.certs / "superexec.secret"),
+    ])  # fmt: skip
+
+
+def _federation(
+    tmp_path: Path, database: Path | None, isolation: str = "subprocess"
+) -> Iterator[LocalFederation]:
+    """Two participants; ``isolation="process"``: the ServerApp under its own executor."""
     _need_tools()
     fed = LocalFederation(tmp_path / "fed", LocalHost())
     try:
         fed.make_certs(NAMES)
         if database is not None:
             database.parent.mkdir(parents=True, exist_ok=True)
-        fed.start_superlink(database=database)
+        fed.start_superlink(database=database, isolation=isolation)
+        if isolation == "process":
+            start_executor(fed)
         fed.register(NAMES)
         fed.nodes = [Node(LocalHost(), str(i), n, runtime_port=free_port())
                      for i, n in enumerate(NAMES)]  # fmt: skip
@@ -159,10 +168,17 @@ def _run_until_five_spends(
 def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFederation) -> None:
     fed = federation
     ledger, out, run = _run_until_five_spends(fed, "crash")
+    apps = _serverapps(fed)
     _kill_serverapp(fed)
+    wait_until(lambda: not any(_alive(p) for p in apps), 60, "the ServerApp to end", 0.2)
+    # At once, while Flower still lists the run as running: `deploy status` says interrupted.
+    early = _interrupted_in_status(fed, ledger, "running")
     run.wait(timeout=600)
     text = (fed.logs / "deploy-run.log").read_text()
     assert run.returncode != 0, text
+    # The same command as `deploy run` printed, and again once Flower has failed the run.
+    assert f"continue with: {early}" in text, text
+    assert _interrupted_in_status(fed, ledger, "finished:failed") == early
     ((run_id, spent_rounds),) = ledger_spends(ledger).items()
     spent, applied = _counts(text)
     assert spent == len(spent_rounds), text  # the ledger's truth, not the rounds attempted
@@ -192,16 +208,36 @@ def test_killed_serverapp_summary_is_truthful_and_resumes(federation: LocalFeder
     _check_status(fed, ledger)
 
 
-def _check_status(fed: LocalFederation, ledger: Path) -> None:
+def _status(fed: LocalFederation, ledger: Path, *json_flag: str) -> str:
+    """``fedmeta deploy status`` on the server host (deploy run's records in work/runs)."""
     res = subprocess.run(
         [str(BIN / "fedmeta"), "deploy", "status", "--superlink", fed.control_address,
          "--root-certificates", str(fed.certs / "ca.crt"), "--node-keys",
-         str(fed.node_keys_file()), "--db", str(ledger), "--json"],
+         str(fed.node_keys_file()), "--db", str(ledger), "--runs-dir", str(fed.work / "runs"),
+         *json_flag],
         env=fed.env("status"), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.lstrip().startswith("{"), res.stdout + res.stderr  # --json: JSON only
-    status = json.loads(res.stdout)
+    return res.stdout
+
+
+def _interrupted_in_status(fed: LocalFederation, ledger: Path, flower_says: str) -> str:
+    """The one run, shown as interrupted (Flower saying ``flower_says``); its resume command."""
+    status = json.loads(_status(fed, ledger, "--json"))
+    ((run,),) = (status["runs"],)
+    assert run["status"] == flower_says, run
+    assert run["fedmeta"]["state"] == "interrupted", run
+    resume = str(run["fedmeta"]["resume"])
+    assert resume.startswith("fedmeta deploy run --resume --out "), run
+    text = _status(fed, ledger)
+    assert f"  run {run['run-id']}  interrupted (" in text and f"continue with: {resume}" in text
+    return resume
+
+
+def _check_status(fed: LocalFederation, ledger: Path) -> None:
+    out = _status(fed, ledger, "--json")
+    assert out.lstrip().startswith("{"), out  # --json: JSON only
+    status = json.loads(out)
     keys = {key_fingerprint(fed.certs / "nodes" / f"{n}.key.pub"): str(i)
             for i, n in enumerate(NAMES)}  # fmt: skip
     online = {n["key"]: n["bound_to"] for n in status["nodes"] if n["status"] == "online"}
@@ -210,43 +246,3 @@ def _check_status(fed: LocalFederation, ledger: Path) -> None:
     (book,) = status["budget"]["federations"]
     assert book["spends"] == _spends(ledger)
     assert 0 <= book["epsilon_left"] < book["epsilon_budget"] and book["epsilon_spent"] > 0
-
-
-def test_superlink_restarted_mid_run_spends_no_round_twice(
-    federation_with_state: LocalFederation,
-) -> None:
-    """SIGTERM the SuperLink during a run and start it again on its database (docs/deploy.md).
-
-    Whichever way the run goes (on, or stopped with a resume command), it ends at
-    ``budget_exhausted`` with every round spent once, its summary counts what the ledger holds,
-    and no ServerApp of the old SuperLink outlives it to spend beside the resumed one.
-    """
-    fed = federation_with_state
-    ledger, out, run = _run_until_five_spends(fed, "restart")
-    link, apps = fed.procs[0][1], _serverapps(fed)
-    fed.server.kill(link, signal.SIGTERM)
-    link.wait(timeout=120)
-    at_restart = _spends(ledger)
-    fed.start_superlink(database=_superlink_db(fed.work), log_name="superlink-restarted")
-    wait_until(lambda: fed.online() >= len(NAMES), 300, "2 nodes back online", every=1)
-    # The old SuperLink's ServerApp must not live on beside a resumed run.
-    wait_until(lambda: not any(_alive(p) for p in apps), 120, "the old ServerApp to exit", 0.5)
-    assert _spends(ledger) == at_restart  # nothing spent while no ServerApp ran
-    run.wait(timeout=900)
-    text = (fed.logs / "deploy-run.log").read_text()
-    if run.returncode != 0:  # stopped: the printed command must finish it
-        resume = re.search(r"continue with: (.*)", text)
-        assert resume, text
-        cmd = shlex.split(resume.group(1))
-        res = subprocess.run([str(BIN / "fedmeta"), *cmd[1:], "--poll", "0.5"],
-                             env=fed.env("resume"), capture_output=True, text=True,
-                             timeout=900, check=False)  # fmt: skip
-        text = res.stdout + res.stderr
-        assert res.returncode == 0, text
-    assert "stopped: budget_exhausted" in text, text
-    ((run_id, rounds),) = ledger_spends(ledger).items()
-    assert len(rounds) == len(set(rounds)), rounds  # no round spent twice
-    spent, _ = _counts(text)
-    assert spent == len(rounds), text
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["run_id"] == run_id and summary["stopped_reason"] == "budget_exhausted"

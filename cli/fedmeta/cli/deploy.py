@@ -529,6 +529,7 @@ def _run(args: argparse.Namespace) -> int:
         run_id = submit(env, app, run_config_file(Path(tmp, "run.toml"), sets, out, args.resume))
         print(f"run {run_id} submitted to {args.superlink}; outputs will be in {out} on the "
               "ServerApp's host", flush=True)  # fmt: skip
+        remember_run(args, run_id, out)  # for `deploy status`, should this command die
         follower = _follow(env, run_id) if args.stream else None
         try:
             status, details = wait_for(env, run_id, args.timeout, args.poll)
@@ -542,6 +543,14 @@ def _run(args: argparse.Namespace) -> int:
     code = exit_status(outcome)
     report(outcome, code, args)
     return code
+
+
+def remember_run(args: argparse.Namespace, run_id: str, out: str) -> None:
+    """Record the run's output directory and resume command under --runs-dir (deploy_runs)."""
+    from fedmeta.cli.deploy_runs import remember
+    from fedmeta.cli.deploy_status import resume_command
+
+    remember(args.runs_dir, run_id, out, resume_command(args, out))
 
 
 def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:

@@ -251,22 +251,26 @@ class LocalFederation:
 
     def start_superlink(
         self, timeout: float = 180, *, database: Path | None = None, proxy: bool = True,
-        log_name: str = "superlink",
+        log_name: str = "superlink", isolation: str = "subprocess",
     ) -> subprocess.Popen[Any]:  # fmt: skip
         """The SuperLink (TLS, node auth, ServerApp in a subprocess); wait until it answers.
 
         ``database``: its state file (registered keys, node ids, runs), so that a restart keeps
         them (docs/deploy.md, "Certificates"); without it the state is in memory. ``proxy``: also
         start the Fleet-only proxy when this federation has one (a restart leaves it running).
+        ``isolation="process"``: the ServerApp is left to a ``flower-superexec`` started apart
+        (compose's ``serverapp``, the guide's server host), which the SuperExec secret admits.
         """
         bind = "127.0.0.1" if self.fleet_proxy or self.server.address == "127.0.0.1" else "0.0.0.0"
         c = self.certs
         state = ["--database", str(database)] if database is not None else []
+        if isolation == "process":
+            state += ["--superexec-auth-secret-file", str(c / "superexec.secret")]
         proc = self.start(self.server, log_name, [
             str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(c / "ca.crt"),
             "--ssl-certfile", str(c / "server.crt"), "--ssl-keyfile", str(c / "server.key"),
             "--enable-supernode-auth", "--disable-runtime-dependency-installation",
-            "--isolation", "subprocess", "--host", bind, "--port", str(self.port), *state,
+            "--isolation", isolation, "--host", bind, "--port", str(self.port), *state,
         ])  # fmt: skip
         wait_until(lambda: self.flwr("ls", "--format", "json").returncode == 0, timeout,
                    "the SuperLink's Control API")  # fmt: skip

@@ -157,12 +157,17 @@ def register(sub: Any, add_connection_args: Any) -> None:
                    "to (default $FEDMETA_NODE_KEYS)")  # fmt: skip
     p.add_argument("--db", type=Path, default=Path(state, LEDGER_NAME) if state else None,
                    help="the budget ledger (default $FEDMETA_STATE_DIR/ledger.sqlite)")  # fmt: skip
+    p.add_argument("--runs-dir", default=env("FEDMETA_RUNS_DIR", "runs"),
+                   help="where `fedmeta deploy run` recorded its runs (its --runs-dir; default "
+                   "$FEDMETA_RUNS_DIR or runs): interrupted runs are shown with the command "
+                   "that resumes them")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(func=_handle_status)
 
 
 def _handle_status(args: argparse.Namespace) -> int:
     from fedmeta.cli.deploy import CONNECTION, DeployError, _tls, flwr, flwr_home, json_in
+    from fedmeta.cli.deploy_runs import annotate
 
     try:
         ca, _insecure = _tls(args)
@@ -179,6 +184,7 @@ def _handle_status(args: argparse.Namespace) -> int:
             return exitcodes.UNAVAILABLE
         res = flwr(env, "ls", CONNECTION, "--format", "json")
         runs = json_in(res.stdout).get("runs", []) if res.returncode == 0 else []
+    runs = annotate(runs, args.runs_dir)
     status = {"superlink": args.superlink, "nodes": [{**n, "bound_to": bound.get(n["key"])}
                                                      for n in nodes],
               "runs": runs, "budget": _budget(args.db)}  # fmt: skip
@@ -275,9 +281,15 @@ def _status_lines(status: Mapping[str, Any]) -> list[str]:
                      f"{n['key'] or 'no key (node auth off)'}  {bound}")  # fmt: skip
     runs = status["runs"]
     lines.append(f"runs: {len(runs)}")
-    for r in runs[-5:]:
+    # Flower lists the newest first: those five, and every interrupted run.
+    for r in [r for i, r in enumerate(runs) if i < 5 or (r.get("fedmeta") or {}).get("why")]:
         when = r.get("finished-at") or r.get("running-at") or r.get("pending-at")
-        lines.append(f"  run {r.get('run-id')}  {r.get('status')}  {when}")
+        ours = r.get("fedmeta") or {}
+        if ours.get("why"):
+            lines.append(f"  run {r.get('run-id')}  interrupted ({ours['why']})  {when}")
+            lines.append(f"    continue with: {ours['resume']}")
+        else:
+            lines.append(f"  run {r.get('run-id')}  {r.get('status')}  {when}")
     budget = status["budget"]
     if budget.get("error"):
         lines.append(f"budget: {budget['error']}")

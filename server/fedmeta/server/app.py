@@ -26,6 +26,7 @@ from fedmeta.checkpoint import CHECKPOINT_NAME
 from fedmeta.config import Config, load_config
 from fedmeta.server.report import RunObserver
 from fedmeta.server.run import RunResult, run_federation
+from fedmeta.server.superlink_watch import watching
 from fedmeta.server.transport import GridTransport
 from fedmeta.workload import Workload
 
@@ -170,4 +171,6 @@ def main(grid: Grid, context: Context) -> None:
     """``flwr run .`` entry point."""
     quiet_logging()
     cfg, out, resume = config_from_run_config(dict(context.run_config))
-    execute(cfg, grid, out_dir=out, resume=resume)
+    # A SuperLink that restarts or forgets the run ends it here, truthfully (superlink_watch.py).
+    with watching(grid, cfg.federation.superlink_timeout_s) as stop:
+        execute(cfg, grid, out_dir=out, resume=resume, stop=stop)
