@@ -45,7 +45,13 @@ from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.server.budget_keys import budget_identity, ledger_participants, use_round_cohort
+from fedmeta.server.budget_keys import (
+    budget_identity,
+    budget_label,
+    inherited_labels,
+    ledger_participants,
+    use_round_cohort,
+)
 from fedmeta.server.data_budget import (
     BudgetMismatch,
     adopt_data_budget,
@@ -145,7 +151,8 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     path = ledger_file(cfg)
     ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
     identity = budget_identity(cfg, registered)
-    federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
+    federation = resolve_federation(path, identity, label=budget_label(cfg), mode=mode,
+                                    inherit=inherited_labels(cfg))  # fmt: skip
     members = {r.participant_id: r for r in registered}
     return BudgetLedger.open(
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,

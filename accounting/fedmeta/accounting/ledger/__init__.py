@@ -70,6 +70,7 @@ from fedmeta.accounting.ledger.operations import (
     resolve_federation,
     start_new_budget,
 )
+from fedmeta.accounting.ledger.overlap import DataItems
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
@@ -124,6 +125,7 @@ __all__ = [
     "LedgerUnreadable",
     "LedgerUnwritable",
     "NotALedger",
+    "DataItems",
     "Participant",
     "ParticipantExposure",
     "PublicDataRecord",
