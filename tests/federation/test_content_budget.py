@@ -268,3 +268,62 @@ def test_enabling_node_keys_or_replacing_them_keeps_the_budget(tmp_path: Path, d
             with pytest.raises(BudgetExhausted):
                 ledger.spend(EVENT, f"node-keys-{key}", 0)
             assert ledger.position() == 3
+
+
+# ------------------------------------------------------------------ one ledger per data; witness
+
+
+@pytest.mark.integration
+def test_a_second_ledger_path_for_recorded_data_is_refused_naming_the_first(
+    tmp_path: Path,
+) -> None:
+    from fedmeta.server.ledger_witness import LedgerElsewhere
+
+    path = _official(tmp_path / "npz", _drawings(7), "npz")
+    first, second = tmp_path / "a" / "ledger.sqlite", tmp_path / "b" / "ledger.sqlite"
+    first.parent.mkdir()
+    _spend_all(_cfg("omniglot", path, first))
+    cfg = _cfg("omniglot", path, second)
+    with pytest.raises(LedgerElsewhere) as refused:
+        open_budget(cfg, _registered(cfg))
+    message = str(refused.value)
+    assert "\n" not in message and f"recorded in ledger {first}" in message
+    assert f"fedmeta ledger backup --db {first} --to {second}" in message
+    assert not second.exists() and not second.parent.exists(), "a refused run created a ledger"
+    other = _cfg("omniglot", _official(tmp_path / "other", _drawings(8), "npz"), second)
+    open_budget(other, _registered(other)).close()  # other data: a ledger of its own is fine
+
+
+@pytest.mark.integration
+def test_a_restored_state_directory_is_caught_by_the_witness_outside_it(
+    tmp_path: Path, isolated_state_dir: Path
+) -> None:
+    import shutil
+
+    from fedmeta.accounting import LedgerRolledBack, accept_rollback
+    from fedmeta.server.ledger_witness import witness_file
+
+    path = _official(tmp_path / "npz", _drawings(9), "npz")
+    db = isolated_state_dir / "ledger.sqlite"
+    cfg = _cfg("omniglot", path, db)
+    with open_budget(cfg, _registered(cfg)) as ledger:
+        ledger.spend(EVENT, "first", 0)
+    backup = tmp_path / "state-backup"
+    shutil.copytree(isolated_state_dir, backup)  # the whole state directory, anchor included
+    with open_budget(cfg, _registered(cfg)) as ledger:
+        ledger.spend(EVENT, "second", 0)
+        ledger.spend(EVENT, "second", 1)
+        assert ledger.anchor() is not None and ledger.anchor()["spends"] == 3  # type: ignore[index]
+    shutil.rmtree(isolated_state_dir)
+    shutil.copytree(backup, isolated_state_dir)  # restored: one spend, its own anchor agrees
+    assert witness_file(db).is_file() and not witness_file(db).is_relative_to(isolated_state_dir)
+    with pytest.raises(LedgerRolledBack) as refused:
+        open_budget(cfg, _registered(cfg))
+    message = str(refused.value)
+    assert "\n" not in message and "behind its witness" in message
+    assert "an older copy was restored" in message and "accept-rollback --db" in message
+    ledger_id = message.split("--ledger-id ")[1].split()[0]
+    head = message.split("--head ")[1].split()[0]
+    accept_rollback(db, "restored on purpose", ledger_id=ledger_id, head=head)
+    with open_budget(cfg, _registered(cfg)) as ledger:  # accepted on record: goes on
+        assert ledger.position() == 1

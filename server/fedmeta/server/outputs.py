@@ -224,13 +224,17 @@ def build_summary(
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final, untrained),
         **(model_start or model_start_fields(None, None)),
-        "ledger": None
-        if ledger is None
-        else {"path": str(ledger.path), "records": ledger.position()},
+        "ledger": None if ledger is None else _ledger_summary(ledger),
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
         "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
     }
+
+
+def _ledger_summary(ledger: Any) -> dict[str, Any]:
+    """The ledger's path, this budget's records and the whole ledger's witness (issue 39)."""
+    witness = ledger.anchor() if hasattr(ledger, "anchor") else None
+    return {"path": str(ledger.path), "records": ledger.position(), "witness": witness}
 
 
 def model_start_fields(

@@ -16,7 +16,14 @@ from fedmeta.accounting.composition import (
     epsilon,
     max_rounds,
 )
-from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
+from fedmeta.accounting.ledger.anchor import (
+    Anchor,
+    check_anchor,
+    check_witness,
+    current_anchor,
+    write_anchor,
+    write_anchor_at,
+)
 from fedmeta.accounting.ledger.chain import (
     _canonical,
     _record_hash,
@@ -299,7 +306,36 @@ class BudgetLedger(LedgerHistory):
         except sqlite3.Error as error:
             raise _classify(self.path, error) from error
 
-    # ---------------------------------------------------------------------------------- identity
+    # ---------------------------------------------------------------------------------- witness
+
+    def watch(self, witness: Path) -> None:
+        """Check the ledger against a witness outside its state directory, and keep it current.
+
+        Refuses (``LedgerRolledBack``) a ledger behind it (anchor.py, ``check_witness``); from
+        now on every spend writes the witness too, after the anchor beside the ledger.
+        """
+        try:
+            with _reading(self._conn):
+                check_witness(self._conn, self.path, self.ledger_id, witness)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
+        self._witness = witness
+
+    def anchor(self) -> dict[str, Any] | None:
+        """Where the whole ledger stands (id, spend count, last spend's row and hash), or None.
+
+        Released with every run's outputs (summary, checkpoints), so that a ledger restored to
+        an older state is caught by anyone holding a later output.
+        """
+        if self.ledger_id is None:
+            return None
+        try:
+            with _reading(self._conn):
+                now = current_anchor(self._conn, self.ledger_id)
+        except sqlite3.Error as error:
+            raise _classify(self.path, error) from error
+        return None if now is None else now.to_dict()
+
 
     # ---------------------------------------------------------------------------------- budget
 
@@ -477,6 +513,8 @@ class BudgetLedger(LedgerHistory):
         # Committed (and fsynced): only now does in-memory state move, and the anchor follow.
         if self.ledger_id is not None and seq is not None:
             write_anchor(self.path, Anchor(self.ledger_id, count, seq, digest))
+            if self._witness is not None:
+                write_anchor_at(self._witness, Anchor(self.ledger_id, count, seq, digest))
         record = SpendRecord(
             self.federation_id, position, run_id, round_index, event, created, digest, cohort
         )

@@ -105,6 +105,7 @@ class LedgerHistory:
         self._pending: Sequence[Participant] | None = None
         self._resolved: dict[str, list[str]] = {}  # item set -> its data records (overlap.py)
         self._carried: Counter[GaussianRound] = Counter()  # rounds charged to every participant
+        self._witness: Path | None = None  # an anchor outside the state directory (watch)
         self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
         self._epsilons: dict[tuple[Multiset, Unit, Method], float] = {}
 

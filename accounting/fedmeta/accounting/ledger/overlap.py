@@ -34,14 +34,16 @@ import binascii
 import functools
 import hashlib
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from fedmeta.accounting.ledger.records import LedgerError
+from fedmeta.accounting.ledger.storage import _abs, _classify, _connect_readonly, _reading
 
-__all__ = ["ITEMS_TEXT_PREFIX", "DataItems", "ensure_tables", "resolve_records"]
+__all__ = ["ITEMS_TEXT_PREFIX", "DataItems", "ensure_tables", "ledger_holds", "resolve_records"]
 
 #: How a participant's item set travels as text (its registration's data fingerprint).
 ITEMS_TEXT_PREFIX = "items-v1:"
@@ -239,3 +241,32 @@ def _record(
     known.items = np.concatenate([known.items, fresh])[order]
     known.owners = np.concatenate([known.owners, np.full(len(fresh), record, np.int64)])[order]
     known.identities[int(record)] = identity
+
+
+def held_items(conn: sqlite3.Connection, declared: Iterable[DataItems]) -> int:
+    """How many of ``declared``'s items this ledger records, in any federation (read-only)."""
+    meta = {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    if "salt" not in meta or not has_tables(conn):
+        return 0
+    found = 0
+    federations = [str(r[0]) for r in conn.execute(
+        "SELECT DISTINCT federation_id FROM data_records")]  # fmt: skip
+    for fid in federations:
+        known = _load(conn, fid)
+        for items in declared:
+            keyed = np.unique(keyed_items(meta["salt"], fid, items))
+            found += len(keyed) - len(known.owners_of(keyed)[1])
+    return found
+
+
+def ledger_holds(path: str | Path, declared: Sequence[DataItems]) -> int:
+    """How many of ``declared``'s items the ledger at ``path`` records (read-only, writes nothing)."""
+    path = _abs(path)
+    conn = _connect_readonly(path)
+    try:
+        with _reading(conn):
+            return held_items(conn, declared)
+    except sqlite3.Error as error:
+        raise _classify(path, error) from error
+    finally:
+        conn.close()
