@@ -646,6 +646,7 @@ def _checkpoint(run: _Run) -> None:
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
             "witness": ledger.anchor() if isinstance(ledger, BudgetLedger) else None,
+            "released_coordinates": _coordinates(run),  # the implemented guarantee's count
             "selection": run.selection.to_checkpoint(),
         },
     )
