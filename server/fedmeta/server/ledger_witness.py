@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from fedmeta.accounting import BudgetLedger, DataItems, LedgerError, current_budget, ledger_holds
 from fedmeta.config import Config
-from fedmeta.paths import STATE_DIR_ENV, witness_dir
+from fedmeta.paths import STATE_DIR_ENV, WITNESS_DIR_ENV, witness_dir
 from fedmeta.server.budget_keys import budget_identity, budget_label
 from fedmeta.server.transport import Registered
 
 REGISTRY_NAME = "ledgers.json"
+log = logging.getLogger("fedmeta.server")
 
 
 class LedgerElsewhere(LedgerError):
@@ -48,9 +50,19 @@ def witness_file(ledger_path: Path) -> Path:
 
 
 def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
-    """Check ``ledger`` against its witness, keep the witness current, remember the ledger."""
+    """Check ``ledger`` against its witness, keep the witness current, remember the ledger.
+
+    A witness directory that cannot be created (a read-only file system) weakens detection, it
+    does not stop a run: one warning names it (a path, nothing of the data).
+    """
     witness = witness_file(ledger.path)
-    witness.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        witness.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        log.warning("no ledger witness: cannot create %s (%s); set %s to a writable directory "
+                    "outside the state directory", witness.parent, error.strerror,
+                    WITNESS_DIR_ENV)  # fmt: skip
+        return
     ledger.watch(witness)
     if _production(cfg):
         _remember(ledger.path)
