@@ -260,8 +260,9 @@ def test_enabling_node_keys_or_replacing_them_keeps_the_budget(tmp_path: Path, d
             ledger.spend(EVENT, "no-node-auth", i)
         fid = ledger.federation_id
     for key in ("first", "replaced"):
-        keyed = [Registered(r.participant_id, r.node_id + 7, r.task_count, r.data_fingerprint,
-                            node_key=f"SHA256:{key}-{r.participant_id}") for r in plain]  # fmt: skip
+        keyed = [Registered(r.participant_id, r.node_id + 7, r.task_count,
+                            r.data_fingerprint, node_key=f"SHA256:{key}-{r.participant_id}")
+                 for r in plain]  # fmt: skip
         with open_budget(cfg, keyed) as ledger:
             assert ledger.federation_id == fid
             assert ledger.would_exceed(EVENT), f"node keys ({key}) opened a fresh budget"

@@ -260,7 +260,7 @@ def held_items(conn: sqlite3.Connection, declared: Iterable[DataItems]) -> int:
 
 
 def ledger_holds(path: str | Path, declared: Sequence[DataItems]) -> int:
-    """How many of ``declared``'s items the ledger at ``path`` records (read-only, writes nothing)."""
+    """How many of ``declared``'s items the ledger at ``path`` records (read-only)."""
     path = _abs(path)
     conn = _connect_readonly(path)
     try:
