@@ -36,6 +36,7 @@ PACKAGE_DATA = (
     "fedmeta/deploy/tls/register-nodes.sh",
     "fedmeta/deploy/proxy/fleet-only.conf.template",
     "fedmeta/py.typed",
+    "fedmeta/metalearning/public_items/omniglot.bin",  # the public release's digests (issue 39)
 )
 
 

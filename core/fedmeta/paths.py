@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 STATE_DIR_ENV = "FEDMETA_STATE_DIR"
+WITNESS_DIR_ENV = "FEDMETA_WITNESS_DIR"
 LEDGER_NAME = "ledger.sqlite"
 INSECURE_LEDGER_NAME = "insecure-test-ledger.sqlite"
 
@@ -43,3 +44,18 @@ def experiment_ledger_path(name: str, *, secure: bool) -> Path:
     """
     folder = "experiments" if secure else "insecure-test-experiments"
     return state_dir() / folder / f"{name}.sqlite"
+
+
+def witness_dir() -> Path:
+    """Where the ledgers' witnesses and the registry of ledgers live: outside the state directory.
+
+    ``$FEDMETA_WITNESS_DIR`` if set (in a deployment: storage a restore of the state directory
+    does not reach, e.g. the SuperLink host's or the exporter's), else a sibling of the state
+    directory, ``<state>-witness`` (``~/.local/state/fedmeta-witness`` by default): restoring the
+    whole state directory leaves it alone (server/fedmeta/server/ledger_witness.py).
+    """
+    explicit = os.environ.get(WITNESS_DIR_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    state = state_dir()
+    return state.with_name(state.name + "-witness")

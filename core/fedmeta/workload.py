@@ -5,14 +5,14 @@ initial parameters, held-out validation / test / probe tasks, the data's identit
 is a pure function of the configuration and the data: a participant rebuilds exactly its own
 numbered tasks in any process, so task ids are stable across rounds and restarts.
 
-**The data's identity** keys the privacy budget (``declared_identity``): runs over the same data
-spend from one budget, whatever their output directory, training settings, number of participants
-or edits of the data; each participant's own budget is keyed by that identity plus its index (or
-its node key in a deployment), see server/fedmeta/server/budget_keys.py. ``data_fingerprint`` is a
-content digest
-(a SHA-256 over the source files, or the sinusoid generator's full specification): the ledger
-records it and reports a change; it is never a budget key, since one added image would otherwise
-open a fresh budget.
+**The data's identity** keys the privacy budget. Image data is named by its items' content
+digests at source resolution (metalearning/items.py; ``participant_fingerprint`` sends a
+participant's item set to the server), so the same drawings through another loader, file format,
+path or node key spend from the same budget, and a subset, superset or reshuffle is charged with
+what the data it overlaps has spent (accounting/fedmeta/accounting/ledger/overlap.py). The
+synthetic sinusoid is named by its generator and seed (``declared_identity``) plus the
+participant's index. See server/fedmeta/server/budget_keys.py. ``data_fingerprint`` is a digest of
+the source files (or the sinusoid generator's full specification): recorded, never a key.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -162,7 +163,9 @@ class Workload:
             return None
         steps = self.warm_start.steps
         return PublicDataUse(
-            description=summary["data"], digest=summary["digest"], items=summary["classes"],
+            description=summary["data"],
+            digest=summary["digest"],
+            items=summary["classes"],
             use=f"non-private meta-training ({steps} steps) before private training",
             disjoint_from_private=summary["disjoint_from_private"],
         )
@@ -362,6 +365,44 @@ def check_data(cfg: Config) -> Workload:
 
 
 SINUSOID_GENERATOR = "sinusoid-v1"
+
+
+def participant_fingerprint(
+    cfg: Config, tasks: ParticipantTasks | SinusoidParticipant, data_path: str | None
+) -> str:
+    """What a participant tells the (trusted) server its data is.
+
+    Image data: its items' content digests (``items-v1:...``, ledger/overlap.py), every item of
+    the classes its tasks are drawn from; the budget is charged by overlap with them. Data without
+    item digests (the sinusoid): ``data_fingerprint``.
+    """
+    from fedmeta.accounting import DataItems
+    from fedmeta.metalearning.federated import ParticipantTasks
+
+    if isinstance(tasks, ParticipantTasks):
+        items = tasks.dataset.items_of(tasks.classes)
+        if items is not None and len(items):
+            return DataItems.of(items).to_text()
+    return data_fingerprint(own_data(cfg, data_path))
+
+
+def source_items(cfg: Config) -> np.ndarray | None:
+    """Every item digest of the configured source (None: generated data, no items).
+
+    Omniglot: all 32,460 drawings whatever the split (``omniglot_item_ids``, cached by file
+    stat); an image folder: every image it holds.
+    """
+    ds = cfg.dataset
+    if ds.name == "sinusoid" or ds.path is None:
+        return None
+    from fedmeta.metalearning import omniglot_item_ids
+
+    if ds.name == "omniglot":
+        return omniglot_item_ids(Path(ds.path).expanduser())
+    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed, ds.split, ds.rotations,
+                     ds.download)  # fmt: skip
+    parts = [s.item_ids for s in splits if s.item_ids is not None]
+    return np.concatenate(parts) if parts else None
 
 
 def declared_identity(cfg: Config) -> str:

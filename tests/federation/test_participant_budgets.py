@@ -177,9 +177,11 @@ def test_the_ledger_keys_survive_churn(tmp_path: Path) -> None:
     assert [p.identity for p in ledger_participants(fewer, fewer_members, fewer_members)] == keys[
         :4
     ]
+    # A node key authenticates a node; it names no budget (issue 39): enabling node
+    # authentication or replacing a key keeps the participant's identity and the federation.
     bound = Registered("0", 1, 10, "digest", node_key="SHA256:abc")
-    assert participant_identity(cfg, bound) == "node:SHA256:abc"  # a deployment: the node's key
-    assert budget_identity(cfg, [bound]) != budget_identity(cfg, list(members.values()))
+    assert participant_identity(cfg, bound) == keys[0]
+    assert budget_identity(cfg, [bound]) == budget_identity(cfg, list(members.values()))
 
 
 def _as_schema2(db: Path) -> None:

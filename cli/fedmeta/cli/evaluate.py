@@ -95,9 +95,32 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         **privacy_of(state, cfg),
         **marks_of(state, cfg, workload),
     }
+    runs = None
     if args.omniglot_runs is not None:
-        result.update(_official_runs(cfg, model, params, args.omniglot_runs, steps))
+        official, runs = _official_runs(cfg, model, params, args.omniglot_runs, steps)
+        result.update(official)
+    chunk = cfg.training.chunk_size
+    score = lambda t: evaluate(model, params, t, device="auto", chunk_size=chunk, **inner)  # noqa: E731
+    result.update(_seen(cfg, workload, result, runs, score))
     return result
+
+
+def _seen(
+    cfg: Any, workload: Any, result: dict[str, Any], runs: Any, evaluate_tasks: Any
+) -> dict[str, Any]:
+    """``seen_fraction`` and ``held_out`` (cli/fedmeta/cli/evaluate_seen.py; issue 42)."""
+    from fedmeta.cli import evaluate_seen as seen
+
+    trained, note = seen.trained_or_note(cfg, workload)
+    if trained is None:
+        return seen.unknown(note or "seen_fraction unknown")
+    parts, test_items = seen.test_part(trained, workload, evaluate_tasks, result)
+    groups = [test_items] if len(test_items) else []
+    if runs is not None:
+        run_fields, run_groups = seen.runs_part(trained, runs, result["run_errors"])
+        parts.update(run_fields)
+        groups += run_groups
+    return seen.combined(parts, groups, trained)
 
 
 def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
@@ -113,7 +136,7 @@ def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
     reported = [o for o in state.get("outcomes", []) if o.get("epsilon_task") is not None]
     last = reported[-1] if reported else {}
     return {
-        "epsilon": last.get("epsilon_task"),
+        "epsilon": _implemented_epsilon(state, last.get("epsilon_task"), cfg.privacy.delta),
         "epsilon_participant": last.get("epsilon_participant"),
         "epsilon_at_round": last.get("round"),
         "delta": cfg.privacy.delta,
@@ -140,7 +163,25 @@ def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
     }
 
 
-def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) -> dict[str, Any]:
+def _implemented_epsilon(state: dict[str, Any], eps: float | None, delta: float) -> float | None:
+    """The implemented guarantee, as the summary and the exporter report it (issue 39, item 6).
+
+    The accountant's epsilon with the release's floating-point residual folded in over every
+    noisy value the ledger's spends released (server/fedmeta/server/outputs.py). A checkpoint
+    from before it recorded its released coordinates gives the accountant's value.
+    """
+    from fedmeta.server.outputs import implemented_guarantee
+
+    per_round = state.get("released_coordinates")
+    ledger = state.get("ledger") or {}
+    if eps is None or not isinstance(per_round, int) or "position" not in ledger:
+        return eps
+    return implemented_guarantee(float(eps), delta, per_round * int(ledger["position"]))[0]
+
+
+def _official_runs(
+    cfg: Any, model: Any, params: Any, path: Path, steps: int
+) -> tuple[dict[str, Any], Any]:
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.metalearning import evaluate_oneshot_runs, load_oneshot_runs
     from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE
@@ -158,7 +199,7 @@ def _official_runs(cfg: Any, model: Any, params: Any, path: Path, steps: int) ->
         "run_errors": [float(e) for e in scored.errors],
         "mean_error": float(scored.mean_error),
         "human_mean_error": HUMAN_ERROR_RATE,
-    }
+    }, runs
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -182,4 +223,21 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(
             f"mean error {result['mean_error']:.4f} (people: {result['human_mean_error']})"
         )
+    lines.append(_seen_line(result))
     return "\n".join(lines)
+
+
+def _seen_line(result: dict[str, Any]) -> str:
+    """Both facts in one line: how much of what was scored the model had seen, and the rest."""
+    frac = result.get("seen_fraction")
+    if frac is None:
+        return f"seen in training: unknown ({result.get('seen_note', '')})"
+    held = result.get("held_out") or {}
+    parts = []
+    if held.get("mean") is not None:
+        parts.append(f"test {held['mean']:.4f} over {held['tasks']} tasks")
+    if held.get("mean_error") is not None:
+        parts.append(f"runs' mean error {held['mean_error']:.4f} over {held['runs']} runs")
+    flag = "WARNING: " if frac > 0 else ""
+    return (f"{flag}seen in training: {frac:.1%} of the scored items; on unseen items only: "
+            + ("; ".join(parts) or "none left"))  # fmt: skip

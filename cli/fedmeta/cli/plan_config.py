@@ -46,11 +46,11 @@ def budget_delta(base_config: str | None) -> float | None:
     """
     from fedmeta.accounting import current_budget
     from fedmeta.config import Config, load_config
-    from fedmeta.server.budget_keys import budget_identity
+    from fedmeta.server.budget_keys import budget_identity, budget_label
     from fedmeta.server.data_budget import ledger_file
 
     cfg = load_config(base_config) if base_config else Config()
-    terms = current_budget(ledger_file(cfg), budget_identity(cfg, []), label=cfg.dataset.name)
+    terms = current_budget(ledger_file(cfg), budget_identity(cfg, []), label=budget_label(cfg))
     return None if terms is None else terms.delta
 
 

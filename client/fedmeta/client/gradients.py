@@ -35,8 +35,8 @@ from fedmeta.protocol import (
 from fedmeta.workload import (
     Workload,
     build_workload,
-    data_fingerprint,
     own_data,
+    participant_fingerprint,
     participant_tasks,
 )
 
@@ -61,7 +61,7 @@ def registration(
     cfg, wl = received_workload(request.config_json, data_path)
     tasks = participant_tasks(wl, participant_id, data_path)
     return Registration(
-        participant_id, int(tasks.num_tasks), data_fingerprint(own_data(cfg, data_path))
+        participant_id, int(tasks.num_tasks), participant_fingerprint(cfg, tasks, data_path)
     )
 
 

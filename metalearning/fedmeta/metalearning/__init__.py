@@ -25,6 +25,7 @@ from fedmeta.metalearning.images import (
     image_folder_source_digest,
     load_image_folder,
 )
+from fedmeta.metalearning.items import image_item_digest, ink_digests
 from fedmeta.metalearning.maml import (
     InnerLoop,
     clip_by_global_norm,
@@ -50,6 +51,7 @@ from fedmeta.metalearning.omniglot import (
     download_omniglot,
     load_omniglot,
     load_omniglot_public,
+    omniglot_item_ids,
     omniglot_source_digest,
 )
 from fedmeta.metalearning.oneshot_runs import (
@@ -97,6 +99,8 @@ __all__ = [
     "evaluate_oneshot_runs",
     "flatten_params",
     "image_folder_source_digest",
+    "image_item_digest",
+    "ink_digests",
     "init_params",
     "inner_rates",
     "load_image_folder",
@@ -104,6 +108,7 @@ __all__ = [
     "load_omniglot_public",
     "load_oneshot_runs",
     "meta_train",
+    "omniglot_item_ids",
     "omniglot_source_digest",
     "param_spec",
     "partition_classes",

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fedmeta.metalearning.digests import manifest_digest
 from fedmeta.metalearning.errors import DataError
+from fedmeta.metalearning.items import image_item_digest
 
 __all__ = [
     "ClassDataset",
@@ -51,6 +52,9 @@ class ClassDataset:
     names: list[str]
     groups: list[str]
     source: str = ""
+    #: Per image row: the content digest of the item it was made from, at source resolution
+    #: (metalearning/items.py; uint64). A rotation keeps its source item's digest. None: unknown.
+    item_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -58,6 +62,17 @@ class ClassDataset:
             raise ValueError("offsets must have n_classes + 1 entries and groups n_classes")
         if n and int(self.offsets[-1]) != self.images.shape[0]:
             raise ValueError("offsets[-1] must equal the number of images")
+        if self.item_ids is not None and self.item_ids.shape != (self.images.shape[0],):
+            raise ValueError("item_ids must hold one digest per image")
+
+    def items_of(self, classes: Iterable[int]) -> np.ndarray | None:
+        """The item digests of ``classes``' images (None when the source gave none)."""
+        if self.item_ids is None:
+            return None
+        cls = [int(c) for c in classes]
+        if not cls:
+            return np.zeros(0, np.uint64)
+        return np.concatenate([self.item_ids[self.offsets[c] : self.offsets[c + 1]] for c in cls])
 
     @property
     def n_classes(self) -> int:
@@ -82,7 +97,12 @@ class ClassDataset:
         if not cls:
             shape = (0, *self.images.shape[1:])
             return ClassDataset(
-                torch.empty(shape, dtype=torch.uint8), np.zeros(1, np.int64), [], [], self.source
+                torch.empty(shape, dtype=torch.uint8),
+                np.zeros(1, np.int64),
+                [],
+                [],
+                self.source,
+                None if self.item_ids is None else np.zeros(0, np.uint64),
             )
         idx = np.concatenate([np.arange(self.offsets[c], self.offsets[c + 1]) for c in cls])
         counts = self.counts[cls]
@@ -92,6 +112,7 @@ class ClassDataset:
             [self.names[c] for c in cls],
             [self.groups[c] for c in cls],
             self.source,
+            None if self.item_ids is None else self.item_ids[idx],
         )
 
     def with_rotations(self, angles: Sequence[int] = (0, 90, 180, 270)) -> ClassDataset:
@@ -108,9 +129,9 @@ class ClassDataset:
             names += [f"{n}@rot{a}" for n in self.names]
             groups += list(self.groups)
             offsets += list(int(offsets[-1]) + self.offsets[1:])
-        return ClassDataset(
-            torch.cat(parts).contiguous(), np.asarray(offsets, np.int64), names, groups, self.source
-        )
+        items = None if self.item_ids is None else np.tile(self.item_ids, len(angles))
+        return ClassDataset(torch.cat(parts).contiguous(), np.asarray(offsets, np.int64), names,
+                            groups, self.source, items)  # fmt: skip
 
     def example(self, idx: np.ndarray) -> Tensor:
         """Float images in [0, 1] for global example indices ``idx`` (any shape)."""
@@ -159,12 +180,13 @@ def _class_files(root: Path) -> list[tuple[Path, list[Path]]]:
 def _read_class_folders(root: Path, image_size: int, channels: int) -> ClassDataset:
     from PIL import Image
 
-    arrays, names, counts = [], [], []
+    arrays, names, counts, items = [], [], [], []
     mode = "L" if channels == 1 else "RGB"
     for d, files in _class_files(root):
         for f in files:
             try:
                 with Image.open(f) as raw:
+                    items.append(image_item_digest(raw))  # at the resolution it was stored in
                     im = raw.convert(mode)
                     if im.size != (image_size, image_size):
                         im = im.resize((image_size, image_size), Image.Resampling.BILINEAR)
@@ -180,6 +202,7 @@ def _read_class_folders(root: Path, image_size: int, channels: int) -> ClassData
         names,
         list(names),
         str(root),
+        np.asarray(items, dtype=np.uint64),
     )
 
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fedmeta.metalearning.errors import DataError
 from fedmeta.metalearning.evaluation import task_scores
 from fedmeta.metalearning.images import pixels_to_unit
+from fedmeta.metalearning.items import ink_digests
 from fedmeta.metalearning.omniglot import decode_png, resize_strokes
 from fedmeta.metalearning.tasks import Task, stack_tasks
 
@@ -74,6 +75,9 @@ class OneShotRun:
 
     name: str
     task: Task
+    #: Each drawing's item digest (metalearning/items.py: its ink mask at 105 x 105), the 20
+    #: training drawings then the 20 test items: what tells a model's training data apart.
+    item_ids: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,8 @@ def _run(src: _Source, run: str, image_size: int) -> OneShotRun:
     x = pixels_to_unit(resize_strokes(white, image_size))  # exactly load_omniglot's pixels
     support_y = torch.arange(ONESHOT_WAYS)
     query_y = torch.tensor([labels[k] - 1 for k in range(1, ONESHOT_WAYS + 1)])
-    return OneShotRun(run, Task(x[:ONESHOT_WAYS], support_y, x[ONESHOT_WAYS:], query_y))
+    task = Task(x[:ONESHOT_WAYS], support_y, x[ONESHOT_WAYS:], query_y)
+    return OneShotRun(run, task, ink_digests(white, ink=False))
 
 
 def load_oneshot_runs(path: str | Path, *, image_size: int = 28) -> list[OneShotRun]:

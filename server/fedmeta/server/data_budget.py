@@ -16,16 +16,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedmeta.accounting import BudgetLedger, BudgetTerms, current_budget
+import numpy as np
+
+from fedmeta.accounting import BudgetLedger, BudgetTerms, DataItems, current_budget
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
-from fedmeta.server.budget_keys import budget_identity
+from fedmeta.server.budget_keys import budget_identity, budget_label
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.transport import Registered
 
 
 class BudgetMismatch(ValueError):
     """A run's configuration names a budget other than the data's recorded one."""
+
+
+class NotPublicData(BudgetMismatch):
+    """An experiment (``privacy.experiment``) on data not proven public: refused, nothing spent."""
 
 
 def ledger_file(cfg: Config) -> Path:
@@ -50,7 +56,8 @@ def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path)
     """
     if not cfg.privacy.enabled:
         return cfg
-    terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
+    check_experiment_data(cfg, registered)
+    terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
     if terms is None or terms.epsilon_budget is None or terms.delta is None:
         return cfg
     given = cfg.privacy.model_fields_set
@@ -62,6 +69,35 @@ def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path)
         update={"epsilon_budget": terms.epsilon_budget, "delta": terms.delta}
     )
     return cfg.model_copy(update={"privacy": privacy})
+
+
+def check_experiment_data(cfg: Config, registered: Sequence[Registered]) -> None:
+    """Refuse an experiment unless every item of its data is in one known public release.
+
+    The items: every item of the configured source (``fedmeta.workload.source_items``) and every
+    item a participant declared (its own data in a deployment). The generated sinusoid family is
+    public by construction (metalearning/public_releases.py). One line naming the data and the fix.
+    """
+    name = cfg.privacy.experiment
+    if name is None or cfg.dataset.name == "sinusoid":
+        return
+    from fedmeta.metalearning.public_releases import PUBLIC_RELEASES, not_public
+    from fedmeta.workload import source_items
+
+    declared = [DataItems.from_text(r.data_fingerprint) for r in registered]
+    parts = [source_items(cfg)] + [d.array() for d in declared if d is not None]
+    items = np.unique(np.concatenate([p for p in parts if p is not None] or [np.zeros(0)]))
+    outside, release = not_public(items) if len(items) else (0, None)
+    if outside == 0 and release is not None:
+        return
+    known = "; ".join(description for description, _ in PUBLIC_RELEASES.values())
+    raise NotPublicData(
+        f"--experiment {name}: {outside} of the {len(items)} items of dataset.path "
+        f"{cfg.dataset.path} (and the participants' declared data) are in no known public "
+        f"release ({known}; the generated sinusoid family), so this is not public benchmark data "
+        "and an experiment ledger cannot hold its spends: run without --experiment, on this "
+        "data's own budget; nothing was spent"
+    )
 
 
 def _mismatch(cfg: Config, name: str, value: float, terms: BudgetTerms, path: Path) -> str:

@@ -235,9 +235,7 @@ def build_summary(
         **_final_metric(cfg, final),
         **_starting_fields(cfg, starting, start),
         **model_start,
-        "ledger": None
-        if ledger is None
-        else {"path": str(ledger.path), "records": ledger.position()},
+        "ledger": None if ledger is None else _ledger_summary(ledger),
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
         "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
@@ -269,6 +267,12 @@ def _privacy_fields(
         "noise_secure": noise_secure if private else None,
         "normaliser": plan.normaliser if private else None,
     }
+
+
+def _ledger_summary(ledger: Any) -> dict[str, Any]:
+    """The ledger's path, this budget's records and the whole ledger's witness (issue 39)."""
+    witness = ledger.anchor() if hasattr(ledger, "anchor") else None
+    return {"path": str(ledger.path), "records": ledger.position(), "witness": witness}
 
 
 def model_start_fields(

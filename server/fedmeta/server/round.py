@@ -46,6 +46,7 @@ from fedmeta.accounting import (
 from fedmeta.config import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest, ReplyFormat
 from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
+from fedmeta.server.operator_log import log_failures
 from fedmeta.server.optimizer import learning_rate, make_optimizer
 from fedmeta.server.plan import RunPlan
 from fedmeta.server.releases import split_failures
@@ -206,6 +207,7 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
         assert clip is not None and count is not None
         state.clip = _next_clip(session, clip, count)
     outcome = _outcome(session, index, exchange, checked, position, noise_std, clip)
+    log_failures(session.run_id, index + 1, _named_failures(exchange, checked))  # operator only
     if not session.diagnostics:
         return outcome
     return _with_diagnostics(outcome, requests, exchange, checked, (started, received))
@@ -338,6 +340,13 @@ def _outcome(
         noise_std=noise_std,
         clip=clip,
     )
+
+
+def _named_failures(exchange: Exchange, checked: RoundReplies) -> list[tuple[str, str, str]]:
+    """``(participant, reason, detail)`` of a round's failures: for the operator log alone."""
+    out = [(pid, d.failure, d.detail) for pid, d in sorted(exchange.deliveries.items())
+           if d.failure is not None]  # fmt: skip
+    return out + [(r.participant_id, r.reason, r.detail) for r in checked.rejected]
 
 
 def all_failures(exchange: Exchange, checked: RoundReplies) -> dict[str, int]:

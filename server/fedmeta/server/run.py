@@ -47,7 +47,13 @@ from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.server.budget_keys import budget_identity, ledger_participants, use_round_cohort
+from fedmeta.server.budget_keys import (
+    budget_identity,
+    budget_label,
+    inherited_labels,
+    ledger_participants,
+    use_round_cohort,
+)
 from fedmeta.server.data_budget import (
     BudgetMismatch,
     adopt_data_budget,
@@ -56,6 +62,7 @@ from fedmeta.server.data_budget import (
     other_budget_hint,
 )
 from fedmeta.server.epsilon_curve import RoundEpsilons
+from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
 from fedmeta.server.membership import Membership
 from fedmeta.server.noise import NoiseSource
 from fedmeta.server.plan import (
@@ -147,15 +154,23 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     """
     mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
     path = ledger_file(cfg)
+    refuse_second_ledger(cfg, path, registered)  # one ledger per data (issue 39), before creating
     ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
     identity = budget_identity(cfg, registered)
-    federation = resolve_federation(path, identity, label=cfg.dataset.name, mode=mode)
+    federation = resolve_federation(path, identity, label=budget_label(cfg), mode=mode,
+                                    inherit=inherited_labels(cfg))  # fmt: skip
     members = {r.participant_id: r for r in registered}
-    return BudgetLedger.open(
+    ledger = BudgetLedger.open(
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
         neighbouring=cfg.privacy.neighbouring, mode=mode,
-        participants=ledger_participants(cfg, members, members),
     )  # fmt: skip
+    try:
+        watch_ledger(ledger, cfg)  # refused if behind its witness outside the state directory
+        ledger.use_cohort(ledger_participants(cfg, members, members))
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger
 
 
 def run_spends(ledger: BudgetLedger, run_id: str) -> list[int]:
@@ -650,6 +665,8 @@ def _checkpoint(run: _Run) -> None:
             "outcomes": [o.to_dict() for o in run.outcomes],
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
+            "witness": ledger.anchor() if isinstance(ledger, BudgetLedger) else None,
+            "released_coordinates": _coordinates(run),  # the implemented guarantee's count
             "selection": run.selection.to_checkpoint(),
             "starting_model": None if run.starting is None else run.starting.to_dict(),
         },

@@ -31,7 +31,7 @@ def _holder(path: Path) -> str:
         info = json.loads(path.read_text() or "{}")
     except (OSError, ValueError):
         return "another process"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+    started = info.get("started_day", "an unknown day")
     return f"pid {info.get('pid')} on {info.get('host')} since {started} ({info.get('command')})"
 
 
@@ -50,7 +50,10 @@ def exclusive_run_directory(out_dir: Path) -> Iterator[None]:
             raise RunDirectoryBusy(
                 f"{out_dir} is in use by {_holder(path)}; wait for it to end or use another --out"
             ) from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+        # The day only (UTC): the lock file stays in a private run's outputs, and a finer time
+        # would release when the run started (issue 39, item 6).
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started_day": time.strftime("%Y-%m-%d", time.gmtime()),
                 "command": " ".join(sys.argv)[:200]}  # fmt: skip
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)

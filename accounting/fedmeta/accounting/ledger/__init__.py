@@ -71,6 +71,7 @@ from fedmeta.accounting.ledger.operations import (
     resolve_federation,
     start_new_budget,
 )
+from fedmeta.accounting.ledger.overlap import DataItems, ledger_holds
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
@@ -125,6 +126,7 @@ __all__ = [
     "LedgerUnreadable",
     "LedgerUnwritable",
     "NotALedger",
+    "DataItems",
     "Participant",
     "ParticipantExposure",
     "PublicDataRecord",
@@ -141,6 +143,7 @@ __all__ = [
     "backup",
     "budgets",
     "current_budget",
+    "ledger_holds",
     "ensure_directory",
     "migrate_to_participants",
     "resolve_federation",

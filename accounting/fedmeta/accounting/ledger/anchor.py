@@ -66,8 +66,15 @@ def current_anchor(conn: sqlite3.Connection, ledger_id: str) -> Anchor | None:
 
 
 def write_anchor(path: Path, anchor: Anchor) -> None:
-    """Replace the anchor atomically. A failure (a full disk) only weakens detection: ignored."""
-    target = anchor_path(path)
+    """Replace the anchor beside the ledger at ``path`` atomically (see ``write_anchor_at``)."""
+    write_anchor_at(anchor_path(path), anchor)
+
+
+def write_anchor_at(target: Path, anchor: Anchor) -> None:
+    """Replace the anchor file ``target`` atomically; a failure (a full disk) is ignored.
+
+    A missing anchor only weakens detection; it never blocks a spend already recorded.
+    """
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
@@ -131,6 +138,31 @@ def record_acceptance(
         "VALUES (?, ?, ?, ?, ?, ?)",
         (ledger_id, head, found, reason, actor, datetime.now(UTC).date().isoformat()),
     )
+
+
+def check_witness(
+    conn: sqlite3.Connection, path: Path, ledger_id: str | None, witness: Path
+) -> None:
+    """Refuse a ledger behind a witness kept outside its state directory (issue 39, item 5).
+
+    The witness is an anchor file written after every spend somewhere a restore of the state
+    directory does not reach (ledger/witness.py). A ledger behind it (an older copy, the whole
+    state directory restored, the ledger deleted and recreated) is refused unless that rollback
+    was accepted on record; then, and when there is no witness yet, the witness is brought up to
+    the ledger.
+    """
+    anchor = read_anchor(witness)
+    found = None if anchor is None else behind(conn, ledger_id, anchor)
+    if anchor is not None and found is not None and not accepted(conn, anchor.ledger_id,
+                                                                  anchor.head):  # fmt: skip
+        raise LedgerRolledBack(
+            f"ledger {path} is behind its witness {witness}: {found}; if that is deliberate, "
+            f"accept it with `{accept_command(path, anchor.ledger_id, anchor.head)}` (recorded), "
+            "else restore the newer ledger"
+        )
+    now = None if ledger_id is None else current_anchor(conn, ledger_id)
+    if now is not None and now != anchor:
+        write_anchor_at(witness, now)
 
 
 def check_anchor(conn: sqlite3.Connection, path: Path, ledger_id: str | None) -> None:

@@ -10,7 +10,14 @@ from typing import Any, Literal
 
 from fedmeta.accounting.calibration import max_rounds
 from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
-from fedmeta.accounting.ledger.anchor import Anchor, check_anchor, write_anchor
+from fedmeta.accounting.ledger.anchor import (
+    Anchor,
+    check_anchor,
+    check_witness,
+    current_anchor,
+    write_anchor,
+    write_anchor_at,
+)
 from fedmeta.accounting.ledger.chain import (
     canonical_json,
     cohort_id,
@@ -23,6 +30,7 @@ from fedmeta.accounting.ledger.cohorts import (
     record_cohort,
 )
 from fedmeta.accounting.ledger.history import LedgerHistory
+from fedmeta.accounting.ledger.overlap import resolve_records
 from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.public import PublicDataUse, record_public_use
@@ -81,6 +89,19 @@ def affordable_rounds(
 def _base(counts: Mapping[GaussianRound, int], event: GaussianRound) -> tuple[Any, ...]:
     """The recorded rounds other than ``event``: what its affordable total depends on."""
     return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
+
+
+def _expanded(
+    participants: Sequence[Participant], resolved: Mapping[str, Sequence[str]]
+) -> list[Participant]:
+    """Plain participants: one with items becomes one per data record it is charged to."""
+    out = []
+    for p in participants:
+        if p.items is None:
+            out.append(p)
+        else:
+            out += [Participant(r, p.name, p.digest) for r in resolved[p.items.set_digest]]
+    return out
 
 
 class BudgetLedger(LedgerHistory):
@@ -230,21 +251,41 @@ class BudgetLedger(LedgerHistory):
         """Charge the following spends to ``participants`` (those the rounds may sample).
 
         Recorded (cohort, names and data digests) in the ledger at once, so a reader sees who
-        the next spends are charged to. On a read-only ledger only the checks use it.
+        the next spends are charged to. A participant that declares its items is charged to
+        every data record they overlap (ledger/overlap.py). On a read-only ledger only the
+        checks use it.
         """
         if not participants:
             raise ValueError("participants must name at least one participant")
         if self.readonly:
-            keys = frozenset(participant_key(self._salt, p.identity) for p in participants)
+            charged = self._charged(participants, write=False)
+            keys = frozenset(participant_key(self._salt, p.identity) for p in charged)
             self._cohort = (cohort_id(self.federation_id, sorted(keys)), keys)
             return
         try:
             with immediate_transaction(self._conn):
-                cid, keys = record_cohort(self._conn, self.federation_id, self._salt, participants)
+                charged = self._charged(participants, write=True)
+                cid, keys = record_cohort(self._conn, self.federation_id, self._salt, charged)
         except sqlite3.Error as error:
             raise classify_error(self.path, error) from error
         self._cohort = (cid, keys)
         self._catch_up()
+
+    def _charged(self, participants: Sequence[Participant], *, write: bool) -> list[Participant]:
+        """Who the spends are charged to: a participant with items, once per record it touches.
+
+        Resolved once per item set and then remembered: every item of it is recorded by then,
+        and later records only ever hold items no record held, so never one of these.
+        """
+        declared = {p.items.set_digest: p.items for p in participants if p.items is not None}
+        todo = {name: items for name, items in declared.items() if name not in self._resolved}
+        if todo:
+            found = resolve_records(self._conn, self._salt, self.federation_id, todo,
+                                    write=write, day=coarse_day())  # fmt: skip
+            if not write:
+                return _expanded(participants, {**self._resolved, **found})
+            self._resolved.update(found)
+        return _expanded(participants, self._resolved)
 
     def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
         """Declare, before the run's first spend, the public data it used (ledger/public.py).
@@ -260,7 +301,36 @@ class BudgetLedger(LedgerHistory):
         except sqlite3.Error as error:
             raise classify_error(self.path, error) from error
 
-    # ---------------------------------------------------------------------------------- identity
+    # ---------------------------------------------------------------------------------- witness
+
+    def watch(self, witness: Path) -> None:
+        """Check the ledger against a witness outside its state directory, and keep it current.
+
+        Refuses (``LedgerRolledBack``) a ledger behind it (anchor.py, ``check_witness``); from
+        now on every spend writes the witness too, after the anchor beside the ledger.
+        """
+        try:
+            with read_transaction(self._conn):
+                check_witness(self._conn, self.path, self.ledger_id, witness)
+        except sqlite3.Error as error:
+            raise classify_error(self.path, error) from error
+        self._witness = witness
+
+    def anchor(self) -> dict[str, Any] | None:
+        """Where the whole ledger stands (id, spend count, last spend's row and hash), or None.
+
+        Released with every run's outputs (summary, checkpoints), so that a ledger restored to
+        an older state is caught by anyone holding a later output.
+        """
+        if self.ledger_id is None:
+            return None
+        try:
+            with read_transaction(self._conn):
+                now = current_anchor(self._conn, self.ledger_id)
+        except sqlite3.Error as error:
+            raise classify_error(self.path, error) from error
+        return None if now is None else now.to_dict()
+
 
     # ---------------------------------------------------------------------------------- budget
 
@@ -438,6 +508,8 @@ class BudgetLedger(LedgerHistory):
         # Committed (and fsynced): only now does in-memory state move, and the anchor follow.
         if self.ledger_id is not None and seq is not None:
             write_anchor(self.path, Anchor(self.ledger_id, count, seq, digest))
+            if self._witness is not None:
+                write_anchor_at(self._witness, Anchor(self.ledger_id, count, seq, digest))
         record = SpendRecord(
             self.federation_id, position, run_id, round_index, event, created, digest, cohort
         )

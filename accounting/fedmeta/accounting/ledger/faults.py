@@ -27,14 +27,14 @@ def unwritable(path: Path, cause: str) -> LedgerUnwritable:
         return LedgerUnwritable(
             f"ledger {path}: no space left on the file system holding {path.parent} "
             f"({free if free is not None else 'unknown'} bytes free); free space there (a spend "
-            "needs a few KB) or set privacy.ledger_path to a ledger elsewhere, then rerun; "
-            "nothing was recorded"
+            "needs a few KB), then rerun; the budget lives in this ledger, so another ledger "
+            "file would not hold it; nothing was recorded"
         )
     if cause == "readonly":
         return LedgerUnwritable(
             f"ledger {path} cannot be written: {path.parent} is read-only (file, directory or "
-            "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
-            "writable place; nothing was recorded"
+            "mount); make it writable, or move this ledger whole (`fedmeta ledger backup --db "
+            f"{path} --to NEW`) and point privacy.ledger_path at the copy; nothing was recorded"
         )
     return LedgerUnwritable(
         f"ledger {path}: the file system holding {path.parent} failed a write ({cause}); check "

@@ -25,6 +25,7 @@ from fedmeta.accounting.ledger.cohorts import (
     check_carried_relation,
     load_cohorts,
 )
+from fedmeta.accounting.ledger.inherit import inherited_sources
 from fedmeta.accounting.ledger.participants import Exposure, Multiset
 from fedmeta.accounting.ledger.public import PublicDataRecord, public_uses
 from fedmeta.accounting.ledger.records import (
@@ -101,6 +102,9 @@ class LedgerHistory:
         self._exposure = Exposure()
         self._cohort: tuple[str, frozenset[str]] | None = None
         self._pending: Sequence[Participant] | None = None
+        self._resolved: dict[str, list[str]] = {}  # item set -> its data records (overlap.py)
+        self._carried: Counter[GaussianRound] = Counter()  # rounds charged to every participant
+        self._witness: Path | None = None  # an anchor outside the state directory (watch)
         self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
         self._epsilons: dict[tuple[Multiset, Unit, Method], float] = {}
 
@@ -263,12 +267,21 @@ class LedgerHistory:
         return len(self._records)
 
     def _inherit(self) -> None:
-        """Count the spends of schema-2 budgets carried into this one against every participant."""
+        """Count carried and inherited spends against every participant (cohorts.py, inherit.py).
+
+        An inherited budget brings all its rounds, its own carried ones included: more than any
+        one of its participants had (conservative; its records name no items).
+        """
         carried: Counter[GaussianRound] = Counter()
         for fid in carried_federations(self._conn, self._meta, self.federation_id):
             with type(self).open_readonly(self.path, fid) as old:
                 carried.update(r.event for r in old.records())
+        for fid in inherited_sources(self._conn, self.federation_id):
+            with type(self).open_readonly(self.path, fid) as old:
+                carried.update(r.event for r in old.records())
+                carried.update(old._carried)
         check_carried_relation(self.path, self.federation_id, self.neighbouring, carried)
+        self._carried = carried
         self._exposure.everyone.update(carried)
 
     def checkpoint(self) -> LedgerCheckpoint:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from fedmeta.accounting.ledger.chain import (
     default_actor,
 )
 from fedmeta.accounting.ledger.cohorts import coarse_day, label_of, legacy_uncarried
+from fedmeta.accounting.ledger.inherit import inherit_labels
 from fedmeta.accounting.ledger.records import (
     FIRST_BUDGET_REASON,
     BudgetRecord,
@@ -70,6 +71,7 @@ def resolve_federation(
     label: str,
     create: bool = True,
     mode: LedgerMode = "secure",
+    inherit: Collection[str] = (),
 ) -> str:
     """The federation id of the *current budget* for the data named by ``data_identity``.
 
@@ -78,7 +80,8 @@ def resolve_federation(
     not reveal the data, not even whether two neighbouring data sets were used. (A deterministic
     hash of private data, released in logs and metrics, would.) The ledger file must therefore be
     kept as private as the server's checkpoints. ``create=True`` creates the ledger and the first
-    budget when missing (recorded, with who and when); ``create=False`` only reads.
+    budget when missing (recorded, with who and when); ``create=False`` only reads. ``inherit``:
+    labels whose current budgets a newly created first budget inherits (ledger/inherit.py).
     """
     if not isinstance(data_identity, str) or not data_identity:
         raise ValueError(f"data_identity must be a non-empty string; got {data_identity!r}")
@@ -100,6 +103,8 @@ def resolve_federation(
                         conn, meta["ledger_id"], key, (), FIRST_BUDGET_REASON, default_actor()
                     )
                 ]
+                if inherit:
+                    inherit_labels(conn, chain[0].federation_id, inherit, coarse_day())
         return chain[-1].federation_id
     except sqlite3.Error as error:
         raise classify_error(path, error) from error

@@ -5,12 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 from fedmeta.accounting.schemes import (
     GaussianRound,
     one_of,
 )
+
+if TYPE_CHECKING:  # overlap.py imports this module
+    from fedmeta.accounting.ledger.overlap import DataItems
 
 SCHEMA_VERSION = 3
 LedgerMode: TypeAlias = Literal["secure", "insecure"]
@@ -136,15 +139,17 @@ class SpendRecord:
 class Participant:
     """A participant a round could sample, as the ledger charges it.
 
-    ``identity`` is stable across runs (the data set's declared identity plus the participant's
-    index in simulation; the node's registered key in a deployment); ``name`` is what it registered
-    as (for the operator); ``digest`` is the content digest of its data (recorded, a change
-    reported, never a key).
+    ``identity`` is stable across runs (for data without item digests: the data set's declared
+    identity plus the participant's index); ``name`` is what it registered as (for the operator);
+    ``digest`` is the content digest of its data (recorded, a change reported, never a key).
     """
 
     identity: str
     name: str
     digest: str = ""
+    #: The data as its items' content digests (ledger/overlap.py): when given, the participant is
+    #: charged to every data record its items overlap, and ``identity`` keys nothing.
+    items: DataItems | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, str) or not self.identity:

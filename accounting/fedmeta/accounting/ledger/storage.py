@@ -274,8 +274,8 @@ def _check_writable_location(path: Path, *, create: bool) -> None:
         if not os.access(needed, os.W_OK):
             raise LedgerReadOnly(
                 f"ledger {path} is read-only here ({needed} is not writable: file, directory or "
-                "mount); make it writable or set privacy.ledger_path (or FEDMETA_STATE_DIR) to a "
-                "writable place; reading works with open_readonly"
+                "mount); make it writable, or move this ledger whole (`fedmeta ledger backup`) "
+                "and point privacy.ledger_path at the copy; reading works with open_readonly"
             )
 
 

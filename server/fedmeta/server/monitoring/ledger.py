@@ -34,7 +34,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -413,18 +413,19 @@ class LedgerCollector(Collector):
         )
         ts = GaugeMetricFamily(
             "fedmeta_last_run_timestamp_seconds",
-            "Unix time the latest run's summary.json was written.",
+            "Day (Unix time of 00:00 UTC) the latest run's summary.json was written: no finer "
+            "time is published (issue 39).",
             labels=labels,
         )
         for fed, (mtime, summary) in sorted(latest.items()):
             lab = [fed, str(summary.get("run_id", ""))]
             for key, fam in fams.items():
-                value = summary.get(key)
+                value = _summary_value(summary, key)
                 if isinstance(value, int | float) and finite(value):
                     fam.add_metric(lab, float(value))
             if summary.get("stopped_reason"):
                 stopped.add_metric([*lab, str(summary["stopped_reason"])], 1)
-            ts.add_metric(lab, mtime)
+            ts.add_metric(lab, float(int(mtime) // 86400 * 86400))
         yield from fams.values()
         yield stopped
         yield ts
@@ -438,6 +439,18 @@ class LedgerCollector(Collector):
                 log.exception("closing the ledgers failed")
             self._reader.shutdown(wait=False, cancel_futures=True)
             self._searcher.shutdown(wait=False, cancel_futures=True)
+
+
+def _summary_value(summary: Mapping[str, Any], key: str) -> Any:
+    """A summary's value for a gauge; epsilon is the implemented guarantee, as the summary's.
+
+    One epsilon everywhere (issue 39): the accountant's value with the release's floating-point
+    residual folded in (``implemented_guarantee``), when the summary has it.
+    """
+    implemented = summary.get("implemented_guarantee")
+    if key == "epsilon_spent" and isinstance(implemented, Mapping):
+        return implemented.get("epsilon")
+    return summary.get(key)
 
 
 def _latest_summaries(runs_dirs: Iterable[Path]) -> dict[str, tuple[float, dict[str, Any]]]:
