@@ -56,7 +56,7 @@ def _write_folders(src: Path, dest: Path) -> None:
     from PIL import Image
 
     for part in ("images_background", "images_evaluation"):
-        white, alphas, prefixes = omniglot._read_npz(src / f"{part}.npz")  # noqa: SLF001
+        white, alphas, prefixes = omniglot.read_npz(src / f"{part}.npz")
         for c, (alpha, prefix) in enumerate(zip(alphas, prefixes, strict=True)):
             folder = dest / part / alpha / f"character{c + 1:02d}"
             folder.mkdir(parents=True, exist_ok=True)
@@ -67,7 +67,7 @@ def _write_folders(src: Path, dest: Path) -> None:
 
 
 def _measure(path: Path, runs: int, cache: Path, label: str) -> tuple[list[str], np.ndarray]:
-    clear = omniglot._item_ids_by_stamp.cache_clear  # noqa: SLF001
+    clear = omniglot._item_ids_by_stamp.cache_clear
 
     def wipe() -> None:
         clear()

@@ -164,7 +164,7 @@ def _check_ledger(fed: LocalFederation, summary: dict[str, Any]) -> None:
 def _check_no_private_diagnostics(out: Path, printed: list[str]) -> None:
     """What the server side of a private run prints and writes carries no per-round sample sizes
     or timings (docs/privacy.md): not in the command's output, the ServerApp's log or the files."""
-    from fedmeta.server.outputs import DIAGNOSTIC_FIELDS
+    from fedmeta.server.rounds_csv import DIAGNOSTIC_FIELDS
 
     header = (out / "rounds.csv").read_text().splitlines()[0].split(",")
     assert not set(header) & set(DIAGNOSTIC_FIELDS), header

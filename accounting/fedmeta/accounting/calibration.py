@@ -7,7 +7,7 @@ refines (``composition``'s module docstring, "Calibration").
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedmeta.accounting.composition import (
@@ -301,3 +301,20 @@ def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: fl
                 g_lo /= 2.0
             last = -1
     return lo
+
+
+def affordable_rounds(
+    groups: Sequence[tuple[GaussianRound, int]],
+    event: GaussianRound,
+    epsilon_budget: float,
+    delta: float,
+    unit: Unit = "task",
+) -> int:
+    """How many more rounds like ``event`` fit in the budget after ``groups`` (exact under PLD).
+
+    Pure: the answer depends only on the arguments, so a value computed for one ledger position
+    can never be reported for another. A PLD search: seconds, up to minutes for two-stage mixtures.
+    """
+    return max_rounds(
+        event, epsilon_budget, delta, unit, prior=tuple(groups), limit=MAX_ROUNDS_LIMIT
+    )

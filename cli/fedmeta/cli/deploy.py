@@ -556,7 +556,7 @@ def remember_run(args: argparse.Namespace, run_id: str, out: str) -> None:
 def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:
     """``--print-config`` / ``--dry-run``: what would be sent and what it would cost."""
     from fedmeta.config import to_toml
-    from fedmeta.simulation.simulate import dry_run_plan
+    from fedmeta.simulation.dry_run import dry_run_plan
 
     if print_config:
         print(to_toml(cfg.to_dict()), end="")

@@ -51,9 +51,9 @@ from fedmeta.metalearning.omniglot import (
     download_omniglot,
     load_omniglot,
     load_omniglot_public,
-    omniglot_item_ids,
     omniglot_source_digest,
 )
+from fedmeta.metalearning.omniglot_items import omniglot_item_ids
 from fedmeta.metalearning.oneshot_runs import (
     OneShotResult,
     OneShotRun,

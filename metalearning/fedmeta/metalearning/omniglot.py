@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import os
@@ -30,7 +29,6 @@ from torch import Tensor
 from fedmeta.metalearning.digests import file_sha256, manifest_digest, verify_checksum
 from fedmeta.metalearning.errors import DataError
 from fedmeta.metalearning.images import ClassDataset, DataSplits
-from fedmeta.metalearning.items import ITEM_FORMAT, ink_digests
 
 __all__ = [
     "OMNIGLOT_FILES",
@@ -38,7 +36,6 @@ __all__ = [
     "default_cache_dir",
     "download_omniglot",
     "load_omniglot",
-    "omniglot_item_ids",
     "omniglot_source_digest",
     "resize_strokes",
 ]
@@ -177,7 +174,7 @@ def _assemble(
     return out, alpha, chars
 
 
-def _read_zip(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
+def read_zip(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     entries = []
     try:
         with zipfile.ZipFile(path) as z:
@@ -193,7 +190,7 @@ def _read_zip(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     return _assemble(entries, str(path))
 
 
-def _folder_pngs(path: Path) -> list[tuple[str, re.Match[str]]]:
+def folder_pngs(path: Path) -> list[tuple[str, re.Match[str]]]:
     """The drawings of an unpacked folder that the loader reads, with their parsed names.
 
     ``os.walk`` and strings rather than ``Path.rglob``: the same files (neither follows directory
@@ -210,15 +207,15 @@ def _folder_pngs(path: Path) -> list[tuple[str, re.Match[str]]]:
     return out
 
 
-def _read_folder(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
+def read_folder(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     entries = [
         (int(m["char"]), int(m["draw"]), m["alpha"], decode_png(Path(f).read_bytes(), f))
-        for f, m in _folder_pngs(path)
+        for f, m in folder_pngs(path)
     ]
     return _assemble(entries, str(path))
 
 
-def _read_npz(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
+def read_npz(path: Path) -> tuple[np.ndarray, list[str], list[int]]:
     try:
         with np.load(path) as z:
             if "images" not in z:
@@ -270,7 +267,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "fedmeta"
 
 
-def _find_omniglot_sources(path: Path) -> tuple[str, list[Path]]:
+def find_omniglot_sources(path: Path) -> tuple[str, list[Path]]:
     parts = ("images_background", "images_evaluation")
     for kind, suffix in (("npz", ".npz"), ("zip", ".zip"), ("folder", "")):
         cands = [path / (p + suffix) for p in parts]
@@ -298,10 +295,10 @@ def omniglot_source_digest(path: str | Path) -> str:
     File digests are cached per ``(path, size, mtime)``: a second call costs a ``stat`` per file.
     """
     root = Path(path)
-    kind, sources = _find_omniglot_sources(root)
+    kind, sources = find_omniglot_sources(root)
     files: list[str | Path] = list(sources)
     if kind == "folder":
-        files = [f for s in sources for f, _ in _folder_pngs(s)]
+        files = [f for s in sources for f, _ in folder_pngs(s)]
     return manifest_digest(root, files)
 
 
@@ -344,14 +341,14 @@ def _load_omniglot_all(
     path: Path, image_size: int, cache: bool | str | Path
 ) -> tuple[Tensor, list[str], list[int]]:
     """All characters (background, evaluation): uint8 [chars, 20, 1, s, s], alphabets, prefixes."""
-    kind, files = _find_omniglot_sources(path)
+    kind, files = find_omniglot_sources(path)
     cache_file = None
     if cache and kind != "folder":  # keying a folder would mean hashing each drawing
         cache_dir = default_cache_dir() if cache is True else Path(cache)
         cache_file = _cache_file(files, image_size, cache_dir)
     if cache_file is not None and (hit := _read_cache(cache_file)) is not None:
         return hit
-    reader = {"npz": _read_npz, "zip": _read_zip, "folder": _read_folder}[kind]
+    reader = {"npz": read_npz, "zip": read_zip, "folder": read_folder}[kind]
     imgs, alphas, prefixes = [], [], []
     for f in files:
         white, a, p = reader(f)
@@ -444,7 +441,7 @@ def load_omniglot(
     path = Path(path)
     if download:
         try:
-            _find_omniglot_sources(path)
+            find_omniglot_sources(path)
         except DataError:
             download_omniglot(path)
     full, prefixes = _all_characters(path, image_size, cache)
@@ -488,66 +485,7 @@ def _all_characters(
     flat = images.reshape(n_chars * n_draw, *images.shape[2:])
     offsets = np.arange(n_chars + 1, dtype=np.int64) * n_draw
     names = [f"{p:04d}" for p in prefixes]
+    from fedmeta.metalearning.omniglot_items import omniglot_item_ids  # it reads this module
+
     items = omniglot_item_ids(path, cache=cache)
     return ClassDataset(flat, offsets, names, alphas, str(path), items), prefixes
-
-
-# --------------------------------------------------------------------------------------------------
-# item digests (metalearning/items.py): the drawings' ink masks, whatever the layout
-
-
-def omniglot_item_ids(path: str | Path, *, cache: bool | str | Path = True) -> np.ndarray:
-    """Each drawing's item digest (uint64), in the loader's order (characters, then drawings).
-
-    The digest of a drawing is that of its binary ink mask at 105 x 105 (metalearning/items.py),
-    so the npz, the official zips and the unpacked PNG folders give the same digests. Cached in
-    the process and on disk (``cache``, as :func:`load_omniglot`'s) by every source file's
-    absolute path, size and modification time: a second call on unchanged files costs one
-    ``stat`` per file (one per drawing for folders).
-    """
-    root = Path(path)
-    kind, sources = _find_omniglot_sources(root)
-    files = sources if kind != "folder" else [Path(f) for s in sources for f, _ in _folder_pngs(s)]
-    stamp = hashlib.sha256(f"{ITEM_FORMAT.decode()}|{kind}".encode())
-    for f in files:
-        st = os.stat(f)
-        stamp.update(f"{os.path.abspath(f)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    return _item_ids_by_stamp(str(root), kind, stamp.hexdigest()[:32], _cache_dir_of(cache))
-
-
-def _cache_dir_of(cache: bool | str | Path) -> str | None:
-    if not cache:
-        return None
-    return str(default_cache_dir() if cache is True else Path(cache))
-
-
-@functools.lru_cache(maxsize=8)
-def _item_ids_by_stamp(root: str, kind: str, stamp: str, cache_dir: str | None) -> np.ndarray:
-    cached = None if cache_dir is None else Path(cache_dir) / f"omniglot-items-{stamp}.npy"
-    if cached is not None and cached.is_file():
-        try:
-            loaded: np.ndarray = np.load(cached, allow_pickle=False)
-            loaded.setflags(write=False)
-            return loaded
-        except (OSError, ValueError):
-            cached.unlink(missing_ok=True)  # a broken cache is rebuilt
-    reader = {"npz": _read_npz, "zip": _read_zip, "folder": _read_folder}[kind]
-    parts = []
-    for f in _find_omniglot_sources(Path(root))[1]:
-        white = reader(f)[0]
-        parts.append(ink_digests(white.reshape(-1, *white.shape[2:]), ink=False))
-    items = np.concatenate(parts)
-    items.setflags(write=False)
-    if cached is not None:
-        _save_quietly(cached, items)
-    return items
-
-
-def _save_quietly(target: Path, array: np.ndarray) -> None:
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp.npy")
-        np.save(tmp, array, allow_pickle=False)
-        tmp.replace(target)
-    except OSError:
-        pass  # caching is an optimisation only

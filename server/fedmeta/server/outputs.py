@@ -9,8 +9,6 @@ releases"). Files are written atomically.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -25,16 +23,13 @@ from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
-from fedmeta.server.starting import StartingModel, source_of, starting_metric_of
-
-CSV_FIELDS = [
-    "round", "mode", "status", "participants_sampled", "participants_replied",
-    "participants_failed", "epsilon", "epsilon_participant", "loss", "validation_metric", "clip",
-]  # fmt: skip
-DIAGNOSTIC_FIELDS = [
-    "tasks_requested", "tasks_received", "norm_violations", "nonfinite", "clipped_fraction",
-    "round_seconds", "aggregation_seconds",
-]  # fmt: skip
+from fedmeta.server.rounds_csv import write_rounds_csv
+from fedmeta.server.starting import (
+    StartingModel,
+    model_start_fields,
+    starting_fields,
+    starting_metric_of,
+)
 
 
 def _e(x: Any, fmt: str = ".3f") -> str:
@@ -233,7 +228,7 @@ def build_summary(
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final),
-        **_starting_fields(cfg, starting, start),
+        **starting_fields(cfg, starting, start),
         **model_start,
         "ledger": None if ledger is None else _ledger_summary(ledger),
         "plan": None if fc is None else _forecast_dict(fc),
@@ -275,21 +270,6 @@ def _ledger_summary(ledger: Any) -> dict[str, Any]:
     return {"path": str(ledger.path), "records": ledger.position(), "witness": witness}
 
 
-def model_start_fields(
-    public: Mapping[str, Any] | None,
-    trained: Mapping[str, Any] | None,
-    selection: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """What was public, which meta-parameters the rounds trained, which model was tested.
-
-    ``selection``: server/fedmeta/server/selection.py's ``ModelSelection.summary`` (None: the last
-    model).
-    """
-    return {
-        "public_warm_start": None if public is None else dict(public),
-        "trained_parameters": None if trained is None else dict(trained),
-        "model_selection": dict(selection) if selection else {"rule": "last"},
-    }
 
 
 #: The summary's word for a test evaluation an interrupted run left to its resume.
@@ -320,23 +300,6 @@ def _final_metric(cfg: Config, final: Any) -> dict[str, Any]:
     }
 
 
-def _starting_fields(
-    cfg: Config, test: float | None, start: StartingModel | None
-) -> dict[str, Any]:
-    """The starting model's scores, named for what it is (``untrained_metric`` before).
-
-    ``start`` is None for a run resumed from a checkpoint written before round 0 was recorded.
-    """
-    source = start.source if start is not None else source_of(cfg.public.warm_start)
-    return {
-        "starting_metric": test,
-        "starting_model": {
-            "source": source,
-            "test_metric": test,
-            "validation_metric": None if start is None else start.validation_metric,
-            "epsilon_before": None if start is None else start.epsilon_before,
-        },
-    }
 
 
 def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tuple[float, float]:
@@ -475,40 +438,8 @@ def _model_lines(s: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def csv_row(outcome: RoundOutcome, private: bool) -> dict[str, Any]:
-    """One ``rounds.csv`` row of a round's record."""
-    row: dict[str, Any] = {
-        "round": outcome.round,
-        "mode": "private" if private else "NON-PRIVATE",
-        "status": outcome.status,
-        "participants_sampled": outcome.participants_sampled,
-        "participants_replied": outcome.participants_replied,
-        "participants_failed": outcome.participants_failed,
-        "epsilon": outcome.epsilon_task,
-        "epsilon_participant": outcome.epsilon_participant,
-        "loss": outcome.train_loss,
-        "validation_metric": outcome.validation_metric,
-        "clip": outcome.clip,
-    }
-    if outcome.diagnostics is not None:
-        d = outcome.diagnostics
-        row.update({name: getattr(d, name) for name in DIAGNOSTIC_FIELDS})
-    return row
 
 
-def write_rounds_csv(
-    out_dir: Path, outcomes: Sequence[RoundOutcome], private: bool, diagnostics: bool
-) -> Path:
-    """``rounds.csv``: one row per round; diagnostic columns only where they are allowed."""
-    buf = io.StringIO()
-    fields = CSV_FIELDS + (DIAGNOSTIC_FIELDS if diagnostics else [])
-    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
-    writer.writeheader()
-    for outcome in outcomes:
-        writer.writerow({k: "" if v is None else v for k, v in csv_row(outcome, private).items()})
-    path = Path(out_dir) / "rounds.csv"
-    atomic_write_bytes(path, buf.getvalue().encode())
-    return path
 
 
 def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:

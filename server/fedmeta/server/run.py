@@ -718,7 +718,8 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
         eps.get("epsilon_participant"), None if final is None else final.mean, ci,
     ))  # fmt: skip
-    from fedmeta.server.outputs import build_summary, model_start_fields
+    from fedmeta.server.outputs import build_summary
+    from fedmeta.server.starting import model_start_fields
 
     summary = build_summary(
         run.cfg, run.plan, run.forecast, run.outcomes,

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+if TYPE_CHECKING:
+    from fedmeta.config import Config
 
 Source: TypeAlias = Literal["untrained", "public warm start"]
 SOURCES: tuple[Source, ...] = ("untrained", "public warm start")
@@ -67,3 +70,39 @@ def starting_metric_of(summary: Mapping[str, Any]) -> float | None:
     """
     value = summary.get("starting_metric", summary.get("untrained_metric"))
     return None if value is None else float(value)
+
+
+def model_start_fields(
+    public: Mapping[str, Any] | None,
+    trained: Mapping[str, Any] | None,
+    selection: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What was public, which meta-parameters the rounds trained, which model was tested.
+
+    ``selection``: server/fedmeta/server/selection.py's ``ModelSelection.summary`` (None: the last
+    model).
+    """
+    return {
+        "public_warm_start": None if public is None else dict(public),
+        "trained_parameters": None if trained is None else dict(trained),
+        "model_selection": dict(selection) if selection else {"rule": "last"},
+    }
+
+
+def starting_fields(
+    cfg: Config, test: float | None, start: StartingModel | None
+) -> dict[str, Any]:
+    """The starting model's scores, named for what it is (``untrained_metric`` before).
+
+    ``start`` is None for a run resumed from a checkpoint written before round 0 was recorded.
+    """
+    source = start.source if start is not None else source_of(cfg.public.warm_start)
+    return {
+        "starting_metric": test,
+        "starting_model": {
+            "source": source,
+            "test_metric": test,
+            "validation_metric": None if start is None else start.validation_metric,
+            "epsilon_before": None if start is None else start.epsilon_before,
+        },
+    }

@@ -163,7 +163,9 @@ def _preview(args: argparse.Namespace) -> int:
 
             print(to_toml(cfg.to_dict()), end="")
         if args.dry_run:
-            return _dry_run(cfg, args.resume)
+            from fedmeta.simulation.dry_run import dry_run
+
+            return dry_run(cfg, args.resume)
     except ConfigError as error:
         print(f"fedmeta simulate: {error}", file=sys.stderr)
         return exitcodes.BAD_INPUT
@@ -172,69 +174,8 @@ def _preview(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
-def _dry_run(cfg: Any, resume: bool) -> int:
-    """``--dry-run``: the plan against the ledger and the exit status the real run would have.
-
-    Read-only (server/fedmeta/server/budget_preview.py): the data's recorded budget, what its
-    participants have spent and the run's target, as a fresh run reads them before any data is
-    loaded. A resumed run, or one whose plan the registered data decides, gets the plan against
-    a fresh budget (:func:`dry_run_plan`).
-    """
-    from fedmeta import exitcodes
-    from fedmeta.server.budget_preview import preview_budget, previewable
-    from fedmeta.server.data_budget import BudgetMismatch, ledger_file
-    from fedmeta.server.outputs import format_plan
-
-    if resume or not previewable(cfg):
-        print(dry_run_plan(cfg))
-        return exitcodes.OK
-    try:
-        preview = preview_budget(cfg)
-    except BudgetMismatch as error:
-        print(f"fedmeta simulate: {error}", file=sys.stderr)
-        return exitcodes.BAD_INPUT
-    participants, tasks = cfg.federation.participants, cfg.dataset.tasks_per_participant
-    read = (f"this data's budget and spends as recorded in {ledger_file(cfg)}" if preview.recorded
-            else "a fresh budget (none is recorded for this data yet)")  # fmt: skip
-    print(format_plan(preview.plan, preview.forecast, preview.cfg, participants))
-    print(f"(dry run: nothing ran, nothing was recorded; the forecast reads {read}, with all "
-          f"{participants} participants holding {tasks} tasks)")  # fmt: skip
-    if preview.refusal is not None:
-        print(f"fedmeta simulate: {preview.refusal}", file=sys.stderr)
-        return exitcodes.BUDGET_EXHAUSTED
-    return exitcodes.OK
 
 
-def dry_run_plan(cfg: Any) -> str:
-    """The plan a run of ``cfg`` would print first, if every configured participant registers.
-
-    The forecast is against a fresh budget in a throw-away ledger: the real ledger is not opened
-    (it names the budget after the registered data, which a dry run never sees), so what this
-    data has already spent is left out; ``fedmeta ledger show`` says that.
-    """
-    import tempfile
-
-    from fedmeta.accounting import BudgetLedger
-    from fedmeta.server.outputs import format_plan
-    from fedmeta.server.plan import build_plan, forecast
-
-    participants = cfg.federation.participants
-    counts = {str(i): cfg.dataset.tasks_per_participant for i in range(participants)}
-    plan = build_plan(cfg, counts)
-    fc = None
-    if plan.private:
-        with tempfile.TemporaryDirectory() as tmp:
-            ledger = BudgetLedger.open(
-                Path(tmp) / "dry-run.sqlite", "dry-run", epsilon_budget=cfg.privacy.epsilon_budget,
-                delta=cfg.privacy.delta, neighbouring=cfg.privacy.neighbouring, mode="insecure",
-            )  # fmt: skip
-            fc = forecast(plan, ledger, cfg.rounds)
-            ledger.close()
-    note = (
-        "(dry run: nothing ran, nothing was recorded; the forecast assumes a fresh budget and "
-        f"all {participants} participants with {cfg.dataset.tasks_per_participant} tasks)"
-    )
-    return f"{format_plan(plan, fc, cfg, participants)}\n{note}"
 
 
 def _observers(cfg: Any, logdir: Path | None) -> list[Any]:

@@ -51,12 +51,10 @@ verification), ``storage`` (the SQLite file: schema, migration, connections, tra
 
 from __future__ import annotations
 
+from fedmeta.accounting.calibration import affordable_rounds
 from fedmeta.accounting.ledger.anchor import LedgerRolledBack
 from fedmeta.accounting.ledger.backup import backup
-from fedmeta.accounting.ledger.budget import (
-    BudgetLedger,
-    affordable_rounds,
-)
+from fedmeta.accounting.ledger.budget import BudgetLedger
 from fedmeta.accounting.ledger.chain import (
     genesis_hash,
     record_hash,

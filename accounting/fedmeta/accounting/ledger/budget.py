@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from fedmeta.accounting.calibration import max_rounds
-from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
+from fedmeta.accounting.calibration import affordable_rounds
+from fedmeta.accounting.composition import Method, epsilon
 from fedmeta.accounting.ledger.anchor import (
     Anchor,
     check_anchor,
@@ -65,25 +65,6 @@ from fedmeta.accounting.schemes import (
     check_delta,
     check_unit,
 )
-
-# --------------------------------------------------------------------------------- affordable
-
-
-def affordable_rounds(
-    groups: Sequence[tuple[GaussianRound, int]],
-    event: GaussianRound,
-    epsilon_budget: float,
-    delta: float,
-    unit: Unit = "task",
-) -> int:
-    """How many more rounds like ``event`` fit in the budget after ``groups`` (exact under PLD).
-
-    Pure: the answer depends only on the arguments, so a value computed for one ledger position
-    can never be reported for another. A PLD search: seconds, up to minutes for two-stage mixtures.
-    """
-    return max_rounds(
-        event, epsilon_budget, delta, unit, prior=tuple(groups), limit=MAX_ROUNDS_LIMIT
-    )
 
 
 def _base(counts: Mapping[GaussianRound, int], event: GaussianRound) -> tuple[Any, ...]:
