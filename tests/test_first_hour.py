@@ -251,15 +251,15 @@ def test_an_interrupted_runs_plots_say_so_and_an_empty_one_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
-    from fedmeta.server import outputs
+    from fedmeta.server import plots
     from fedmeta.server.report import RoundOutcome
 
     figures: list[object] = []
-    monkeypatch.setattr(outputs, "_save", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
     summary = {"private": True, "stopped_reason": "interrupted", "rounds_completed": 3,
                "epsilon_budget": 8.0, "metric": "mse", "experiment": None}  # fmt: skip
     done = [RoundOutcome("run", "fed", r, epsilon_task=float(r)) for r in (1, 2, 3)]
-    assert outputs.write_plots(tmp_path, done, summary)
+    assert plots.write_plots(tmp_path, done, summary)
     titles = [fig.axes[0].get_title() for fig in figures]  # type: ignore[attr-defined]
     assert all("interrupted after round 3" in t for t in titles), titles
     notes = [t.get_text() for t in figures[1].axes[0].texts]  # type: ignore[attr-defined]

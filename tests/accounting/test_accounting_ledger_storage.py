@@ -21,7 +21,7 @@ import pytest
 from tests.accounting.readonly_mount import need_readonly_mount
 from tests.accounting.schema1 import write_schema1_ledger
 
-import fedmeta.accounting.ledger.budget as ledger_module  # where spend looks up its search
+import fedmeta.accounting.calibration as ledger_module  # where spend looks up its search
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,

@@ -236,7 +236,14 @@ def reclipping_disabled() -> Iterator[None]:
     def trusting(grads: torch.Tensor, clip: float, *, nonfinite: str = "raise") -> Any:
         return grads, torch.linalg.vector_norm(grads, dim=1)
 
-    with _patch(validation_mod, "clip_by_global_norm", trusting):
+    real_fused = validation_mod.fused_row_sum
+
+    def trusting_sum(grads: Any, clip: float) -> Any:  # the fused re-check, told C = inf
+        return real_fused(grads, math.inf)
+
+    # Both server paths: the fused per-task re-check (server/recheck.py) and the unfused one.
+    with _patch(validation_mod, "clip_by_global_norm", trusting), \
+            _patch(validation_mod, "fused_row_sum", trusting_sum):
         yield
 
 

@@ -135,6 +135,9 @@ def _summary(path: Path) -> dict[str, Any]:
         data[key] = "M"
     data["run_id"] = data["federation_id"] = "ID"
     data["ledger"]["path"] = "PATH"
+    witness = data["ledger"].get("witness")
+    if witness:  # the ledger's random id and the chain head over it: identifiers, kept apart
+        witness["ledger_id"] = witness["head"] = "ID"
     return data
 
 

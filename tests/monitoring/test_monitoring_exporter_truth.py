@@ -52,7 +52,7 @@ def test_rounds_affordable_is_computed_for_the_position_it_is_reported_with(
 ) -> None:
     """The bug: a background search finished after more spends and was stored as the old
     position's value, so the new spends were subtracted twice (0 shown with 5 rounds left)."""
-    import fedmeta.accounting.ledger.budget as ledger_module  # where the search is looked up
+    import fedmeta.accounting.calibration as ledger_module  # where the search is looked up
     from fedmeta.accounting import BudgetLedger
     from fedmeta.server.monitoring.ledger import exporter_registry
 

@@ -113,7 +113,9 @@ def interrupted_because(run: Mapping[str, Any], out: Path) -> str | None:
         lock = out / LOCK_NAME
         started = _epoch(run.get("running-at"))
         with contextlib.suppress(OSError, ValueError):
-            taken = float(json.loads(lock.read_text() or "{}").get("started", 0))
+            # When the lock was taken: the file's modification time (its holder writes it then).
+            # Its content names the day only, as it stays in a private run's outputs.
+            taken = lock.stat().st_mtime
             # Its ServerApp took the lock after the run started, and no process holds it now.
             if _held(lock) is False and (started is None or taken >= started - 5):
                 return f"no ServerApp holds {out} any more (Flower still says running)"
