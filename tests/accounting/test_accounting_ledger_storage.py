@@ -22,6 +22,7 @@ from tests.accounting.readonly_mount import need_readonly_mount
 from tests.accounting.schema1 import write_schema1_ledger
 
 import fedmeta.accounting.calibration as ledger_module  # where spend looks up its search
+import fedmeta.accounting.ledger.budget as budget_module
 from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
@@ -362,7 +363,7 @@ def test_spend_retries_are_bounded_and_record_nothing(
     monkeypatch.setattr(ledger, "_max_total", search_while_others_record)
     with pytest.raises(LedgerError, match="gave up after 8 attempts"):
         ledger.spend(CHEAP, "unlucky", 0)
-    assert [r.run_id for r in ledger.records()] == ["meddler"] * ledger_module.SPEND_ATTEMPTS
+    assert [r.run_id for r in ledger.records()] == ["meddler"] * budget_module.SPEND_ATTEMPTS
     meddler.close()
     ledger.close()
 
