@@ -39,7 +39,7 @@ install_torch() {
     source="from the configured package index (${index:-no CPU index set} did not answer within \
 ${PROBE_SECONDS} s)"
   fi
-  "$venv/bin/python" -c '
+  "$venv/bin/python" -W ignore::UserWarning -c '
 import sys, torch
 build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
 print(f"torch {torch.__version__}: {build}, {sys.argv[1]}")
