@@ -264,9 +264,15 @@ def _privacy_fields(
     }
 
 
+def ledger_anchor(ledger: Any) -> dict[str, Any] | None:
+    """The whole ledger's anchor (issue 39's witness); a test's fake ledger has none."""
+    anchor = getattr(ledger, "anchor", None)
+    return anchor() if callable(anchor) else None
+
+
 def _ledger_summary(ledger: Any) -> dict[str, Any]:
     """The ledger's path, this budget's records and the whole ledger's witness (issue 39)."""
-    witness = ledger.anchor() if hasattr(ledger, "anchor") else None
+    witness = ledger_anchor(ledger)
     return {"path": str(ledger.path), "records": ledger.position(), "witness": witness}
 
 

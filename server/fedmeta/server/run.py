@@ -648,13 +648,9 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
     )
 
 
-def _witness(ledger: Any) -> dict[str, Any] | None:
-    """The whole ledger's anchor (issue 39's witness); a test's fake ledger has none."""
-    anchor = getattr(ledger, "anchor", None)
-    return anchor() if callable(anchor) else None
-
-
 def _checkpoint(run: _Run) -> None:
+    from fedmeta.server.outputs import ledger_anchor
+
     ledger = run.ledger
     save_checkpoint(
         run.out,
@@ -671,7 +667,7 @@ def _checkpoint(run: _Run) -> None:
             "outcomes": [o.to_dict() for o in run.outcomes],
             "private": run.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
-            "witness": _witness(ledger),
+            "witness": ledger_anchor(ledger),
             "released_coordinates": _coordinates(run),  # the implemented guarantee's count
             "selection": run.selection.to_checkpoint(),
             "starting_model": None if run.starting is None else run.starting.to_dict(),
