@@ -145,6 +145,7 @@ def _handler(table: np.ndarray, device: torch.device) -> Callable[[Any, Any], An
 def _session(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path: Path) -> Any:
     """The server's round session as ``server/run.py`` builds it, over the in-process grid."""
     from fedmeta.accounting import BudgetLedger, SystemRandomSource, TwoStageSampler
+    from fedmeta.client_config import client_config
     from fedmeta.server.noise import NoiseSource
     from fedmeta.server.plan import build_plan
     from fedmeta.server.round import RoundSession
@@ -171,7 +172,8 @@ def _session(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path:
         run_id="round-cost", federation_id="round-cost", plan=plan, task_counts=counts,
         sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
         transport=exchange,
-        config_json=cfg.model_dump_json(), dim=args.dimension, reply_format="per_task",
+        config_json=client_config(cfg).model_dump_json(), dim=args.dimension,
+        reply_format="per_task",
         tolerance=cfg.privacy.clip_tolerance, diagnostics=False, ledger=ledger,
         noise=NoiseSource.create(),
     )  # fmt: skip

@@ -14,18 +14,26 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fedmeta.client_config import ClientTrainingConfig
 from fedmeta.config import TrainingConfig
 
 
 def inner_kwargs(cfg: TrainingConfig, *, evaluation: bool) -> dict[str, Any]:
     """Keyword arguments of ``per_task_clipped_grads`` (training) or ``evaluate`` (test)."""
-    steps, lr = cfg.inner_steps, cfg.inner_lr
+    kwargs = training_inner_kwargs(cfg)
     if evaluation:
-        steps = steps if cfg.eval_inner_steps is None else cfg.eval_inner_steps
-        lr = lr if cfg.eval_inner_lr is None else cfg.eval_inner_lr
+        if cfg.eval_inner_steps is not None:
+            kwargs["inner_steps"] = cfg.eval_inner_steps
+        if cfg.eval_inner_lr is not None:
+            kwargs["inner_lr"] = cfg.eval_inner_lr
+    return kwargs
+
+
+def training_inner_kwargs(cfg: TrainingConfig | ClientTrainingConfig) -> dict[str, Any]:
+    """The inner loop of training: what a participant runs with the settings it is sent."""
     return {
-        "inner_steps": steps,
-        "inner_lr": lr,
+        "inner_steps": cfg.inner_steps,
+        "inner_lr": cfg.inner_lr,
         "inner_grad_clip": math.inf if cfg.inner_grad_clip is None else cfg.inner_grad_clip,
         "step_check": cfg.inner_step_check,
     }

@@ -23,9 +23,13 @@ Gradient request (message type ``train``)::
                                                       clip_bits (private runs)}
                       MetricRecord "fedmeta.reply_metrics" {compute_seconds}
 
-``config`` is the one configuration channel: the validated configuration as JSON, which the client
-turns back into the same typed tree. ``clip`` is a round parameter, not configuration (it is absent
-in a non-private run); it is the round's bound, which adaptive clipping changes from round to round.
+``config`` is the one configuration channel: the participant's part of the server's configuration
+(:class:`fedmeta.client_config.ClientConfig`: the data's specification, the model and its inner
+loop, the seed, the reply format; never budgets, the ledger, sampling or addresses) as JSON, which
+the participant validates once (:func:`decode_client_config`; a key it is not sent, or a value out
+of range, is refused as ``bad_config``). ``clip`` is a round parameter, not configuration (it is
+absent in a non-private run); it is the round's bound, which adaptive clipping changes from round to
+round.
 Replies never carry pre-clip norms: those never leave the participant. In a private run a reply
 carries ``clip_bits``, one bit per task, ``1`` when the task's pre-clip norm was at most ``clip``
 (``[norm <= C]``): the input of adaptive clipping's noisy count (Andrew et al. 2021), which the
@@ -45,8 +49,11 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, ConfigRecordValues, MetricRecord, RecordDict
 from numpy.lib import format as npy
 
-#: 3: replies carry ``clip_bits`` (adaptive clipping); 2: typed request and reply records.
-PROTOCOL_VERSION: Final = 3
+from fedmeta.client_config import ClientConfig, ClientConfigError, parse_client_config
+
+#: 4: ``config`` is the participant's ClientConfig, not the whole tree; 3: replies carry
+#: ``clip_bits`` (adaptive clipping); 2: typed request and reply records.
+PROTOCOL_VERSION: Final = 4
 
 # Flower message types (the ClientApp's handlers are @app.query() and @app.train()).
 MSG_REGISTER: Final = "query"
@@ -104,6 +111,7 @@ REASON_PROTOCOL_VERSION: Final = "protocol_version"
 REASON_MISSING_RECORD: Final = "missing_record"
 REASON_BAD_DTYPE: Final = "bad_dtype"
 REASON_BAD_SHAPE: Final = "bad_shape"
+REASON_BAD_CONFIG: Final = "bad_config"
 
 
 class ProtocolError(ValueError):
@@ -123,7 +131,7 @@ class RegisterRequest:
     """The server asks a node who it is and how many tasks it holds."""
 
     run_id: str
-    config_json: str
+    config_json: str  # the participant's ClientConfig as JSON (fedmeta.client_config)
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,7 @@ class GradientRequest:
     task_ids: tuple[int, ...]
     clip: float | None  # None: a non-private run, no clipping
     params: np.ndarray  # float32 [dim]
-    config_json: str
+    config_json: str  # the participant's ClientConfig as JSON (fedmeta.client_config)
 
 
 @dataclass(frozen=True)
@@ -382,6 +390,14 @@ def decode_gradient_request(content: RecordDict) -> GradientRequest:
         params=params,
         config_json=_get(record, "config", str),
     )
+
+
+def decode_client_config(config_json: str) -> ClientConfig:
+    """A request's ``config``, validated (raises :class:`ProtocolError` naming the field)."""
+    try:
+        return parse_client_config(config_json)
+    except ClientConfigError as error:
+        raise ProtocolError(REASON_BAD_CONFIG, str(error)) from None
 
 
 def encode_gradient_reply(reply: GradientReply, *, shared: bool = False) -> RecordDict:

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedmeta.config import GROUP_NORM_GROUPS, Config, DatasetConfig
+from fedmeta.client_config import ClientConfig, ClientDatasetConfig, client_config
+from fedmeta.config import GROUP_NORM_GROUPS, Config
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
     from fedmeta.accounting.ledger.public import PublicDataUse
@@ -62,13 +63,15 @@ class Workload:
 
     Built once (:func:`build_workload`): by the server at the start of a run, by a participant
     once per configuration it receives; then passed down, never rebuilt from the configuration.
+    Both build it from the same :class:`~fedmeta.client_config.ClientConfig` (the server's adds
+    the public warm start, which only the server runs).
     """
 
     model: nn.Module
     metric: Metric  # how held-out tasks are scored: mse (lower is better) or accuracy
     task_set: FederatedTaskSet
     splits: DataSplits | None  # None: the sinusoid has no image splits
-    dataset: DatasetConfig
+    dataset: ClientDatasetConfig
     seed: int
     zero_head: bool = False  # training.zero_head: the N-way head starts at zero (Kao et al. 2022)
     warm_start: WarmStart | None = None  # public.warm_start: pre-trained on the public classes
@@ -192,7 +195,7 @@ class Workload:
         )
 
 
-def build_model(cfg: Config) -> nn.Module:
+def build_model(cfg: Config | ClientConfig) -> nn.Module:
     """The meta-model for the configured dataset."""
     from fedmeta.metalearning import ConvNet4, SinusoidMLP, with_learned_inner_rates
 
@@ -215,7 +218,7 @@ def build_model(cfg: Config) -> nn.Module:
     return model
 
 
-def initial_params(cfg: Config, model: nn.Module) -> Tensor:
+def initial_params(cfg: Config | ClientConfig, model: nn.Module) -> Tensor:
     """Flat float32 meta-parameters from the public seed alone (no public warm start)."""
     return _initial_params(model, cfg.seed, cfg.training.zero_head)
 
@@ -246,29 +249,35 @@ def _splits(
     return load_image_folder(path, image_size=image_size, seed=seed)
 
 
-def build_workload(cfg: Config) -> Workload:
-    """The workload of ``cfg`` (reads the data: a missing or malformed source is a DataError)."""
+def build_workload(cfg: Config | ClientConfig) -> Workload:
+    """The workload of ``cfg`` (reads the data: a missing or malformed source is a DataError).
+
+    A participant builds it from the :class:`ClientConfig` it is sent; the server from its whole
+    configuration, through the same one (so the two cannot differ), with the public warm start.
+    """
     from fedmeta.metalearning import FederatedTaskSet
 
-    ds = cfg.dataset
-    model = build_model(cfg)
+    sent = cfg if isinstance(cfg, ClientConfig) else client_config(cfg)
+    ds, tr = sent.dataset, sent.training
+    model = build_model(sent)
     if ds.name == "sinusoid":
         tasks = FederatedTaskSet.sinusoid(
-            cfg.federation.participants,
+            sent.federation.participants,
             tasks_per_participant=ds.tasks_per_participant,
             k_support=ds.shots,
             k_query=ds.query,
-            seed=cfg.seed,
+            seed=sent.seed,
         )
-        return Workload(model, "mse", tasks, None, ds, cfg.seed, cfg.training.zero_head,
-                        trained_parameters=cfg.training.trained_parameters)  # fmt: skip
-    splits, tasks = _image_tasks(ds, cfg.federation.participants, cfg.seed)
-    return Workload(model, "accuracy", tasks, splits, ds, cfg.seed, cfg.training.zero_head,
-                    _warm_start(cfg), cfg.training.trained_parameters)  # fmt: skip
+        return Workload(model, "mse", tasks, None, ds, sent.seed, tr.zero_head,
+                        trained_parameters=tr.trained_parameters)  # fmt: skip
+    splits, tasks = _image_tasks(ds, sent.federation.participants, sent.seed)
+    warm = None if isinstance(cfg, ClientConfig) else _warm_start(cfg)
+    return Workload(model, "accuracy", tasks, splits, ds, sent.seed, tr.zero_head, warm,
+                    tr.trained_parameters)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=2)
-def _public_classes(ds: DatasetConfig) -> ClassDataset:
+def _public_classes(ds: ClientDatasetConfig) -> ClassDataset:
     """The classes ``dataset.split`` declares public (Omniglot's background alphabets)."""
     from fedmeta.metalearning import load_omniglot_public
 
@@ -292,7 +301,7 @@ def _warm_start(cfg: Config) -> WarmStart | None:
 
 @functools.lru_cache(maxsize=4)
 def _image_tasks(
-    ds: DatasetConfig, participants: int, seed: int
+    ds: ClientDatasetConfig, participants: int, seed: int
 ) -> tuple[DataSplits, FederatedTaskSet]:
     """The image splits and the participants' task set, built once per process per setting.
 
@@ -322,7 +331,7 @@ def _image_tasks(
     return splits, tasks
 
 
-def own_data(cfg: Config, data_path: str | None) -> Config:
+def own_data(cfg: ClientConfig, data_path: str | None) -> ClientConfig:
     """The configuration a participant computes with: its own data when its node names one.
 
     In a deployment every participant owns its data (node config ``data-path``): all of its tasks
@@ -334,9 +343,7 @@ def own_data(cfg: Config, data_path: str | None) -> Config:
         return cfg
     dataset = cfg.dataset.model_copy(update={"path": data_path})
     federation = cfg.federation.model_copy(update={"participants": 1})
-    sampling = cfg.sampling.model_copy(update={"participants_per_round": 1})
-    return cfg.model_copy(update={"dataset": dataset, "federation": federation,
-                                  "sampling": sampling})  # fmt: skip
+    return cfg.model_copy(update={"dataset": dataset, "federation": federation})
 
 
 def participant_tasks(
@@ -368,7 +375,7 @@ SINUSOID_GENERATOR = "sinusoid-v1"
 
 
 def participant_fingerprint(
-    cfg: Config, tasks: ParticipantTasks | SinusoidParticipant, data_path: str | None
+    cfg: ClientConfig, tasks: ParticipantTasks | SinusoidParticipant, data_path: str | None
 ) -> str:
     """What a participant tells the (trusted) server its data is.
 
@@ -419,7 +426,7 @@ def declared_identity(cfg: Config) -> str:
     return cfg.dataset.name
 
 
-def data_fingerprint(cfg: Config) -> str:
+def data_fingerprint(cfg: Config | ClientConfig) -> str:
     """A content digest of what a participant's tasks are drawn from (recorded, never a key).
 
     The ledger records it per participant and reports a change (an edit of that participant's

@@ -9,6 +9,7 @@ import pytest
 
 from fedmeta import protocol as P
 from fedmeta.client.gradients import gradient_reply
+from fedmeta.client_config import client_config
 from fedmeta.config import Config, load_config
 from fedmeta.simulation.batched import BatchedGrid, batched_replies
 from fedmeta.workload import build_model, initial_params
@@ -22,7 +23,8 @@ ASKED = {"0": (3, 1, 7), "1": (), "2": (0, 11), "3": (5,)}
 
 def _requests(cfg: Config, clip: float | None) -> dict[int, P.GradientRequest]:
     params = initial_params(cfg, build_model(cfg)).numpy().astype(np.float32)
-    return {int(pid): P.GradientRequest("run", 2, ids, clip, params, cfg.model_dump_json())
+    sent = client_config(cfg).model_dump_json()
+    return {int(pid): P.GradientRequest("run", 2, ids, clip, params, sent)
             for pid, ids in ASKED.items()}  # fmt: skip
 
 

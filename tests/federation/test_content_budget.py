@@ -28,6 +28,7 @@ from fedmeta.accounting import (
     resolve_federation,
 )
 from fedmeta.client.gradients import registration
+from fedmeta.client_config import client_config
 from fedmeta.config import Config, load_config
 from fedmeta.protocol import RegisterRequest
 from fedmeta.server.budget_keys import CONTENT_LABEL
@@ -94,7 +95,7 @@ def _cfg(name: str, path: Path, db: Path) -> Config:
 
 def _registered(cfg: Config) -> list[Registered]:
     """What the participants' own ClientApp code tells the server (items included)."""
-    request = RegisterRequest("run", cfg.model_dump_json())
+    request = RegisterRequest("run", client_config(cfg).model_dump_json())
     return [
         Registered(reg.participant_id, 100 + i, reg.task_count, reg.data_fingerprint)
         for i, reg in enumerate(registration(request, str(i)) for i in range(2))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fedmeta.client.gradients import gradient_reply
+from fedmeta.client_config import client_config
 from fedmeta.config import ConfigError, load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params
@@ -29,12 +30,11 @@ def test_a_participants_row_covers_the_rates_under_one_clip() -> None:
                              "training.optimizer=sgd"])  # fmt: skip
     params = initial_params(cfg, build_model(cfg)).numpy().astype(np.float32)
     d = params.size // 2
-    reply = gradient_reply(GradientRequest("r", 0, (0, 1, 2), None, params,
-                                           cfg.model_dump_json()), "0")  # fmt: skip
+    sent = client_config(cfg).model_dump_json()
+    reply = gradient_reply(GradientRequest("r", 0, (0, 1, 2), None, params, sent), "0")
     assert reply.grads is not None and reply.grads.shape == (3, 2 * d)
     assert (np.abs(reply.grads[:, d:]).sum(axis=1) > 0).all()  # every task moves the rates
-    clipped = gradient_reply(GradientRequest("r", 0, (0, 1, 2), 1e-3, params,
-                                             cfg.model_dump_json()), "0")  # fmt: skip
+    clipped = gradient_reply(GradientRequest("r", 0, (0, 1, 2), 1e-3, params, sent), "0")
     assert clipped.grads is not None
     assert np.linalg.norm(clipped.grads, axis=1).max() <= 1e-3 * (1 + 1e-5)
 

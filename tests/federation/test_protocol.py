@@ -9,6 +9,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from fedmeta import protocol as P
 from fedmeta.client.app import app as client_app
 from fedmeta.client.flower_internals import ensure_task_identity
+from fedmeta.client_config import client_config
 from fedmeta.config import Config
 
 pytestmark = pytest.mark.unit
@@ -85,7 +86,8 @@ def test_arrays_must_be_float32_of_the_right_rank() -> None:
 def test_the_client_refuses_a_request_of_another_protocol_version() -> None:
     """Checked on both sides: a participant never computes from a request it may misread."""
     ensure_task_identity()
-    req = P.GradientRequest("r", 0, (0,), 1.0, np.zeros(3, np.float32), Config().model_dump_json())
+    req = P.GradientRequest("r", 0, (0,), 1.0, np.zeros(3, np.float32),
+                          client_config(Config()).model_dump_json())
     content = P.encode_gradient_request(req)
     content.config_records[P.REQUEST_RECORD]["version"] = P.PROTOCOL_VERSION + 1
     message = Message(content, 1, P.MSG_TRAIN, group_id="0")

@@ -15,6 +15,7 @@ import pytest
 
 from fedmeta.client import gradients as gradients_mod
 from fedmeta.client.gradients import gradient_reply, isolated_rows
+from fedmeta.client_config import client_config
 from fedmeta.config import load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params
@@ -59,7 +60,7 @@ def test_the_real_participant_zeroes_only_the_failing_task(monkeypatch: pytest.M
             return self.inner.tasks(ids)
 
     def request(ids: tuple[int, ...]) -> GradientRequest:
-        return GradientRequest("r", 0, ids, 1.0, params, cfg.model_dump_json())
+        return GradientRequest("r", 0, ids, 1.0, params, client_config(cfg).model_dump_json())
 
     honest = gradient_reply(request((0, 3)), "0")
     monkeypatch.setattr(gradients_mod, "participant_tasks", lambda *a: Poisoned(real(*a)))

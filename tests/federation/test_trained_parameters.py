@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fedmeta.client.gradients import gradient_reply
+from fedmeta.client_config import client_config
 from fedmeta.config import ConfigError, load_config
 from fedmeta.metalearning import ConvNet4, SinusoidMLP, param_spec, trained_coordinates
 from fedmeta.protocol import GradientRequest
@@ -59,8 +60,8 @@ def test_the_configuration_refuses_a_subset_the_model_lacks() -> None:
 def _rows(*sets: str, clip: float | None = 1.0) -> np.ndarray:
     cfg = load_config(None, ["dataset.tasks_per_participant=8", *sets])
     params = initial_params(cfg, build_model(cfg)).numpy().astype(np.float32)
-    reply = gradient_reply(GradientRequest("r", 0, (0, 1, 2), clip, params, cfg.model_dump_json()),
-                           "0")  # fmt: skip
+    sent = client_config(cfg).model_dump_json()
+    reply = gradient_reply(GradientRequest("r", 0, (0, 1, 2), clip, params, sent), "0")
     assert reply.grads is not None
     return reply.grads
 

@@ -23,14 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedmeta.adaptation import inner_kwargs
-from fedmeta.config import Config
+from fedmeta.adaptation import training_inner_kwargs
+from fedmeta.client_config import ClientConfig
 from fedmeta.protocol import (
     REPLY_SUM_AND_NORMS,
     GradientReply,
     GradientRequest,
     RegisterRequest,
     Registration,
+    decode_client_config,
 )
 from fedmeta.workload import (
     Workload,
@@ -42,13 +43,15 @@ from fedmeta.workload import (
 
 
 @functools.lru_cache(maxsize=4)
-def received_workload(config_json: str, data_path: str | None) -> tuple[Config, Workload]:
+def received_workload(config_json: str, data_path: str | None) -> tuple[ClientConfig, Workload]:
     """The configuration a request carries and its workload on this participant's data.
 
     Validated and built once per configuration received (keyed by the request's own text), so a
-    participant's rounds reuse its tasks and model, and its registration's data read.
+    participant's rounds reuse its tasks and model, and its registration's data read. A
+    configuration that is not a valid ClientConfig raises ``ProtocolError`` (``bad_config``),
+    naming the field: the ClientApp answers with an error reply, as for any malformed message.
     """
-    cfg = Config.model_validate_json(config_json)
+    cfg = decode_client_config(config_json)
     return cfg, build_workload(own_data(cfg, data_path))
 
 log = logging.getLogger("fedmeta.client")
@@ -94,7 +97,11 @@ TaskGradients = Callable[[Sequence[int]], tuple[np.ndarray, np.ndarray]]
 
 
 def _task_gradients(
-    cfg: Config, wl: Workload, request: GradientRequest, participant_id: str, data_path: str | None
+    cfg: ClientConfig,
+    wl: Workload,
+    request: GradientRequest,
+    participant_id: str,
+    data_path: str | None,
 ) -> TaskGradients:
     """The workload's batched per-task clipped gradients (non-finite rows zeroed) for some ids."""
     params = torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32))
@@ -107,7 +114,7 @@ def _task_gradients(
 
 
 def clipped_rows(
-    cfg: Config, wl: Workload, params: torch.Tensor, tasks: Any, clip: float | None
+    cfg: ClientConfig, wl: Workload, params: torch.Tensor, tasks: Any, clip: float | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(float32 clipped rows, float64 pre-clip norms) of a batch of ``wl``'s tasks, on the host.
 
@@ -120,7 +127,7 @@ def clipped_rows(
         wl.model,
         params,
         tasks,
-        **inner_kwargs(cfg.training, evaluation=False),  # the guards, as at test time
+        **training_inner_kwargs(cfg.training),  # the guards, as at test time
         first_order=cfg.training.first_order,
         clip=math.inf if clip is None else clip,
         device=cfg.federation.client_device,

@@ -395,6 +395,8 @@ class Worker:
 
 # ------------------------------------------------------------------------------------ warm-up
 
+WARM_UP_CLIP = 1.0
+
 
 def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = None) -> float:
     """Run one registration and one gradient through ``app`` before the first real task.
@@ -402,20 +404,23 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
     The first gradient in a process pays torch's lazy initialisation (seconds); the first request
     for a configuration builds its workload (data loading included). Doing both here keeps them
     out of round 1. ``config_path``: the federation's configuration, so that its workload is the
-    one built (the default configuration's sinusoid warms torch only). Returns the seconds spent.
+    one built (the default configuration's sinusoid warms torch only): the requests carry its
+    participants' part (``client_config``), as the server's do. Returns the seconds spent.
     """
     import numpy as np
     from flwr.app import Context, Message, RecordDict
 
     from fedmeta import protocol as P
+    from fedmeta.client_config import client_config
     from fedmeta.config import load_config
 
     t0 = time.perf_counter()
-    cfg = load_config(config_path)
+    cfg = client_config(load_config(config_path))
+    sent = cfg.model_dump_json()
     flower_internals.ensure_task_identity()  # Message() reads it; a real task sets it again
     context = Context(run_id=0, node_id=0, node_config=dict(node_config), state=RecordDict(),
                       run_config={})  # fmt: skip
-    query = Message(P.encode_register_request(P.RegisterRequest("warm-up", cfg.model_dump_json())),
+    query = Message(P.encode_register_request(P.RegisterRequest("warm-up", sent)),
                     0, P.MSG_REGISTER)  # fmt: skip
     query.metadata.__dict__["_message_id"] = "warm-up-register"
     registration = P.decode_registration(app(message=query, context=context).content)
@@ -423,7 +428,8 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
 
     params = initial_params(cfg, build_model(cfg)).numpy().astype(np.float32)
     ids = tuple(range(min(2, registration.task_count)))
-    request = P.GradientRequest("warm-up", 0, ids, cfg.privacy.clip, params, cfg.model_dump_json())
+    # Any bound will do: the reply is discarded (a clip is a round's parameter, not configuration).
+    request = P.GradientRequest("warm-up", 0, ids, WARM_UP_CLIP, params, sent)
     train = Message(P.encode_gradient_request(request), 0, P.MSG_TRAIN)
     train.metadata.__dict__["_message_id"] = "warm-up-train"
     app(message=train, context=context)

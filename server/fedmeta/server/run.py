@@ -45,6 +45,7 @@ from fedmeta.accounting import (
 )
 from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from fedmeta.client_config import client_config
 from fedmeta.config import Config
 from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.server.budget_keys import (
@@ -383,7 +384,8 @@ def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
 
 def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
     """The run's membership once enough participants registered (fedmeta.server.membership)."""
-    membership = Membership(cfg, transport, RegisterRequest(run_id, cfg.model_dump_json()))
+    request = RegisterRequest(run_id, client_config(cfg).model_dump_json())  # a participant's part
+    membership = Membership(cfg, transport, request)
     membership.start()
     want = cfg.federation.min_participants or cfg.n1
     if len(membership.members) < want:
@@ -422,7 +424,7 @@ def _session(
         task_counts=membership.eligible(),
         sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
         transport=exchange,
-        config_json=cfg.model_dump_json(),
+        config_json=client_config(cfg).model_dump_json(),
         dim=int(state.trained.numel()),
         reply_format=cfg.federation.reply_format,
         tolerance=cfg.privacy.clip_tolerance,
