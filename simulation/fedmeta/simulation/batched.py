@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ from flwr.app import Message
 
 from fedmeta import protocol as P
 from fedmeta.simulation.local_grid import InProcessGrid
+
+if TYPE_CHECKING:
+    from fedmeta.client_config import ClientConfig
+    from fedmeta.workload import Workload
 
 #: The share of an accelerator's free memory the rows of one part of a batch may take; the rest
 #: is the gradient computation's own (vmap's chunks size themselves from what is free).
@@ -145,7 +149,10 @@ def batched_replies(
 
 
 def _rows(
-    cfg: Any, wl: Any, request: P.GradientRequest, asked: list[tuple[str, tuple[int, ...]]]
+    cfg: ClientConfig,
+    wl: Workload,
+    request: P.GradientRequest,
+    asked: list[tuple[str, tuple[int, ...]]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every asked task's clipped row and pre-clip norm, in order, in parts that fit the device."""
     from fedmeta.client.gradients import clipped_rows
