@@ -12,7 +12,7 @@ import pytest
 
 from fedmeta import exitcodes
 from fedmeta.cli import deploy as D
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 

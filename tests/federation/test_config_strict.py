@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedmeta.config import Config, ConfigError, load_config
+from fedmeta.config import Config, ConfigError
+from fedmeta.config_io import load_config
 
 REFUSED_OVERRIDES = [
     ("rounds=true", "rounds must be an integer"),
@@ -127,7 +128,7 @@ def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process(
 ) -> None:
     """With the in-process default, `federation.ray_address` alone was ignored: the documented
     command ran on this machine, not on the cluster."""
-    from fedmeta.config import config_from_dict
+    from fedmeta.config_io import config_from_dict
     from fedmeta.simulation.simulate import main as simulate
 
     assert load_config(None, []).federation.backend == "inprocess"

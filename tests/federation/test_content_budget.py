@@ -28,7 +28,8 @@ from fedmeta.accounting import (
     resolve_federation,
 )
 from fedmeta.client.gradients import registration
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.protocol import RegisterRequest
 from fedmeta.server.budget_keys import CONTENT_LABEL
 from fedmeta.server.run import open_budget

@@ -225,7 +225,8 @@ def run_overrides(args: argparse.Namespace) -> tuple[list[str], Any]:
     """The run's overrides and the configuration they make, checked as the ServerApp reads them."""
     import tomllib
 
-    from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import apply_overrides, config_from_dict, load_config
 
     data: dict[str, Any] = {}
     if args.config is not None:
@@ -555,7 +556,7 @@ def remember_run(args: argparse.Namespace, run_id: str, out: str) -> None:
 
 def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:
     """``--print-config`` / ``--dry-run``: what would be sent and what it would cost."""
-    from fedmeta.config import to_toml
+    from fedmeta.config_io import to_toml
     from fedmeta.simulation.dry_run import dry_run_plan
 
     if print_config:

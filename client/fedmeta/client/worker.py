@@ -408,7 +408,7 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
     from flwr.app import Context, Message, RecordDict
 
     from fedmeta import protocol as P
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     t0 = time.perf_counter()
     cfg = load_config(config_path)
