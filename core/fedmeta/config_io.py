@@ -9,6 +9,7 @@ a tree back as a file (``simulate --print-config``, ``privacy plan --write-confi
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tomllib
@@ -79,7 +80,8 @@ def _override_value(parts: Sequence[str], raw: str) -> Any:
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Return a copy of ``data`` with ``key.sub=value`` overrides applied."""
-    out: dict[str, Any] = json.loads(json.dumps(data))
+    # A deep copy, not a JSON round trip: a TOML date is no JSON, and validation names its field.
+    out: dict[str, Any] = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value; got {item!r}")
@@ -193,21 +195,31 @@ def _toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML inline value: a boolean, number, string, array or inline table.
+
+    Read back as TOML (a file's ``key = VALUE``, or ``--set key=VALUE``), it is ``value`` again.
+    """
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # JSON's escapes are TOML basic-string escapes
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ValueError(f"config value must be a TOML scalar or array; got {value!r}")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        pairs = (f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    raise TypeError(
+        "a configuration value must be a TOML boolean, number, string, array or table; "
+        f"got {value!r}"
+    )
 
 
 def to_toml(data: dict[str, Any], prefix: str = "") -> str:
     """TOML text for nested dicts of scalars and arrays (what a configuration holds)."""
-    lines = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items()
+    lines = [f"{_toml_key(k)} = {toml_value(v)}" for k, v in data.items()
              if not isinstance(v, dict) and v is not None]  # fmt: skip
     for key, table in data.items():
         if isinstance(table, dict):

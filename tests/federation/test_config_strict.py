@@ -71,6 +71,9 @@ def test_set_parses_each_value_for_its_field() -> None:
         ("rounds = 2.0\n", "rounds must be an integer"),
         ('[privacy]\nenabled = "false"\n', "privacy.enabled must be true or false"),
         ("[dataset]\npath = 7\n", "dataset.path must be text"),
+        # TOML dates: no field holds one, and none reaches validation as an internal error.
+        ("[privacy]\ndelta = 1979-05-27\n", "privacy.delta must be a number"),
+        ("[privacy]\nwhen = 1979-05-27T07:32:00Z\n", "privacy.when unknown key"),
     ],
 )
 def test_a_file_with_another_type_is_refused(tmp_path: Path, toml: str, needle: str) -> None:

@@ -174,26 +174,10 @@ def json_in(text: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ run config
 
 
-def toml_value(value: Any) -> str:
-    """``value`` as a TOML inline value (what ``--set key=VALUE`` parses back to ``value``)."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # ASCII with \\uXXXX escapes: a valid TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}"
-                               for k, v in value.items()) + "}"  # fmt: skip
-    raise TypeError(f"cannot send a {type(value).__name__} in the run's configuration")
-
-
 def flatten(data: Mapping[str, Any]) -> list[str]:
     """``section.key=value`` overrides that rebuild a configuration file's ``data``."""
+    from fedmeta.config_io import toml_value
+
     out: list[str] = []
     for key, value in data.items():
         if isinstance(value, Mapping):  # a section; tables inside it travel as inline tables
@@ -206,6 +190,8 @@ def flatten(data: Mapping[str, Any]) -> list[str]:
 def node_keys_override(path: Path) -> str:
     """``federation.node_keys={...}`` from a file of ``[federation.node_keys]`` (make-certs.sh)."""
     import tomllib
+
+    from fedmeta.config_io import toml_value
 
     try:
         data = tomllib.loads(path.read_text())
@@ -237,9 +223,9 @@ def run_overrides(args: argparse.Namespace) -> tuple[list[str], Any]:
     given = [*args.overrides]
     if args.node_keys is not None:
         given.append(node_keys_override(Path(args.node_keys)))
-    sets = [*flatten(data), *given]
     try:
-        wanted = load_config(args.config, given)
+        wanted = load_config(args.config, given)  # first: what it refuses never reaches flatten
+        sets = [*flatten(data), *given]
         sent = config_from_dict(apply_overrides({}, sets))
     except ConfigError as error:
         raise DeployError(str(error), exitcodes.BAD_INPUT) from None
