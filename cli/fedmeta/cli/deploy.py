@@ -107,7 +107,7 @@ def _add_connection_args(p: argparse.ArgumentParser, what: str) -> None:
                    "$FEDMETA_INSECURE=1)")  # fmt: skip
 
 
-def _tls(args: argparse.Namespace) -> tuple[Path | None, bool]:
+def tls_settings(args: argparse.Namespace) -> tuple[Path | None, bool]:
     """(CA file, insecure): exactly one of the two, checked."""
     ca, insecure = args.root_certificates, bool(args.insecure)
     if ca is not None and insecure:
@@ -509,7 +509,7 @@ def _run(args: argparse.Namespace) -> int:
     sets, cfg = run_overrides(args)
     if args.print_config or args.dry_run:  # nothing is sent: no connection settings needed
         return _preview(cfg, args.print_config, args.dry_run)
-    ca, _insecure = _tls(args)
+    ca, _insecure = tls_settings(args)
     out = args.out or default_out(args.runs_dir)
     with flwr_home(args.superlink, ca) as env, tempfile.TemporaryDirectory() as tmp:
         app = write_app(Path(tmp, "app"))
@@ -677,7 +677,7 @@ def participant_commands(args: argparse.Namespace) -> tuple[list[str], list[str]
     if not args.participant_id:
         raise DeployError("--participant-id (or $FEDMETA_PARTICIPANT_ID) is required",
                           exitcodes.BAD_INPUT)  # fmt: skip
-    ca, insecure = _tls(args)
+    ca, insecure = tls_settings(args)
     config = node_config(str(args.participant_id), args.data_path)
     link = ["--superlink", args.superlink,
             *(["--insecure"] if insecure else ["--root-certificates", str(ca)])]  # fmt: skip
@@ -791,7 +791,7 @@ def _public_keys(paths: Sequence[Path]) -> list[Path]:
 
 def _handle_register(args: argparse.Namespace) -> int:
     try:
-        ca, _insecure = _tls(args)
+        ca, _insecure = tls_settings(args)
         keys = _public_keys(args.keys)
     except DeployError as error:
         print(f"fedmeta deploy register: {error}", file=sys.stderr)
