@@ -72,7 +72,7 @@ def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
-    from fedmeta.config import config_from_dict
+    from fedmeta.config_io import config_from_dict
     from fedmeta.metalearning import evaluate
     from fedmeta.server.selection import checkpoint_released_params
     from fedmeta.workload import build_model, held_out_tasks

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _config(spec: str) -> Any:
     """``PATH`` or ``default``, then ``key=value`` overrides, separated by spaces."""
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     name, *overrides = spec.split()
     if name == "default":

@@ -63,7 +63,7 @@ def _child(participants: int, backend: str, rounds: int) -> dict[str, object]:
     import logging
 
     logging.disable(logging.WARNING)
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
     from fedmeta.server.app import execute
     from fedmeta.simulation.local_grid import InProcessGrid
     from fedmeta.simulation.simulate import main

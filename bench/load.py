@@ -29,7 +29,7 @@ from typing import Any
 # bench/accounting.py would shadow the accounting package when this script is run from bench/.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from fedmeta.config import load_config  # noqa: E402
+from fedmeta.config_io import load_config  # noqa: E402
 
 
 def rss_mib() -> float:

@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, data: Path) -> int:
     os.environ["FEDMETA_STATE_DIR"] = str((args.out / "state").resolve())
     import torch
 
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
     from fedmeta.server.app import make_observers
     from fedmeta.simulation.simulate import main
 

@@ -67,7 +67,7 @@ def run_one(
     evaluated and summarised as usual (``stopped_reason`` "interrupted", ``rounds_completed`` below
     the plan).
     """
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
     from fedmeta.simulation.simulate import main
 
     tag = f"run-{len(list(work.iterdir()))}"
@@ -101,7 +101,7 @@ def record_run_dir(
     ``summary.json``: ``overrides`` are the settings it ran with (they group records), its wall
     time is not known (``wall_s`` null), ``machine`` is this one's.
     """
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     summary = json.loads((run_dir / "summary.json").read_text())
     rec = {

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _config(args: argparse.Namespace) -> Any:
     """A private fixed-clip federation of the requested shape (the sampler takes every row)."""
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     return load_config(None, [
         "federation.backend=inprocess",
@@ -230,7 +230,7 @@ def floor_seconds(args: argparse.Namespace, table: np.ndarray) -> list[float]:
 def gradient_seconds(args: argparse.Namespace, total: int) -> tuple[float | None, int]:
     """Seconds of the real clipped gradients of ``total`` tasks (scaled from the timed part)."""
     from fedmeta.adaptation import inner_kwargs
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
     from fedmeta.metalearning import per_task_clipped_grads
     from fedmeta.workload import build_model, initial_params
 

@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, default=2000, help="tasks (default 2000)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)

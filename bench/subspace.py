@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-tasks", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     cfg = load_config(args.config, args.overrides)
     if max(args.k) > args.basis_tasks:

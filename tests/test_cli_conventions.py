@@ -113,7 +113,8 @@ def test_evaluate_help_prints_a_plain_percent_sign(capsys: pytest.CaptureFixture
     ],
 )
 def test_configuration_mistakes_get_the_fix(override: str, wanted: str) -> None:
-    from fedmeta.config import ConfigError, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import load_config
 
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
@@ -123,7 +124,8 @@ def test_configuration_mistakes_get_the_fix(override: str, wanted: str) -> None:
 
 @pytest.mark.unit
 def test_an_unknown_key_far_from_any_gets_no_guess() -> None:
-    from fedmeta.config import ConfigError, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import load_config
 
     with pytest.raises(ConfigError, match="unknown key") as error:
         load_config(None, ["zzzzqqq=1"])
@@ -183,7 +185,7 @@ def test_ledger_backup_into_a_directory(tmp_path: Path, capsys: pytest.CaptureFi
 def test_print_config_is_the_validated_tree_as_toml(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fedmeta.config import config_from_dict, load_config
+    from fedmeta.config_io import config_from_dict, load_config
 
     monkeypatch.chdir(tmp_path)
     assert _main(["simulate", "--print-config", "--set", "rounds=7"]) == 0

@@ -2,8 +2,9 @@
 
 A module over ``MAX_MODULE_LINES`` usually holds two concepts; a private name (``_x``) imported from
 another module is an interface nobody declared. Both are counted on the source, nothing imported.
-The issue's limits: at most ``MAX_LARGE_MODULES`` modules over ``MAX_MODULE_LINES`` lines, at most
-``MAX_PRIVATE_IMPORTS`` private names imported across modules (today 4 and 1).
+The limits: at most ``MAX_LARGE_MODULES`` modules over ``MAX_MODULE_LINES`` lines, at most
+``MAX_PRIVATE_IMPORTS`` private names imported across modules. The issue allows 4 and 5; each limit
+is what the code holds today (4 and 1), so that no new one comes in unnoticed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from layout import SUBPACKAGES, module_of, package_files
 MAX_MODULE_LINES = 500
 #: At most this many modules over MAX_MODULE_LINES, and at most this many private imports.
 MAX_LARGE_MODULES = 4
-MAX_PRIVATE_IMPORTS = 5
+MAX_PRIVATE_IMPORTS = 1
 #: ``fedmeta`` is the shared floor (core/fedmeta).
 PACKAGES = ("fedmeta", *SUBPACKAGES)
 

@@ -73,7 +73,7 @@ def test_a_participant_loads_no_accounting_code() -> None:
         "import sys\n"
         "import fedmeta.client.app, fedmeta.client.gradients, fedmeta.client.worker\n"
         "import fedmeta.client.supernode\n"
-        "from fedmeta.config import load_config\n"
+        "from fedmeta.config_io import load_config\n"
         "from fedmeta.workload import build_workload\n"
         "build_workload(load_config(None, ['dataset.name=sinusoid']))\n"
         "bad = sorted(m for m in sys.modules\n"

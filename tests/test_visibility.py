@@ -182,7 +182,8 @@ def test_library_info_lines_are_kept_out_of_a_run_log() -> None:
 
 @pytest.mark.unit
 def test_a_run_that_affords_no_round_says_why() -> None:
-    from fedmeta.config import Config, load_config
+    from fedmeta.config import Config
+    from fedmeta.config_io import load_config
     from fedmeta.simulation.simulate import _no_round_hint
 
     tiny = _no_round_hint(load_config(None, ["privacy.noise_multiplier=0.0001"]))

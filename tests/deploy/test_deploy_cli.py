@@ -12,7 +12,7 @@ import pytest
 
 from fedmeta import exitcodes
 from fedmeta.cli import deploy as D
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 
@@ -60,6 +60,10 @@ def test_a_value_with_a_semicolon_or_a_bad_key_is_refused_here(tmp_path: Path) -
     with pytest.raises(D.DeployError, match="federation.bogus") as bad:
         D.run_overrides(_args(tmp_path, "[federation]\nbogus = 1\n"))
     assert bad.value.status == exitcodes.BAD_INPUT
+    # A TOML date is refused by validation, before it is written as an override.
+    with pytest.raises(D.DeployError, match="privacy.delta must be a number") as date:
+        D.run_overrides(_args(tmp_path, "[privacy]\ndelta = 1979-05-27\n"))
+    assert date.value.status == exitcodes.BAD_INPUT
 
 
 def test_node_keys_file_becomes_one_override(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from fedmeta import protocol as P
 from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme, gradient_noise_multiplier
 from fedmeta.client.gradients import clip_bits
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.server.noise import NoiseSource, noised_release
 from fedmeta.server.plan import AdaptiveClipping, build_plan
 from fedmeta.server.validation import REASON_BAD_SHAPE, Expectation, Rejected, validate_reply

@@ -10,7 +10,8 @@ import pytest
 from fedmeta import protocol as P
 from fedmeta.client.gradients import gradient_reply
 from fedmeta.client_config import client_config
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.simulation.batched import BatchedGrid, batched_replies
 from fedmeta.workload import build_model, initial_params
 

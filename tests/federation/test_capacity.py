@@ -20,7 +20,8 @@ import pytest
 from fedmeta.accounting import randomness
 from fedmeta.accounting.randomness import InsecureSeededSource, bernoulli
 from fedmeta.capacity import MARGIN_BYTES, check_round_fits, round_memory
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 HUGE = ["federation.participants=100000", "dataset.tasks_per_participant=10000000", "rounds=1"]
@@ -69,7 +70,8 @@ def test_a_large_bernoulli_draw_streams_in_chunks(monkeypatch: pytest.MonkeyPatc
 _CHILD = """
 import resource, sys
 from pathlib import Path
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.simulation.simulate import main
 from fedmeta.capacity import _virtual_size
 import torch, fedmeta.server.app, fedmeta.client.app, fedmeta.metalearning  # before the cap

@@ -21,7 +21,8 @@ from fedmeta.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from fedmeta.config import Config, ConfigError, load_config
+from fedmeta.config import Config, ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.server.noise import GRID_BITS, NoiseSource, noised_sum, release_grid
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fedmeta.config import Config, ConfigError, load_config
+from fedmeta.config import Config, ConfigError
+from fedmeta.config_io import load_config
 
 REFUSED_OVERRIDES = [
     ("rounds=true", "rounds must be an integer"),
@@ -70,6 +71,9 @@ def test_set_parses_each_value_for_its_field() -> None:
         ("rounds = 2.0\n", "rounds must be an integer"),
         ('[privacy]\nenabled = "false"\n', "privacy.enabled must be true or false"),
         ("[dataset]\npath = 7\n", "dataset.path must be text"),
+        # TOML dates: no field holds one, and none reaches validation as an internal error.
+        ("[privacy]\ndelta = 1979-05-27\n", "privacy.delta must be a number"),
+        ("[privacy]\nwhen = 1979-05-27T07:32:00Z\n", "privacy.when unknown key"),
     ],
 )
 def test_a_file_with_another_type_is_refused(tmp_path: Path, toml: str, needle: str) -> None:
@@ -127,7 +131,7 @@ def test_a_ray_address_selects_the_ray_backend_or_is_refused_beside_in_process(
 ) -> None:
     """With the in-process default, `federation.ray_address` alone was ignored: the documented
     command ran on this machine, not on the cluster."""
-    from fedmeta.config import config_from_dict
+    from fedmeta.config_io import config_from_dict
     from fedmeta.simulation.simulate import main as simulate
 
     assert load_config(None, []).federation.backend == "inprocess"

@@ -29,7 +29,8 @@ from fedmeta.accounting import (
 )
 from fedmeta.client.gradients import registration
 from fedmeta.client_config import client_config
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.protocol import RegisterRequest
 from fedmeta.server.budget_keys import CONTENT_LABEL
 from fedmeta.server.run import open_budget

@@ -15,7 +15,8 @@ import pytest
 
 from fedmeta.accounting import BudgetLedger
 from fedmeta.cli import main
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 
 from .test_round import SMALL
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

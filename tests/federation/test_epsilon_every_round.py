@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from fedmeta.accounting import BudgetLedger, Exposures, FlatPoissonScheme, GaussianRound, epsilon
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.epsilon_curve import EpsilonCurve, RoundEpsilons
 from fedmeta.server.progress import ProgressBar

@@ -19,7 +19,7 @@ from fedmeta.accounting import (
     LedgerRolledBack,
 )
 from fedmeta.cli import main
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.run import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid

@@ -16,7 +16,8 @@ import torch
 
 from fedmeta.client.gradients import gradient_reply
 from fedmeta.client_config import client_config
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params
 

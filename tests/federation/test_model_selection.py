@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedmeta.adaptation import inner_kwargs
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.metalearning import evaluate
 from fedmeta.server import run as run_mod
 from fedmeta.server.outputs import format_summary

@@ -69,7 +69,7 @@ def test_a_failing_participant_is_named_in_the_operator_log_only(
 ) -> None:
     from fedmeta import protocol as P
     from fedmeta.client.app import app as client_app
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
     from fedmeta.server.app import execute
     from fedmeta.server.operator_log import operator_log_path
     from fedmeta.simulation.local_grid import InProcessGrid

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.optimizer import AdamBC, learning_rate
 from fedmeta.server.round import TrainingState
 

@@ -27,7 +27,8 @@ from fedmeta.accounting import (
 )
 from fedmeta.accounting.ledger.storage import PER_PARTICIPANT
 from fedmeta.cli import main
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.budget_keys import budget_identity, ledger_participants, participant_identity
 from fedmeta.server.run import open_budget

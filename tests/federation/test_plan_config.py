@@ -22,7 +22,8 @@ from fedmeta.accounting.plan_request import (
 from fedmeta.accounting.planner import plan
 from fedmeta.cli.plan_config import write_config
 from fedmeta.cli.privacy_plan import WrittenConfig
-from fedmeta.config import Config, load_config, to_toml
+from fedmeta.config import Config
+from fedmeta.config_io import load_config, to_toml
 from fedmeta.server.plan import build_plan
 from fedmeta.server.rate_advice import HIGH_SNR, LOW_SNR, SMALLEST_FACTOR, advise_rate
 

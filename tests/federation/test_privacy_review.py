@@ -16,7 +16,7 @@ from fedmeta.accounting import (
     TwoStagePoissonScheme,
 )
 from fedmeta.client.app import app as client_app
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.plan import build_plan

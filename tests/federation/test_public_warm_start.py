@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedmeta.accounting import BudgetLedger
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.server.outputs import format_summary
 from fedmeta.simulation.simulate import main
 

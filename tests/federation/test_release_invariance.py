@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from fedmeta import protocol as P
 from fedmeta.client.app import app as client_app
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.live import PrometheusRunObserver
 from fedmeta.simulation.local_grid import InProcessGrid

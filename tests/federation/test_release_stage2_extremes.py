@@ -30,7 +30,7 @@ import torch
 from prometheus_client import generate_latest
 
 from fedmeta.client.app import app as client_app
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server import run as run_mod
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.ledger import exporter_registry

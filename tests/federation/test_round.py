@@ -15,7 +15,8 @@ from flwr.app import Context, Error, Message
 from fedmeta import protocol as P
 from fedmeta.accounting import BudgetExhausted, LedgerError
 from fedmeta.client.app import app as client_app
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.server import round as round_mod
 from fedmeta.server.app import execute
 from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted

@@ -112,7 +112,7 @@ _CHILD = """
 import sys, threading
 from pathlib import Path
 from fedmeta.client.app import app as client_app
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server import run as run_mod
 from fedmeta.server.app import execute
 from fedmeta.simulation.local_grid import InProcessGrid

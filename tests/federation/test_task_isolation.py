@@ -16,7 +16,7 @@ import pytest
 from fedmeta.client import gradients as gradients_mod
 from fedmeta.client.gradients import gradient_reply, isolated_rows
 from fedmeta.client_config import client_config
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.protocol import GradientRequest
 from fedmeta.workload import build_model, initial_params
 

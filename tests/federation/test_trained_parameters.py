@@ -17,7 +17,8 @@ import torch
 
 from fedmeta.client.gradients import gradient_reply
 from fedmeta.client_config import client_config
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.metalearning import ConvNet4, SinusoidMLP, param_spec, trained_coordinates
 from fedmeta.protocol import GradientRequest
 from fedmeta.server.outputs import format_summary

@@ -16,7 +16,8 @@ import pytest
 
 from fedmeta.accounting import BudgetLedger, current_budget, epsilon
 from fedmeta.cli.tune import TuneRefused, _planned_rounds, main
-from fedmeta.config import ConfigError, load_config
+from fedmeta.config import ConfigError
+from fedmeta.config_io import load_config
 from fedmeta.simulation.simulate import main as simulate
 from fedmeta.workload import declared_identity
 

@@ -17,7 +17,7 @@ from test_metalearning_oneshot_runs import _png, _write_run
 
 from fedmeta.checkpoint import save_checkpoint
 from fedmeta.cli.evaluate import _table, main
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.workload import build_model, initial_params
 
 pytestmark = pytest.mark.integration

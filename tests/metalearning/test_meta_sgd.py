@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 import fedmeta.metalearning as ml
 from fedmeta.adaptation import adaptation_summary
-from fedmeta.config import ConfigError, TrainingConfig, load_config
+from fedmeta.config import ConfigError, TrainingConfig
+from fedmeta.config_io import load_config
 from fedmeta.metalearning import INNER_RATES, Task, inner_rates, with_learned_inner_rates
 from fedmeta.workload import build_model, initial_params
 

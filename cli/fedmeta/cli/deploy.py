@@ -107,7 +107,7 @@ def _add_connection_args(p: argparse.ArgumentParser, what: str) -> None:
                    "$FEDMETA_INSECURE=1)")  # fmt: skip
 
 
-def _tls(args: argparse.Namespace) -> tuple[Path | None, bool]:
+def tls_settings(args: argparse.Namespace) -> tuple[Path | None, bool]:
     """(CA file, insecure): exactly one of the two, checked."""
     ca, insecure = args.root_certificates, bool(args.insecure)
     if ca is not None and insecure:
@@ -174,26 +174,10 @@ def json_in(text: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ run config
 
 
-def toml_value(value: Any) -> str:
-    """``value`` as a TOML inline value (what ``--set key=VALUE`` parses back to ``value``)."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # ASCII with \\uXXXX escapes: a valid TOML basic string
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}"
-                               for k, v in value.items()) + "}"  # fmt: skip
-    raise TypeError(f"cannot send a {type(value).__name__} in the run's configuration")
-
-
 def flatten(data: Mapping[str, Any]) -> list[str]:
     """``section.key=value`` overrides that rebuild a configuration file's ``data``."""
+    from fedmeta.config_io import toml_value
+
     out: list[str] = []
     for key, value in data.items():
         if isinstance(value, Mapping):  # a section; tables inside it travel as inline tables
@@ -206,6 +190,8 @@ def flatten(data: Mapping[str, Any]) -> list[str]:
 def node_keys_override(path: Path) -> str:
     """``federation.node_keys={...}`` from a file of ``[federation.node_keys]`` (make-certs.sh)."""
     import tomllib
+
+    from fedmeta.config_io import toml_value
 
     try:
         data = tomllib.loads(path.read_text())
@@ -225,7 +211,8 @@ def run_overrides(args: argparse.Namespace) -> tuple[list[str], Any]:
     """The run's overrides and the configuration they make, checked as the ServerApp reads them."""
     import tomllib
 
-    from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import apply_overrides, config_from_dict, load_config
 
     data: dict[str, Any] = {}
     if args.config is not None:
@@ -236,9 +223,9 @@ def run_overrides(args: argparse.Namespace) -> tuple[list[str], Any]:
     given = [*args.overrides]
     if args.node_keys is not None:
         given.append(node_keys_override(Path(args.node_keys)))
-    sets = [*flatten(data), *given]
     try:
-        wanted = load_config(args.config, given)
+        wanted = load_config(args.config, given)  # first: what it refuses never reaches flatten
+        sets = [*flatten(data), *given]
         sent = config_from_dict(apply_overrides({}, sets))
     except ConfigError as error:
         raise DeployError(str(error), exitcodes.BAD_INPUT) from None
@@ -522,7 +509,7 @@ def _run(args: argparse.Namespace) -> int:
     sets, cfg = run_overrides(args)
     if args.print_config or args.dry_run:  # nothing is sent: no connection settings needed
         return _preview(cfg, args.print_config, args.dry_run)
-    ca, _insecure = _tls(args)
+    ca, _insecure = tls_settings(args)
     out = args.out or default_out(args.runs_dir)
     with flwr_home(args.superlink, ca) as env, tempfile.TemporaryDirectory() as tmp:
         app = write_app(Path(tmp, "app"))
@@ -555,7 +542,7 @@ def remember_run(args: argparse.Namespace, run_id: str, out: str) -> None:
 
 def _preview(cfg: Any, print_config: bool, dry_run: bool) -> int:
     """``--print-config`` / ``--dry-run``: what would be sent and what it would cost."""
-    from fedmeta.config import to_toml
+    from fedmeta.config_io import to_toml
     from fedmeta.simulation.dry_run import dry_run_plan
 
     if print_config:
@@ -690,7 +677,7 @@ def participant_commands(args: argparse.Namespace) -> tuple[list[str], list[str]
     if not args.participant_id:
         raise DeployError("--participant-id (or $FEDMETA_PARTICIPANT_ID) is required",
                           exitcodes.BAD_INPUT)  # fmt: skip
-    ca, insecure = _tls(args)
+    ca, insecure = tls_settings(args)
     config = node_config(str(args.participant_id), args.data_path)
     link = ["--superlink", args.superlink,
             *(["--insecure"] if insecure else ["--root-certificates", str(ca)])]  # fmt: skip
@@ -804,7 +791,7 @@ def _public_keys(paths: Sequence[Path]) -> list[Path]:
 
 def _handle_register(args: argparse.Namespace) -> int:
     try:
-        ca, _insecure = _tls(args)
+        ca, _insecure = tls_settings(args)
         keys = _public_keys(args.keys)
     except DeployError as error:
         print(f"fedmeta deploy register: {error}", file=sys.stderr)

@@ -166,11 +166,11 @@ def register(sub: Any, add_connection_args: Any) -> None:
 
 
 def _handle_status(args: argparse.Namespace) -> int:
-    from fedmeta.cli.deploy import CONNECTION, DeployError, _tls, flwr, flwr_home, json_in
+    from fedmeta.cli.deploy import CONNECTION, DeployError, flwr, flwr_home, json_in, tls_settings
     from fedmeta.cli.deploy_runs import annotate
 
     try:
-        ca, _insecure = _tls(args)
+        ca, _insecure = tls_settings(args)
         bound = _bindings(args.node_keys)
     except DeployError as error:
         print(f"fedmeta deploy status: {error}", file=sys.stderr)

@@ -22,7 +22,7 @@ from typing import Any
 from fedmeta.accounting.plan_request import PlanRequest, PlanRow
 from fedmeta.cli import ledger, privacy
 from fedmeta.cli.privacy_plan import WrittenConfig
-from fedmeta.config import to_toml
+from fedmeta.config_io import to_toml
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
 from fedmeta.server.rate_advice import HIGH_SNR, advise_rate
 
@@ -45,7 +45,8 @@ def budget_delta(base_config: str | None) -> float | None:
     then records the plan's). Read-only.
     """
     from fedmeta.accounting import current_budget
-    from fedmeta.config import Config, load_config
+    from fedmeta.config import Config
+    from fedmeta.config_io import load_config
     from fedmeta.server.budget_keys import budget_identity, budget_label
     from fedmeta.server.data_budget import ledger_file
 
@@ -142,7 +143,7 @@ def write_config(
     (server/fedmeta/server/rate_advice.py); each such
     choice is a note of the result and a comment in the file.
     """
-    from fedmeta.config import config_from_dict, load_config
+    from fedmeta.config_io import config_from_dict, load_config
 
     if request.adaptive_count_noise is not None:
         raise ValueError(
@@ -173,7 +174,8 @@ def _with_rate_advice(
     merged: dict[str, Any], row: PlanRow
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``merged`` with the advised rate and selection for ``row``'s run SNR, and their notes."""
-    from fedmeta.config import ConfigError, config_from_dict
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import config_from_dict
 
     training = config_from_dict(merged).training  # the plan's keys over the base must be valid
     if row.run_snr is None:

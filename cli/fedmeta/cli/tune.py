@@ -110,7 +110,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _candidates(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """Each candidate's label and configuration (base, ``--set``, then its own overrides)."""
-    from fedmeta.config import ConfigError, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import load_config
 
     if len(args.candidates) < 2:
         raise ConfigError(f"--candidate: give at least 2 candidates to choose among; got "

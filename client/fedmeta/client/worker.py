@@ -412,7 +412,7 @@ def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = No
 
     from fedmeta import protocol as P
     from fedmeta.client_config import client_config
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     t0 = time.perf_counter()
     cfg = client_config(load_config(config_path))

@@ -23,7 +23,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedmeta import protocol as P
 from fedmeta.checkpoint import CHECKPOINT_NAME
-from fedmeta.config import Config, load_config
+from fedmeta.config import Config
+from fedmeta.config_io import load_config
 from fedmeta.server.report import RunObserver
 from fedmeta.server.run import RunResult, run_federation
 from fedmeta.server.superlink_watch import watching

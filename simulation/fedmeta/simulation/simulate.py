@@ -93,7 +93,7 @@ def _handle(args: argparse.Namespace) -> int:
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
     from fedmeta import exitcodes
-    from fedmeta.config import load_config
+    from fedmeta.config_io import load_config
 
     if args.experiment:  # its outputs in runs/NAME, whatever the configuration file's output.dir
         runs = f'output.dir="runs/{args.experiment.partition("=")[2]}"'  # --out, --set still win
@@ -154,12 +154,13 @@ def _no_round_hint(cfg: Any) -> str:
 def _preview(args: argparse.Namespace) -> int:
     """``--print-config`` / ``--dry-run``: the configuration, the plan; nothing runs."""
     from fedmeta import exitcodes
-    from fedmeta.config import ConfigError, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import load_config
 
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
         if args.print_config:
-            from fedmeta.config import to_toml
+            from fedmeta.config_io import to_toml
 
             print(to_toml(cfg.to_dict()), end="")
         if args.dry_run:
@@ -302,7 +303,8 @@ def _resume_config(args: argparse.Namespace) -> Any:
     A different ``--config`` or ``--set`` on anything else is refused with the keys that differ,
     so a resumed run can never silently change its privacy parameters.
     """
-    from fedmeta.config import ConfigError, apply_overrides, config_from_dict, load_config
+    from fedmeta.config import ConfigError
+    from fedmeta.config_io import apply_overrides, config_from_dict, load_config
 
     given = load_config(args.config, args.overrides)
     out = Path(args.out or given.output.dir)
