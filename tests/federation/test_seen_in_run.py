@@ -110,3 +110,29 @@ def test_what_may_be_released_and_what_the_participants_declared() -> None:
     assert list(declared_items([a, b])) == [1, 2, 3]  # type: ignore[arg-type]
     assert declared_items([a, "sinusoid:abc"]) is None  # one declared no items: unknown
     assert declared_items([]) is None
+
+
+@pytest.mark.unit
+def test_a_resumed_run_says_whose_items_it_compared_and_an_untested_one_is_null() -> None:
+    from types import SimpleNamespace
+
+    from fedmeta.accounting import DataItems
+    from fedmeta.server.seen_release import NOT_TESTED_NOTE, RESUMED_NOTE, seen_fields
+
+    def split(items: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(item_ids=np.asarray(items, np.uint64), n_classes=1,
+                               offsets=[0, len(items)])  # fmt: skip
+
+    workload = SimpleNamespace(splits=SimpleNamespace(train=split([1, 2]), val=split([3]),
+                                                      test=split([7, 8])),
+                               warm_start=None)  # fmt: skip
+    final = SimpleNamespace(mean=0.5, ci95_low=0.4, ci95_high=0.6, median=0.5, n_tasks=4)
+    cfg = load_config(None, [])
+    declared = [DataItems.of([1, 2]).to_text()]
+    fields = seen_fields(cfg, workload, private=False, fingerprints=declared,  # type: ignore[arg-type]
+                         resumed=True, final=final, evaluate_tasks=lambda t: None)  # fmt: skip
+    assert fields["seen_fraction"] == 0.0 and fields["held_out"]["mean"] == 0.5
+    assert fields["seen_note"] == RESUMED_NOTE
+    untested = seen_fields(cfg, workload, private=False, fingerprints=declared,  # type: ignore[arg-type]
+                           final=None, evaluate_tasks=lambda t: None)  # fmt: skip
+    assert untested == {"seen_fraction": None, "held_out": None, "seen_note": NOT_TESTED_NOTE}

@@ -76,12 +76,12 @@ def seen_fields(
     """
     if final is None:
         return unknown(NOT_TESTED_NOTE)
-    if not releasable(cfg, private):
-        return unknown(PRIVATE_NOTE)
-    participants = declared_items(fingerprints)
+    participants = declared_items(fingerprints)  # whether there are items: the data's kind
     if participants is None:
         return unknown("the participants declared no item digests (data without items, such as "
                        "the sinusoid): seen_fraction unknown")  # fmt: skip
+    if not releasable(cfg, private):
+        return unknown(PRIVATE_NOTE)
     trained, note = trained_or_note(cfg, workload, participants)
     if trained is None:
         return unknown(note or "seen_fraction unknown")
