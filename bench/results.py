@@ -88,7 +88,10 @@ SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_c
                   "final_metric_median", "adaptation_diverged_tasks", "adaptation",
                   "starting_metric", "starting_model", "epsilon_spent", "delta", "rounds_completed",
                   "noise_multiplier", "normaliser", "stopped_reason",
-                  "public_warm_start", "trained_parameters", "model_selection")  # fmt: skip
+                  "public_warm_start", "trained_parameters", "model_selection",
+                  # what the test evaluation had seen (issue 42; null in a private run unless
+                  # released: docs/privacy.md "What the test evaluation had seen")
+                  "seen_fraction", "held_out", "seen_note")  # fmt: skip
 
 
 def record_run_dir(
@@ -277,6 +280,8 @@ def summarise(paths: list[Path]) -> list[dict[str, Any]]:
             "diverged_runs": sum(bool(r.get("adaptation_diverged_tasks"))
                                  or not math.isfinite(float(r["final_metric"])) for r in runs),
             "private": runs[0]["epsilon_spent"] is not None,
+            # per run: the fraction of test items the model had seen (None: not known/released)
+            "seen_fraction": [r.get("seen_fraction") for r in runs],
         })  # fmt: skip
     for row in rows:
         rest = [o for o in row["overrides"] if not o.startswith("privacy.")]

@@ -116,7 +116,8 @@ def test_a_run_made_by_simulate_is_recorded_like_the_others(tmp_path: Path, monk
     run.mkdir()
     summary = {k: None for k in results.SUMMARY_FIELDS}
     summary |= {"final_metric": 0.8, "epsilon_spent": 1.5, "rounds_completed": 250,
-                "stopped_reason": "planned_rounds", "unrelated": 1}  # fmt: skip
+                "stopped_reason": "planned_rounds", "unrelated": 1, "seen_fraction": 0.05,
+                "held_out": {"mean": 0.7, "tasks": 600}}  # fmt: skip
     (run / "summary.json").write_text(results.json.dumps(summary))
     monkeypatch.setattr(results, "group_size", lambda cfg: 7)
     out = tmp_path / "out.jsonl"
@@ -130,3 +131,6 @@ def test_a_run_made_by_simulate_is_recorded_like_the_others(tmp_path: Path, monk
     assert rec["max_tasks_per_example"] == 7 and rec["config"] == "configs/sinusoid.toml"
     row = results.summarise([out])[0]
     assert row["experiment"] == "paper" and row["values"] == [0.8]
+    # What the test evaluation had seen travels with the record and its row (issue 42).
+    assert rec["seen_fraction"] == 0.05 and rec["held_out"]["mean"] == 0.7
+    assert row["seen_fraction"] == [0.05]

@@ -108,16 +108,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 def _seen(
     cfg: Any, workload: Any, result: dict[str, Any], runs: Any, evaluate_tasks: Any
 ) -> dict[str, Any]:
-    """``seen_fraction`` and ``held_out`` (cli/fedmeta/cli/evaluate_seen.py; issue 42)."""
-    from fedmeta.cli import evaluate_seen as seen
+    """``seen_fraction`` and ``held_out`` (core/fedmeta/seen.py; issue 42).
+
+    JSON: ``seen_fraction`` over the distinct items scored (the test tasks' pool and, with
+    ``--omniglot-runs``, the runs' 800 drawings; ``null`` with ``seen_note`` when unknown), per
+    part ``seen_fraction_test`` / ``seen_fraction_runs``, and ``held_out``: the same metrics over
+    unseen items only (the test classes none of whose drawings were seen; the runs none of whose
+    40 drawings were seen).
+    """
+    from fedmeta import seen
 
     trained, note = seen.trained_or_note(cfg, workload)
     if trained is None:
         return seen.unknown(note or "seen_fraction unknown")
-    parts, test_items = seen.test_part(trained, workload, evaluate_tasks, result)
+    parts, test_items = seen.part_of_test_classes(trained, workload, evaluate_tasks, result)
     groups = [test_items] if len(test_items) else []
     if runs is not None:
-        run_fields, run_groups = seen.runs_part(trained, runs, result["run_errors"])
+        run_fields, run_groups = seen.part_of_runs(trained, runs, result["run_errors"])
         parts.update(run_fields)
         groups += run_groups
     return seen.combined(parts, groups, trained)
@@ -203,6 +210,8 @@ def _official_runs(
 
 
 def _table(result: dict[str, Any]) -> str:
+    from fedmeta.seen import seen_line
+
     lo, hi = result["ci95"]
     guarantee = "NON-PRIVATE"
     if result["private"]:
@@ -223,21 +232,5 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(
             f"mean error {result['mean_error']:.4f} (people: {result['human_mean_error']})"
         )
-    lines.append(_seen_line(result))
+    lines.append(seen_line(result))
     return "\n".join(lines)
-
-
-def _seen_line(result: dict[str, Any]) -> str:
-    """Both facts in one line: how much of what was scored the model had seen, and the rest."""
-    frac = result.get("seen_fraction")
-    if frac is None:
-        return f"seen in training: unknown ({result.get('seen_note', '')})"
-    held = result.get("held_out") or {}
-    parts = []
-    if held.get("mean") is not None:
-        parts.append(f"test {held['mean']:.4f} over {held['tasks']} tasks")
-    if held.get("mean_error") is not None:
-        parts.append(f"runs' mean error {held['mean_error']:.4f} over {held['runs']} runs")
-    flag = "WARNING: " if frac > 0 else ""
-    return (f"{flag}seen in training: {frac:.1%} of the scored items; on unseen items only: "
-            + ("; ".join(parts) or "none left"))  # fmt: skip

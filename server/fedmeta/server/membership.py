@@ -57,6 +57,9 @@ class Membership:
     members: dict[str, Registered] = field(default_factory=dict)
     suspended: set[str] = field(default_factory=set)
     refused: dict[str, int] = field(default_factory=dict)
+    #: Every data fingerprint admitted in this session, also of those who left since (the test
+    #: evaluation's seen items, server/fedmeta/server/seen_release.py).
+    declared: set[str] = field(default_factory=set)
     _failures: dict[str, int] = field(default_factory=dict)
     _refused_nodes: dict[int, str] = field(default_factory=dict)  # node id -> final refusal
 
@@ -100,6 +103,7 @@ class Membership:
                             reg.node_id, reg.participant_id, reason)  # fmt: skip
                 continue
             self.members[reg.participant_id] = reg
+            self.declared.add(reg.data_fingerprint)
 
     def _refusal(self, reg: Registered, bound: Mapping[str, str]) -> str | None:
         if bound:

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeAlias
 from fedmeta.adaptation import adaptation_summary
 from fedmeta.checkpoint import atomic_write_bytes
 from fedmeta.config import Config
+from fedmeta.seen import seen_line
 from fedmeta.server.marks import marks
 from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
 from fedmeta.server.plan import BudgetForecast, RunPlan
@@ -199,11 +200,13 @@ def build_summary(
     coordinates: int | None = None,
     model_start: Mapping[str, Any] | None = None,
     start: StartingModel | None = None,
+    seen: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``summary.json``: the run's plan, its records' totals and the final evaluation.
 
     ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`;
-    ``starting``: the starting model's test metric; ``start``: its round-0 record.
+    ``starting``: the starting model's test metric; ``start``: its round-0 record; ``seen``: what
+    the test evaluation scored that the model had seen (server/fedmeta/server/seen_release.py).
     """
     private = plan.private
     model_start = model_start or model_start_fields(None, None)
@@ -228,6 +231,7 @@ def build_summary(
         "participants_registered": participants,
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, final),
+        **(seen or _SEEN_UNKNOWN),
         **starting_fields(cfg, starting, start),
         **model_start,
         "ledger": None if ledger is None else _ledger_summary(ledger),
@@ -277,6 +281,9 @@ def _ledger_summary(ledger: Any) -> dict[str, Any]:
 
 
 
+
+#: A summary built without the test evaluation's seen items (a caller that passes none).
+_SEEN_UNKNOWN = {"seen_fraction": None, "held_out": None, "seen_note": "not computed"}
 
 #: The summary's word for a test evaluation an interrupted run left to its resume.
 NOT_TESTED = (
@@ -406,6 +413,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
         lines.append(f"test {s['metric']}: {s.get('test_evaluation', NOT_TESTED)}")
     else:
         lines.append(_test_line(s))
+    if "seen_fraction" in s:
+        lines.append(seen_line(s))
     lines += _model_lines(s)
     if s.get("rounds_lost_on_resume"):
         lines.append("rounds spent but lost before a checkpoint (counted as spent): "

@@ -208,6 +208,7 @@ class _Run:
     selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
     test_when_interrupted: bool = True  # False: an interrupted run ends without its test tasks
     starting: StartingModel | None = None  # round 0 (server/fedmeta/server/starting.py)
+    resumed: bool = False
 
 
 def run_federation(
@@ -310,7 +311,7 @@ def _start(
                next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
     if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
         run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
-    run.selection = selection
+    run.selection, run.resumed = selection, ckpt is not None
     run.starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
     return run
 
@@ -644,7 +645,7 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
         (run.state.params if params is None else params).detach(),
         tasks,
         **inner_kwargs(cfg.training, evaluation=True),
-        device="cpu",
+        device=cfg.federation.client_device,  # the run's device (auto: CUDA when present)
         chunk_size=cfg.training.chunk_size,
         with_pre_adaptation=pre,
     )
@@ -735,9 +736,19 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         model_start=model_start_fields(
             run.workload.public_summary(), run.workload.trained_summary(),
             run.selection.summary(run.cfg.dataset.validation_tasks, run.next_round)),
-        start=run.starting,
+        start=run.starting, seen=_seen(run, final),
     )  # fmt: skip
     return RunResult(summary, run.outcomes, run.out)
+
+
+def _seen(run: _Run, final: Any) -> dict[str, Any]:
+    """The test evaluation's ``seen_fraction`` and ``held_out`` (server/.../seen_release.py)."""
+    from fedmeta.server.seen_release import seen_fields
+
+    released = run.selection.released(run.state.params)
+    return seen_fields(run.cfg, run.workload, private=run.plan.private, final=final,
+                       fingerprints=run.membership.declared, resumed=run.resumed,
+                       evaluate_tasks=lambda t: _evaluate(run, t, params=released))  # fmt: skip
 
 
 def _coordinates(run: _Run) -> int:
