@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import fedmeta.metalearning as metalearning
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.simulation.simulate import main
 
 from .test_round import SMALL

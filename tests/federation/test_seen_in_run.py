@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.seen_release import PRIVATE_NOTE, declared_items, releasable
 from fedmeta.simulation.simulate import main
