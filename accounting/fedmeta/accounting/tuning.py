@@ -64,6 +64,7 @@ from fedmeta.accounting.pairs import round_components
 from fedmeta.accounting.randomness import RandomSource
 from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
 from fedmeta.accounting.schemes import GaussianRound, Unit
+from fedmeta.accounting.tuning_release import TuningRelease
 
 _Floats: TypeAlias = npt.NDArray[np.float64]
 RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
@@ -361,3 +362,41 @@ def _largest_mean(
         else:
             high = mid
     return low
+
+
+# ------------------------------------------------------------------------------- the record
+
+
+def release_of(run: TuningRun, description: str) -> TuningRelease:
+    """The ledger's record of ``run``'s release (tuning_release.py): its RDP curves.
+
+    The participant-level curve is computed where every candidate's round caps a participant's
+    tasks (``participant_cap``) and has participants (a two-stage scheme); otherwise ``None``,
+    which composes to no bound at that level.
+    """
+    neighbouring = run.candidates[0].event.neighbouring
+    task = tuning_rdp(run) if run.unit == "task" else tuning_rdp(_with_unit(run, "task"))
+    caps = [c.event.participant_cap for c in run.candidates]
+    participant: tuple[float, ...] | None = None
+    cap: int | None = None
+    if all(isinstance(c, int) for c in caps):
+        try:
+            participant = tuple(float(v) for v in tuning_rdp(_with_unit(run, "participant")))
+            cap = max(int(c) for c in caps if c is not None)
+        except ValueError:  # a single-stage scheme: no participants to bound
+            participant, cap = None, None
+    return TuningRelease(tuple(RDP_ORDERS), tuple(float(v) for v in task), participant, cap,
+                         neighbouring, description)  # fmt: skip
+
+
+def _with_unit(run: TuningRun, unit: Unit) -> TuningRun:
+    return TuningRun(run.candidates, run.trials, unit)
+
+
+def describe(run: TuningRun) -> str:
+    """The public plan of ``run`` in one line (recorded with its release, for the operator)."""
+    law = (f"Poisson(mean {run.trials.mean:g})" if isinstance(run.trials, PoissonTrials) else
+           f"truncated negative binomial(eta {run.trials.shape:g}, gamma {run.trials.gamma:.6g}, "
+           f"mean {run.trials.mean:.4g})")  # fmt: skip
+    rounds = ", ".join(f"{c.label}: {c.rounds} rounds" for c in run.candidates)
+    return f"tuning: K ~ {law} trials over {len(run.candidates)} candidates ({rounds})"
