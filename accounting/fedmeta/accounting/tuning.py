@@ -60,14 +60,14 @@ import numpy.typing as npt
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
-from fedmeta.accounting.pairs import round_components
 from fedmeta.accounting.randomness import RandomSource
-from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
+from fedmeta.accounting.rdp import RDP_ORDERS
 from fedmeta.accounting.schemes import GaussianRound, Unit
-from fedmeta.accounting.tuning_release import TuningRelease
+from fedmeta.accounting.tuning_release import Recorded, TuningRelease, recorded_rdp
 
 _Floats: TypeAlias = npt.NDArray[np.float64]
-RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
+#: Earlier spends of a participant group: rounds, and tuning releases (tuning_release.py).
+RoundGroups: TypeAlias = Sequence[tuple[Recorded, int]]
 #: Bits of the uniform each draw of ``K`` uses.
 _UNIFORM_BITS = 53
 
@@ -187,11 +187,8 @@ def _delta_of(orders: _Floats, rdp: _Floats, epsilon_value: float) -> float:
 
 
 def rounds_rdp(rounds: RoundGroups, unit: Unit = "task") -> _Floats:
-    """RDP over ``RDP_ORDERS`` of ``rounds`` (the ledger's per-round pairs), summed (composed)."""
-    total = np.zeros(len(RDP_ORDERS))
-    for event, count in rounds:
-        total = total + int(count) * np.asarray(rdp_curve(round_components(event, unit)))
-    return total
+    """RDP over ``RDP_ORDERS`` of ``rounds`` and tuning releases, summed (composed)."""
+    return recorded_rdp(list(rounds), unit)
 
 
 @dataclass(frozen=True)
@@ -253,7 +250,7 @@ def tuning_epsilon(run: TuningRun, delta: float, prior: Sequence[RoundGroups] = 
     tuner = tuning_rdp(run)
     worst = 0.0
     for group in prior or ((),):
-        total = tuner + rounds_rdp(group, run.unit)
+        total = tuner + recorded_rdp(list(group), run.unit)
         if np.all(np.isinf(total)):
             return math.inf
         eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), total, float(delta))
@@ -334,7 +331,8 @@ def _epsilon_of_groups(prior: Sequence[RoundGroups], delta: float, unit: Unit) -
     worst = 0.0
     for group in prior:
         if group:
-            eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), rounds_rdp(group, unit), delta)
+            total = recorded_rdp(list(group), unit)
+            eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), total, delta)
             worst = max(worst, float(eps))
     return worst
 
