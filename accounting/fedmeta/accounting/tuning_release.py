@@ -208,7 +208,9 @@ def release_affordable(
     step = recorded_rdp([(event, 1)], unit)
 
     def fits(n: int) -> bool:
-        return rdp_to_epsilon(base + n * step, delta) <= epsilon_budget
+        with np.errstate(invalid="ignore"):  # 0 * inf: no rounds add nothing
+            total = base + np.where(np.isinf(step) & (n == 0), 0.0, n * step)
+        return rdp_to_epsilon(total, delta) <= epsilon_budget
 
     if not fits(0):
         return 0
