@@ -3,13 +3,13 @@ r"""``fedmeta tune``: choose among candidate configurations on private data, and
     fedmeta tune --config base.toml --candidate "training.meta_lr=0.001" \\
                  --candidate "training.meta_lr=0.003 training.inner_steps=3" --out runs/tune
 
-Every candidate is trained once on the same data (``fedmeta simulate``'s run, one after another),
-each round charged to the data's ledger like any run, so the tuning composes with the runs before
+In the ``each`` mode every candidate is trained once on the same data (``fedmeta simulate``'s run,
+one after another), each round charged to the data's ledger like any run, so the tuning composes with the runs before
 it and after it by the ledger's own (PLD) accounting. The candidates are compared by the validation
 metric of the model each released (the server's validation classes, which no participant owns);
 test tasks never enter the choice. ``tune.json`` names the chosen candidate and its run directory.
 
-**Refused before any trial.** Every candidate's planned rounds (its plan, as ``simulate --dry-run``
+**Refused before any trial** (``each``). Every candidate's planned rounds (its plan, as ``simulate --dry-run``
 builds it) are composed with what the data's ledger already holds; if the whole tuning would take
 any participant over the data's budget, nothing runs, and one line says how many of the candidates,
 in the order given, fit. The check plans as ``simulate --dry-run`` does (every configured
@@ -57,8 +57,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tune",
         help="train candidate configurations on private data, choose on validation, pay for all",
-        description="Train each candidate once on the same data, every round charged to the "
-        "data's ledger; release the one with the best validation metric.",
+        description="Choose among candidates on private data, paid in the data's ledger: each "
+        "candidate once (every round spent), or a random number of trials with only the best "
+        "released (one tuning release, Papernot and Steinke 2022); by default the cheaper.",
     )
     p.add_argument("--config", type=Path, default=None, help="base TOML configuration")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=key_value,
