@@ -3,19 +3,20 @@ r"""``fedmeta tune``: choose among candidate configurations on private data, and
     fedmeta tune --config base.toml --candidate "training.meta_lr=0.001" \\
                  --candidate "training.meta_lr=0.003 training.inner_steps=3" --out runs/tune
 
-In the ``each`` mode every candidate is trained once on the same data (``fedmeta simulate``'s run,
-one after another), each round charged to the data's ledger like any run, so the tuning composes with the runs before
-it and after it by the ledger's own (PLD) accounting. The candidates are compared by the validation
-metric of the model each released (the server's validation classes, which no participant owns);
-test tasks never enter the choice. ``tune.json`` names the chosen candidate and its run directory.
+In the ``each`` mode every candidate is trained once on the same data (``fedmeta simulate``'s
+run, one after another), each round charged to the data's ledger like any run, so the tuning
+composes with the runs before it and after it by the ledger's own (PLD) accounting. The
+candidates are compared by the validation metric of the model each released (the server's
+validation classes, which no participant owns); test tasks never enter the choice. ``tune.json``
+names the chosen candidate and its run directory.
 
-**Refused before any trial** (``each``). Every candidate's planned rounds (its plan, as ``simulate --dry-run``
-builds it) are composed with what the data's ledger already holds; if the whole tuning would take
-any participant over the data's budget, nothing runs, and one line says how many of the candidates,
-in the order given, fit. The check plans as ``simulate --dry-run`` does (every configured
-participant with ``dataset.tasks_per_participant`` tasks); each trial's rounds are still checked one
-by one by the ledger when they are spent, so a plan that was too hopeful stops a trial, never the
-budget.
+**Refused before any trial** (``each``). Every candidate's planned rounds (its plan, as
+``simulate --dry-run`` builds it) are composed with what the data's ledger already holds; if the
+whole tuning would take any participant over the data's budget, nothing runs, and one line says
+how many of the candidates, in the order given, fit. The check plans as ``simulate --dry-run``
+does (every configured participant with ``dataset.tasks_per_participant`` tasks); each trial's
+rounds are still checked one by one by the ledger when they are spent, so a plan that was too
+hopeful stops a trial, never the budget.
 
 **Two modes, priced before any trial** (``--trials``). ``each``: every candidate trained once, its
 rounds spent as ordinary rounds (above). ``random``: Papernot and Steinke's (2022) tuner
