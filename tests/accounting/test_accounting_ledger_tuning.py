@@ -146,3 +146,21 @@ def test_a_ledger_written_before_releases_opens_keeps_its_records_and_takes_one(
         assert ledger.epsilon() == pytest.approx(
             release_epsilon([(ROUND, 6), (RELEASE, 1)], 1e-5, "task"), rel=1e-12
         )
+
+
+def test_ledger_show_names_a_release_by_its_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedmeta.cli import main
+
+    db = tmp_path / "ledger.sqlite"
+    with _open(db) as ledger:
+        ledger.spend(ROUND, "earlier", 0)
+        ledger.spend_release(RELEASE, "tune-1")
+        spent = ledger.epsilon()
+    assert main(["ledger", "show", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "1 x tuning: K ~ Poisson(mean 4) trials over 2 candidates (a: 40 rounds" in out
+    assert f"epsilon {spent:.4g}" in out and "run tune-1: 1 spends" in out
+    assert main(["ledger", "show", "--db", str(db), "--json"]) == 0
+    assert '"kind": "tuning_release"' in capsys.readouterr().out

@@ -159,7 +159,9 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
                 f"{run['first_round']}..{run['last_round']}"
             )
         for g in e["rounds"]:
-            print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+            event = g["event"]  # a tuning release by its plan, not its curve (--json has it)
+            text = event["description"] if "kind" in event else json.dumps(event, sort_keys=True)
+            print(f"  {g['count']} x {text}")
         _print_participants(e["participants"])
         _print_public_data(e["public_data"])
 
