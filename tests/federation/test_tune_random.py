@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from fedmeta.workload import declared_identity
 from .test_round import SMALL
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 CANDIDATES = ["training.meta_lr=0.01", "training.meta_lr=0.001 training.inner_lr=0.02"]
 SEED = 7
 
@@ -64,6 +67,7 @@ def test_random_mode_records_one_release_and_a_later_run_composes_with_it(tmp_pa
         assert out["epsilon_after"] == pytest.approx(priced, rel=1e-9)
     # Only the best trial is released, and nothing says how many trials ran.
     tune = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert tune["prices"]["epsilon_after_random"] == pytest.approx(tune["epsilon_after"], rel=1e-9)
     assert sorted(p.name for p in (tmp_path / "tune").iterdir()) == ["chosen", "tune.json"]
     assert tune["chosen"]["candidate"] in CANDIDATES and "trials_run" not in json.dumps(tune)
     assert (tmp_path / "tune" / "chosen" / "summary.json").is_file()
@@ -115,3 +119,20 @@ def test_the_default_mode_is_the_cheaper_one_priced_before_any_trial(
     assert min(out["epsilon_after_each"], out["epsilon_after_random"]) == (
         out[f"epsilon_after_{cheaper}"])
     assert not (tmp_path / "ledger.sqlite").exists()  # priced from the plans alone
+
+
+def test_the_command_line_prices_the_random_mode_and_names_a_bad_law(tmp_path: Path) -> None:
+    cli = [sys.executable, "-m", "fedmeta.cli", "tune", "--out", str(tmp_path / "t"), "--dry-run",
+           "--trials", "random", "--mean-trials", "3", "--distribution", "negbin"]  # fmt: skip
+    for s in _sets(tmp_path):
+        cli += ["--set", s]
+    cli += [a for c in CANDIDATES for a in ("--candidate", c)]
+    done = subprocess.run([*cli, "--eta", "0"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    priced = json.loads(done.stdout)
+    assert priced["mode"] == "random" and priced["epsilon_after_random"] > 0
+    bad = subprocess.run([*cli, "--eta", "-1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--mean-trials/--eta" in bad.stderr

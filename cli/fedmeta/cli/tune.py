@@ -115,9 +115,8 @@ def main(args: argparse.Namespace, source: Any = None) -> dict[str, Any]:
     if price["mode"] == "random":
         from fedmeta.cli.tune_random import run_random
 
-        result = run_random(args, candidates, random_run(args, candidates),
-                            source or SystemRandomSource(), higher=higher)  # fmt: skip
-        return {"prices": price, **result}
+        return run_random(args, candidates, random_run(args, candidates),
+                          source or SystemRandomSource(), higher=higher, prices=price)  # fmt: skip
     return {**price, **_run_each(args, candidates, higher=higher)}
 
 

@@ -121,6 +121,7 @@ def _check_on_plan(path: Path, candidate: Any) -> None:
 
 def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float | None, Path]:
     """One trial: train ``cfg`` in ``out`` on a scratch ledger; its validation metric."""
+    from fedmeta.capacity import check_round_fits
     from fedmeta.cli.tune import validation_score
     from fedmeta.server.app import execute
     from fedmeta.simulation.batched import BatchedGrid
@@ -129,15 +130,19 @@ def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float 
     ledger = out.with_name(out.name + ".ledger.sqlite")
     log = out.with_name(out.name + ".log")
     with log.open("w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        workload = check_data(cfg)
+        check_round_fits(cfg, workload.trained_dim)  # as simulate refuses a round too large
+        # In process (simulate's batched grid), whatever federation.backend says.
         result = execute(cfg, BatchedGrid(cfg.federation.participants), out_dir=out, echo=False,
                          observers=[], open_ledger=_trial_opener(ledger, candidate, delta),
-                         workload=check_data(cfg))  # fmt: skip
+                         workload=workload)  # fmt: skip
     _check_on_plan(ledger, candidate)
     return validation_score(result.summary, result.outcomes), out
 
 
 def run_random(
-    args: Any, candidates: Sequence[tuple[str, Any]], run: Any, source: Any, *, higher: bool
+    args: Any, candidates: Sequence[tuple[str, Any]], run: Any, source: Any, *, higher: bool,
+    prices: dict[str, Any],
 ) -> dict[str, Any]:
     """Spend the release, run ``K`` trials privately, release the best; ``tune.json``'s dict."""
     from fedmeta.accounting.tuning import draw_candidate, draw_trials
@@ -166,7 +171,7 @@ def run_random(
                       "validation_metric": best[0]}  # fmt: skip
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    result = {"mode": "random", "trials": run.trials.__class__.__name__,
+    result = {"prices": prices, "mode": "random", "trials": run.trials.__class__.__name__,
               "mean_trials": run.trials.mean, **spent, "chosen": chosen,
               "released": "the best trial only (validation metric, server-held classes); the "
               "number of trials and the other trials stay private"}  # fmt: skip
