@@ -13,10 +13,11 @@ models and scores, which trial won and anything timed by them are not released. 
 in a scratch directory inside ``--out`` (removed when the tuning ends, whatever the outcome), their
 rounds are counted on a scratch ledger per trial that only checks that the trial kept to its plan
 (the data's ledger already holds the whole tuning's price), their printed output goes to a
-scratch log, and ``tune.json`` names the chosen candidate, its validation metric and the ledger's
-epsilon, nothing about the other trials or how many there were. The chosen trial's run directory
-is moved to ``--out/chosen`` (its own summary accounts its own rounds on its scratch ledger; the
-data's epsilon is the one in ``tune.json``).
+scratch log (logging silenced), and ``tune.json`` names the chosen candidate, its validation
+metric and the ledger's epsilon, nothing about the other trials or how many there were. The
+chosen trial's run directory is moved to ``--out/chosen`` (its own summary accounts its own rounds
+on its scratch ledger; the data's epsilon is the one in ``tune.json``). The tuning's duration grows
+with ``K``: keep it as private as the trials (docs/privacy.md).
 
 **Kept to its plan.** A trial's scratch ledger has as budget the PLD epsilon of its candidate's
 planned rounds, so it refuses a round beyond them; after the trial, every recorded round must be
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -119,6 +121,16 @@ def _check_on_plan(path: Path, candidate: Any) -> None:
         )
 
 
+@contextlib.contextmanager
+def _no_logging() -> Iterator[None]:
+    """Silence logging during a trial: its handlers hold the real stderr, which would count K."""
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
 def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float | None, Path]:
     """One trial: train ``cfg`` in ``out`` on a scratch ledger; its validation metric."""
     from fedmeta.capacity import check_round_fits
@@ -129,7 +141,8 @@ def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float 
 
     ledger = out.with_name(out.name + ".ledger.sqlite")
     log = out.with_name(out.name + ".log")
-    with log.open("w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+    with log.open("w") as sink, _no_logging(), contextlib.redirect_stdout(sink), \
+            contextlib.redirect_stderr(sink):
         workload = check_data(cfg)
         check_round_fits(cfg, workload.trained_dim)  # as simulate refuses a round too large
         # In process (simulate's batched grid), whatever federation.backend says.
