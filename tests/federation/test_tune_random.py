@@ -8,6 +8,7 @@ refused before any trial; the default mode is the cheaper one (cli/fedmeta/cli/t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from fedmeta.accounting import BudgetLedger, InsecureSeededSource, current_budge
 from fedmeta.accounting.tuning import tuning_epsilon
 from fedmeta.accounting.tuning_release import TuningRelease, release_epsilon
 from fedmeta.cli.tune import TuneRefused, _planned_rounds, main, random_run
+from fedmeta.cli.tune_random import TrialOffPlan
 from fedmeta.config import load_config
 from fedmeta.simulation.simulate import main as simulate
 from fedmeta.workload import declared_identity
@@ -70,7 +72,8 @@ def test_random_mode_records_one_release_and_a_later_run_composes_with_it(tmp_pa
     assert tune["prices"]["epsilon_after_random"] == pytest.approx(tune["epsilon_after"], rel=1e-9)
     assert sorted(p.name for p in (tmp_path / "tune").iterdir()) == ["chosen", "tune.json"]
     assert tune["chosen"]["candidate"] in CANDIDATES and "trials_run" not in json.dumps(tune)
-    assert (tmp_path / "tune" / "chosen" / "summary.json").is_file()
+    chosen = json.loads((tmp_path / "tune" / "chosen" / "summary.json").read_text())
+    assert chosen["rounds_completed"] == 6  # its scratch ledger let it run its whole plan
     # A later ordinary run on the same data: its epsilon includes the tuning release.
     simulate(load_config(None, sets), out_dir=tmp_path / "later")
     with _ledger(tmp_path, sets) as ledger:
@@ -136,3 +139,27 @@ def test_the_command_line_prices_the_random_mode_and_names_a_bad_law(tmp_path: P
                          timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--mean-trials/--eta" in bad.stderr
+
+
+@pytest.mark.parametrize(("factor", "why"), [
+    (2.0, "does not fit the price of its plan"),  # refused at its first round
+    (0.9, "recorded rounds outside its plan"),  # fits the price, but is not the planned round
+])  # fmt: skip
+def test_a_trial_off_its_plan_stops_the_tuning_with_nothing_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, factor: float, why: str
+) -> None:
+    import fedmeta.cli.tune as tune
+
+    planned = tune._planned_rounds
+
+    def other(cfg: object) -> tuple[object, int]:  # the plan priced is not the round that runs
+        event, rounds = planned(cfg)
+        return dataclasses.replace(event, noise_multiplier=factor * event.noise_multiplier), rounds
+
+    monkeypatch.setattr(tune, "_planned_rounds", other)
+    sets = _sets(tmp_path)
+    with pytest.raises(TrialOffPlan, match=f"{why}.*; nothing was released"):
+        main(_args(tmp_path, sets), source=InsecureSeededSource(SEED))
+    assert sorted(p.name for p in (tmp_path / "tune").iterdir()) == []
+    with _ledger(tmp_path, sets) as ledger:  # the release stays: the price of what ran
+        assert [type(r.event) for r in ledger.records()] == [TuningRelease]

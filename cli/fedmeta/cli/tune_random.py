@@ -136,6 +136,7 @@ def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float 
     from fedmeta.capacity import check_round_fits
     from fedmeta.cli.tune import validation_score
     from fedmeta.server.app import execute
+    from fedmeta.server.run import NoRoundAffordable
     from fedmeta.simulation.batched import BatchedGrid
     from fedmeta.workload import check_data
 
@@ -146,9 +147,13 @@ def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float 
         workload = check_data(cfg)
         check_round_fits(cfg, workload.trained_dim)  # as simulate refuses a round too large
         # In process (simulate's batched grid), whatever federation.backend says.
-        result = execute(cfg, BatchedGrid(cfg.federation.participants), out_dir=out, echo=False,
-                         observers=[], open_ledger=_trial_opener(ledger, candidate, delta),
-                         workload=workload)  # fmt: skip
+        try:
+            result = execute(cfg, BatchedGrid(cfg.federation.participants), out_dir=out,
+                             echo=False, observers=[], workload=workload,
+                             open_ledger=_trial_opener(ledger, candidate, delta))  # fmt: skip
+        except NoRoundAffordable:  # its first round is already beyond its plan's price
+            raise TrialOffPlan(f"a trial of candidate {candidate.label!r} does not fit the "
+                               "price of its plan; nothing was released") from None
     _check_on_plan(ledger, candidate)
     return validation_score(result.summary, result.outcomes), out
 
