@@ -35,7 +35,8 @@ def _sets(tmp: Path, budget: float = 60.0) -> list[str]:
 
 def _args(tmp: Path, sets: list[str], candidates: list[str], **kw: object) -> argparse.Namespace:
     base = {"config": None, "overrides": sets, "candidates": candidates, "out": tmp / "tune",
-            "dry_run": False}  # fmt: skip
+            "dry_run": False, "trials": "each", "mean_trials": None, "distribution": "poisson",
+            "eta": 1.0}  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -57,13 +58,13 @@ def test_trials_compose_with_the_run_before_and_the_best_validation_is_chosen(
     assert out["epsilon_before"] == pytest.approx(before, rel=1e-6)
     with _ledger(tmp_path, sets) as ledger:
         assert ledger.position() == spends_before + 2 * 6  # every trial's rounds, recorded
-        assert ledger.epsilon() == pytest.approx(out["epsilon_after_all_trials"], rel=1e-3)
+        assert ledger.epsilon() == pytest.approx(out["epsilon_after_each"], rel=1e-3)
         assert len({r.run_id for r in ledger.records()}) == 3  # the earlier run and two trials
     trials = out["trials"]
     assert [t["candidate"] for t in trials] == CANDIDATES
     best = min(trials, key=lambda t: t["validation_metric"])  # sinusoid MSE: lower is better
     assert out["chosen"] == best and "test" not in " ".join(str(k) for t in trials for k in t)
-    assert out["random_count_tuner_epsilon"] > 0.0
+    assert out["mode"] == "each" and out["epsilon_after_random"] > 0.0
     assert (tmp_path / "tune" / "tune.json").is_file()
 
 
@@ -79,7 +80,8 @@ def test_a_tuning_that_cannot_fit_is_refused_before_any_trial(tmp_path: Path) ->
     assert "what fits: the first 1 of them" in line
     assert not (tmp_path / "tune").exists() and not (tmp_path / "ledger.sqlite").exists()
     # The command line: one line on stderr, the budget's exit status.
-    cli = [sys.executable, "-m", "fedmeta.cli", "tune", "--out", str(tmp_path / "t")]
+    cli = [sys.executable, "-m", "fedmeta.cli", "tune", "--out", str(tmp_path / "t"), "--trials",
+           "each"]  # fmt: skip
     for s in _sets(tmp_path, budget):
         cli += ["--set", s]
     done = subprocess.run([*cli, *(a for c in CANDIDATES for a in ("--candidate", c))], cwd=REPO,

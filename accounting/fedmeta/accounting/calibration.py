@@ -7,7 +7,7 @@ refines (``composition``'s module docstring, "Calibration").
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from fedmeta.accounting.composition import (
@@ -31,6 +31,7 @@ from fedmeta.accounting.schemes import (
     check_delta,
     check_unit,
 )
+from fedmeta.accounting.tuning_release import holds_release, release_affordable
 
 
 def _check_target(name: str, value: object, *, allow_zero: bool) -> float:
@@ -304,7 +305,7 @@ def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: fl
 
 
 def affordable_rounds(
-    groups: Sequence[tuple[GaussianRound, int]],
+    groups: RoundGroups,
     event: GaussianRound,
     epsilon_budget: float,
     delta: float,
@@ -314,7 +315,11 @@ def affordable_rounds(
 
     Pure: the answer depends only on the arguments, so a value computed for one ledger position
     can never be reported for another. A PLD search: seconds, up to minutes for two-stage mixtures.
+    After a tuning release (an RDP curve only, tuning_release.py) the search composes by RDP
+    instead (errs high).
     """
+    if holds_release(groups):
+        return release_affordable(groups, event, epsilon_budget, delta, unit)
     return max_rounds(
         event, epsilon_budget, delta, unit, prior=tuple(groups), limit=MAX_ROUNDS_LIMIT
     )

@@ -113,6 +113,7 @@ from fedmeta.accounting.schemes import (
     check_delta,
     check_unit,
 )
+from fedmeta.accounting.tuning_release import Recorded, holds_release, release_epsilon
 
 if TYPE_CHECKING:
     # dp-accounting and scipy load where they compute (about 1.5 s), not with the package: the
@@ -126,7 +127,8 @@ Method: TypeAlias = Literal["pld", "rdp"]
 METHODS: tuple[Method, ...] = ("pld", "rdp")
 
 
-RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
+#: ``(event, count)`` pairs; an event may be a tuning release (composed by RDP, ``epsilon``).
+RoundGroups: TypeAlias = Sequence[tuple[Recorded, int]]
 
 
 #: Finest PLD grid (the note's reference numbers use 1e-4).
@@ -277,6 +279,8 @@ def epsilon(
     check_unit(unit)
     check_method(method)
     check_discretization(discretization)
+    if holds_release(rounds):  # a tuning release has an RDP curve only (tuning_release.py)
+        return release_epsilon(rounds, delta, unit)
     return groups_epsilon(model_groups(rounds, unit), delta, method, discretization)
 
 

@@ -60,13 +60,14 @@ import numpy.typing as npt
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
-from fedmeta.accounting.pairs import round_components
 from fedmeta.accounting.randomness import RandomSource
-from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
+from fedmeta.accounting.rdp import RDP_ORDERS
 from fedmeta.accounting.schemes import GaussianRound, Unit
+from fedmeta.accounting.tuning_release import Recorded, TuningRelease, recorded_rdp
 
 _Floats: TypeAlias = npt.NDArray[np.float64]
-RoundGroups: TypeAlias = Sequence[tuple[GaussianRound, int]]
+#: Earlier spends of a participant group: rounds, and tuning releases (tuning_release.py).
+RoundGroups: TypeAlias = Sequence[tuple[Recorded, int]]
 #: Bits of the uniform each draw of ``K`` uses.
 _UNIFORM_BITS = 53
 
@@ -186,11 +187,8 @@ def _delta_of(orders: _Floats, rdp: _Floats, epsilon_value: float) -> float:
 
 
 def rounds_rdp(rounds: RoundGroups, unit: Unit = "task") -> _Floats:
-    """RDP over ``RDP_ORDERS`` of ``rounds`` (the ledger's per-round pairs), summed (composed)."""
-    total = np.zeros(len(RDP_ORDERS))
-    for event, count in rounds:
-        total = total + int(count) * np.asarray(rdp_curve(round_components(event, unit)))
-    return total
+    """RDP over ``RDP_ORDERS`` of ``rounds`` and tuning releases, summed (composed)."""
+    return recorded_rdp(list(rounds), unit)
 
 
 @dataclass(frozen=True)
@@ -252,7 +250,7 @@ def tuning_epsilon(run: TuningRun, delta: float, prior: Sequence[RoundGroups] = 
     tuner = tuning_rdp(run)
     worst = 0.0
     for group in prior or ((),):
-        total = tuner + rounds_rdp(group, run.unit)
+        total = tuner + recorded_rdp(list(group), run.unit)
         if np.all(np.isinf(total)):
             return math.inf
         eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), total, float(delta))
@@ -333,7 +331,8 @@ def _epsilon_of_groups(prior: Sequence[RoundGroups], delta: float, unit: Unit) -
     worst = 0.0
     for group in prior:
         if group:
-            eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), rounds_rdp(group, unit), delta)
+            total = recorded_rdp(list(group), unit)
+            eps, _ = rdp_lib.compute_epsilon(np.asarray(RDP_ORDERS), total, delta)
             worst = max(worst, float(eps))
     return worst
 
@@ -361,3 +360,41 @@ def _largest_mean(
         else:
             high = mid
     return low
+
+
+# ------------------------------------------------------------------------------- the record
+
+
+def release_of(run: TuningRun, description: str) -> TuningRelease:
+    """The ledger's record of ``run``'s release (tuning_release.py): its RDP curves.
+
+    The participant-level curve is computed where every candidate's round caps a participant's
+    tasks (``participant_cap``) and has participants (a two-stage scheme); otherwise ``None``,
+    which composes to no bound at that level.
+    """
+    neighbouring = run.candidates[0].event.neighbouring
+    task = tuning_rdp(run) if run.unit == "task" else tuning_rdp(_with_unit(run, "task"))
+    caps = [c.event.participant_cap for c in run.candidates]
+    participant: tuple[float, ...] | None = None
+    cap: int | None = None
+    if all(isinstance(c, int) for c in caps):
+        try:
+            participant = tuple(float(v) for v in tuning_rdp(_with_unit(run, "participant")))
+            cap = max(int(c) for c in caps if c is not None)
+        except ValueError:  # a single-stage scheme: no participants to bound
+            participant, cap = None, None
+    return TuningRelease(tuple(RDP_ORDERS), tuple(float(v) for v in task), participant, cap,
+                         neighbouring, description)  # fmt: skip
+
+
+def _with_unit(run: TuningRun, unit: Unit) -> TuningRun:
+    return TuningRun(run.candidates, run.trials, unit)
+
+
+def describe(run: TuningRun) -> str:
+    """The public plan of ``run`` in one line (recorded with its release, for the operator)."""
+    law = (f"Poisson(mean {run.trials.mean:g})" if isinstance(run.trials, PoissonTrials) else
+           f"truncated negative binomial(eta {run.trials.shape:g}, gamma {run.trials.gamma:.6g}, "
+           f"mean {run.trials.mean:.4g})")  # fmt: skip
+    rounds = ", ".join(f"{c.label}: {c.rounds} rounds" for c in run.candidates)
+    return f"tuning: K ~ {law} trials over {len(run.candidates)} candidates ({rounds})"

@@ -22,6 +22,7 @@ from fedmeta.accounting.ledger import (
     start_new_budget,
 )
 from fedmeta.accounting.schemes import (
+    GaussianRound,
     participant_level_note,
 )
 from fedmeta.cli.arguments import (
@@ -60,7 +61,8 @@ def _federation_report(db: str, fid: str, participants: bool = False) -> dict[st
             run["spends"] += 1
             run["first_round"] = min(run["first_round"], number)
             run["last_round"] = max(run["last_round"], number)
-        notes = [n for n in (participant_level_note(e) for e, _ in groups) if n is not None]
+        rounds = [e for e, _ in groups if isinstance(e, GaussianRound)]  # not tuning releases
+        notes = [n for n in (participant_level_note(e) for e in rounds) if n is not None]
         try:
             # Participant level: RDP, as the run summary reports it (PLD would need gigabytes).
             eps_part: float | None = ledger.epsilon(unit="participant", method="rdp")
@@ -157,7 +159,9 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
                 f"{run['first_round']}..{run['last_round']}"
             )
         for g in e["rounds"]:
-            print(f"  {g['count']} x {json.dumps(g['event'], sort_keys=True)}")
+            event = g["event"]  # a tuning release by its plan, not its curve (--json has it)
+            text = event["description"] if "kind" in event else json.dumps(event, sort_keys=True)
+            print(f"  {g['count']} x {text}")
         _print_participants(e["participants"])
         _print_public_data(e["public_data"])
 

@@ -3,26 +3,30 @@ r"""``fedmeta tune``: choose among candidate configurations on private data, and
     fedmeta tune --config base.toml --candidate "training.meta_lr=0.001" \\
                  --candidate "training.meta_lr=0.003 training.inner_steps=3" --out runs/tune
 
-Every candidate is trained once on the same data (``fedmeta simulate``'s run, one after another),
-each round charged to the data's ledger like any run, so the tuning composes with the runs before
-it and after it by the ledger's own (PLD) accounting. The candidates are compared by the validation
-metric of the model each released (the server's validation classes, which no participant owns);
-test tasks never enter the choice. ``tune.json`` names the chosen candidate and its run directory.
+In the ``each`` mode every candidate is trained once on the same data (``fedmeta simulate``'s
+run, one after another), each round charged to the data's ledger like any run, so the tuning
+composes with the runs before it and after it by the ledger's own (PLD) accounting. The
+candidates are compared by the validation metric of the model each released (the server's
+validation classes, which no participant owns); test tasks never enter the choice. ``tune.json``
+names the chosen candidate and its run directory.
 
-**Refused before any trial.** Every candidate's planned rounds (its plan, as ``simulate --dry-run``
-builds it) are composed with what the data's ledger already holds; if the whole tuning would take
-any participant over the data's budget, nothing runs, and one line says how many of the candidates,
-in the order given, fit. The check plans as ``simulate --dry-run`` does (every configured
-participant with ``dataset.tasks_per_participant`` tasks); each trial's rounds are still checked one
-by one by the ledger when they are spent, so a plan that was too hopeful stops a trial, never the
-budget.
+**Refused before any trial** (``each``). Every candidate's planned rounds (its plan, as
+``simulate --dry-run`` builds it) are composed with what the data's ledger already holds; if the
+whole tuning would take any participant over the data's budget, nothing runs, and one line says
+how many of the candidates, in the order given, fit. The check plans as ``simulate --dry-run``
+does (every configured participant with ``dataset.tasks_per_participant`` tasks); each trial's
+rounds are still checked one by one by the ledger when they are spent, so a plan that was too
+hopeful stops a trial, never the budget.
 
-**Why every candidate once, not a random number of trials.** Papernot and Steinke (2022) bound a
-tuner that runs a random number of trials and releases only the best
-(accounting/fedmeta/accounting/tuning.py). Their bound is in RDP; at this project's scale it costs
-more than composing the same number of trials exactly (docs/privacy.md, "Tuning on private data":
-at the Omniglot CPU configuration's 300 rounds and (1.5, 1e-6) per run, 5 trials cost epsilon 2.03
-composed by PLD, 2.96 with the Poisson tuner of mean 5). The plan prints both.
+**Two modes, priced before any trial** (``--trials``). ``each``: every candidate trained once, its
+rounds spent as ordinary rounds (above). ``random``: Papernot and Steinke's (2022) tuner
+(cli/fedmeta/cli/tune_random.py): ``K`` trials, ``K`` drawn from a public law of mean
+``--mean-trials`` (``--distribution poisson``, or ``negbin`` with ``--eta``), each of a candidate
+drawn uniformly, only the best released, its price one RDP curve recorded in the data's ledger
+as one tuning release before the first trial. Both prices come from the candidates' plans and the
+ledger's records alone, never from the data, so the default ``--trials cheaper`` (the cheaper of
+the two; ``each`` on a tie) is a data-independent choice; the plan prints both prices. A mode
+whose price exceeds the budget is refused before any trial, in one line saying what fits.
 
 ``main(args) -> dict`` is the programmatic entry point; ``register`` imports nothing heavy.
 """
@@ -54,8 +58,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tune",
         help="train candidate configurations on private data, choose on validation, pay for all",
-        description="Train each candidate once on the same data, every round charged to the "
-        "data's ledger; release the one with the best validation metric.",
+        description="Choose among candidates on private data, paid in the data's ledger: each "
+        "candidate once (every round spent), or a random number of trials with only the best "
+        "released (one tuning release, Papernot and Steinke 2022); by default the cheaper.",
     )
     p.add_argument("--config", type=Path, default=None, help="base TOML configuration")
     p.add_argument("--set", dest="overrides", action="append", default=[], type=key_value,
@@ -64,6 +69,15 @@ def register(subparsers: Any) -> None:
                    metavar="'KEY=VALUE ...'", help="a candidate's overrides (>= 2)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="directory for the trials and tune.json")
     p.add_argument("--dry-run", action="store_true", help="check and price; run nothing")
+    p.add_argument("--trials", choices=("each", "random", "cheaper"), default="cheaper",
+                   help="each candidate once, a random number of trials (only the best "
+                   "released), or the cheaper of the two for these candidates (default)")
+    p.add_argument("--mean-trials", type=float, default=None, metavar="MU",
+                   help="random mode: the mean number of trials (default: the candidates' count)")
+    p.add_argument("--distribution", choices=("poisson", "negbin"), default="poisson",
+                   help="random mode: the law of the number of trials")
+    p.add_argument("--eta", type=float, default=1.0,
+                   help="negbin: the shape (0 logarithmic, 1 geometric; default 1)")
     p.set_defaults(func=_handle)
 
 
@@ -86,12 +100,29 @@ def _handle(args: argparse.Namespace) -> int:
     return exitcodes.OK
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
-    """Check, then train every candidate and choose on validation; the JSON-ready result."""
+def main(args: argparse.Namespace, source: Any = None) -> dict[str, Any]:
+    """Price both modes, refuse or run the chosen one; the JSON-ready result.
+
+    ``source``: where the random mode draws ``K`` and the candidates (default the OS CSPRNG).
+    """
+    from fedmeta.accounting import SystemRandomSource
+
     candidates = _candidates(args)
-    price = check_fits(candidates)
+    price = price_modes(args, candidates)
     if args.dry_run:
         return {"dry_run": True, **price}
+    higher = candidates[0][1].dataset.name != "sinusoid"
+    if price["mode"] == "random":
+        from fedmeta.cli.tune_random import run_random
+
+        return run_random(args, candidates, random_run(args, candidates),
+                          source or SystemRandomSource(), higher=higher, prices=price)  # fmt: skip
+    return {**price, **_run_each(args, candidates, higher=higher)}
+
+
+def _run_each(args: argparse.Namespace, candidates: list[tuple[str, Any]], *, higher: bool
+              ) -> dict[str, Any]:  # fmt: skip
+    """Train every candidate once, each round an ordinary spend; choose on validation."""
     from fedmeta.simulation.simulate import main as simulate
 
     trials = []
@@ -100,8 +131,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         trials.append({"candidate": label, "run_dir": str(result.out_dir),
                        "validation_metric": validation_score(result.summary, result.outcomes),
                        "epsilon_spent": result.summary.get("epsilon_spent")})  # fmt: skip
-    chosen = _best(trials, higher=candidates[0][1].dataset.name != "sinusoid")
-    out = {**price, "trials": trials, "chosen": chosen,
+    chosen = _best(trials, higher=higher)
+    out = {"mode": "each", "trials": trials, "chosen": chosen,
            "choice": "best validation metric of each candidate's released model (server-held "
            "validation classes; test tasks never compared)"}  # fmt: skip
     (Path(args.out) / "tune.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -133,12 +164,12 @@ def _candidates(args: argparse.Namespace) -> list[tuple[str, Any]]:
     return out
 
 
-def check_fits(candidates: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The tuning's price against the data's ledger, or :class:`TuneRefused` in one line."""
+def _refuse_each(candidates: list[tuple[str, Any]], groups: list[Any], budget: float,
+                 delta: float, other: str) -> None:  # fmt: skip
+    """:class:`TuneRefused` in one line saying how many candidates fit, if all would not."""
     from fedmeta.accounting import epsilon
 
     events = [_planned_rounds(cfg) for _, cfg in candidates]
-    groups, budget, delta = _prior(candidates[0][1])
     before = max(epsilon(list(g), delta) if g else 0.0 for g in groups)
     after = [max(epsilon([*g, *events[:k]], delta) for g in groups)
              for k in range(1, len(events) + 1)]  # fmt: skip
@@ -148,11 +179,9 @@ def check_fits(candidates: list[tuple[str, Any]]) -> dict[str, Any]:
             f"tuning refused before any trial: {len(events)} candidates would take the data's "
             f"epsilon from {before:.4g} to {after[-1]:.4g} > budget {budget:g} (delta {delta:g}); "
             f"what fits: the first {fit} of them (epsilon "
-            f"{after[fit - 1] if fit else before:.4g}), or fewer rounds or more noise per candidate"
+            f"{after[fit - 1] if fit else before:.4g}), or fewer rounds or more noise per "
+            f"candidate{other}"
         )
-    return {"epsilon_before": before, "epsilon_after_all_trials": after[-1],
-            "epsilon_budget": budget, "delta": delta,
-            "random_count_tuner_epsilon": _random_count_price(events, delta, groups)}  # fmt: skip
 
 
 def _planned_rounds(cfg: Any) -> tuple[Any, int]:
@@ -168,24 +197,72 @@ def _planned_rounds(cfg: Any) -> tuple[Any, int]:
 def _prior(cfg: Any) -> tuple[list[Any], float, float]:
     """The data's ledger groups now, its budget and delta (a fresh budget if it has none yet)."""
     from fedmeta.accounting import BudgetLedger, current_budget
+    from fedmeta.server.budget_keys import budget_identity, budget_label
     from fedmeta.server.data_budget import ledger_file
-    from fedmeta.workload import declared_identity
 
     path = ledger_file(cfg)
-    terms = current_budget(path, declared_identity(cfg), label=cfg.dataset.name)
+    terms = current_budget(path, budget_identity(cfg), label=budget_label(cfg))
     if terms is None:
         return [()], float(cfg.privacy.epsilon_budget), float(cfg.privacy.delta)
     with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:
         return list(ledger.exposures().groups) or [()], ledger.epsilon_budget, ledger.delta
 
 
-def _random_count_price(events: list[tuple[Any, int]], delta: float, groups: list[Any]) -> float:
-    """What Papernot and Steinke's Poisson tuner of the same mean would cost (for comparison)."""
-    from fedmeta.accounting.tuning import Candidate, PoissonTrials, TuningRun, tuning_epsilon
+def random_run(args: argparse.Namespace, candidates: list[tuple[str, Any]]) -> Any:
+    """The random mode's tuning run: the candidates' plans and the law of the number of trials."""
+    from fedmeta.accounting.tuning import (
+        Candidate,
+        NegativeBinomialTrials,
+        PoissonTrials,
+        TuningRun,
+    )
 
-    cands = tuple(Candidate(f"c{i}", e, r) for i, (e, r) in enumerate(events))
-    return tuning_epsilon(TuningRun(cands, PoissonTrials(float(len(events)))), delta,
-                          [list(g) for g in groups])  # fmt: skip
+    mean = float(args.mean_trials if args.mean_trials is not None else len(candidates))
+    try:
+        trials = (PoissonTrials(mean) if args.distribution == "poisson"
+                  else NegativeBinomialTrials.from_mean(float(args.eta), mean))  # fmt: skip
+    except ValueError as error:
+        raise ValueError(f"--mean-trials/--eta: {error}") from None
+    cands = tuple(Candidate(label, *_planned_rounds(cfg)) for label, cfg in candidates)
+    return TuningRun(cands, trials)
+
+
+def price_modes(args: argparse.Namespace, candidates: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Both modes' epsilon after the tuning, the mode chosen, or :class:`TuneRefused`.
+
+    Computed from the candidates' plans and the ledger's records alone (data-independent).
+    """
+    from fedmeta.accounting.tuning import TuningRefused, check_tuning_fits, tuning_epsilon
+
+    run = random_run(args, candidates)
+    groups, budget, delta = _prior(candidates[0][1])
+    prior = [list(g) for g in groups]
+    each = _each_price(candidates, groups, delta)
+    random = tuning_epsilon(run, delta, prior)
+    mode = args.trials if args.trials != "cheaper" else ("each" if each[1] <= random else "random")
+    price = {"mode": mode, "epsilon_budget": budget, "delta": delta,
+             "epsilon_before": each[0], "epsilon_after_each": each[1],
+             "epsilon_after_random": random, "mean_trials": run.trials.mean}  # fmt: skip
+    other = (f"; the {'random' if mode == 'each' else 'each'} mode would reach epsilon "
+             f"{random if mode == 'each' else each[1]:.4g}")  # fmt: skip
+    if mode == "each":
+        _refuse_each(candidates, groups, budget, delta, other)
+    else:
+        try:
+            check_tuning_fits(run, budget, delta, prior)
+        except TuningRefused as error:
+            raise TuneRefused(f"{error}{other}") from None
+    return price
+
+
+def _each_price(candidates: list[tuple[str, Any]], groups: list[Any], delta: float
+                ) -> tuple[float, float]:  # fmt: skip
+    """Epsilon before, and after every candidate once (PLD, the maximum over groups)."""
+    from fedmeta.accounting import epsilon
+
+    events = [_planned_rounds(cfg) for _, cfg in candidates]
+    before = max(epsilon(list(g), delta) if g else 0.0 for g in groups)
+    return before, max(epsilon([*g, *events], delta) for g in groups)
 
 
 def validation_score(summary: dict[str, Any], outcomes: Any) -> float | None:

@@ -36,6 +36,7 @@ from fedmeta.accounting import (
 )
 from fedmeta.accounting.composition import Method
 from fedmeta.accounting.schemes import Neighbouring, Unit
+from fedmeta.accounting.tuning_release import Recorded
 from fedmeta.config import Config
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
@@ -215,7 +216,7 @@ REPORTING_METHOD: dict[Unit, Method] = {"task": "pld", "participant": "rdp"}
 
 
 def reported_epsilon(
-    groups: Sequence[tuple[GaussianRound, int]], delta: float, unit: Unit = "task"
+    groups: Sequence[tuple[Recorded, int]], delta: float, unit: Unit = "task"
 ) -> float | None:
     """Epsilon of ``groups`` as fedmeta reports it; None where the unit has no meaningful bound."""
     groups = [(e, int(n)) for e, n in groups if n > 0]

@@ -11,17 +11,14 @@ from typing import Any, Literal
 from fedmeta.accounting.calibration import affordable_rounds
 from fedmeta.accounting.composition import Method, epsilon
 from fedmeta.accounting.ledger.anchor import (
-    Anchor,
     check_anchor,
     check_witness,
     current_anchor,
-    write_anchor,
-    write_anchor_at,
 )
+from fedmeta.accounting.ledger.appending import LedgerAppend
 from fedmeta.accounting.ledger.chain import (
     canonical_json,
     cohort_id,
-    record_hash,
 )
 from fedmeta.accounting.ledger.cohorts import (
     coarse_day,
@@ -29,7 +26,6 @@ from fedmeta.accounting.ledger.cohorts import (
     participant_rows,
     record_cohort,
 )
-from fedmeta.accounting.ledger.history import LedgerHistory
 from fedmeta.accounting.ledger.overlap import resolve_records
 from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
@@ -39,7 +35,6 @@ from fedmeta.accounting.ledger.records import (
     BudgetExhausted,
     LedgerError,
     LedgerMode,
-    LedgerReadOnly,
     Participant,
     ParticipantExposure,
     SpendRecord,
@@ -65,9 +60,10 @@ from fedmeta.accounting.schemes import (
     check_delta,
     check_unit,
 )
+from fedmeta.accounting.tuning_release import Recorded
 
 
-def _base(counts: Mapping[GaussianRound, int], event: GaussianRound) -> tuple[Any, ...]:
+def _base(counts: Mapping[Recorded, int], event: GaussianRound) -> tuple[Any, ...]:
     """The recorded rounds other than ``event``: what its affordable total depends on."""
     return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
 
@@ -85,7 +81,7 @@ def _expanded(
     return out
 
 
-class BudgetLedger(LedgerHistory):
+class BudgetLedger(LedgerAppend):
     """A federation's privacy budget, enforced against its durable record of spends.
 
     Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)`` to spend, or
@@ -154,7 +150,7 @@ class BudgetLedger(LedgerHistory):
 
     # ---------------------------------------------------------------------------------- reading
 
-    def rounds(self) -> list[tuple[GaussianRound, int]]:
+    def rounds(self) -> list[tuple[Recorded, int]]:
         """The rounds of the most exposed participant, ``[(event, count)]``, first seen first.
 
         With one cohort (or none) that is every record; with several, the participant whose
@@ -352,13 +348,6 @@ class BudgetLedger(LedgerHistory):
         """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
         return self.rounds_affordable(event) < 1
 
-    def _refuse_readonly(self, doing: str) -> None:
-        if self.readonly:
-            raise LedgerReadOnly(
-                f"ledger {self.path} was opened read-only (open_readonly); {doing} needs "
-                "BudgetLedger.open"
-            )
-
     def _check_spend(self, event: GaussianRound, run_id: str, round_index: int) -> None:
         self._refuse_readonly("spending")
         if not isinstance(event, GaussianRound):
@@ -457,7 +446,6 @@ class BudgetLedger(LedgerHistory):
         Returns ``"changed"`` (nothing written) when records of other kinds arrived since
         ``totals`` were computed for ``checks``: the caller searches again outside the lock.
         """
-        cohort = None if self._cohort is None else self._cohort[0]
         with immediate_transaction(self._conn):
             self._catch_up()
             now = self._checks(event)
@@ -465,35 +453,5 @@ class BudgetLedger(LedgerHistory):
                 return "changed"
             if any(count + 1 > total for (_, count), total in zip(now, totals, strict=True)):
                 return "exhausted"
-            position = len(self._records)
-            prev = self._records[-1].hash if self._records else self._genesis
-            # The day only: a finer time would let the gap between spends follow a round's
-            # realised work (issue 18, item 2); the hash chain, not the time, orders records.
-            created = coarse_day()
-            digest = record_hash(
-                self.federation_id, position, run_id, round_index, event_json, created, prev, cohort
-            )
-            seq = self._conn.execute(
-                "INSERT INTO spends (federation_id, position, run_id, round_index, event, "
-                "created_at, prev_hash, hash, cohort) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (self.federation_id, position, run_id, round_index, event_json, created, prev,
-                 digest, cohort),
-            ).lastrowid  # fmt: skip
-            count = int(self._conn.execute("SELECT COUNT(*) FROM spends").fetchone()[0])
-            self._conn.execute(
-                "INSERT INTO heads (federation_id, position, hash) VALUES (?, ?, ?) "
-                "ON CONFLICT(federation_id) DO UPDATE SET position = excluded.position, "
-                "hash = excluded.hash",
-                (self.federation_id, position, digest),
-            )
-        # Committed (and fsynced): only now does in-memory state move, and the anchor follow.
-        if self.ledger_id is not None and seq is not None:
-            write_anchor(self.path, Anchor(self.ledger_id, count, seq, digest))
-            if self._witness is not None:
-                write_anchor_at(self._witness, Anchor(self.ledger_id, count, seq, digest))
-        record = SpendRecord(
-            self.federation_id, position, run_id, round_index, event, created, digest, cohort
-        )
-        self._records.append(record)
-        self._exposure.add(event, cohort)
-        return record
+            done = self._insert(event, event_json, run_id, round_index)
+        return self._committed(*done)

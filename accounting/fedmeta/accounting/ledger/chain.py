@@ -21,10 +21,10 @@ from fedmeta.accounting.ledger.records import (
     SpendRecord,
 )
 from fedmeta.accounting.schemes import (
-    GaussianRound,
     Neighbouring,
     Unit,
 )
+from fedmeta.accounting.tuning_release import recorded_from_dict
 
 # ------------------------------------------------------------------------------------ hashing
 
@@ -131,7 +131,7 @@ def verify_chain(
         if recomputed != digest:
             raise LedgerCorrupted(f"{where}: its contents do not match its hash (edited)")
         try:
-            event = GaussianRound.from_dict(json.loads(event_json))
+            event = recorded_from_dict(json.loads(event_json))
         except (ValueError, TypeError, KeyError) as error:
             raise LedgerCorrupted(f"{where}: unreadable event: {error}") from error
         out.append(

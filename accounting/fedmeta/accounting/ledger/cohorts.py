@@ -23,7 +23,8 @@ from pathlib import Path
 from fedmeta.accounting.ledger.chain import cohort_id
 from fedmeta.accounting.ledger.records import LedgerCorrupted, LedgerError, Participant
 from fedmeta.accounting.ledger.storage import PER_PARTICIPANT, column_or_null
-from fedmeta.accounting.schemes import GaussianRound, Neighbouring
+from fedmeta.accounting.schemes import Neighbouring
+from fedmeta.accounting.tuning_release import Recorded
 
 
 def participant_key(salt: str, identity: str) -> str:
@@ -151,7 +152,7 @@ def legacy_uncarried(
 
 
 def check_carried_relation(
-    path: Path, federation_id: str, neighbouring: Neighbouring, carried: Counter[GaussianRound]
+    path: Path, federation_id: str, neighbouring: Neighbouring, carried: Counter[Recorded]
 ) -> None:
     """A composition never mixes relations: carried rounds must share the federation's."""
     for event in carried:

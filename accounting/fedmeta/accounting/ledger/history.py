@@ -58,6 +58,7 @@ from fedmeta.accounting.schemes import (
     Neighbouring,
     Unit,
 )
+from fedmeta.accounting.tuning_release import Recorded
 
 
 class LedgerHistory:
@@ -103,7 +104,7 @@ class LedgerHistory:
         self._cohort: tuple[str, frozenset[str]] | None = None
         self._pending: Sequence[Participant] | None = None
         self._resolved: dict[str, list[str]] = {}  # item set -> its data records (overlap.py)
-        self._carried: Counter[GaussianRound] = Counter()  # rounds charged to every participant
+        self._carried: Counter[Recorded] = Counter()  # rounds charged to every participant
         self._witness: Path | None = None  # an anchor outside the state directory (watch)
         self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
         self._epsilons: dict[tuple[Multiset, Unit, Method], float] = {}
@@ -272,7 +273,7 @@ class LedgerHistory:
         An inherited budget brings all its rounds, its own carried ones included: more than any
         one of its participants had (conservative; its records name no items).
         """
-        carried: Counter[GaussianRound] = Counter()
+        carried: Counter[Recorded] = Counter()
         for fid in carried_federations(self._conn, self._meta, self.federation_id):
             with type(self).open_readonly(self.path, fid) as old:
                 carried.update(r.event for r in old.records())

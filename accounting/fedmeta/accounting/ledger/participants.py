@@ -26,14 +26,14 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from fedmeta.accounting.schemes import GaussianRound
+from fedmeta.accounting.tuning_release import Recorded
 
 #: A multiset of events, canonically ordered: the composition's input and its cache key.
-Multiset = tuple[tuple[GaussianRound, int], ...]
+Multiset = tuple[tuple[Recorded, int], ...]
 Signature = frozenset[str]
 
 
-def multiset(counts: Counter[GaussianRound]) -> Multiset:
+def multiset(counts: Counter[Recorded]) -> Multiset:
     """The canonical (sorted, positive) form of ``counts``."""
     return tuple(sorted(((e, c) for e, c in counts.items() if c > 0), key=lambda ec: repr(ec[0])))
 
@@ -52,8 +52,8 @@ def maximal(signatures: Iterable[Signature]) -> list[Signature]:
 class Exposure:
     """Recorded rounds by cohort, and which cohorts each participant was in (in memory)."""
 
-    everyone: Counter[GaussianRound] = field(default_factory=Counter)
-    by_cohort: dict[str, Counter[GaussianRound]] = field(default_factory=dict)
+    everyone: Counter[Recorded] = field(default_factory=Counter)
+    by_cohort: dict[str, Counter[Recorded]] = field(default_factory=dict)
     members: dict[str, frozenset[str]] = field(default_factory=dict)
     _of: dict[str, Signature] | None = None  # participant -> its cohorts (rebuilt on a new cohort)
 
@@ -64,7 +64,7 @@ class Exposure:
             self.by_cohort.setdefault(cohort_id, Counter())
             self._of = None
 
-    def add(self, event: GaussianRound, cohort_id: str | None) -> None:
+    def add(self, event: Recorded, cohort_id: str | None) -> None:
         """Count one recorded round against its cohort (``None``: against every participant)."""
         if cohort_id is None:
             self.everyone[event] += 1
@@ -93,7 +93,7 @@ class Exposure:
             found = {of.get(p, frozenset()) for p in among} or {frozenset()}
         return maximal(found)
 
-    def counts(self, signature: Signature) -> Counter[GaussianRound]:
+    def counts(self, signature: Signature) -> Counter[Recorded]:
         """The rounds charged to a participant whose cohorts are ``signature``."""
         total = Counter(self.everyone)
         for cohort_id in signature:

@@ -17,6 +17,7 @@ from fedmeta.accounting.schemes import (
     Neighbouring,
     Unit,
 )
+from fedmeta.accounting.tuning_release import Recorded
 
 # ----------------------------------------------------------------------------- the protocol
 
@@ -74,7 +75,7 @@ class Ledger(Protocol):
         """All records, oldest first."""
         ...
 
-    def rounds(self) -> list[tuple[GaussianRound, int]]:
+    def rounds(self) -> list[tuple[Recorded, int]]:
         """Records grouped by identical event, ``[(event, count)]``."""
         ...
 

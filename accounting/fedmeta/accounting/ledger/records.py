@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 from fedmeta.accounting.schemes import (
-    GaussianRound,
     one_of,
 )
+from fedmeta.accounting.tuning_release import Recorded
 
 if TYPE_CHECKING:  # overlap.py imports this module
     from fedmeta.accounting.ledger.overlap import DataItems
@@ -128,7 +128,7 @@ class SpendRecord:
     position: int
     run_id: str
     round_index: int
-    event: GaussianRound
+    event: Recorded  # a round, or a tuning release (tuning_release.py)
     created_at: str
     hash: str
     #: The participants the round could have sampled (``cohorts`` table); ``None``: every one.

@@ -47,17 +47,19 @@ from prometheus_client.registry import Collector
 
 from fedmeta.accounting.ledger import UNREADABLE_REASONS
 from fedmeta.accounting.ledger.storage import file_identity
+from fedmeta.accounting.schemes import GaussianRound as Round
 from fedmeta.server.monitoring.live import FED_LABELS, finite, remaining_budget
 
 if TYPE_CHECKING:
     from fedmeta.accounting import BudgetLedger, GaussianRound
     from fedmeta.accounting.schemes import Unit
+    from fedmeta.accounting.tuning_release import Recorded
 
 log = logging.getLogger("fedmeta.metrics")
 
 #: What the rounds still affordable depend on: budget, delta, unit, the other rounds, the event.
 _TotalsKey: TypeAlias = tuple[
-    float, float, "Unit", tuple[tuple["GaussianRound", int], ...], "GaussianRound"
+    float, float, "Unit", tuple[tuple["Recorded", int], ...], "GaussianRound"
 ]
 
 #: Exporter (ledger) metric names.
@@ -254,7 +256,8 @@ class LedgerCollector(Collector):
                     eps_part = math.nan
                 self._eps[fed] = (position, head, eps_task, eps_part)
             if self.affordable:
-                affordable = self._affordable(ledger, records[-1].event)
+                last = records[-1].event  # a tuning release is no round to count more of
+                affordable = self._affordable(ledger, last) if isinstance(last, Round) else None
                 if affordable is not None:
                     values["affordable"] = affordable
         values["eps_task"] = eps_task
