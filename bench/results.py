@@ -88,7 +88,8 @@ SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_c
                   "final_metric_median", "adaptation_diverged_tasks", "adaptation",
                   "starting_metric", "starting_model", "epsilon_spent", "delta", "rounds_completed",
                   "noise_multiplier", "normaliser", "stopped_reason",
-                  "public_warm_start", "trained_parameters", "model_selection")  # fmt: skip
+                  "public_warm_start", "trained_parameters", "model_selection",
+                  "subspace")  # fmt: skip
 
 
 def record_run_dir(

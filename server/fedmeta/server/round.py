@@ -51,7 +51,7 @@ from fedmeta.server.optimizer import learning_rate, make_optimizer
 from fedmeta.server.plan import RunPlan
 from fedmeta.server.releases import split_failures
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome
-from fedmeta.server.subspace import PublicSubspace, Subspace
+from fedmeta.server.subspace import PublicSubspace
 from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 
 STOP_PLANNED = "planned_rounds"
@@ -184,8 +184,8 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     if plan.private and session.ledger.would_exceed(plan.event):  # type: ignore[union-attr,arg-type]
         return None
     clip = _round_clip(session, state)
-    # Public data and the released model only: recomputed before anything of the round is read.
-    basis = None if session.subspace is None else session.subspace.at(state.params, index)
+    if session.subspace is not None:  # public data and the released model only: before the rest
+        session.subspace.at(state.params, index)
     sample = session.sampler.sample(session.task_counts)
     requests = _requests(session, state, index, sample, clip)
     exchange = session.transport(requests)  # returns early on a stop request (server/transport)
@@ -203,7 +203,7 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     position = _spend(session, index)
     if plan.private and position is None:
         return None
-    update, noise_std, count = _aggregate(session, checked, clip, basis)
+    update, noise_std, count = _aggregate(session, checked, clip)
     if plan.adaptive is not None:  # the optimizer's noise correction follows the round's C
         assert noise_std is not None
         state.set_noise_variance((noise_std / plan.normaliser) ** 2)
@@ -294,7 +294,7 @@ def centred_count(checked: RoundReplies) -> float:
 
 
 def _aggregate(
-    session: RoundSession, checked: RoundReplies, clip: float | None, basis: Subspace | None
+    session: RoundSession, checked: RoundReplies, clip: float | None
 ) -> tuple[Tensor, float | None, float | None]:
     """The update (noisy sum over the public normaliser, or the plain mean), its noise, the count.
 
@@ -302,6 +302,7 @@ def _aggregate(
     With a subspace the sum's ``k`` coordinates in it are released, noised at its sensitivity,
     and mapped back; the residual is dropped (server/fedmeta/server/subspace.py).
     """
+    basis = None if session.subspace is None else session.subspace.current
     total = torch.zeros(session.dim, dtype=torch.float64)
     for accepted in checked.accepted:
         total += accepted.grad_sum

@@ -37,7 +37,9 @@ The basis is recomputed every ``refresh_every`` rounds at the released model
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,8 @@ from torch import Tensor
 
 from fedmeta.config import Config
 from fedmeta.server.recheck import clip_margin
+
+log = logging.getLogger("fedmeta.server")
 
 #: Unit roundoff of float64.
 UNIT_ROUNDOFF = 2.0**-53
@@ -160,7 +164,12 @@ class PublicSubspace:
         """The subspace of round ``round_index``; a new one at every refresh (and on resume)."""
         due = round_index % self.refresh_every == 0
         if self.current is None or (due and self.current.round != round_index):
+            started = time.perf_counter()
             self.current = Subspace.of(self._compute(params, round_index), round_index)
+            # Public work on the released model: its time says nothing private.
+            seconds = time.perf_counter() - started
+            log.info("subspace basis (k = %d) for round %d computed in %.1f s",
+                     self.current.dimension, round_index + 1, seconds)  # fmt: skip
         return self.current
 
 
