@@ -98,6 +98,7 @@ class SubspaceConfig(_Section):
         le=100_000,
         description="k: the subspace's dimension; None = off (noise on every trained parameter)",
     )
+    # 50: one basis per validation interval of the CPU designs (training.eval_every); not tuned.
     refresh_every: int = Field(
         50,
         ge=1,
