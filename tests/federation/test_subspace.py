@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
 from fedmeta.checkpoint import load_checkpoint
 from fedmeta.config import ConfigError, load_config
 from fedmeta.server.noise import NoiseSource, noised_sum
-from fedmeta.server.subspace import Subspace, gamma, public_subspace
+from fedmeta.server.subspace import PublicSubspace, Subspace, gamma, public_subspace
 from fedmeta.simulation.simulate import main
 from fedmeta.workload import build_workload
 
@@ -96,6 +97,32 @@ def test_a_subspace_without_public_data_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="privacy.subspace.basis_tasks must be >="):
         load_config(None, ["privacy.subspace.dimension=8", "privacy.subspace.basis_tasks=4"])
     assert load_config(None, []).privacy.subspace.dimension is None  # off by default
+
+
+@pytest.mark.unit
+def test_the_basis_is_recomputed_every_refresh_and_on_resume() -> None:
+    calls: list[int] = []
+
+    def compute(params: torch.Tensor, round_index: int) -> torch.Tensor:
+        calls.append(round_index)
+        return _orthonormal(6, 2, round_index)
+
+    schedule = PublicSubspace(3, compute)
+    for index in range(7):
+        assert schedule.at(torch.zeros(6), index).round == index - index % 3
+    assert calls == [0, 3, 6]
+    resumed = PublicSubspace(3, compute)  # a resumed run has no basis until its first round
+    assert resumed.at(torch.zeros(6), 4).round == 4 and calls[-1] == 4
+
+
+@pytest.mark.unit
+def test_a_subspace_larger_than_the_trained_parameters_is_refused() -> None:
+    cfg = load_config(None, ["dataset.name=omniglot", "dataset.path=/data",
+                             "dataset.split=evaluation", "public.warm_start=true",
+                             "privacy.subspace.dimension=20"])  # fmt: skip
+    workload = SimpleNamespace(public_classes=object(), trained_dim=10)
+    with pytest.raises(ValueError, match="dimension = 20 exceeds the 10 trained parameters"):
+        public_subspace(cfg, workload)
 
 
 def _sets(root: Path, *extra: str) -> list[str]:
