@@ -122,6 +122,8 @@ class Subspace:
             raise ValueError(f"a basis is [d, k] with 1 <= k <= d; got shape {tuple(u.shape)}")
         eye = torch.eye(u.shape[1], dtype=torch.float64)
         measured = float(torch.linalg.matrix_norm(u.T @ u - eye))
+        if not measured < 0.5:  # checked here, before the round's spend, not at its release
+            raise ValueError(f"the basis is not orthonormal (||U^T U - I||_F = {measured:.3g})")
         return cls(u, 2.0 * measured + u.shape[1] * UNIT_ROUNDOFF, round_index)
 
     @property
