@@ -90,6 +90,15 @@ def test_the_whole_space_releases_what_the_full_space_release_does() -> None:
 
 
 @pytest.mark.unit
+def test_a_non_private_mean_is_confined_to_the_subspace() -> None:
+    sub = Subspace.of(_orthonormal(40, 5, 11), 0)
+    v = torch.randn(40, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    kept = sub.restrict(v)
+    assert torch.allclose(sub.restrict(kept), kept, rtol=0, atol=1e-12 * float(v.norm()))
+    assert float((v - kept) @ kept) == pytest.approx(0.0, abs=1e-12 * float(v.norm()) ** 2)
+
+
+@pytest.mark.unit
 def test_a_subspace_without_public_data_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"privacy.subspace.dimension needs public data.*"
                        r"public.warm_start = true") as err:  # fmt: skip
