@@ -71,7 +71,11 @@ def run_one(
     from fedmeta.simulation.simulate import main
 
     tag = f"run-{len(list(work.iterdir()))}"
-    sets = [*QUIET, f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}", *overrides]
+    # An experiment (public benchmark data) has a ledger of its own by name; otherwise each run
+    # is given a fresh ledger file of its own in the work directory.
+    own = [] if any(o.startswith("privacy.experiment=") for o in overrides) else [
+        f"privacy.ledger_path={work / (tag + '.ledger.sqlite')}"]
+    sets = [*QUIET, *own, *overrides]
     t0 = time.perf_counter()
     cfg = load_config(config, sets)
     s = main(cfg, out_dir=work / tag, stop=stop).summary
@@ -91,7 +95,7 @@ SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_c
                   "public_warm_start", "trained_parameters", "model_selection",
                   # what the test evaluation had seen (issue 42; null in a private run unless
                   # released: docs/privacy.md "What the test evaluation had seen")
-                  "seen_fraction", "held_out", "seen_note")  # fmt: skip
+                  "seen_fraction", "held_out", "seen_note", "subspace")  # fmt: skip
 
 
 def record_run_dir(

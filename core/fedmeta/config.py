@@ -75,6 +75,47 @@ class AdaptiveClippingConfig(_Section):
         return self
 
 
+class SubspaceConfig(_Section):
+    """Private training in a subspace learned from public data (docs/privacy.md, "The subspace").
+
+    Gradient embedding perturbation (Yu, Zhang, Chen, Yin, Liu 2021) and projected DP-SGD (Zhou, Wu,
+    Banerjee 2021): the server projects the round's clipped sum onto the top ``dimension``
+    directions of clipped MAML gradients computed on public tasks at the released model, adds the
+    noise there (``dimension`` values instead of one per parameter) and drops the residual. The
+    basis reads public data and the released model only, so it costs no privacy; a round is the
+    same Gaussian event, with the same sensitivity C.
+    """
+
+    dimension: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="k: the subspace's dimension; None = off (noise on every trained parameter)",
+    )
+    # 50: one basis per validation interval of the CPU designs (training.eval_every); not tuned.
+    refresh_every: int = Field(
+        50,
+        ge=1,
+        le=10_000_000,
+        description="recompute the basis at the released model every k rounds",
+    )
+    basis_tasks: int = Field(
+        1000,
+        ge=1,
+        le=100_000,
+        description="public tasks whose clipped gradients span the basis; at least dimension",
+    )
+
+    @model_validator(mode="after")
+    def _enough_tasks(self) -> SubspaceConfig:
+        if self.dimension is not None and self.basis_tasks < self.dimension:
+            raise ValueError(
+                f"privacy.subspace.basis_tasks must be >= privacy.subspace.dimension="
+                f"{self.dimension} (k gradients span at most k directions); got {self.basis_tasks}"
+            )
+        return self
+
+
 #: An experiment's name (``privacy.experiment``): it names a file in the state directory.
 EXPERIMENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
@@ -151,6 +192,7 @@ class PrivacyConfig(_Section):
         None, ge=0, description="TESTS ONLY: seeds noise and sampling reproducibly (not private)"
     )
     adaptive_clipping: AdaptiveClippingConfig = AdaptiveClippingConfig()
+    subspace: SubspaceConfig = SubspaceConfig()
 
     @model_validator(mode="after")
     def _one_ledger(self) -> PrivacyConfig:
@@ -552,6 +594,7 @@ class Config(_Section):
                 f"(the public lower bound on task counts); got {n2}"
             )
         self._check_normaliser_is_computable()
+        self._check_subspace()
         self._check_model_selection()
         self._check_learned_rate_scale()
         return self
@@ -571,6 +614,24 @@ class Config(_Section):
                 f"{walk:.3g} must be at most inner_lr / 4 = {t.inner_lr / 4:.3g}, or the learned "
                 "rates can turn negative; lower training.meta_lr, raise training.inner_lr, or use "
                 "training.optimizer = 'sgd'"
+            )
+
+    def _check_subspace(self) -> None:
+        # The basis is computed on public data alone (that is what makes it free of privacy cost),
+        # and the noise-aware optimizers assume noise on every coordinate, which it no longer is.
+        if self.privacy.subspace.dimension is None:
+            return
+        if not self.public.warm_start:
+            raise ValueError(
+                "privacy.subspace.dimension needs public data for its basis: set "
+                "public.warm_start = true (dataset.name = 'omniglot', dataset.split = "
+                "'evaluation'), or unset privacy.subspace.dimension"
+            )
+        if self.training.optimizer in ("adam_bc", "adam_floor"):
+            raise ValueError(
+                f"privacy.subspace.dimension with training.optimizer = "
+                f"'{self.training.optimizer}': that optimizer corrects for noise of one variance "
+                "on every parameter, which the subspace's noise is not; use 'adam' or 'sgd'"
             )
 
     def _check_model_selection(self) -> None:

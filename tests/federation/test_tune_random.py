@@ -21,7 +21,7 @@ from fedmeta.accounting.tuning import tuning_epsilon
 from fedmeta.accounting.tuning_release import TuningRelease, release_epsilon
 from fedmeta.cli.tune import TuneRefused, _planned_rounds, main, random_run
 from fedmeta.cli.tune_random import TrialOffPlan
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.simulation.simulate import main as simulate
 from fedmeta.workload import declared_identity
 

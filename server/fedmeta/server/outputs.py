@@ -31,6 +31,7 @@ from fedmeta.server.starting import (
     starting_fields,
     starting_metric_of,
 )
+from fedmeta.server.subspace import subspace_line, subspace_summary
 
 
 def _e(x: Any, fmt: str = ".3f") -> str:
@@ -121,6 +122,8 @@ def _model_start_lines(cfg: Config) -> list[str]:
             "meta-parameters stay at their "
             + ("public warm-start values" if cfg.public.warm_start else "initial values")
         )
+    if (subspace := subspace_line(cfg)) is not None:
+        lines.append(subspace)
     if cfg.training.meta_sgd:
         lines.append(
             f"Meta-SGD: one learned inner rate per meta-parameter, starting at "
@@ -234,6 +237,7 @@ def build_summary(
         **(seen or _SEEN_UNKNOWN),
         **starting_fields(cfg, starting, start),
         **model_start,
+        "subspace": subspace_summary(cfg),
         "ledger": None if ledger is None else _ledger_summary(ledger),
         "plan": None if fc is None else _forecast_dict(fc),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
@@ -447,6 +451,10 @@ def _model_lines(s: Mapping[str, Any]) -> list[str]:
                      f"{_e(chosen['validation_metric'], '.4f')} on {chosen['validation_tasks']} "
                      "server-held tasks; the starting model, round 0, validated "
                      f"{_e(chosen.get('start_validation_metric'), '.4f')})")  # fmt: skip
+    if sub := s.get("subspace"):
+        lines.append(f"private rounds in a subspace: noise on k = {sub['dimension']} coordinates "
+                     f"spanned by PUBLIC task gradients (basis every {sub['refresh_every']} "
+                     "rounds), the residual dropped")  # fmt: skip
     trained = s.get("trained_parameters")
     if trained and trained["which"] != "all":
         lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))

@@ -51,6 +51,7 @@ from fedmeta.server.optimizer import learning_rate, make_optimizer
 from fedmeta.server.plan import RunPlan
 from fedmeta.server.releases import split_failures
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome
+from fedmeta.server.subspace import PublicSubspace
 from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 
 STOP_PLANNED = "planned_rounds"
@@ -172,6 +173,8 @@ class RoundSession:
     #: Set by SIGINT/SIGTERM: a round not yet spent is abandoned (RoundAbandoned); one spent goes
     #: on to its release, since the ledger already counts it.
     stop: threading.Event | None = None
+    #: ``privacy.subspace``: the release is noised in a public subspace (server/subspace.py).
+    subspace: PublicSubspace | None = None
 
 
 def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundOutcome | None:
@@ -181,6 +184,8 @@ def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundO
     if plan.private and session.ledger.would_exceed(plan.event):  # type: ignore[union-attr,arg-type]
         return None
     clip = _round_clip(session, state)
+    if session.subspace is not None:  # public data and the released model only: before the rest
+        session.subspace.at(state.params, index)
     sample = session.sampler.sample(session.task_counts)
     requests = _requests(session, state, index, sample, clip)
     exchange = session.transport(requests)  # returns early on a stop request (server/transport)
@@ -294,21 +299,33 @@ def _aggregate(
     """The update (noisy sum over the public normaliser, or the plain mean), its noise, the count.
 
     The count is the released noisy centred count of clip bits (adaptive clipping), else None.
+    With a subspace the sum's ``k`` coordinates in it are released, noised at its sensitivity,
+    and mapped back; the residual is dropped (server/fedmeta/server/subspace.py).
     """
+    basis = None if session.subspace is None else session.subspace.current
     total = torch.zeros(session.dim, dtype=torch.float64)
     for accepted in checked.accepted:
         total += accepted.grad_sum
     plan = session.plan
     if not plan.private:
-        received = sum(a.n_tasks for a in checked.accepted)
-        return total / max(received, 1), None, None
+        mean = total / max(sum(a.n_tasks for a in checked.accepted), 1)
+        return (mean if basis is None else basis.restrict(mean)), None, None
     assert plan.event is not None and clip is not None and session.noise is not None
+    sensitivity = clip
+    if basis is not None:
+        total, sensitivity = basis.project(total, clip, plan.normaliser * clip)
     if plan.adaptive is None:
-        released = noised_sum(total, clip=clip, event=plan.event, source=session.noise)
-        return released.value / plan.normaliser, released.noise_std, None
-    joint = noised_release(total, centred_count(checked), clip=clip, event=plan.event,
-                           count_noise=plan.adaptive.count_noise, source=session.noise)  # fmt: skip
-    return joint.value / plan.normaliser, joint.noise_std, joint.count
+        released = noised_sum(total, clip=sensitivity, event=plan.event, source=session.noise)
+        value, noise_std, count = released.value, released.noise_std, None
+    else:
+        joint = noised_release(
+            total, centred_count(checked), clip=sensitivity, event=plan.event,
+            count_noise=plan.adaptive.count_noise, source=session.noise,
+        )  # fmt: skip
+        value, noise_std, count = joint.value, joint.noise_std, joint.count
+    if basis is not None:
+        value = basis.lift(value)
+    return value / plan.normaliser, noise_std, count
 
 
 def _outcome(

@@ -94,6 +94,7 @@ from fedmeta.server.round import (
 from fedmeta.server.rundir import exclusive_run_directory
 from fedmeta.server.selection import ModelSelection
 from fedmeta.server.starting import StartingModel, source_of
+from fedmeta.server.subspace import public_subspace
 from fedmeta.server.transport import GridTransport, Registered, RegistrationError
 from fedmeta.workload import HeldOut, Workload, build_workload
 
@@ -303,6 +304,10 @@ def _start(
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
     session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
+    try:
+        session.subspace = public_subspace(cfg, wl)
+    except ValueError as error:
+        raise FederationError(str(error)) from None
     spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
     predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
     if ckpt is None and predicted is not None and ledger:
@@ -755,4 +760,5 @@ def _coordinates(run: _Run) -> int:
     """Noisy values a round of this run releases (the floating-point residual's count)."""
     from fedmeta.server.outputs import released_coordinates
 
-    return released_coordinates(run.plan, run.session.dim)
+    subspace = run.cfg.privacy.subspace.dimension  # a subspace's round releases k values
+    return released_coordinates(run.plan, run.session.dim if subspace is None else subspace)
