@@ -266,6 +266,7 @@ def divided_by_realised_count() -> Iterator[None]:
 
     def by_count(self: PrivateRound, checked: Any, index: int) -> Any:
         out = real(self, checked, index)
+        assert out is not None  # the audit's ledger never runs out
         received = sum(a.n_tasks for a in checked.accepted)
         return dataclasses.replace(out, update=out.update * self.normaliser / max(received, 1))
 

@@ -66,8 +66,8 @@ def test_add_remove_keeps_task_counts_private_and_replace_one_uses_them() -> Non
                                             "privacy.noise_multiplier=1.0"]), counts)  # fmt: skip
     assert isinstance(poisson.scheme, TwoStagePoissonScheme)
     assert poisson.normaliser == pytest.approx(4 * 0.1 * 50)  # configured n1, not registered
-    assert poisson.event is not None and poisson.event.participant_cap is None
-    assert poisson.participant_level_note == PARTICIPANT_LEVEL_NOT_MEANINGFUL
+    assert poisson.privacy is not None and poisson.privacy.event.participant_cap is None
+    assert poisson.privacy.participant_level_note == PARTICIPANT_LEVEL_NOT_MEANINGFUL
 
 
 def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
