@@ -2,8 +2,15 @@
 
 ``run_federation(cfg, transport, ...)`` is what every entry point runs (``fedmeta simulate``, the
 Flower ServerApp, tests). Flower stays behind the transport (server/fedmeta/server/transport.py);
-one round is
-``server.round.run_round``; this module strings rounds together.
+one round is ``server.round.run_round``; this module strings rounds together.
+
+**Once, then per round.** Start-up (server/fedmeta/server/startup.py) builds a frozen
+:class:`RunContext`: the configuration, the plan, the ledger, the release strategy chosen from the
+plan (server/fedmeta/server/release_strategy.py) and the :class:`~fedmeta.server.round.RoundContext`
+every round shares, with the run's one ``stop`` event. Before each round the run builds its
+:class:`~fedmeta.server.round.RoundSetup` (the population eligible now, the sampler over its scheme,
+the strategy's release for it); what the rounds change (the model, the records, the next round)
+is the run's progress, :class:`_Run`.
 
 **The budget belongs to the data.** A private run spends from the ledger in fedmeta's state
 directory (or ``privacy.ledger_path``), in the federation of its data's identity
