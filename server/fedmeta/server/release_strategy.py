@@ -1,7 +1,7 @@
 """How a round's accepted replies become its release: a strategy chosen once, when the run starts.
 
 A run is private exactly when its plan holds a :class:`~fedmeta.server.plan.PrivatePlan`
-(server/fedmeta/server/plan.py), and :func:`release_strategy` turns that into one of two
+(server/fedmeta/server/plan.py), and :func:`choose_release` turns that into one of two
 strategies for the whole run:
 
 - :class:`PrivateStrategy`: each round first checks the budget (``ledger.would_exceed``); after
@@ -31,7 +31,7 @@ from torch import Tensor
 from fedmeta.accounting import BudgetExhausted, Ledger, next_clip, noisy_fraction
 from fedmeta.server.epsilon_curve import RoundEpsilons
 from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
-from fedmeta.server.plan import PrivatePlan, TwoStageScheme, ledger_epsilons
+from fedmeta.server.plan import PrivatePlan, RunPlan, TwoStageScheme, ledger_epsilons
 from fedmeta.server.validation import RoundReplies
 
 
@@ -242,6 +242,25 @@ class PrivateStrategy:
         """Stop the epsilon curve's thread."""
         if self.curve is not None:
             self.curve.close()
+
+
+def choose_release(
+    plan: RunPlan,
+    ledger: Ledger | None,
+    run: tuple[str, int, float],
+    seed: int | None,
+    reports: Callable[[int], bool],
+) -> ReleaseStrategy:
+    """The run's release, chosen once from its plan: private exactly when the plan is.
+
+    ``run`` is (run id, released dimension, normaliser). A private plan without a ledger is
+    refused rather than released without noise.
+    """
+    if plan.privacy is None:
+        return MeanStrategy(run[1])
+    if ledger is None:
+        raise ValueError("a private run needs the ledger of its data's budget; none was opened")
+    return private_strategy(plan.privacy, ledger, run, seed, reports)
 
 
 def private_strategy(

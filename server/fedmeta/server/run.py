@@ -47,7 +47,7 @@ from fedmeta.config import Config
 from fedmeta.server.budget_keys import use_round_cohort
 from fedmeta.server.membership import Membership
 from fedmeta.server.plan import BudgetForecast, RunPlan
-from fedmeta.server.release_strategy import MeanStrategy, ReleaseStrategy, private_strategy
+from fedmeta.server.release_strategy import ReleaseStrategy, choose_release
 from fedmeta.server.report import Observers, RoundOutcome, RunFinished, RunObserver, RunStarted
 from fedmeta.server.round import (
     STOP_BUDGET,
@@ -240,23 +240,11 @@ def _start(cfg: Config, transport: GridTransport, options: RunOptions) -> _Run:
     rounds = round_context(cfg, (run_id, federation_id), plan, membership, dim, options.stop)
     context = RunContext(
         cfg, options.out, plan, registered, membership, wl, Observers(options.observers),
-        predicted, ledger, _release_strategy(cfg, plan, ledger, (run_id, dim)), rounds,
+        predicted, ledger, _release(cfg, plan, ledger, (run_id, dim)), rounds,
         options.test_when_interrupted,
     )  # fmt: skip
     starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
     return _Run(context, state, outcomes, next_round, selection, starting)
-
-
-def _release_strategy(
-    cfg: Config, plan: RunPlan, ledger: Ledger | None, run: tuple[str, int]
-) -> ReleaseStrategy:
-    """The run's release, chosen once: private (spend, then noise) or the plain mean."""
-    run_id, dim = run
-    if plan.privacy is None or ledger is None:
-        return MeanStrategy(dim)
-    reports = lambda r: _reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
-    return private_strategy(plan.privacy, ledger, (run_id, dim, plan.normaliser),
-                            cfg.privacy.insecure_test_seed, reports)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- the rounds
@@ -312,6 +300,15 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
     sampler = TwoStageSampler(scheme, source)
     sampler.check_task_counts(eligible)
     return RoundSetup(eligible, sampler, release)
+
+
+def _release(
+    cfg: Config, plan: RunPlan, ledger: Ledger | None, run: tuple[str, int]
+) -> ReleaseStrategy:
+    """The run's release strategy, chosen once; ``run`` is (run id, released dimension)."""
+    reports = lambda r: _reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
+    return choose_release(plan, ledger, (*run, plan.normaliser), cfg.privacy.insecure_test_seed,
+                          reports)  # fmt: skip
 
 
 def _reports_epsilon(cfg: Config, r: int) -> bool:
