@@ -54,12 +54,12 @@ def compositions_once(name: str, rounds: list[int]) -> dict[str, Any]:
 
     cfg = _config(name)
     counts = {str(i): cfg.dataset.tasks_per_participant for i in range(cfg.federation.participants)}
-    plan = build_plan(cfg, counts)
-    assert plan.event is not None
-    out: dict[str, Any] = {"config": name, "event": repr(plan.event), "seconds": {}}
+    private = build_plan(cfg, counts).privacy
+    assert private is not None
+    out: dict[str, Any] = {"config": name, "event": repr(private.event), "seconds": {}}
     for k in rounds:
         t0 = time.perf_counter()
-        value = Exposures((((plan.event, k),),), cfg.privacy.delta, "task").epsilon()
+        value = Exposures((((private.event, k),),), cfg.privacy.delta, "task").epsilon()
         out["seconds"][k] = time.perf_counter() - t0
         out.setdefault("epsilon", {})[k] = value
     return out

@@ -142,23 +142,28 @@ def _handler(table: np.ndarray, device: torch.device) -> Callable[[Any, Any], An
     return handler
 
 
-def _session(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path: Path) -> Any:
-    """The server's round session as ``server/run.py`` builds it, over the in-process grid."""
+def _pipeline(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path: Path) -> Any:
+    """The round's context and the private release, as ``server/run.py`` builds them.
+
+    Returns ``(context, setup, strategy, ledger)``: ``setup(index, clip)`` is round ``index``'s
+    setup (its sampler and private release at adaptive clipping's current bound ``clip``).
+    """
     from fedmeta.accounting import BudgetLedger, SystemRandomSource, TwoStageSampler
     from fedmeta.client_config import client_config
-    from fedmeta.server.noise import NoiseSource
     from fedmeta.server.plan import build_plan
-    from fedmeta.server.round import RoundSession
+    from fedmeta.server.release_strategy import private_strategy
+    from fedmeta.server.round import RoundContext, RoundSetup
     from fedmeta.server.transport import GridTransport
     from fedmeta.simulation.local_grid import InProcessGrid
 
     counts = {str(i): args.rows for i in range(args.participants)}
     plan = build_plan(cfg, counts)
+    assert plan.privacy is not None  # the benchmark times a private round
     grid = InProcessGrid(args.participants, _handler(table, torch.device(args.device)))
     transport = GridTransport(grid, register_timeout_s=60, round_timeout_s=600)
     nodes = {str(i): nid for i, nid in enumerate(grid.node_ids)}
     ledger = BudgetLedger.open(ledger_path, "round-cost", epsilon_budget=1000,
-                               delta=cfg.privacy.delta, neighbouring=plan.event.neighbouring,
+                               delta=cfg.privacy.delta, neighbouring=plan.neighbouring,
                                mode="insecure")  # fmt: skip
 
     def exchange(requests: Any) -> Any:
@@ -168,15 +173,19 @@ def _session(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path:
             raise SystemExit(f"round_cost: replies failed: {failed}")
         return result
 
-    return RoundSession(
-        run_id="round-cost", federation_id="round-cost", plan=plan, task_counts=counts,
-        sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
-        transport=exchange,
+    context = RoundContext(
+        run_id="round-cost", federation_id="round-cost", transport=exchange,
         config_json=client_config(cfg).model_dump_json(), dim=args.dimension,
-        reply_format="per_task",
-        tolerance=cfg.privacy.clip_tolerance, diagnostics=False, ledger=ledger,
-        noise=NoiseSource.create(),
+        reply_format="per_task", tolerance=cfg.privacy.clip_tolerance, diagnostics=False,
     )  # fmt: skip
+    strategy = private_strategy(plan.privacy, ledger, ("round-cost", args.dimension,
+                                plan.normaliser), None, lambda r: False)  # fmt: skip
+
+    def setup(index: int, clip: float | None) -> Any:
+        sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
+        return RoundSetup(counts, sampler, strategy.for_round(plan.scheme, index, clip))
+
+    return context, setup, strategy, ledger
 
 
 def round_seconds(args: argparse.Namespace, table: np.ndarray) -> list[float]:
@@ -185,16 +194,18 @@ def round_seconds(args: argparse.Namespace, table: np.ndarray) -> list[float]:
 
     cfg = _config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        session = _session(cfg, args, table, Path(tmp) / "ledger.sqlite")
+        context, setup, strategy, ledger = _pipeline(cfg, args, table, Path(tmp) / "ledger.sqlite")
         state = TrainingState(torch.zeros(args.dimension), cfg.training, planned_rounds=10**6)
         times = []
         for index in range(args.repeat + 1):
+            round_setup = setup(index, state.clip)  # the run builds it before the round, too
             t0 = time.perf_counter()
-            outcome = run_round(session, state, index)
+            outcome = run_round(context, round_setup, state, index)
             times.append(time.perf_counter() - t0)
             if outcome is None or outcome.participants_replied != args.participants:
                 raise SystemExit(f"round_cost: round {index + 1} did not complete: {outcome}")
-        session.ledger.close()  # type: ignore[union-attr]
+        strategy.close()
+        ledger.close()
     return times[1:]
 
 

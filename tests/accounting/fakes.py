@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from fedmeta.accounting import (
     BudgetExhausted,
@@ -129,6 +130,18 @@ class LinearLedger:
             raise LedgerError(f"the ledger is behind: {len(self._records)} < {saved.position}")
         if saved.head is not None and self._records[saved.position - 1].hash != saved.head:
             raise LedgerError("the ledger's history diverged")
+
+    def exposures(self, unit: str | None = None) -> None:
+        """None: a linear epsilon is no composition of exposures (asked of ``epsilon`` instead)."""
+        return None
+
+    def projection(self, event: GaussianRound) -> None:
+        """None, as ``exposures``: nothing to compute ahead."""
+        return None
+
+    def anchor(self) -> dict[str, Any] | None:
+        """None: the fake keeps no witness of a whole ledger."""
+        return None
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:
         """Every spend is charged to the whole federation here: nothing to record."""

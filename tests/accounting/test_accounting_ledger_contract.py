@@ -127,3 +127,27 @@ def test_epsilon_grows_with_every_spend(ledger: Ledger) -> None:
         now = ledger.epsilon()
         assert now > previous
         previous = now
+
+
+def test_exposures_and_projection_are_what_epsilon_composes(ledger: Ledger) -> None:
+    """Where a ledger gives its exposures, their epsilon is its own (the server's epsilon curve
+    relies on it); where it gives none (a linear fake), it gives no projection either."""
+    for i in range(2):
+        ledger.spend(A, "run", i)
+    exposures = ledger.exposures(unit="task")
+    projection = ledger.projection(A)
+    if exposures is None:
+        assert projection is None
+        return
+    assert exposures.epsilon() == pytest.approx(ledger.epsilon(unit="task"), rel=1e-9)
+    assert projection is not None and projection.now == exposures
+
+
+def test_checkpoint_binds_a_resume_to_this_ledger(ledger: Ledger) -> None:
+    ledger.spend(A, "run", 0)
+    saved = ledger.checkpoint()
+    assert saved.position == 1 and saved.ledger_id == ledger.ledger_id
+    ledger.check_resume(saved)  # the same ledger, not behind: accepted
+    ledger.spend(A, "run", 1)
+    ledger.check_resume(saved)  # ahead of the checkpoint: accepted
+    assert ledger.anchor() is None or isinstance(ledger.anchor(), dict)

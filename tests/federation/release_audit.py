@@ -1,6 +1,7 @@
 """An empirical audit of the real release path: sampling, validation, aggregation, secure noise.
 
-Each trial is one private round through ``server.round.run_round``: the real ``TwoStageSampler``
+Each trial is one private round through ``server.round.run_round`` with the private release
+(``server.release_strategy.PrivateRound``): the real ``TwoStageSampler``
 on the operating system's CSPRNG, replies validated and re-clipped by
 ``server/fedmeta/server/validation.py``, the
 sum noised by ``server/fedmeta/server/noise.py`` (AES-CTR keystreams, the release grid), divided by
@@ -44,11 +45,12 @@ from fedmeta.accounting import (
 )
 from fedmeta.client.gradients import clip_bits
 from fedmeta.protocol import REPLY_PER_TASK, GradientReply, GradientRequest
-from fedmeta.server import round as round_mod
+from fedmeta.server import release_strategy as release_mod
 from fedmeta.server import validation as validation_mod
 from fedmeta.server.noise import NoiseSource
-from fedmeta.server.plan import AdaptiveClipping, RunPlan
-from fedmeta.server.round import Delivery, Exchange, RoundSession, run_round
+from fedmeta.server.plan import AdaptiveClipping, PrivatePlan
+from fedmeta.server.release_strategy import PrivateRound
+from fedmeta.server.round import Delivery, Exchange, RoundContext, RoundSetup, run_round
 
 from .fakes import fake_ledger
 
@@ -100,21 +102,30 @@ def adaptive_clipping(event: GaussianRound, count_noise: float) -> AdaptiveClipp
     return AdaptiveClipping(0.5, 1.0, count_noise, z_grad, 1.0, 1e-12, 1e12)
 
 
-def _session(
+def _pipeline(
     event: GaussianRound,
     grads: Mapping[str, Sequence[float]],
     noise: NoiseSource,
     adaptive: AdaptiveClipping | None,
     normaliser: float,
-) -> RoundSession:
-    plan = RunPlan(True, event.neighbouring, event.scheme, event, 1.0, normaliser, False, 1e9,
-                   1e-5, 10**9, adaptive)  # type: ignore[arg-type]  # fmt: skip
-    sampler = TwoStageSampler(plan.scheme, SystemRandomSource())
-    return RoundSession(
-        "audit", "audit", plan, {pid: len(g) for pid, g in grads.items()}, sampler,
-        _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4, False, 0.0, fake_ledger(1e12, 1e-12),
-        noise,
-    )  # fmt: skip
+) -> tuple[RoundContext, Any]:
+    """The round's context and ``setup(clip)``: the round's setup at the bound ``clip``.
+
+    The release is the private one the run chooses (``PrivateRound``), on this very event.
+    """
+    plan = PrivatePlan(event, 1.0, 1e9, 1e-5, False, adaptive)
+    ledger = fake_ledger(1e12, 1e-12)
+    context = RoundContext("audit", "audit", _transport(grads), "{}", 1, REPLY_PER_TASK, 1e-4,
+                           False)  # fmt: skip
+    counts = {pid: len(g) for pid, g in grads.items()}
+    sampler = TwoStageSampler(event.scheme, SystemRandomSource())
+
+    def setup(clip: float | None) -> RoundSetup:
+        bound = 1.0 if clip is None else clip
+        release = PrivateRound(plan, bound, ledger, noise, "audit", 1, normaliser)
+        return RoundSetup(counts, sampler, release)
+
+    return context, setup
 
 
 def released(
@@ -130,16 +141,17 @@ def released(
     the latter recovered from the next bound, ``C_1 = C_0 exp(-eta (count / normaliser + 1/2 -
     gamma))``. Every trial starts from ``C_0``.
     """
-    session = _session(event, grads, noise, adaptive, 1.0)
-    out = _Released(session.plan.normaliser)
+    normaliser = 1.0
+    context, setup = _pipeline(event, grads, noise, adaptive, normaliser)
+    out = _Released(normaliser)
     counts = []
     for index in range(trials):
         out.clip = None if adaptive is None else adaptive.initial_clip
-        run_round(session, out, index)  # type: ignore[arg-type]
+        run_round(context, setup(out.clip), out, index)  # type: ignore[arg-type]
         if adaptive is not None:
             assert out.clip is not None
             step = math.log(out.clip / adaptive.initial_clip) / adaptive.learning_rate
-            counts.append((adaptive.target_quantile - step - 0.5) * session.plan.normaliser)
+            counts.append((adaptive.target_quantile - step - 0.5) * normaliser)
     if adaptive is None:
         return np.asarray(out.values)
     return np.column_stack([out.values, counts])
@@ -153,13 +165,13 @@ def clip_trajectory(
     normaliser: float,
 ) -> list[float]:
     """The bound of each of ``rounds`` consecutive private rounds through the real pipeline."""
-    session = _session(event, grads, NoiseSource.create(), adaptive, normaliser)
+    context, setup = _pipeline(event, grads, NoiseSource.create(), adaptive, normaliser)
     out = _Released(normaliser)
     out.clip = adaptive.initial_clip
     clips = []
     for index in range(rounds):
         clips.append(float(out.clip))
-        run_round(session, out, index)  # type: ignore[arg-type]
+        run_round(context, setup(out.clip), out, index)  # type: ignore[arg-type]
     return clips
 
 
@@ -250,26 +262,27 @@ def reclipping_disabled() -> Iterator[None]:
 @contextlib.contextmanager
 def divided_by_realised_count() -> Iterator[None]:
     """Control: the noisy sum divided by the number of tasks received (Opacus issue #571)."""
-    real = round_mod._aggregate
+    real = PrivateRound.release
 
-    def by_count(session: RoundSession, checked: Any, clip: Any) -> Any:
-        update, std, count = real(session, checked, clip)
+    def by_count(self: PrivateRound, checked: Any, index: int) -> Any:
+        out = real(self, checked, index)
+        assert out is not None  # the audit's ledger never runs out
         received = sum(a.n_tasks for a in checked.accepted)
-        return update * session.plan.normaliser / max(received, 1), std, count
+        return dataclasses.replace(out, update=out.update * self.normaliser / max(received, 1))
 
-    with _patch(round_mod, "_aggregate", by_count):
+    with _patch(PrivateRound, "release", by_count):
         yield
 
 
 @contextlib.contextmanager
 def count_without_noise() -> Iterator[None]:
     """Control (adaptive clipping): the count of clip bits released exactly, without its noise."""
-    real = round_mod.noised_release
+    real = release_mod.noised_release
 
     def exact(total: torch.Tensor, centred_count: float, **kw: Any) -> Any:
         return dataclasses.replace(real(total, centred_count, **kw), count=float(centred_count))
 
-    with _patch(round_mod, "noised_release", exact):
+    with _patch(release_mod, "noised_release", exact):
         yield
 
 
@@ -283,7 +296,7 @@ def count_not_centred() -> Iterator[None]:
     def uncentred(checked: Any) -> float:
         return float(sum(a.under_clip for a in checked.accepted))
 
-    with _patch(round_mod, "centred_count", uncentred):
+    with _patch(release_mod, "centred_count", uncentred):
         yield
 
 

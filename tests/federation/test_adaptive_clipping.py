@@ -138,16 +138,18 @@ def test_the_plan_splits_the_total_z_and_names_the_field_when_it_cannot() -> Non
             "sampling.task_rate=0.5", "dataset.tasks_per_participant=40",
             "privacy.noise_multiplier=1.0", "privacy.adaptive_clipping.enabled=true"]  # fmt: skip
     counts = {str(i): 40 for i in range(4)}
-    plan = build_plan(load_config(None, base), counts)
+    plan = build_plan(load_config(None, base), counts).privacy
+    assert plan is not None
     a = plan.adaptive
-    assert a is not None and plan.event is not None and plan.event.noise_multiplier == 1.0
+    assert a is not None and plan.event.noise_multiplier == 1.0
     assert a.count_noise == pytest.approx(40 / 20)  # E[lot] = 2 * 0.5 * 40, / 20
     assert a.gradient_noise_multiplier == pytest.approx((1 - 1 / 16) ** -0.5)
     assert plan.clip == 1.0 and a.initial_clip == 1.0
     # A small lot: Andrew et al.'s E[lot] / 20 = 0.2 would exceed the round's noise; the default
     # never goes below z, so the run starts and pays at most 15.5% more gradient noise.
-    small_lot = build_plan(load_config(None, [*base, "sampling.task_rate=0.05"]), counts)
-    assert small_lot.adaptive is not None and small_lot.adaptive.count_noise == 1.0
+    small_lot = build_plan(load_config(None, [*base, "sampling.task_rate=0.05"]), counts).privacy
+    assert small_lot is not None and small_lot.adaptive is not None
+    assert small_lot.adaptive.count_noise == 1.0
     assert small_lot.adaptive.gradient_noise_multiplier == pytest.approx((3 / 4) ** -0.5)
     # A configured count noise too small for the calibrated z is refused, naming the field.
     calibrated = [*base[:4], "privacy.adaptive_clipping.count_noise=0.05"]
@@ -164,9 +166,11 @@ def test_the_plan_splits_the_total_z_and_names_the_field_when_it_cannot() -> Non
                            "privacy.adaptive_clipping.max_clip=2"])  # fmt: skip
     # A non-private run clips nothing: the section is unused there, not an error.
     assert load_config(None, [*base, "privacy.enabled=false"]).privacy.adaptive_clipping.enabled
-    assert build_plan(load_config(None, base[:-1]), counts).adaptive is not None  # on by default
-    off = [*base[:-1], "privacy.adaptive_clipping.enabled=false"]
-    assert build_plan(load_config(None, off), counts).adaptive is None
+    on = build_plan(load_config(None, base[:-1]), counts).privacy
+    assert on is not None and on.adaptive is not None  # on by default
+    off = build_plan(load_config(None, [*base[:-1], "privacy.adaptive_clipping.enabled=false"]),
+                     counts).privacy  # fmt: skip
+    assert off is not None and off.adaptive is None
 
 
 # ------------------------------------------------------------------------------ checkpoint, resume

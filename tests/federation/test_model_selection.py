@@ -25,6 +25,7 @@ from fedmeta.server import run as run_mod
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.run import FederationError
 from fedmeta.server.selection import ModelSelection, checkpoint_released_params
+from fedmeta.server.startup import model_selection
 from fedmeta.workload import build_workload
 
 from .fakes import fake_ledger, opener
@@ -163,6 +164,6 @@ def test_a_split_without_validation_classes_is_refused(
     assert wl.validation_is_test
     best = cfg.training.model_copy(update={"model_selection": "best_validation"})
     with pytest.raises(FederationError, match=r"model_selection = 'best_validation' needs"):
-        run_mod._model_selection(cfg.model_copy(update={"training": best}), wl, None)
+        model_selection(cfg.model_copy(update={"training": best}), wl, None)
     evaluation = load_config(None, [*sets[:2], "dataset.split=evaluation", *sets[3:]])
     assert not build_workload(evaluation).validation_is_test

@@ -71,7 +71,8 @@ def test_written_config_loads_and_the_server_records_the_planned_event(
     assert cfg.rounds == 6 and cfg.federation.participants == 6
     assert cfg.sampling.stage2 == ("fixed" if design == "two_stage_fixed" else "poisson")
     server = build_plan(cfg, {str(i): 20 for i in range(6)})
-    assert server.event == row.event  # the event the ledger will record is the planned one
+    assert server.privacy is not None
+    assert server.privacy.event == row.event  # the event the ledger will record is the planned one
     assert server.normaliser == pytest.approx(row.expected_lot)
 
 

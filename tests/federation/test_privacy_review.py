@@ -52,11 +52,13 @@ def test_add_remove_keeps_task_counts_private_and_replace_one_uses_them() -> Non
              "privacy.noise_multiplier=1.0"]  # fmt: skip
     plan = build_plan(load_config(None, fixed), counts)
     assert isinstance(plan.scheme, TwoStageFixedScheme) and plan.scheme.min_tasks == 20
-    assert plan.normaliser == 10.0 and plan.event is not None
-    assert plan.event.neighbouring == "add_remove" and plan.event.participant_cap == 5
+    assert plan.normaliser == 10.0 and plan.privacy is not None
+    event = plan.privacy.event
+    assert event.neighbouring == "add_remove" and event.participant_cap == 5
     replaced = build_plan(load_config(None, [*fixed, "privacy.neighbouring=replace_one"]), counts)
     assert replaced.scheme.min_tasks == 25  # type: ignore[union-attr]
-    assert replaced.event is not None and replaced.event.neighbouring == "replace_one"
+    assert replaced.privacy is not None
+    assert replaced.privacy.event.neighbouring == "replace_one"
     # Poisson stage 2: the normaliser comes from the configuration, never from the real counts.
     poisson = build_plan(load_config(None, ["dataset.tasks_per_participant=50",
                                             "sampling.participants_per_round=4",
@@ -64,8 +66,8 @@ def test_add_remove_keeps_task_counts_private_and_replace_one_uses_them() -> Non
                                             "privacy.noise_multiplier=1.0"]), counts)  # fmt: skip
     assert isinstance(poisson.scheme, TwoStagePoissonScheme)
     assert poisson.normaliser == pytest.approx(4 * 0.1 * 50)  # configured n1, not registered
-    assert poisson.event is not None and poisson.event.participant_cap is None
-    assert poisson.participant_level_note == PARTICIPANT_LEVEL_NOT_MEANINGFUL
+    assert poisson.privacy is not None and poisson.privacy.event.participant_cap is None
+    assert poisson.privacy.participant_level_note == PARTICIPANT_LEVEL_NOT_MEANINGFUL
 
 
 def test_a_participant_below_the_public_min_tasks_is_refused_at_registration(
@@ -133,7 +135,7 @@ def test_a_calibrated_plan_spends_its_budget_under_its_own_relation(relation: st
 
     cfg = load_config(None, ["sampling.participants_per_round=4", "sampling.task_rate=0.1",
                              "rounds=50", f"privacy.neighbouring={relation}"])  # fmt: skip
-    plan = build_plan(cfg, {str(i): 200 for i in range(20)})
-    assert plan.event is not None
-    spent = epsilon([(plan.event, 50)], cfg.privacy.delta)
+    private = build_plan(cfg, {str(i): 200 for i in range(20)}).privacy
+    assert private is not None
+    spent = epsilon([(private.event, 50)], cfg.privacy.delta)
     assert spent <= cfg.privacy.epsilon_budget and spent > 0.97 * cfg.privacy.epsilon_budget

@@ -17,6 +17,7 @@ from fedmeta.accounting import BudgetExhausted, LedgerError
 from fedmeta.client.app import app as client_app
 from fedmeta.config import Config
 from fedmeta.config_io import load_config
+from fedmeta.server import release_strategy as release_mod
 from fedmeta.server import round as round_mod
 from fedmeta.server.app import execute
 from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
@@ -82,13 +83,13 @@ def test_private_run_spends_once_per_round_before_noise(
 ) -> None:
     ledger = fake_ledger(100.0, 0.1)
     seen: list[int] = []
-    real = round_mod.noised_sum
+    real = release_mod.noised_sum
 
     def spy(total: torch.Tensor, **kw: Any) -> Any:
         seen.append(ledger.position())  # the spend of this round is already durable
         return real(total, **kw)
 
-    monkeypatch.setattr(round_mod, "noised_sum", spy)
+    monkeypatch.setattr(release_mod, "noised_sum", spy)
     rec = Recorder()
     result = run(small(), tmp_path, ledger, observers=[rec])
     assert seen == [1, 2, 3, 4, 5, 6]
@@ -189,7 +190,7 @@ def test_private_round_pads_then_spends_then_releases(
     """The spend's time follows the public minimum (not the round's work), and precedes noise."""
     ledger = fake_ledger(100.0, 0.1)
     events: list[str] = []
-    real_pad, real_spend, real_noise = round_mod._pad, ledger.spend, round_mod.noised_sum
+    real_pad, real_spend, real_noise = round_mod._pad, ledger.spend, release_mod.noised_sum
 
     def pad(started: float, minimum: float) -> None:
         events.append(f"pad {minimum:g}")
@@ -205,7 +206,7 @@ def test_private_round_pads_then_spends_then_releases(
 
     monkeypatch.setattr(round_mod, "_pad", pad)
     monkeypatch.setattr(ledger, "spend", spend)
-    monkeypatch.setattr(round_mod, "noised_sum", noise)
+    monkeypatch.setattr(release_mod, "noised_sum", noise)
     run(small("rounds=2", "federation.round_min_seconds=0.2"), tmp_path, ledger)
     assert events == ["pad 0.2", "spend", "noise"] * 2
 
@@ -242,7 +243,7 @@ def test_the_noisy_sum_is_divided_by_the_public_normaliser(tmp_path: Path) -> No
         real_step(self, update, index)
 
     released: list[torch.Tensor] = []
-    real = round_mod.noised_sum
+    real = release_mod.noised_sum
 
     def spy(total: torch.Tensor, **kw: Any) -> Any:
         out = real(total, **kw)
@@ -251,7 +252,7 @@ def test_the_noisy_sum_is_divided_by_the_public_normaliser(tmp_path: Path) -> No
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(round_mod.TrainingState, "step", step)
-        mp.setattr(round_mod, "noised_sum", spy)
+        mp.setattr(release_mod, "noised_sum", spy)
         run(cfg, tmp_path, fake_ledger(100.0, 0.1), observers=[rec])
     assert len(updates) == 1 and torch.equal(updates[0], released[0] / 8)
     assert rec.rounds[0].noise_std == 1.0
@@ -369,8 +370,8 @@ def test_spend_refused_by_a_concurrent_run_stops_without_release(
 
     ledger = RacyLedger(epsilon_budget=0.25, eps_per_round=0.1, delta=1e-5)
     released: list[int] = []
-    real = round_mod.noised_sum
-    monkeypatch.setattr(round_mod, "noised_sum",
+    real = release_mod.noised_sum
+    monkeypatch.setattr(release_mod, "noised_sum",
                         lambda total, **kw: released.append(1) or real(total, **kw))  # fmt: skip
     result = run(small("rounds=10"), tmp_path, ledger)
     assert result.summary["stopped_reason"] == "budget_exhausted"

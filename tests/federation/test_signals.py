@@ -24,7 +24,7 @@ from flwr.app import Context, Message
 
 from fedmeta import protocol as P
 from fedmeta.client.app import app as client_app
-from fedmeta.server import round as round_mod
+from fedmeta.server import release_strategy as release_mod
 from fedmeta.server.app import execute
 from fedmeta.simulation.local_grid import InProcessGrid
 
@@ -41,13 +41,13 @@ SLOW_TIMEOUT = "federation.round_timeout_s=600"
 def _releases(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the noisy releases (one per private round released)."""
     seen: list[int] = []
-    real = round_mod.noised_sum
+    real = release_mod.noised_sum
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(round_mod, "noised_sum", spy)
+    monkeypatch.setattr(release_mod, "noised_sum", spy)
     return seen
 
 

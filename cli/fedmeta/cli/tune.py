@@ -190,8 +190,8 @@ def _planned_rounds(cfg: Any) -> tuple[Any, int]:
 
     counts = {str(i): cfg.dataset.tasks_per_participant for i in range(cfg.federation.participants)}
     plan = build_plan(cfg, counts)
-    assert plan.event is not None  # a private plan
-    return plan.event, int(cfg.rounds)
+    assert plan.privacy is not None  # a private plan
+    return plan.privacy.event, int(cfg.rounds)
 
 
 def _prior(cfg: Any) -> tuple[list[Any], float, float]:

@@ -22,7 +22,7 @@ from fedmeta.accounting import BudgetLedger, current_budget
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import budget_identity, ledger_participants
 from fedmeta.server.data_budget import adopt_data_budget, ledger_file
-from fedmeta.server.plan import BudgetForecast, RunPlan, build_plan, forecast
+from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan, build_plan, forecast
 from fedmeta.server.transport import Registered
 
 
@@ -61,20 +61,23 @@ def preview_budget(cfg: Config) -> BudgetPreview:
     path = ledger_file(cfg)
     cfg = adopt_data_budget(cfg, registered, path)
     plan = build_plan(cfg, counts)
+    private = plan.privacy
+    if private is None:  # not with privacy.enabled; the plan, not the configuration, says so
+        return BudgetPreview(cfg, plan, None, recorded=False)
     terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
     if terms is None or terms.epsilon_budget is None:
-        fresh = _fresh_forecast(cfg, plan)
-        refusal = _fresh_refusal(cfg, plan, fresh)
+        fresh = _fresh_forecast(cfg, private)
+        refusal = _fresh_refusal(cfg, private, fresh)
         return BudgetPreview(cfg, plan, fresh, recorded=False, refusal=refusal)
     with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:
         members = {r.participant_id: r for r in registered}
         ledger.use_cohort(ledger_participants(cfg, members, members))
-        predicted = forecast(plan, ledger, cfg.rounds)
-        refusal = _refusal(cfg, plan, ledger, predicted)
+        predicted = forecast(private, ledger, cfg.rounds)
+        refusal = _refusal(cfg, private, ledger, predicted)
     return BudgetPreview(cfg, plan, predicted, recorded=True, refusal=refusal)
 
 
-def _fresh_forecast(cfg: Config, plan: RunPlan) -> BudgetForecast:
+def _fresh_forecast(cfg: Config, plan: PrivatePlan) -> BudgetForecast:
     """The forecast against a budget nothing has spent from yet (a throw-away ledger)."""
     with tempfile.TemporaryDirectory() as tmp:
         ledger = BudgetLedger.open(
@@ -87,9 +90,9 @@ def _fresh_forecast(cfg: Config, plan: RunPlan) -> BudgetForecast:
             ledger.close()
 
 
-def _fresh_refusal(cfg: Config, plan: RunPlan, predicted: BudgetForecast) -> str | None:
+def _fresh_refusal(cfg: Config, plan: PrivatePlan, predicted: BudgetForecast) -> str | None:
     """Why a fresh budget affords not one round of this run (a configured noise multiplier)."""
-    if predicted.rounds_to_run or plan.event is None:
+    if predicted.rounds_to_run:
         return None
     return (
         f"the budget affords no round: one round at noise multiplier "
@@ -100,13 +103,13 @@ def _fresh_refusal(cfg: Config, plan: RunPlan, predicted: BudgetForecast) -> str
 
 
 def _refusal(
-    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
+    cfg: Config, plan: PrivatePlan, ledger: BudgetLedger, predicted: BudgetForecast
 ) -> str | None:
-    """The run's own refusal (server/fedmeta/server/run.py ``_check_target_fits``), or None."""
-    from fedmeta.server.run import NoRoundAffordable, _check_target_fits
+    """The run's own refusal (server/fedmeta/server/startup.py ``check_target_fits``), or None."""
+    from fedmeta.server.startup import NoRoundAffordable, check_target_fits
 
     try:
-        _check_target_fits(cfg, plan, ledger, predicted)
+        check_target_fits(cfg, plan, ledger, predicted)
     except NoRoundAffordable as refused:
         return str(refused)
     return None

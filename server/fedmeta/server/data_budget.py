@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmeta.accounting import BudgetLedger, BudgetTerms, DataItems, current_budget
+from fedmeta.accounting import BudgetTerms, DataItems, Ledger, current_budget
 from fedmeta.config import Config
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
 from fedmeta.server.budget_keys import budget_identity, budget_label
-from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.plan import BudgetForecast, PrivatePlan
 from fedmeta.server.transport import Registered
 
 
@@ -148,10 +148,10 @@ def other_budget_hint(
 
 
 def no_fit_reason(
-    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
+    cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast
 ) -> str:
     """One line: a run's target does not fit what its participants have left, and the fixes."""
-    assert plan.event is not None and cfg.privacy.target_epsilon is not None
+    assert cfg.privacy.target_epsilon is not None  # only a run with a target is refused this way
     target = cfg.privacy.target_epsilon
     return (
         f"privacy.target_epsilon={target:g} does not fit what is left of "

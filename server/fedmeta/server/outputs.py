@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeAlias
 
+from fedmeta.accounting import Ledger
 from fedmeta.adaptation import adaptation_summary
 from fedmeta.checkpoint import atomic_write_bytes
 from fedmeta.config import Config
 from fedmeta.seen import seen_line
 from fedmeta.server.marks import marks
 from fedmeta.server.noise import RESIDUAL_PER_COORDINATE, float_residual
-from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan
 from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.rounds_csv import write_rounds_csv
@@ -69,35 +71,36 @@ def format_plan(
     if cfg.privacy.experiment:
         lines.append(experiment_line(cfg.privacy.experiment))
     lines += _model_start_lines(cfg)
-    if not plan.private or fc is None:
+    p = plan.privacy
+    if p is None or fc is None:
         lines.append("mode: NON-PRIVATE baseline - no clipping, no noise, ledger not touched; "
                      "NO privacy guarantee")  # fmt: skip
         return "\n".join(lines)
     calibrated = (
         f" (calibrated so the planned rounds spend the "
         f"{'budget' if cfg.privacy.target_epsilon is None else 'target'})"
-        if plan.noise_calibrated
+        if p.noise_calibrated
         else ""
     )
     lines += [
         f"mode: private (task-level DP, {plan.neighbouring} neighbours, PLD accounting, enforced "
         "by the ledger)",
-        f"budget of the data: epsilon {_e(plan.epsilon_budget, 'g')}, delta "
-        f"{_e(plan.delta, 'g')} | {_target(cfg)} | clip C = {_e(plan.clip, 'g')}",
-        f"noise multiplier z = {_e(plan.noise_multiplier, '.4f')}{calibrated}",
-        *_adaptive_lines(plan),
+        f"budget of the data: epsilon {_e(p.epsilon_budget, 'g')}, delta "
+        f"{_e(p.delta, 'g')} | {_target(cfg)} | clip C = {_e(p.clip, 'g')}",
+        f"noise multiplier z = {_e(p.noise_multiplier, '.4f')}{calibrated}",
+        *_adaptive_lines(p),
         f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
         f"ledger before this run: {fc.ledger_records_before} spends, "
         f"epsilon {_e(fc.epsilon_spent_before)}",
         f"rounds affordable: {fc.rounds_affordable} | rounds this run will run: {fc.rounds_to_run}",
         f"at the planned end: task-level epsilon {_e(fc.epsilon_task_at_end)} "
-        f"(delta {_e(plan.delta, 'g')})",
+        f"(delta {_e(p.delta, 'g')})",
         "participant-level epsilon at the planned end: "
-        + _participant_eps(fc.epsilon_participant_at_end, plan.participant_level_note),
+        + _participant_eps(fc.epsilon_participant_at_end, p.participant_level_note),
     ]
-    if coordinates is not None and plan.delta is not None:
+    if coordinates is not None:
         released = coordinates * (fc.ledger_records_before + fc.rounds_to_run)
-        eps, delta = implemented_guarantee(fc.epsilon_task_at_end, plan.delta, released)
+        eps, delta = implemented_guarantee(fc.epsilon_task_at_end, p.delta, released)
         lines.append(f"with the floating-point residual (docs/privacy.md): epsilon {_e(eps, '.4f')}"
                      f" at delta {_e(delta, '.4g')} - the implemented noise is not exactly "
                      "Gaussian, so its guarantee is a little above the accountant's, which the "
@@ -169,7 +172,7 @@ def _target(cfg: Config) -> str:
     return "this run's target: the whole budget" if t is None else f"this run's target: {t:g}"
 
 
-def _adaptive_lines(plan: RunPlan) -> list[str]:
+def _adaptive_lines(plan: PrivatePlan) -> list[str]:
     a = plan.adaptive
     if a is None:
         return []
@@ -183,37 +186,48 @@ def _adaptive_lines(plan: RunPlan) -> list[str]:
     ]
 
 
-def build_summary(
-    cfg: Config,
-    plan: RunPlan,
-    fc: BudgetForecast | None,
-    outcomes: Sequence[RoundOutcome],
-    *,
-    run_id: str,
-    federation_id: str,
-    stopped: str,
-    rounds_completed: int,
-    epsilons: Mapping[str, Any],
-    final: Any,
-    starting: float | None,
-    participants: int,
-    noise_secure: bool,
-    ledger: Any,
-    wall_seconds: float,
-    coordinates: int | None = None,
-    model_start: Mapping[str, Any] | None = None,
-    start: StartingModel | None = None,
-    seen: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``summary.json``: the run's plan, its records' totals and the final evaluation.
+@dataclass(frozen=True)
+class RunFacts:
+    """What the summary says of the run itself, fixed at its start."""
 
-    ``coordinates``: noisy values a round releases; ``model_start``: :func:`model_start_fields`;
-    ``starting``: the starting model's test metric; ``start``: its round-0 record; ``seen``: what
-    the test evaluation scored that the model had seen (server/fedmeta/server/seen_release.py).
-    """
-    private = plan.private
-    model_start = model_start or model_start_fields(None, None)
-    guarantee = _implemented(plan, epsilons, ledger, coordinates)
+    cfg: Config
+    plan: RunPlan
+    forecast: BudgetForecast | None  # None: a non-private run
+    run_id: str
+    federation_id: str
+    participants: int  # registered
+    ledger: Ledger | None  # None: a non-private run
+    coordinates: int | None = None  # noisy values a round releases
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How the run ended: its records, why it stopped, what it spent."""
+
+    outcomes: Sequence[RoundOutcome]
+    stopped: str
+    rounds_completed: int
+    epsilons: Mapping[str, Any]  # the ledger's, as the records report them ({}: non-private)
+    wall_seconds: float
+
+
+@dataclass(frozen=True)
+class FinalScores:
+    """The test evaluation: the released model's, the starting model's, and where it started."""
+
+    final: Any  # None: an interrupted run left its test tasks to the resume
+    starting: float | None  # the starting model's test metric
+    model_start: Mapping[str, Any] | None = None  # :func:`model_start_fields`
+    start: StartingModel | None = None  # round 0's record
+    # what the test evaluation scored that the model had seen (server/.../seen_release.py)
+    seen: Mapping[str, Any] | None = None
+
+
+def build_summary(facts: RunFacts, end: RunEnd, scores: FinalScores) -> dict[str, Any]:
+    """``summary.json``: the run's plan, its records' totals and the final evaluation."""
+    cfg, plan, private = facts.cfg, facts.plan, facts.plan.private
+    model_start = scores.model_start or model_start_fields(None, None)
+    guarantee = _implemented(plan, end.epsilons, facts.ledger, facts.coordinates)
     return {
         "mode": "private" if private else "NON-PRIVATE (no clipping, no noise, no ledger)",
         "marks": marks(
@@ -224,24 +238,24 @@ def build_summary(
         "private": private,
         "neighbouring": plan.neighbouring if private else None,
         "experiment": cfg.privacy.experiment,
-        "run_id": run_id,
-        "federation_id": federation_id,
+        "run_id": facts.run_id,
+        "federation_id": facts.federation_id,
         "rounds_planned": plan.planned_rounds,
-        "rounds_completed": rounds_completed,
-        "rounds_lost_on_resume": [o.round for o in outcomes if o.status == "lost_on_resume"],
-        "stopped_reason": stopped,
-        **_privacy_fields(cfg, plan, epsilons, outcomes, noise_secure, guarantee),
-        "participants_registered": participants,
+        "rounds_completed": end.rounds_completed,
+        "rounds_lost_on_resume": [o.round for o in end.outcomes if o.status == "lost_on_resume"],
+        "stopped_reason": end.stopped,
+        **_privacy_fields(cfg, plan, end.epsilons, end.outcomes, guarantee),
+        "participants_registered": facts.participants,
         "participants_per_round": plan.scheme.participants_per_round,
-        **_final_metric(cfg, final),
-        **(seen or _SEEN_UNKNOWN),
-        **starting_fields(cfg, starting, start),
+        **_final_metric(cfg, scores.final),
+        **(scores.seen or _SEEN_UNKNOWN),
+        **starting_fields(cfg, scores.starting, scores.start),
         **model_start,
         "subspace": subspace_summary(cfg),
-        "ledger": None if ledger is None else _ledger_summary(ledger),
-        "plan": None if fc is None else _forecast_dict(fc),
+        "ledger": None if facts.ledger is None else _ledger_summary(facts.ledger),
+        "plan": None if facts.forecast is None else _forecast_dict(facts.forecast),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.
-        "wall_seconds": round(wall_seconds, 1) if _diagnostics(cfg, plan) else None,
+        "wall_seconds": round(end.wall_seconds, 1) if _diagnostics(cfg, plan) else None,
     }
 
 
@@ -250,35 +264,33 @@ def _privacy_fields(
     plan: RunPlan,
     epsilons: Mapping[str, Any],
     outcomes: Sequence[RoundOutcome],
-    noise_secure: bool,
     implemented: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """The summary's guarantee and noise fields (None where a non-private run has none)."""
-    private = plan.private
+    p = plan.privacy
     return {
         "epsilon_spent": epsilons.get("epsilon_task"),
         "epsilon_participant_level": epsilons.get("epsilon_participant"),
-        "participant_level_note": plan.participant_level_note,
-        "delta": plan.delta,
-        "epsilon_budget": plan.epsilon_budget,
-        "target_epsilon": cfg.privacy.target_epsilon if private else None,
+        "participant_level_note": None if p is None else p.participant_level_note,
+        "delta": None if p is None else p.delta,
+        "epsilon_budget": None if p is None else p.epsilon_budget,
+        "target_epsilon": None if p is None else cfg.privacy.target_epsilon,
         "implemented_guarantee": implemented,
-        "noise_multiplier": plan.noise_multiplier,
-        "noise_calibrated": plan.noise_calibrated if private else None,
-        "clip": plan.clip,
+        "noise_multiplier": None if p is None else p.noise_multiplier,
+        "noise_calibrated": None if p is None else p.noise_calibrated,
+        "clip": None if p is None else p.clip,
         "adaptive_clipping": _adaptive_summary(plan, outcomes),
-        "noise_secure": noise_secure if private else None,
-        "normaliser": plan.normaliser if private else None,
+        "noise_secure": None if p is None else cfg.privacy.insecure_test_seed is None,
+        "normaliser": None if p is None else plan.normaliser,
     }
 
 
-def ledger_anchor(ledger: Any) -> dict[str, Any] | None:
-    """The whole ledger's anchor (issue 39's witness); a test's fake ledger has none."""
-    anchor = getattr(ledger, "anchor", None)
-    return anchor() if callable(anchor) else None
+def ledger_anchor(ledger: Ledger | None) -> dict[str, Any] | None:
+    """The whole ledger's anchor (issue 39's witness); None without a ledger or for a fake."""
+    return None if ledger is None else ledger.anchor()
 
 
-def _ledger_summary(ledger: Any) -> dict[str, Any]:
+def _ledger_summary(ledger: Ledger) -> dict[str, Any]:
     """The ledger's path, this budget's records and the whole ledger's witness (issue 39)."""
     witness = ledger_anchor(ledger)
     return {"path": str(ledger.path), "records": ledger.position(), "witness": witness}
@@ -317,8 +329,6 @@ def _final_metric(cfg: Config, final: Any) -> dict[str, Any]:
     }
 
 
-
-
 def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tuple[float, float]:
     """The accountant's (epsilon, delta) with the release's floating-point residual folded in.
 
@@ -331,7 +341,8 @@ def implemented_guarantee(epsilon: float, delta: float, coordinates: int) -> tup
 
 def released_coordinates(plan: RunPlan, dim: int) -> int:
     """Noisy values one private round releases: the model's, plus adaptive clipping's count."""
-    return dim + (1 if plan.adaptive is not None else 0)
+    adaptive = plan.privacy is not None and plan.privacy.adaptive is not None
+    return dim + (1 if adaptive else 0)
 
 
 def _implemented(
@@ -343,12 +354,10 @@ def _implemented(
     whose runs used another model size must recompute it with that size.
     """
     eps = epsilons.get("epsilon_task")
-    if not plan.private or coordinates is None or eps is None or ledger is None:
-        return None
-    if plan.delta is None:
+    if plan.privacy is None or coordinates is None or eps is None or ledger is None:
         return None
     released = coordinates * int(ledger.position())
-    epsilon, delta = implemented_guarantee(float(eps), plan.delta, released)
+    epsilon, delta = implemented_guarantee(float(eps), plan.privacy.delta, released)
     return {"epsilon": epsilon, "delta": delta, "released_coordinates": released,
             "per_cell_residual": RESIDUAL_PER_COORDINATE}  # fmt: skip
 
@@ -360,7 +369,7 @@ def _diagnostics(cfg: Config, plan: RunPlan) -> bool:
 
 def _adaptive_summary(plan: RunPlan, outcomes: Sequence[RoundOutcome]) -> dict[str, Any] | None:
     """Adaptive clipping's constants and the last bound used (a function of released counts)."""
-    a = plan.adaptive
+    a = None if plan.privacy is None else plan.privacy.adaptive
     if a is None:
         return None
     clips = [o.clip for o in outcomes if o.clip is not None]
@@ -459,10 +468,6 @@ def _model_lines(s: Mapping[str, Any]) -> list[str]:
     if trained and trained["which"] != "all":
         lines.append(trained_line(trained, public=bool(s.get("public_warm_start"))))
     return lines
-
-
-
-
 
 
 def write_summary(out_dir: Path, summary: Mapping[str, Any]) -> Path:

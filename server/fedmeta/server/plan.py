@@ -1,10 +1,12 @@
 """A run's privacy plan: the accounted sampling scheme, its event, the noise, and what it will cost.
 
-:class:`RunPlan` is fixed once participants have registered and the noise multiplier is known; the
-round pipeline (server/fedmeta/server/round.py) reads everything privacy-relevant from it, so the
-sampler that runs
-and the event the ledger records come from the same scheme object. :class:`BudgetForecast` is what
-the plan will cost against the ledger, printed before the first round.
+:class:`RunPlan` is fixed once participants have registered and the noise multiplier is known. A run
+is private exactly when its plan holds a :class:`PrivatePlan` (event, clip, budget, delta, adaptive
+clipping: none of them optional); the run chooses its release strategy from that once
+(server/fedmeta/server/release_strategy.py), so the sampler that runs and the event the ledger
+records come from the same scheme object and no round asks whether it is private.
+:class:`BudgetForecast` is what the plan will cost against the ledger, printed before the first
+round.
 
 Under the add/remove relation (the default) the participants' task counts are private: the trusted
 server uses them to sample task indices and nothing else. The scheme's stage-2 bound
@@ -14,8 +16,8 @@ Under replace-one the counts are public, and the smallest registered count is th
 
 With adaptive clipping (:class:`AdaptiveClipping`) the event's ``z`` is the *total* noise multiplier
 of the round's two releases (the gradient sum and the noisy count of clip bits); the gradient gets
-the smaller ``z_grad`` (accounting/fedmeta/accounting/adaptive.py), and ``RunPlan.clip`` is the
-first round's bound.
+the smaller ``z_grad`` (accounting/fedmeta/accounting/adaptive.py), and ``PrivatePlan.clip`` is
+the first round's bound.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fedmeta.accounting import (
-    BudgetLedger,
     GaussianRound,
+    Ledger,
     TwoStageFixedScheme,
     TwoStagePoissonScheme,
     calibrate_noise_multiplier,
@@ -56,45 +58,63 @@ class AdaptiveClipping:
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """Everything privacy-relevant about a run's rounds, fixed before the first one."""
+class PrivatePlan:
+    """What makes a run private, all of it known before the first round (no field is optional).
 
-    private: bool
-    neighbouring: Neighbouring
-    scheme: TwoStageScheme
-    event: GaussianRound | None  # None in a non-private run
-    clip: float | None  # None in a non-private run
-    normaliser: float  # public divisor of the noisy sum
+    ``event`` is the accounted round over the plan's scheme; ``clip`` the fixed bound, or adaptive
+    clipping's first one; ``epsilon_budget`` and ``delta`` the data's budget the ledger enforces.
+    """
+
+    event: GaussianRound
+    clip: float
+    epsilon_budget: float
+    delta: float
     noise_calibrated: bool
-    epsilon_budget: float | None
-    delta: float | None
-    planned_rounds: int
     adaptive: AdaptiveClipping | None = None  # None: the clip bound is fixed
 
     @property
-    def gradient_noise_multiplier(self) -> float | None:
+    def noise_multiplier(self) -> float:
+        """``z``: the round's total noise multiplier."""
+        return self.event.noise_multiplier
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
         """The gradient's own noise multiplier: ``z``, or ``z_grad`` with adaptive clipping."""
         if self.adaptive is not None:
             return self.adaptive.gradient_noise_multiplier
         return self.noise_multiplier
 
-    def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
-        """The same plan (z, clip, normaliser) for the population eligible in a round."""
-        scheme = build_scheme(cfg, task_counts)
-        if self.event is None:
-            return replace(self, scheme=scheme)
-        event = GaussianRound(scheme, self.event.noise_multiplier, _cap(scheme), self.neighbouring)
-        return replace(self, scheme=scheme, event=event)
-
-    @property
-    def noise_multiplier(self) -> float | None:
-        """``z``, or None in a non-private run."""
-        return None if self.event is None else self.event.noise_multiplier
-
     @property
     def participant_level_note(self) -> str | None:
         """Why the participant-level epsilon is not meaningful, or None when it is."""
-        return None if self.event is None else participant_level_note(self.event)
+        return participant_level_note(self.event)
+
+    def over(self, scheme: TwoStageScheme) -> PrivatePlan:
+        """The same z, clip and budget, the event taken over ``scheme`` (a round's population)."""
+        event = GaussianRound(scheme, self.noise_multiplier, _cap(scheme), self.event.neighbouring)
+        return replace(self, event=event)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's rounds, fixed before the first one: private exactly when ``privacy`` is set."""
+
+    neighbouring: Neighbouring
+    scheme: TwoStageScheme
+    normaliser: float  # public divisor of the noisy sum
+    planned_rounds: int
+    privacy: PrivatePlan | None = None  # None: a non-private run (no clip, no noise, no ledger)
+
+    @property
+    def private(self) -> bool:
+        """Whether the run is private (it has a :class:`PrivatePlan`)."""
+        return self.privacy is not None
+
+    def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
+        """The same plan (z, clip, normaliser) for the population eligible in a round."""
+        scheme = build_scheme(cfg, task_counts)
+        privacy = None if self.privacy is None else self.privacy.over(scheme)
+        return replace(self, scheme=scheme, privacy=privacy)
 
 
 def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
@@ -134,13 +154,18 @@ def build_plan(
     """The plan for the registered participants; ``noise_multiplier`` keeps a resumed run's z."""
     scheme = build_scheme(cfg, task_counts)
     norm = normaliser(cfg)
+    plan = RunPlan(cfg.privacy.neighbouring, scheme, norm, cfg.rounds)
     if not cfg.privacy.enabled:
-        return RunPlan(False, cfg.privacy.neighbouring, scheme, None, None, norm, False, None,
-                       None, cfg.rounds)  # fmt: skip
-    calibrated = noise_multiplier is None and cfg.privacy.noise_multiplier is None
-    resumed_z = noise_multiplier
-    if noise_multiplier is None:
-        noise_multiplier = cfg.privacy.noise_multiplier
+        return plan
+    return replace(plan, privacy=_private_plan(cfg, scheme, norm, noise_multiplier))
+
+
+def _private_plan(
+    cfg: Config, scheme: TwoStageScheme, norm: float, resumed_z: float | None
+) -> PrivatePlan:
+    """The private part of the plan: z (resumed, configured or calibrated), clip and budget."""
+    calibrated = resumed_z is None and cfg.privacy.noise_multiplier is None
+    noise_multiplier = resumed_z if resumed_z is not None else cfg.privacy.noise_multiplier
     if noise_multiplier is None:
         target = cfg.privacy.target_epsilon or cfg.privacy.epsilon_budget
         noise_multiplier = calibrate_noise_multiplier(
@@ -151,17 +176,12 @@ def build_plan(
     if not calibrated and resumed_z is None:
         _check_noise_meets_target(cfg, event)
     adaptive = _adaptive(cfg, float(noise_multiplier), norm)
-    return RunPlan(
-        private=True,
-        neighbouring=cfg.privacy.neighbouring,
-        scheme=scheme,
+    return PrivatePlan(
         event=event,
         clip=cfg.privacy.clip if adaptive is None else adaptive.initial_clip,
-        normaliser=norm,
-        noise_calibrated=calibrated,
         epsilon_budget=cfg.privacy.epsilon_budget,
         delta=cfg.privacy.delta,
-        planned_rounds=cfg.rounds,
+        noise_calibrated=calibrated,
         adaptive=adaptive,
     )
 
@@ -228,7 +248,7 @@ def reported_epsilon(
 
 
 def ledger_epsilons(
-    ledger: BudgetLedger, event: GaussianRound, *, task: bool = True
+    ledger: Ledger, event: GaussianRound, *, task: bool = True
 ) -> dict[str, float | int | None]:
     """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
 
@@ -264,16 +284,15 @@ class BudgetForecast:
     epsilon_theorem3_at_end: float | None  # Tombs et al. 2022 Thm 3: NOT a valid guarantee
 
 
-def forecast(plan: RunPlan, ledger: BudgetLedger, rounds_left: int) -> BudgetForecast:
+def forecast(plan: PrivatePlan, ledger: Ledger, rounds_left: int) -> BudgetForecast:
     """The budget before the run, what it affords, and epsilon if the run goes to its end."""
-    assert plan.event is not None and plan.delta is not None
     before = ledger.rounds()
     affordable = ledger.rounds_affordable(plan.event)
     to_run = max(0, min(rounds_left, affordable))
     after = [*before, (plan.event, to_run)]
     published = (
         tombs2022_published_epsilon(plan.event, to_run, plan.delta)
-        if to_run and plan.neighbouring == "add_remove"
+        if to_run and plan.event.neighbouring == "add_remove"
         else None
     )
     return BudgetForecast(

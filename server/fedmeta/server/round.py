@@ -1,6 +1,12 @@
-"""One round of a federation as a pipeline, free of Flower: ``run_round(session, state, index)``.
+"""One round of a federation as a pipeline, free of Flower: ``run_round(context, setup, state, i)``.
 
-1. **Budget check.** If spending the planned round would exceed the budget, stop: nothing is run.
+``context`` (:class:`RoundContext`) is what every round of the run shares, fixed at start-up;
+``setup`` (:class:`RoundSetup`) is this round's population, sampler and release, whose rule the
+run chose once from its plan (server/fedmeta/server/release_strategy.py): the round never asks
+whether the run is private.
+
+1. **Budget check.** If spending the planned round would exceed the budget, stop: nothing is run
+   (``release.affordable()``).
 2. **Sample.** Stage 1 draws ``n1`` participants, stage 2 tasks inside each, with the
    ``TwoStageSampler`` executing the very scheme object that the accounted event holds.
 3. **Request.** Every stage-1 participant is sent the meta-parameters and its task ids (an empty
@@ -8,13 +14,13 @@
 4. **Validate.** Structural problems drop a reply; value problems are neutralised and counted
    (server/fedmeta/server/validation.py). Missing, late and malformed replies never stop a round.
 5. **Pad, then spend.** The round waits until ``federation.round_min_seconds`` have passed since
-   it started (the work before depends on the stage-2 count), then ``ledger.spend(event, run_id,
-   round)`` records the round durably *before* anything is released; if another run spent the
-   rest meanwhile it raises and nothing is released. What follows the spend (sum, noise, step)
-   costs the same whatever was sampled.
-6. **Noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release grid
-   (server/fedmeta/server/noise.py), divide by the public normaliser, and take the optimizer step.
-   With adaptive
+   it started (the work before depends on the stage-2 count), then ``release.release`` first
+   spends: ``ledger.spend(event, run_id, round)`` records the round durably *before* anything is
+   released; if another run spent the rest meanwhile it raises and nothing is released. What
+   follows the spend (sum, noise, step) costs the same whatever was sampled.
+6. **Sum, noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release
+   grid (server/fedmeta/server/noise.py), divide by the public normaliser (the release strategy,
+   server/fedmeta/server/release_strategy.py), and take the optimizer step. With adaptive
    clipping the round's bound ``C_t`` is the training state's, the centred count of the replies'
    clip bits is released beside the sum (the gradient's noise multiplier lowered so that the two
    together are the event's ``z``), and the next bound ``C_{t+1}`` is computed from that release
@@ -29,29 +35,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedmeta.accounting import (
-    BudgetExhausted,
-    BudgetLedger,
-    TwoStageSampler,
-    next_clip,
-    noisy_fraction,
-)
+from fedmeta.accounting import TwoStageSampler
 from fedmeta.config import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest, ReplyFormat
-from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
 from fedmeta.server.operator_log import log_failures
 from fedmeta.server.optimizer import learning_rate, make_optimizer
-from fedmeta.server.plan import RunPlan
+from fedmeta.server.release_strategy import Released, RoundRelease
 from fedmeta.server.releases import split_failures
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome
-from fedmeta.server.subspace import PublicSubspace
 from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 
 STOP_PLANNED = "planned_rounds"
@@ -152,15 +150,12 @@ class TrainingState:
         return self.params.detach().to(torch.float32).contiguous().numpy().copy()
 
 
-@dataclass
-class RoundSession:
-    """What every round of a run shares: the plan, the sampler, the ledger, the transport."""
+@dataclass(frozen=True)
+class RoundContext:
+    """What every round of a run shares, fixed when the run starts."""
 
     run_id: str
     federation_id: str
-    plan: RunPlan
-    task_counts: Mapping[str, int]  # private under add/remove: used to sample, never released
-    sampler: TwoStageSampler
     transport: Transport
     config_json: str
     dim: int
@@ -168,75 +163,64 @@ class RoundSession:
     tolerance: float
     diagnostics: bool
     round_min_seconds: float = 0.0
-    ledger: BudgetLedger | None = None
-    noise: NoiseSource | None = None
     #: Set by SIGINT/SIGTERM: a round not yet spent is abandoned (RoundAbandoned); one spent goes
-    #: on to its release, since the ledger already counts it.
-    stop: threading.Event | None = None
-    #: ``privacy.subspace``: the release is noised in a public subspace (server/subspace.py).
-    subspace: PublicSubspace | None = None
+    #: on to its release, since the ledger already counts it. The transport's wait reads it too.
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
-def run_round(session: RoundSession, state: TrainingState, index: int) -> RoundOutcome | None:
+@dataclass(frozen=True)
+class RoundSetup:
+    """What one round runs with: its population, its sampler, and its release.
+
+    Built by the run before each round (server/fedmeta/server/run.py): the population eligible
+    now, the sampler over the scheme of that population, and the release strategy's rule for the
+    round (server/fedmeta/server/release_strategy.py), which holds the round's event and noise.
+    """
+
+    task_counts: Mapping[str, int]  # private under add/remove: used to sample, never released
+    sampler: TwoStageSampler
+    release: RoundRelease
+
+
+def run_round(
+    context: RoundContext, setup: RoundSetup, state: TrainingState, index: int
+) -> RoundOutcome | None:
     """Run round ``index`` (0-based); None when the budget does not allow it (nothing happened)."""
     started = time.perf_counter()
-    plan = session.plan
-    if plan.private and session.ledger.would_exceed(plan.event):  # type: ignore[union-attr,arg-type]
+    release = setup.release
+    if not release.affordable():
         return None
-    clip = _round_clip(session, state)
-    if session.subspace is not None:  # public data and the released model only: before the rest
-        session.subspace.at(state.params, index)
-    sample = session.sampler.sample(session.task_counts)
-    requests = _requests(session, state, index, sample, clip)
-    exchange = session.transport(requests)  # returns early on a stop request (server/transport)
+    sample = setup.sampler.sample(setup.task_counts)
+    requests = _requests(context, state, index, sample, release.clip)
+    exchange = context.transport(requests)  # returns early on a stop request (server/transport)
     checked = validate_round(
         {pid: d.reply for pid, d in exchange.deliveries.items() if d.reply is not None},
-        _expectations(session, index, requests, clip),
+        _expectations(context, index, requests, release),
     )
     # Pad before the spend: the spend's time (kept in the ledger) and everything after it then
     # follow the public minimum, not this round's stage-2 work; the spend still precedes the noise.
-    _pad(started, session.round_min_seconds)
+    _pad(started, context.round_min_seconds)
     received = time.perf_counter()
     # The last moment to stop without a trace: after it come the spend and the release, no wait.
-    if session.stop is not None and session.stop.is_set():
+    if context.stop.is_set():
         raise RoundAbandoned(f"round {index + 1} abandoned before its spend: stop requested")
-    position = _spend(session, index)
-    if plan.private and position is None:
+    released = release.release(checked, index)  # spend, then sum and noise
+    if released is None:
         return None
-    update, noise_std, count = _aggregate(session, checked, clip)
-    if plan.adaptive is not None:  # the optimizer's noise correction follows the round's C
-        assert noise_std is not None
-        state.set_noise_variance((noise_std / plan.normaliser) ** 2)
-    state.step(update, index)
-    if plan.adaptive is not None:
-        assert clip is not None and count is not None
-        state.clip = _next_clip(session, clip, count)
-    outcome = _outcome(session, index, exchange, checked, position, noise_std, clip)
-    log_failures(session.run_id, index + 1, _named_failures(exchange, checked))  # operator only
-    if not session.diagnostics:
+    if released.noise_variance is not None:
+        state.set_noise_variance(released.noise_variance)
+    state.step(released.update, index)
+    if released.next_clip is not None:
+        state.clip = released.next_clip
+    outcome = _outcome(context, setup, index, (exchange, checked), released)
+    log_failures(context.run_id, index + 1, _named_failures(exchange, checked))  # operator only
+    if not context.diagnostics:
         return outcome
     return _with_diagnostics(outcome, requests, exchange, checked, (started, received))
 
 
-def _round_clip(session: RoundSession, state: TrainingState) -> float | None:
-    """This round's bound: the plan's fixed C, or adaptive clipping's current ``C_t``."""
-    plan = session.plan
-    if plan.adaptive is None:
-        return plan.clip
-    return plan.adaptive.initial_clip if state.clip is None else float(state.clip)
-
-
-def _next_clip(session: RoundSession, clip: float, noisy_count: float) -> float:
-    """``C_{t+1}`` from the released noisy count and public constants only (post-processing)."""
-    plan = session.plan
-    a = plan.adaptive
-    assert a is not None
-    fraction = noisy_fraction(noisy_count, plan.normaliser)
-    return next_clip(clip, fraction, a.target_quantile, a.learning_rate, (a.min_clip, a.max_clip))
-
-
 def _requests(
-    session: RoundSession,
+    context: RoundContext,
     state: TrainingState,
     index: int,
     sample: Mapping[str, list[int]],
@@ -245,107 +229,51 @@ def _requests(
     params = state.flat()
     return {
         pid: GradientRequest(
-            session.run_id, index, tuple(task_ids), clip, params, session.config_json
+            context.run_id, index, tuple(task_ids), clip, params, context.config_json
         )  # fmt: skip
         for pid, task_ids in sample.items()
     }
 
 
 def _expectations(
-    session: RoundSession, index: int, requests: Mapping[str, GradientRequest], clip: float | None
+    context: RoundContext,
+    index: int,
+    requests: Mapping[str, GradientRequest],
+    release: RoundRelease,
 ) -> dict[str, Expectation]:
-    bits = session.plan.adaptive is not None
     return {
         pid: Expectation(
-            session.run_id,
+            context.run_id,
             index,
             pid,
             req.task_ids,
-            session.dim,
-            clip,
-            session.reply_format,
-            session.tolerance,
-            bits,
+            context.dim,
+            release.clip,
+            context.reply_format,
+            context.tolerance,
+            release.clip_bits,
         )  # fmt: skip
         for pid, req in requests.items()
     }
 
 
-def _spend(session: RoundSession, index: int) -> int | None:
-    """Record the round; its ledger position, or None if the budget ran out meanwhile."""
-    if not session.plan.private:
-        return None
-    assert session.ledger is not None and session.plan.event is not None
-    try:
-        session.ledger.spend(session.plan.event, session.run_id, index)
-    except BudgetExhausted:
-        return None  # another run on the same ledger spent the rest: nothing is released
-    return session.ledger.position()
-
-
-def centred_count(checked: RoundReplies) -> float:
-    """``sum_i (b_i - 1/2)`` over the accepted tasks: sensitivity 1/2 under add/remove.
-
-    Centring is what makes the count's sensitivity half the clip's share
-    (accounting/fedmeta/accounting/adaptive.py);
-    a dropped reply or task contributes 0 to both the count and the sum.
-    """
-    return float(sum(a.under_clip - a.n_tasks / 2 for a in checked.accepted))
-
-
-def _aggregate(
-    session: RoundSession, checked: RoundReplies, clip: float | None
-) -> tuple[Tensor, float | None, float | None]:
-    """The update (noisy sum over the public normaliser, or the plain mean), its noise, the count.
-
-    The count is the released noisy centred count of clip bits (adaptive clipping), else None.
-    With a subspace the sum's ``k`` coordinates in it are released, noised at its sensitivity,
-    and mapped back; the residual is dropped (server/fedmeta/server/subspace.py).
-    """
-    basis = None if session.subspace is None else session.subspace.current
-    total = torch.zeros(session.dim, dtype=torch.float64)
-    for accepted in checked.accepted:
-        total += accepted.grad_sum
-    plan = session.plan
-    if not plan.private:
-        mean = total / max(sum(a.n_tasks for a in checked.accepted), 1)
-        return (mean if basis is None else basis.restrict(mean)), None, None
-    assert plan.event is not None and clip is not None and session.noise is not None
-    sensitivity = clip
-    if basis is not None:
-        total, sensitivity = basis.project(total, clip, plan.normaliser * clip)
-    if plan.adaptive is None:
-        released = noised_sum(total, clip=sensitivity, event=plan.event, source=session.noise)
-        value, noise_std, count = released.value, released.noise_std, None
-    else:
-        joint = noised_release(
-            total, centred_count(checked), clip=sensitivity, event=plan.event,
-            count_noise=plan.adaptive.count_noise, source=session.noise,
-        )  # fmt: skip
-        value, noise_std, count = joint.value, joint.noise_std, joint.count
-    if basis is not None:
-        value = basis.lift(value)
-    return value / plan.normaliser, noise_std, count
-
-
 def _outcome(
-    session: RoundSession,
+    context: RoundContext,
+    setup: RoundSetup,
     index: int,
-    exchange: Exchange,
-    checked: RoundReplies,
-    position: int | None,
-    noise_std: float | None,
-    clip: float | None,
+    replies: tuple[Exchange, RoundReplies],
+    released: Released,
 ) -> RoundOutcome:
+    exchange, checked = replies
     failures = all_failures(exchange, checked)
-    private = session.plan.private
+    private = setup.release.private
     split = split_failures(failures, private=private)
     sampled = len(exchange.deliveries)
     return RoundOutcome(
-        run_id=session.run_id,
-        federation_id=session.federation_id,
+        run_id=context.run_id,
+        federation_id=context.federation_id,
         round=index + 1,
-        participants_registered=len(session.task_counts),
+        participants_registered=len(setup.task_counts),
         participants_sampled=sampled,
         # Private: sampled participants whose node was available
         # (server/fedmeta/server/releases.py).
@@ -353,9 +281,9 @@ def _outcome(
         participants_failed=split.released_count,
         failures=dict(split.released),
         stray_replies={} if private else dict(exchange.stray_replies),
-        ledger_position=position,
-        noise_std=noise_std,
-        clip=clip,
+        ledger_position=released.position,
+        noise_std=released.noise_std,
+        clip=setup.release.clip,
     )
 
 

@@ -2,8 +2,15 @@
 
 ``run_federation(cfg, transport, ...)`` is what every entry point runs (``fedmeta simulate``, the
 Flower ServerApp, tests). Flower stays behind the transport (server/fedmeta/server/transport.py);
-one round is
-``server.round.run_round``; this module strings rounds together.
+one round is ``server.round.run_round``; this module strings rounds together.
+
+**Once, then per round.** Start-up (server/fedmeta/server/startup.py) builds a frozen
+:class:`RunContext`: the configuration, the plan, the ledger, the release strategy chosen from the
+plan (server/fedmeta/server/release_strategy.py) and the :class:`~fedmeta.server.round.RoundContext`
+every round shares, with the run's one ``stop`` event. Before each round the run builds its
+:class:`~fedmeta.server.round.RoundSetup` (the population eligible now, the sampler over its scheme,
+the strategy's release for it); what the rounds change (the model, the records, the next round)
+is the run's progress, :class:`_Run`.
 
 **The budget belongs to the data.** A private run spends from the ledger in fedmeta's state
 directory (or ``privacy.ledger_path``), in the federation of its data's identity
@@ -27,93 +34,68 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fedmeta.accounting import (
-    BudgetLedger,
-    InsecureSeededSource,
-    LedgerCheckpoint,
-    LedgerMode,
-    SystemRandomSource,
-    TwoStageSampler,
-    resolve_federation,
-)
-from fedmeta.accounting.ledger import ensure_directory
-from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from fedmeta.client_config import client_config
+from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource, TwoStageSampler
+from fedmeta.checkpoint import save_checkpoint
 from fedmeta.config import Config
-from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.server.budget_keys import (
-    budget_identity,
-    budget_label,
-    inherited_labels,
-    ledger_participants,
-    use_round_cohort,
-)
-from fedmeta.server.data_budget import (
-    BudgetMismatch,
-    adopt_data_budget,
-    ledger_file,
-    no_fit_reason,
-    other_budget_hint,
-)
-from fedmeta.server.epsilon_curve import RoundEpsilons
-from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
+from fedmeta.server.budget_keys import use_round_cohort
 from fedmeta.server.membership import Membership
-from fedmeta.server.noise import NoiseSource
-from fedmeta.server.plan import (
-    BudgetForecast,
-    RunPlan,
-    build_plan,
-    forecast,
-    ledger_epsilons,
-    reported_epsilon,
-)
-from fedmeta.server.report import (
-    STATUS_LOST_ON_RESUME,
-    Observers,
-    RoundOutcome,
-    RunFinished,
-    RunObserver,
-    RunStarted,
-)
+from fedmeta.server.plan import BudgetForecast, RunPlan
+from fedmeta.server.release_strategy import ReleaseStrategy, choose_release
+from fedmeta.server.report import Observers, RoundOutcome, RunFinished, RunObserver, RunStarted
 from fedmeta.server.round import (
     STOP_BUDGET,
     STOP_PLANNED,
-    Exchange,
     RoundAbandoned,
-    RoundSession,
+    RoundContext,
+    RoundSetup,
     TrainingState,
     run_round,
 )
 from fedmeta.server.rundir import exclusive_run_directory
 from fedmeta.server.selection import ModelSelection
 from fedmeta.server.starting import StartingModel, source_of
-from fedmeta.server.subspace import public_subspace
-from fedmeta.server.transport import GridTransport, Registered, RegistrationError
+from fedmeta.server.startup import (
+    FederationError,
+    LedgerOpener,
+    NoRoundAffordable,
+    PlanError,
+    forecast_run,
+    initial_state,
+    model_selection,
+    open_budget,
+    plan_and_budget,
+    refuse_to_overwrite_run,
+    register,
+    round_context,
+    run_spends,
+)
+from fedmeta.server.subspace import PublicSubspace, public_subspace
+from fedmeta.server.transport import GridTransport, Registered
 from fedmeta.workload import HeldOut, Workload, build_workload
 
 log = logging.getLogger("fedmeta.server")
 
+#: Re-exported: callers name the run's refusals and its start-up helpers from this module.
+__all__ = [
+    "FederationError",
+    "NoRoundAffordable",
+    "PlanError",
+    "RunResult",
+    "open_budget",
+    "refuse_to_overwrite_run",
+    "run_federation",
+    "run_spends",
+]
+
 STOP_INTERRUPTED = "interrupted"
 STOP_NO_PARTICIPANTS = "no_participants"
-
-
-class FederationError(RuntimeError):
-    """The federation cannot start or go on; the message says why and what to do."""
-
-
-class PlanError(ValueError):
-    """The privacy plan cannot be made from this configuration (a one-line reason)."""
-
-
-class NoRoundAffordable(RuntimeError):
-    """A fresh private run whose budget affords no round: refused before anything is written."""
 
 
 @dataclass
@@ -126,90 +108,65 @@ class RunResult:
     rounds_run: int = 0  # by this invocation (a resumed run counts only its own)
 
 
-def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | None:
-    """The checkpoint to resume from (or None for a fresh run), refusing what would lose a run."""
-    existing = Path(out_dir) / CHECKPOINT_NAME
-    if not resume and existing.is_file():
-        raise FederationError(
-            f"{out_dir} already holds a run's checkpoint ({existing.name}); continue that run with "
-            "--resume, or give a new output directory with --out"
-        )
-    if resume and not existing.is_file():
-        raise FederationError(
-            f"--resume: no checkpoint in {out_dir}; start a new run without --resume, or point "
-            "--out at the run to continue"
-        )
-    return load_checkpoint(Path(out_dir)) if resume else None
+@dataclass(frozen=True)
+class RunOptions:
+    """How ``run_federation`` was asked to run: its keyword arguments, resolved."""
+
+    out: Path
+    resume: bool
+    observers: Sequence[RunObserver]
+    open_ledger: LedgerOpener | None
+    workload: Workload | None
+    stop: threading.Event  # the run's one stop request (SIGINT/SIGTERM)
+    test_when_interrupted: bool
 
 
-# ---------------------------------------------------------------------------------- the budget
+@dataclass(frozen=True)
+class RunContext:
+    """What a run fixes at start-up and never changes, built once by :func:`_start`.
 
-
-def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
-    """The current budget of this data in the ledger (created on first use), per participant.
-
-    The federation id is an HMAC of the data set's declared identity under the ledger's secret
-    salt (``accounting.resolve_federation``); each participant is charged under its own stable key
-    (server/fedmeta/server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger
-    refuses the other
-    mode.
+    ``release`` is the release strategy chosen from the plan (server/fedmeta/server/
+    release_strategy.py); ``rounds`` what every round shares, the run's one ``stop`` included.
     """
-    mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
-    path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, registered)  # one ledger per data (issue 39), before creating
-    ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
-    identity = budget_identity(cfg, registered)
-    federation = resolve_federation(path, identity, label=budget_label(cfg), mode=mode,
-                                    inherit=inherited_labels(cfg))  # fmt: skip
-    members = {r.participant_id: r for r in registered}
-    ledger = BudgetLedger.open(
-        path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
-        neighbouring=cfg.privacy.neighbouring, mode=mode,
-    )  # fmt: skip
-    try:
-        watch_ledger(ledger, cfg)  # refused if behind its witness outside the state directory
-        ledger.use_cohort(ledger_participants(cfg, members, members))
-    except BaseException:
-        ledger.close()
-        raise
-    return ledger
 
+    cfg: Config  # with the data's recorded budget
+    out: Path
+    plan: RunPlan
+    registered: tuple[Registered, ...]
+    membership: Membership  # who is connected changes; the object does not
+    workload: Workload  # the server's model and held-out tasks
+    observers: Observers
+    forecast: BudgetForecast | None  # None: a non-private run
+    ledger: Ledger | None  # None: a non-private run (the ledger is not touched)
+    release: ReleaseStrategy
+    rounds: RoundContext
+    test_when_interrupted: bool  # False: an interrupted run ends without its test tasks
+    resumed: bool  # from a checkpoint (the test's seen items then count this session's members)
+    #: ``privacy.subspace``: rounds noised in a subspace of public gradients (server/subspace.py)
+    subspace: PublicSubspace | None
+    started_at: float = field(default_factory=time.monotonic)
 
-def run_spends(ledger: BudgetLedger, run_id: str) -> list[int]:
-    """Round indices this run has spent, from the ledger (the source of truth)."""
-    return sorted(r.round_index for r in ledger.records() if r.run_id == run_id)
+    @property
+    def run_id(self) -> str:
+        return self.rounds.run_id
 
-
-# ---------------------------------------------------------------------------------- the run
+    @property
+    def federation_id(self) -> str:
+        return self.rounds.federation_id
 
 
 @dataclass
 class _Run:
-    """One run's context, built by :func:`_start` and carried through its rounds."""
+    """A run in progress: its fixed context and what its rounds change."""
 
-    cfg: Config
-    out: Path
-    run_id: str
-    federation_id: str
-    plan: RunPlan
-    registered: list[Registered]
-    session: RoundSession
+    context: RunContext
     state: TrainingState
     outcomes: list[RoundOutcome]
     next_round: int
-    observers: Observers
-    forecast: BudgetForecast | None
-    workload: Workload  # built once, in _start; the server's model and held-out tasks
-    membership: Membership
-    ledger: BudgetLedger | None = None
-    epsilons: RoundEpsilons | None = None  # task-level epsilon per round (server.epsilon_curve)
-    started_at: float = field(default_factory=time.monotonic)
+    selection: ModelSelection
+    starting: StartingModel | None = None  # round 0 (server/fedmeta/server/starting.py)
     refused_since_last: dict[str, int] = field(default_factory=dict)
     refused_reported: dict[str, int] = field(default_factory=dict)  # in earlier rounds' records
-    selection: ModelSelection = field(default_factory=lambda: ModelSelection("last", True))
-    test_when_interrupted: bool = True  # False: an interrupted run ends without its test tasks
-    starting: StartingModel | None = None  # round 0 (server/fedmeta/server/starting.py)
-    resumed: bool = False
 
 
 def run_federation(
@@ -220,7 +177,7 @@ def run_federation(
     resume: bool = False,
     observers: Iterable[RunObserver] = (),
     announce: Callable[[str], None] = lambda text: log.info("%s", text),
-    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger] | None = None,
+    open_ledger: LedgerOpener | None = None,
     stop: threading.Event | None = None,
     workload: Workload | None = None,
     test_when_interrupted: bool = True,
@@ -231,30 +188,30 @@ def run_federation(
     ``stop`` ends the run within the round in progress (abandoned if not yet spent, finished if
     spent), with a final checkpoint and summary. The output directory is held exclusively for the
     whole run (server/fedmeta/server/rundir.py). ``workload``: the one ``cfg`` describes, when the
-    caller has
-    built it already (else it is built once here). ``test_when_interrupted=False``: a stopped
-    run ends at once, without scoring its test tasks (a resume or ``fedmeta evaluate`` does).
+    caller has built it already (else it is built once here). ``test_when_interrupted=False``: a
+    stopped run ends at once, without scoring its test tasks (a resume or ``fedmeta evaluate``
+    does).
     """
     out = Path(out_dir or cfg.output.dir)
+    options = RunOptions(out, resume, list(observers), open_ledger, workload,
+                         stop or threading.Event(), test_when_interrupted)  # fmt: skip
     with exclusive_run_directory(out):
-        run = _start(cfg, transport, out, resume, list(observers), open_ledger, workload)
-        run.test_when_interrupted = test_when_interrupted
+        run = _start(cfg, transport, options)
         try:
-            return _run(run, stop or threading.Event(), announce)
+            return _run(run, announce)
         finally:
-            if run.epsilons is not None:
-                run.epsilons.close()
+            run.context.release.close()
 
 
-def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> RunResult:
+def _run(run: _Run, announce: Callable[[str], None]) -> RunResult:
     """Announce the plan, run the rounds and finish."""
     from fedmeta.server.outputs import format_plan
 
-    cfg = run.cfg
-    announce(format_plan(run.plan, run.forecast, cfg, len(run.registered), _coordinates(run)))
-    run.observers.run_started(_run_started(run))
+    ctx = run.context
+    announce(format_plan(ctx.plan, ctx.forecast, ctx.cfg, len(ctx.registered), _coordinates(ctx)))
+    ctx.observers.run_started(_run_started(ctx))
     if run.next_round == 0:  # round 0: the plots' first point, the selection's first candidate
-        run.starting = _starting_model(run, _validate(run))
+        run.starting = _starting_model(ctx, _validate(run))
         run.selection.offer(0, run.starting.validation_metric, run.state.params)
     elif run.selection.keeps_best and run.selection.round is None:
         # A run resumed under this rule after starting under "last": its candidates begin where
@@ -262,276 +219,58 @@ def _run(run: _Run, stop: threading.Event, announce: Callable[[str], None]) -> R
         run.selection.offer(run.next_round, _validate(run), run.state.params)
     _checkpoint(run)  # the run id is recoverable from the first moment
     first = run.next_round
-    stopped = _rounds(run, stop)
+    stopped = _rounds(run)
     result = _finish(run, stopped)
     result.rounds_run = run.next_round - first
     return result
 
 
-def _start(
-    cfg: Config,
-    transport: GridTransport,
-    out: Path,
-    resume: bool,
-    observers: list[RunObserver],
-    open_ledger: Callable[[Config, Sequence[Registered]], BudgetLedger] | None,
-    workload: Workload | None,
-) -> _Run:
-    ckpt = refuse_to_overwrite_run(out, resume)
+def _start(cfg: Config, transport: GridTransport, options: RunOptions) -> _Run:
+    """Register, plan, open the budget and restore or create the state: the run's context."""
+    ckpt = refuse_to_overwrite_run(options.out, options.resume)
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
-    membership = _register(cfg, transport, run_id)
-    registered = list(membership.members.values())
-    task_counts = membership.eligible()
-    z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
-    recorded = open_ledger is None  # fedmeta's ledger, where the data's budget is recorded
-    opened_with = _with_recorded_ledger(cfg, ckpt, check=recorded)
-    if recorded:  # the data's recorded budget, not the run's configuration
-        try:
-            cfg = adopt_data_budget(cfg, registered, ledger_file(opened_with))
-        except BudgetMismatch as error:
-            raise FederationError(str(error)) from None
-        opened_with = _with_recorded_ledger(cfg, ckpt, check=False)
-    try:
-        plan = build_plan(cfg, task_counts, noise_multiplier=z)
-    except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
-        raise PlanError(f"cannot plan the private run: {error}") from None
-    ledger = (open_ledger or open_budget)(opened_with, registered) if plan.private else None
+    membership = register(cfg, transport, run_id)
+    registered = tuple(membership.members.values())
+    cfg, plan, ledger = plan_and_budget(cfg, options.open_ledger, ckpt, membership)
     federation_id = ledger.federation_id if ledger is not None else "non-private"
-    wl = workload or build_workload(cfg)
-    selection = _model_selection(cfg, wl, ckpt)
-    state, outcomes, next_round = _initial_state(cfg, plan, ckpt, ledger, run_id, wl)
+    wl = options.workload or build_workload(cfg)
+    selection = model_selection(cfg, wl, ckpt)
+    state, outcomes, next_round = initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
-    session = _session(cfg, run_id, federation_id, plan, membership, state, ledger)
+    predicted = forecast_run(cfg, plan, ledger, (run_id, next_round), fresh=ckpt is None)
+    dim = int(state.trained.numel())
     try:
-        session.subspace = public_subspace(cfg, wl)
+        subspace = public_subspace(cfg, wl)
     except ValueError as error:
         raise FederationError(str(error)) from None
-    spent = len(run_spends(ledger, run_id)) if ledger is not None else 0
-    predicted = forecast(plan, ledger, cfg.rounds - max(spent, next_round)) if ledger else None
-    if ckpt is None and predicted is not None and ledger:
-        _check_target_fits(cfg, plan, ledger, predicted)
-    run = _Run(cfg, out, run_id, federation_id, plan, registered, session, state, outcomes,
-               next_round, Observers(observers), predicted, wl, membership, ledger)  # fmt: skip
-    if isinstance(ledger, BudgetLedger):  # a test's fake ledger answers epsilon at once
-        run.epsilons = RoundEpsilons(lambda r: _reports_epsilon(cfg, r))
-    run.selection, run.resumed = selection, ckpt is not None
-    run.starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
-    return run
-
-
-def _model_selection(cfg: Config, workload: Workload, ckpt: Mapping[str, Any] | None
-                     ) -> ModelSelection:  # fmt: skip
-    """The run's model selection (server/fedmeta/server/selection.py), restored on resume."""
-    rule = cfg.training.model_selection
-    if rule == "best_validation" and workload.validation_is_test:
-        raise FederationError(
-            f"training.model_selection = 'best_validation' needs validation classes apart from the "
-            f"test classes, and dataset.split = {cfg.dataset.split!r} has none: choosing on test "
-            "classes would bias the test result; use a split with validation classes "
-            "('evaluation' or 'dpmaml') or training.model_selection = 'last'"
-        )
-    selection = ModelSelection(rule, workload.higher_is_better)
-    selection.restore((ckpt or {}).get("selection"))
-    return selection
-
-
-def _with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
-    """The configuration to open the ledger with: on resume, the ledger the run recorded.
-
-    A run records its ledger's absolute path before its first spend; resuming from another
-    directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
-    file. A recorded ledger that is gone is refused before anything is created.
-    """
-    recorded = (ckpt or {}).get("ledger") or {}
-    path = recorded.get("path")
-    if not path:
-        return cfg
-    if check and not Path(path).is_file():
-        raise FederationError(
-            f"the run spent from the ledger {path} (recorded in its checkpoint), which is missing; "
-            "restore that file there (a `fedmeta ledger backup` copy is a complete one) and "
-            "resume again"
-        )
-    privacy = cfg.privacy.model_copy(update={"ledger_path": str(path)})
-    return cfg.model_copy(update={"privacy": privacy})
-
-
-def _check_target_fits(
-    cfg: Config, plan: RunPlan, ledger: BudgetLedger, predicted: BudgetForecast
-) -> None:
-    """Refuse, before any round, a run the budget affords no round of, or whose target misses.
-
-    A run with ``privacy.target_epsilon`` asks for all its rounds: it starts only if they fit
-    what every participant it may sample has left. Without one it spends what is left.
-    """
-    if not predicted.rounds_to_run:
-        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
-    if cfg.privacy.target_epsilon is not None and predicted.rounds_to_run < cfg.rounds:
-        raise NoRoundAffordable(no_fit_reason(cfg, plan, ledger, predicted))
-
-
-def _no_round_reason(cfg: Config, plan: RunPlan, ledger: BudgetLedger) -> str:
-    """One line: why the budget affords no round, and what to change (public values only)."""
-    assert plan.event is not None and plan.delta is not None
-    spent = ledger.epsilon(unit="task")
-    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
-    return (
-        f"the budget affords no round: one round at noise multiplier "
-        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
-        f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
-        f"on this data in {ledger.path}, {max(ledger.epsilon_budget - spent, 0.0):.4g} left); "
-        "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
-        + other_budget_hint(cfg, ledger.path, ledger.federation_id)
-        + "; nothing was run or written"
-    )
-
-
-def _register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
-    """The run's membership once enough participants registered (fedmeta.server.membership)."""
-    request = RegisterRequest(run_id, client_config(cfg).model_dump_json())  # a participant's part
-    membership = Membership(cfg, transport, request)
-    membership.start()
-    want = cfg.federation.min_participants or cfg.n1
-    if len(membership.members) < want:
-        refused = f" (refused: {membership.refused})" if membership.refused else ""
-        raise RegistrationError(
-            f"{len(membership.members)} participants registered within "
-            f"federation.register_timeout_s={cfg.federation.register_timeout_s:g}; the run needs "
-            f">= {want} (federation.min_participants){refused}"
-        )
-    return membership
-
-
-def _session(
-    cfg: Config,
-    run_id: str,
-    federation_id: str,
-    plan: RunPlan,
-    membership: Membership,
-    state: TrainingState,
-    ledger: BudgetLedger | None,
-) -> RoundSession:
-    seed = cfg.privacy.insecure_test_seed
-    if seed is not None:
-        log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
-
-    def exchange(requests: Mapping[str, GradientRequest]) -> Exchange:
-        result = membership.transport.exchange(requests, membership.nodes())
-        failed = {pid: d.failure for pid, d in result.deliveries.items() if d.failure}
-        membership.record(requests, failed)
-        return result
-
-    return RoundSession(
-        run_id=run_id,
-        federation_id=federation_id,
-        plan=plan,
-        task_counts=membership.eligible(),
-        sampler=TwoStageSampler(plan.scheme, SystemRandomSource()),
-        transport=exchange,
-        config_json=client_config(cfg).model_dump_json(),
-        dim=int(state.trained.numel()),
-        reply_format=cfg.federation.reply_format,
-        tolerance=cfg.privacy.clip_tolerance,
-        diagnostics=not plan.private or cfg.metrics.private_diagnostics,
-        round_min_seconds=cfg.federation.round_min_seconds,
-        ledger=ledger,
-        noise=NoiseSource.create() if seed is None else None,
-    )
-
-
-def _optimizer_args(cfg: Config, plan: RunPlan, workload: Workload) -> dict[str, Any]:
-    """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
-    phi = 0.0
-    z = plan.gradient_noise_multiplier
-    if plan.private and z is not None and plan.clip is not None:
-        phi = (z * plan.clip / plan.normaliser) ** 2
-    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds,
-            "clip": plan.clip if plan.adaptive is not None else None,
-            "coordinates": workload.trained_coordinates}  # fmt: skip
-
-
-def _initial_state(
-    cfg: Config,
-    plan: RunPlan,
-    ckpt: dict[str, Any] | None,
-    ledger: BudgetLedger | None,
-    run_id: str,
-    workload: Workload,
-) -> tuple[TrainingState, list[RoundOutcome], int]:
-    """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
-    if ckpt is None:
-        fresh = TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan, workload))
-        return fresh, [], 0
-    _check_same_subset(ckpt, cfg)
-    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan, workload),
-                          optimizer_state=ckpt["optimizer"])  # fmt: skip
-    if plan.adaptive is not None and ckpt.get("clip") is not None:
-        state.clip = float(ckpt["clip"])  # adaptive clipping's bound for the next round
-        state.set_noise_variance((plan.adaptive.gradient_noise_multiplier * state.clip
-                                  / plan.normaliser) ** 2)  # fmt: skip
-    outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
-    next_round = int(ckpt["next_round"])
-    if ledger is None:
-        return state, outcomes, next_round
-    _check_ledger_binding(ckpt, ledger)
-    lost = [i for i in run_spends(ledger, run_id) if i >= next_round]
-    if lost:
-        log.warning("resume: rounds %s were spent but their update was not checkpointed; they "
-                    "count as spent and are not run again", [i + 1 for i in lost])  # fmt: skip
-        outcomes += [
-            RoundOutcome(run_id, ledger.federation_id, i + 1, STATUS_LOST_ON_RESUME) for i in lost
-        ]
-        next_round = max(lost) + 1
-    return state, outcomes, next_round
-
-
-def _check_same_subset(ckpt: Mapping[str, Any], cfg: Config) -> None:
-    """Refuse to resume with other trained parameters: the optimizer's state is for the old ones."""
-    saved = ckpt.get("config", {}).get("training", {}).get("trained_parameters", "all")
-    if saved != cfg.training.trained_parameters:
-        raise FederationError(
-            f"the checkpoint trained training.trained_parameters = {saved!r}, this configuration "
-            f"says {cfg.training.trained_parameters!r}: resume with {saved!r}, or start a new run "
-            "with --out"
-        )
-
-
-def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: BudgetLedger) -> None:
-    """Refuse a ledger that is not the one the run spent from, or that lost records since.
-
-    The run recorded the ledger's identity, path, position and last record before its first spend
-    and in every checkpoint; a resume that opened another, emptier or diverged ledger (a relative
-    path from another directory, a restored backup, a copy without its journal) stops here.
-    """
-    bound = ckpt.get("ledger")
-    if bound is None:
-        raise FederationError("the checkpoint records no ledger: it is not a private run's")
-    saved = LedgerCheckpoint.from_dict(bound)
-    if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
-        raise FederationError(
-            f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
-            f"restore the run's ledger at {saved.path} and resume again"
-        )
-    ledger.check_resume(saved)
+    rounds = round_context(cfg, (run_id, federation_id), plan, membership, dim, options.stop)
+    context = RunContext(
+        cfg, options.out, plan, registered, membership, wl, Observers(options.observers),
+        predicted, ledger, _release(cfg, plan, ledger, (run_id, dim)), rounds,
+        options.test_when_interrupted, ckpt is not None, subspace,
+    )  # fmt: skip
+    starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
+    return _Run(context, state, outcomes, next_round, selection, starting)
 
 
 # ---------------------------------------------------------------------------------- the rounds
 
 
-def _rounds(run: _Run, stop: threading.Event) -> str:
+def _rounds(run: _Run) -> str:
     """Run rounds until the plan or the budget ends, or ``stop`` is set; the stop reason."""
-    cfg = run.cfg
-    run.session.stop = run.membership.transport.stop = stop  # a round ends within seconds
-    for index in range(run.next_round, cfg.rounds):
+    ctx = run.context
+    stop = ctx.rounds.stop  # set once, for the run: a round ends within seconds
+    for index in range(run.next_round, ctx.cfg.rounds):
         if stop.is_set():
             log.info("stopping before round %d: interrupted", index + 1)
             return STOP_INTERRUPTED
-        if not _prepare_round(run, index):
+        setup = _prepare_round(run, index)
+        if setup is None:
             return STOP_NO_PARTICIPANTS
         try:
-            outcome = run_round(run.session, run.state, index)
+            outcome = run_round(ctx.rounds, setup, run.state, index)
         except RoundAbandoned as abandoned:
             log.info("%s", abandoned)
             return STOP_INTERRUPTED
@@ -541,40 +280,45 @@ def _rounds(run: _Run, stop: threading.Event) -> str:
         outcome = _evaluate_round(run, outcome)
         run.outcomes.append(outcome)
         run.next_round = index + 1
-        run.observers.round_finished(outcome)
-        if run.next_round % cfg.training.checkpoint_every == 0:
+        ctx.observers.round_finished(outcome)
+        if run.next_round % ctx.cfg.training.checkpoint_every == 0:
             _checkpoint(run)
     return STOP_PLANNED
 
 
-def _prepare_round(run: _Run, index: int) -> bool:
-    """The round's population, its privacy event and sampler; False if nobody can be sampled."""
-    session, membership = run.session, run.membership
+def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
+    """The round's population, sampler and release; None if nobody can be sampled."""
+    ctx, membership = run.context, run.context.membership
     membership.refresh()
     eligible = membership.eligible()
     if not eligible:
         log.warning("round %d not run: no participant is connected and unsuspended", index + 1)
-        return False
+        return None
     # Refusals since the last round's record, registration before round 1 included.
     done = run.refused_reported
     run.refused_since_last = {k: v - done.get(k, 0) for k, v in membership.refused.items()
                               if v > done.get(k, 0)}  # fmt: skip
     run.refused_reported = dict(membership.refused)
-    session.task_counts = eligible
-    use_round_cohort(run.ledger, run.cfg, membership.members, eligible)  # who this round may sample
-    session.plan = run.plan.for_population(run.cfg, eligible)
-    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
-        assert session.plan.event is not None
-        run.epsilons.before_round(run.ledger.projection(session.plan.event), index + 1)
-    seed = run.cfg.privacy.insecure_test_seed
-    if seed is None:
-        session.sampler = TwoStageSampler(session.plan.scheme, SystemRandomSource())
-    else:  # test mode: sampling and noise re-derived from (seed, round), so resumes reproduce
-        source = InsecureSeededSource(seed, stream=index)
-        session.sampler = TwoStageSampler(session.plan.scheme, source)
-        session.noise = NoiseSource.insecure_for_tests(seed, index)
-    session.sampler.check_task_counts(eligible)
-    return True
+    use_round_cohort(ctx.ledger, ctx.cfg, membership.members, eligible)  # who this round may sample
+    scheme = ctx.plan.for_population(ctx.cfg, eligible).scheme
+    # The subspace from public data and the released model only (refreshed when due), free.
+    basis = None if ctx.subspace is None else ctx.subspace.at(run.state.params, index)
+    release = ctx.release.for_round(scheme, index, run.state.clip, basis)  # after the cohort
+    seed = ctx.cfg.privacy.insecure_test_seed
+    # Test mode: sampling (and noise) re-derived from (seed, round), so resumes reproduce.
+    source = SystemRandomSource() if seed is None else InsecureSeededSource(seed, stream=index)
+    sampler = TwoStageSampler(scheme, source)
+    sampler.check_task_counts(eligible)
+    return RoundSetup(eligible, sampler, release)
+
+
+def _release(
+    cfg: Config, plan: RunPlan, ledger: Ledger | None, run: tuple[str, int]
+) -> ReleaseStrategy:
+    """The run's release strategy, chosen once; ``run`` is (run id, released dimension)."""
+    reports = lambda r: _reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
+    return choose_release(plan, ledger, (*run, plan.normaliser), cfg.privacy.insecure_test_seed,
+                          reports)  # fmt: skip
 
 
 def _reports_epsilon(cfg: Config, r: int) -> bool:
@@ -588,65 +332,48 @@ def _reports_epsilon(cfg: Config, r: int) -> bool:
 
 def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     """Add the public evaluation (held-out tasks, noisy model) and, on report rounds, epsilon."""
-    cfg, r = run.cfg, outcome.round
+    ctx, r = run.context, outcome.round
+    cfg = ctx.cfg
     probe = _held_out(run, "probe", cfg.dataset.probe_tasks) if cfg.dataset.probe_tasks else None
     loss = _evaluate(run, probe).mean if probe is not None else None
     validation = None
     if r % cfg.training.eval_every == 0 or r == cfg.rounds:
         validation = _validate(run)
         run.selection.offer(r, validation, run.state.params)
-    eps: dict[str, Any] = {}
-    if run.ledger is not None and _reports_epsilon(cfg, r):
-        eps = _epsilons(run)
+    eps = ctx.release.epsilons() if _reports_epsilon(cfg, r) else {}  # {}: a non-private run
     return replace(
         outcome,
         train_loss=loss,
         validation_metric=validation,
-        participants_suspended=len(run.membership.suspended),
+        participants_suspended=len(ctx.membership.suspended),
         nodes_refused=run.refused_since_last,
         **eps,
     )
 
 
-def _epsilons(run: _Run) -> dict[str, Any]:
-    """The ledger's epsilons now; the task-level one from the curve (fedmeta.server.epsilon_curve).
-
-    The curve's value is ``Exposures.epsilon`` of the ledger's exposures read here, the value
-    ``ledger.epsilon()`` would compute; the ledger computes it itself only without a curve (a
-    test's fake ledger) or if the curve's composition failed.
-    """
-    assert run.ledger is not None and run.plan.event is not None
-    task = None
-    if run.epsilons is not None and isinstance(run.ledger, BudgetLedger):
-        task = run.epsilons.after_spend(run.ledger.exposures(unit="task"))
-    if task is None:
-        return ledger_epsilons(run.ledger, run.plan.event)
-    return {**ledger_epsilons(run.ledger, run.plan.event, task=False), "epsilon_task": task}
-
-
-def _starting_model(run: _Run, validation: float) -> StartingModel:
+def _starting_model(ctx: RunContext, validation: float) -> StartingModel:
     """Round 0's record: the public starting model's validation score, the data's epsilon then."""
-    before = run.forecast.epsilon_spent_before if run.forecast is not None else None
-    return StartingModel(source_of(run.cfg.public.warm_start), validation, before)
+    before = ctx.forecast.epsilon_spent_before if ctx.forecast is not None else None
+    return StartingModel(source_of(ctx.cfg.public.warm_start), validation, before)
 
 
 def _validate(run: _Run) -> float:
     """The current model's mean metric on the server's validation tasks."""
-    tasks = _held_out(run, "validation", run.cfg.dataset.validation_tasks)
+    tasks = _held_out(run, "validation", run.context.cfg.dataset.validation_tasks)
     return float(_evaluate(run, tasks).mean)
 
 
 def _held_out(run: _Run, which: HeldOut, n_tasks: int) -> Any:
-    return run.workload.held_out(which, n_tasks)
+    return run.context.workload.held_out(which, n_tasks)
 
 
 def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bool = False) -> Any:
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.metalearning import evaluate
 
-    cfg = run.cfg
+    cfg = run.context.cfg
     return evaluate(
-        run.workload.model,
+        run.context.workload.model,
         (run.state.params if params is None else params).detach(),
         tasks,
         **inner_kwargs(cfg.training, evaluation=True),
@@ -659,24 +386,25 @@ def _evaluate(run: _Run, tasks: Any, params: torch.Tensor | None = None, pre: bo
 def _checkpoint(run: _Run) -> None:
     from fedmeta.server.outputs import ledger_anchor
 
-    ledger = run.ledger
+    ctx = run.context
+    ledger, privacy = ctx.ledger, ctx.plan.privacy
     save_checkpoint(
-        run.out,
+        ctx.out,
         {
-            "run_id": run.run_id,
-            "federation_id": run.federation_id,
+            "run_id": ctx.run_id,
+            "federation_id": ctx.federation_id,
             "params": run.state.params.detach().clone(),
             "optimizer": run.state.optimizer.state_dict(),
             "next_round": run.next_round,
-            "config": run.cfg.to_dict(),
-            "noise_multiplier": run.plan.noise_multiplier,
-            "noise_calibrated": run.plan.noise_calibrated,
+            "config": ctx.cfg.to_dict(),
+            "noise_multiplier": None if privacy is None else privacy.noise_multiplier,
+            "noise_calibrated": privacy is not None and privacy.noise_calibrated,
             "clip": run.state.clip,  # adaptive clipping's next bound (None: fixed)
             "outcomes": [o.to_dict() for o in run.outcomes],
-            "private": run.plan.private,
+            "private": ctx.plan.private,
             "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
             "witness": ledger_anchor(ledger),
-            "released_coordinates": _coordinates(run),  # the implemented guarantee's count
+            "released_coordinates": _coordinates(ctx),  # the implemented guarantee's count
             "selection": run.selection.to_checkpoint(),
             "starting_model": None if run.starting is None else run.starting.to_dict(),
         },
@@ -686,79 +414,78 @@ def _checkpoint(run: _Run) -> None:
 # ---------------------------------------------------------------------------------- the end
 
 
-def _run_started(run: _Run) -> RunStarted:
-    plan, fc = run.plan, run.forecast
+def _run_started(ctx: RunContext) -> RunStarted:
+    fc, p = ctx.forecast, ctx.plan.privacy
     return RunStarted(
-        run_id=run.run_id,
-        federation_id=run.federation_id,
-        private=plan.private,
-        epsilon_budget=plan.epsilon_budget,
-        delta=plan.delta,
-        noise_multiplier=plan.noise_multiplier,
-        clip=plan.clip,
-        planned_rounds=plan.planned_rounds,
+        run_id=ctx.run_id,
+        federation_id=ctx.federation_id,
+        private=p is not None,
+        epsilon_budget=None if p is None else p.epsilon_budget,
+        delta=None if p is None else p.delta,
+        noise_multiplier=None if p is None else p.noise_multiplier,
+        clip=None if p is None else p.clip,
+        planned_rounds=ctx.plan.planned_rounds,
         rounds_affordable=fc.rounds_affordable if fc else None,
         epsilon_spent_task=fc.epsilon_spent_before if fc else 0.0,
         epsilon_spent_participant=None,
-        participants_registered=len(run.registered),
-        metric_name=run.workload.metric,
-        diagnostics=run.session.diagnostics,
-        round_min_seconds=run.cfg.federation.round_min_seconds,
-        target_epsilon=run.cfg.privacy.target_epsilon if plan.private else None,
+        participants_registered=len(ctx.registered),
+        metric_name=ctx.workload.metric,
+        diagnostics=ctx.rounds.diagnostics,
+        round_min_seconds=ctx.cfg.federation.round_min_seconds,
+        target_epsilon=None if p is None else ctx.cfg.privacy.target_epsilon,
     )
 
 
 def _test(run: _Run, stopped: str) -> tuple[Any, float | None]:
     """The released model's and the starting model's test scores; (None, None) when skipped."""
-    if stopped == STOP_INTERRUPTED and not run.test_when_interrupted:
+    ctx = run.context
+    if stopped == STOP_INTERRUPTED and not ctx.test_when_interrupted:
         return None, None
-    test_tasks = _held_out(run, "test", run.cfg.dataset.test_tasks)
+    test_tasks = _held_out(run, "test", ctx.cfg.dataset.test_tasks)
     final = _evaluate(run, test_tasks, params=run.selection.released(run.state.params), pre=True)
-    starting = _evaluate(run, test_tasks, params=run.workload.initial_params()).mean
+    starting = _evaluate(run, test_tasks, params=ctx.workload.initial_params()).mean
     return final, float(starting)
 
 
 def _finish(run: _Run, stopped: str) -> RunResult:
-    _checkpoint(run)
-    final, starting = _test(run, stopped)
-    eps = _epsilons(run) if run.ledger is not None else {}
-    completed = len(run_spends(run.ledger, run.run_id)) if run.ledger else run.next_round
-    ci = None if final is None else (final.ci95_low, final.ci95_high)
-    run.observers.run_finished(RunFinished(
-        run.run_id, run.federation_id, completed, stopped, eps.get("epsilon_task"),
-        eps.get("epsilon_participant"), None if final is None else final.mean, ci,
-    ))  # fmt: skip
-    from fedmeta.server.outputs import build_summary
+    from fedmeta.server.outputs import FinalScores, RunEnd, RunFacts, build_summary
     from fedmeta.server.starting import model_start_fields
 
-    summary = build_summary(
-        run.cfg, run.plan, run.forecast, run.outcomes,
-        run_id=run.run_id, federation_id=run.federation_id, stopped=stopped,
-        rounds_completed=completed, epsilons=eps, final=final, starting=starting,
-        participants=len(run.registered), noise_secure=run.cfg.privacy.insecure_test_seed is None,
-        ledger=run.ledger, wall_seconds=time.monotonic() - run.started_at,
-        coordinates=_coordinates(run),
-        model_start=model_start_fields(
-            run.workload.public_summary(), run.workload.trained_summary(),
-            run.selection.summary(run.cfg.dataset.validation_tasks, run.next_round)),
-        start=run.starting, seen=_seen(run, final),
-    )  # fmt: skip
-    return RunResult(summary, run.outcomes, run.out)
+    ctx = run.context
+    _checkpoint(run)
+    final, starting = _test(run, stopped)
+    eps = ctx.release.epsilons()  # {}: a non-private run
+    completed = len(run_spends(ctx.ledger, ctx.run_id)) if ctx.ledger else run.next_round
+    ci = None if final is None else (final.ci95_low, final.ci95_high)
+    ctx.observers.run_finished(RunFinished(
+        ctx.run_id, ctx.federation_id, completed, stopped, eps.get("epsilon_task"),
+        eps.get("epsilon_participant"), None if final is None else final.mean, ci,
+    ))  # fmt: skip
+    facts = RunFacts(ctx.cfg, ctx.plan, ctx.forecast, ctx.run_id, ctx.federation_id,
+                     len(ctx.registered), ctx.ledger, _coordinates(ctx))  # fmt: skip
+    end = RunEnd(run.outcomes, stopped, completed, eps, time.monotonic() - ctx.started_at)
+    model_start = model_start_fields(
+        ctx.workload.public_summary(), ctx.workload.trained_summary(),
+        run.selection.summary(ctx.cfg.dataset.validation_tasks, run.next_round))  # fmt: skip
+    scores = FinalScores(final, starting, model_start, run.starting, _seen(run, final))
+    summary = build_summary(facts, end, scores)
+    return RunResult(summary, run.outcomes, ctx.out)
 
 
 def _seen(run: _Run, final: Any) -> dict[str, Any]:
     """The test evaluation's ``seen_fraction`` and ``held_out`` (server/.../seen_release.py)."""
     from fedmeta.server.seen_release import seen_fields
 
+    ctx = run.context
     released = run.selection.released(run.state.params)
-    return seen_fields(run.cfg, run.workload, private=run.plan.private, final=final,
-                       fingerprints=run.membership.declared, resumed=run.resumed,
+    return seen_fields(ctx.cfg, ctx.workload, private=ctx.plan.private, final=final,
+                       fingerprints=ctx.membership.declared, resumed=ctx.resumed,
                        evaluate_tasks=lambda t: _evaluate(run, t, params=released))  # fmt: skip
 
 
-def _coordinates(run: _Run) -> int:
+def _coordinates(ctx: RunContext) -> int:
     """Noisy values a round of this run releases (the floating-point residual's count)."""
     from fedmeta.server.outputs import released_coordinates
 
-    subspace = run.cfg.privacy.subspace.dimension  # a subspace's round releases k values
-    return released_coordinates(run.plan, run.session.dim if subspace is None else subspace)
+    subspace = ctx.cfg.privacy.subspace.dimension  # a subspace's round releases k values
+    return released_coordinates(ctx.plan, ctx.rounds.dim if subspace is None else subspace)

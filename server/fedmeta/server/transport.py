@@ -75,8 +75,6 @@ class GridTransport:
         self.grid = grid
         self.register_timeout_s = register_timeout_s
         self.round_timeout_s = round_timeout_s
-        #: Set on SIGINT/SIGTERM: a round's wait for replies ends at once (the round is abandoned).
-        self.stop: threading.Event | None = None
         #: An in-process grid (simulation) may hand replies over in shared memory (protocol's
         #: SHARED_STYPE); any other grid's replies must be in the wire format.
         self.shared = bool(getattr(grid, "shares_memory", False))
@@ -123,9 +121,17 @@ class GridTransport:
     # ------------------------------------------------------------------------------ a round
 
     def exchange(
-        self, requests: Mapping[str, P.GradientRequest], nodes: Mapping[str, int]
+        self,
+        requests: Mapping[str, P.GradientRequest],
+        nodes: Mapping[str, int],
+        *,
+        stop: threading.Event | None = None,
     ) -> Exchange:
-        """Send each participant (at ``nodes[pid]``) its request; one delivery per participant."""
+        """Send each participant (at ``nodes[pid]``) its request; one delivery per participant.
+
+        ``stop`` (the run's stop request, set on SIGINT/SIGTERM) ends the wait for replies at once:
+        the round is then abandoned before its spend.
+        """
         if not requests:
             return Exchange({}, {})
         group = str(next(iter(requests.values())).round_id)
@@ -135,10 +141,10 @@ class GridTransport:
             messages.append(Message(content, nodes[pid], P.MSG_TRAIN, group_id=group))
         ids = list(self.grid.push_messages(messages))
         pending = dict(zip(ids, requests, strict=True))
-        replies = self._pull(pending)
+        replies = self._pull(pending, stop)
         return self._deliveries(requests, pending, replies, self.shared)
 
-    def _pull(self, pending: Mapping[str, str]) -> list[Message]:
+    def _pull(self, pending: Mapping[str, str], stop: threading.Event | None) -> list[Message]:
         """Collect replies until every request has one or the round timeout passes."""
         deadline = time.monotonic() + self.round_timeout_s
         waiting = set(pending)
@@ -149,7 +155,7 @@ class GridTransport:
                 waiting.discard(reply.metadata.reply_to_message_id)
             if not waiting or time.monotonic() >= deadline:
                 break
-            if self.stop is not None and self.stop.is_set():
+            if stop is not None and stop.is_set():
                 break
             time.sleep(0.05)
         return replies

@@ -61,13 +61,13 @@ def dry_run_plan(cfg: Any) -> str:
     counts = {str(i): cfg.dataset.tasks_per_participant for i in range(participants)}
     plan = build_plan(cfg, counts)
     fc = None
-    if plan.private:
+    if plan.privacy is not None:
         with tempfile.TemporaryDirectory() as tmp:
             ledger = BudgetLedger.open(
                 Path(tmp) / "dry-run.sqlite", "dry-run", epsilon_budget=cfg.privacy.epsilon_budget,
                 delta=cfg.privacy.delta, neighbouring=cfg.privacy.neighbouring, mode="insecure",
             )  # fmt: skip
-            fc = forecast(plan, ledger, cfg.rounds)
+            fc = forecast(plan.privacy, ledger, cfg.rounds)
             ledger.close()
     note = (
         "(dry run: nothing ran, nothing was recorded; the forecast assumes a fresh budget and "

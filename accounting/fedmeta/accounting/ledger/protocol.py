@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from fedmeta.accounting.composition import Method
+from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.public import PublicDataUse
 from fedmeta.accounting.ledger.records import (
+    LedgerCheckpoint,
     Participant,
     SpendRecord,
 )
@@ -93,6 +95,34 @@ class Ledger(Protocol):
 
     def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round durably, or raise having recorded nothing."""
+        ...
+
+    def exposures(self, unit: Unit | None = None) -> Exposures | None:
+        """What ``epsilon(unit)`` maximises over now, as data, or None (a fake's linear epsilon).
+
+        ``exposures().epsilon()`` equals ``epsilon(unit)``; where epsilon is not a composition of
+        exposures the server asks ``epsilon`` itself instead of computing it ahead.
+        """
+        ...
+
+    def projection(self, event: GaussianRound) -> SpendProjection | None:
+        """The exposures now and the groups the next spends of ``event`` reach, or None.
+
+        A guess of the exposures to come, to compute their epsilon ahead; None where ``exposures``
+        is None.
+        """
+        ...
+
+    def checkpoint(self) -> LedgerCheckpoint:
+        """Where this budget stands: what a run records to refuse a wrong ledger on resume."""
+        ...
+
+    def check_resume(self, saved: LedgerCheckpoint) -> None:
+        """Refuse (``LedgerError``) another ledger, one behind ``saved``, or a diverged history."""
+        ...
+
+    def anchor(self) -> dict[str, Any] | None:
+        """Where the whole ledger stands (its witness in every output), or None without one."""
         ...
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:

@@ -1,0 +1,360 @@
+"""Starting a run: the checkpoint to resume, who registered, the data's budget, the first state.
+
+What :func:`fedmeta.server.run.run_federation` does before its first round, each step a function
+that refuses with one line (what is wrong, what to do) before anything is written: the output
+directory's checkpoint (:func:`refuse_to_overwrite_run`), registration (:func:`register`), the
+ledger of the data's budget (:func:`open_budget`, on resume the one the run recorded), a budget
+that affords the run (:func:`check_target_fits`), and the model, rounds and next round to start
+from (:func:`initial_state`, by the resume rule in server/fedmeta/server/run.py's docstring).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedmeta.accounting import (
+    BudgetLedger,
+    Ledger,
+    LedgerCheckpoint,
+    LedgerMode,
+    resolve_federation,
+)
+from fedmeta.accounting.ledger import ensure_directory
+from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from fedmeta.client_config import client_config
+from fedmeta.config import Config
+from fedmeta.protocol import GradientRequest, RegisterRequest
+from fedmeta.server.budget_keys import (
+    budget_identity,
+    budget_label,
+    inherited_labels,
+    ledger_participants,
+)
+from fedmeta.server.data_budget import (
+    BudgetMismatch,
+    adopt_data_budget,
+    ledger_file,
+    no_fit_reason,
+    other_budget_hint,
+)
+from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
+from fedmeta.server.membership import Membership
+from fedmeta.server.plan import (
+    BudgetForecast,
+    PrivatePlan,
+    RunPlan,
+    build_plan,
+    forecast,
+    reported_epsilon,
+)
+from fedmeta.server.report import STATUS_LOST_ON_RESUME, RoundOutcome
+from fedmeta.server.round import Exchange, RoundContext, TrainingState
+from fedmeta.server.selection import ModelSelection
+from fedmeta.server.transport import GridTransport, Registered, RegistrationError
+from fedmeta.workload import Workload
+
+log = logging.getLogger("fedmeta.server")
+
+#: Opens the budget a private run spends from (default :func:`open_budget`; tests pass a fake).
+LedgerOpener = Callable[[Config, Sequence[Registered]], Ledger]
+
+
+class FederationError(RuntimeError):
+    """The federation cannot start or go on; the message says why and what to do."""
+
+
+class PlanError(ValueError):
+    """The privacy plan cannot be made from this configuration (a one-line reason)."""
+
+
+class NoRoundAffordable(RuntimeError):
+    """A fresh private run whose budget affords no round: refused before anything is written."""
+
+
+def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | None:
+    """The checkpoint to resume from (or None for a fresh run), refusing what would lose a run."""
+    existing = Path(out_dir) / CHECKPOINT_NAME
+    if not resume and existing.is_file():
+        raise FederationError(
+            f"{out_dir} already holds a run's checkpoint ({existing.name}); continue that run with "
+            "--resume, or give a new output directory with --out"
+        )
+    if resume and not existing.is_file():
+        raise FederationError(
+            f"--resume: no checkpoint in {out_dir}; start a new run without --resume, or point "
+            "--out at the run to continue"
+        )
+    return load_checkpoint(Path(out_dir)) if resume else None
+
+
+def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
+    """The current budget of this data in the ledger (created on first use), per participant.
+
+    The federation id is an HMAC of the data set's declared identity under the ledger's secret
+    salt (``accounting.resolve_federation``); each participant is charged under its own stable key
+    (server/fedmeta/server/budget_keys.py). A test-mode run needs an insecure ledger; the ledger
+    refuses the other
+    mode.
+    """
+    mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
+    path = ledger_file(cfg)
+    refuse_second_ledger(cfg, path, registered)  # one ledger per data (issue 39), before creating
+    ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
+    identity = budget_identity(cfg, registered)
+    federation = resolve_federation(path, identity, label=budget_label(cfg), mode=mode,
+                                    inherit=inherited_labels(cfg))  # fmt: skip
+    members = {r.participant_id: r for r in registered}
+    ledger = BudgetLedger.open(
+        path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
+        neighbouring=cfg.privacy.neighbouring, mode=mode,
+    )  # fmt: skip
+    try:
+        watch_ledger(ledger, cfg)  # refused if behind its witness outside the state directory
+        ledger.use_cohort(ledger_participants(cfg, members, members))
+    except BaseException:
+        ledger.close()
+        raise
+    return ledger
+
+
+def run_spends(ledger: Ledger, run_id: str) -> list[int]:
+    """Round indices this run has spent, from the ledger (the source of truth)."""
+    return sorted(r.round_index for r in ledger.records() if r.run_id == run_id)
+
+
+def model_selection(cfg: Config, workload: Workload, ckpt: Mapping[str, Any] | None
+                     ) -> ModelSelection:  # fmt: skip
+    """The run's model selection (server/fedmeta/server/selection.py), restored on resume."""
+    rule = cfg.training.model_selection
+    if rule == "best_validation" and workload.validation_is_test:
+        raise FederationError(
+            f"training.model_selection = 'best_validation' needs validation classes apart from the "
+            f"test classes, and dataset.split = {cfg.dataset.split!r} has none: choosing on test "
+            "classes would bias the test result; use a split with validation classes "
+            "('evaluation' or 'dpmaml') or training.model_selection = 'last'"
+        )
+    selection = ModelSelection(rule, workload.higher_is_better)
+    selection.restore((ckpt or {}).get("selection"))
+    return selection
+
+
+def with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
+    """The configuration to open the ledger with: on resume, the ledger the run recorded.
+
+    A run records its ledger's absolute path before its first spend; resuming from another
+    directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
+    file. A recorded ledger that is gone is refused before anything is created.
+    """
+    recorded = (ckpt or {}).get("ledger") or {}
+    path = recorded.get("path")
+    if not path:
+        return cfg
+    if check and not Path(path).is_file():
+        raise FederationError(
+            f"the run spent from the ledger {path} (recorded in its checkpoint), which is missing; "
+            "restore that file there (a `fedmeta ledger backup` copy is a complete one) and "
+            "resume again"
+        )
+    privacy = cfg.privacy.model_copy(update={"ledger_path": str(path)})
+    return cfg.model_copy(update={"privacy": privacy})
+
+
+def check_target_fits(
+    cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast
+) -> None:
+    """Refuse, before any round, a run the budget affords no round of, or whose target misses.
+
+    A run with ``privacy.target_epsilon`` asks for all its rounds: it starts only if they fit
+    what every participant it may sample has left. Without one it spends what is left.
+    """
+    if not predicted.rounds_to_run:
+        raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
+    if cfg.privacy.target_epsilon is not None and predicted.rounds_to_run < cfg.rounds:
+        raise NoRoundAffordable(no_fit_reason(cfg, plan, ledger, predicted))
+
+
+def _no_round_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger) -> str:
+    """One line: why the budget affords no round, and what to change (public values only)."""
+    spent = ledger.epsilon(unit="task")
+    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
+    return (
+        f"the budget affords no round: one round at noise multiplier "
+        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
+        f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
+        f"on this data in {ledger.path}, {max(ledger.epsilon_budget - spent, 0.0):.4g} left); "
+        "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
+        + other_budget_hint(cfg, ledger.path, ledger.federation_id)
+        + "; nothing was run or written"
+    )
+
+
+def register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
+    """The run's membership once enough participants registered (fedmeta.server.membership)."""
+    request = RegisterRequest(run_id, client_config(cfg).model_dump_json())  # a participant's part
+    membership = Membership(cfg, transport, request)
+    membership.start()
+    want = cfg.federation.min_participants or cfg.n1
+    if len(membership.members) < want:
+        refused = f" (refused: {membership.refused})" if membership.refused else ""
+        raise RegistrationError(
+            f"{len(membership.members)} participants registered within "
+            f"federation.register_timeout_s={cfg.federation.register_timeout_s:g}; the run needs "
+            f">= {want} (federation.min_participants){refused}"
+        )
+    return membership
+
+
+def round_context(
+    cfg: Config,
+    ids: tuple[str, str],
+    plan: RunPlan,
+    membership: Membership,
+    dim: int,
+    stop: threading.Event,
+) -> RoundContext:
+    """What every round shares: ``ids`` (run id, federation id), the exchange, ``stop``.
+
+    ``stop`` is the run's one stop request: the round reads it before its spend, and the exchange
+    hands it to the transport, whose wait for replies ends at once when it is set.
+    """
+    if cfg.privacy.insecure_test_seed is not None:
+        log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
+
+    def exchange(requests: Mapping[str, GradientRequest]) -> Exchange:
+        result = membership.transport.exchange(requests, membership.nodes(), stop=stop)
+        failed = {pid: d.failure for pid, d in result.deliveries.items() if d.failure}
+        membership.record(requests, failed)
+        return result
+
+    run_id, federation_id = ids
+    return RoundContext(
+        run_id=run_id,
+        federation_id=federation_id,
+        transport=exchange,
+        config_json=client_config(cfg).model_dump_json(),
+        dim=dim,
+        reply_format=cfg.federation.reply_format,
+        tolerance=cfg.privacy.clip_tolerance,
+        diagnostics=not plan.private or cfg.metrics.private_diagnostics,
+        round_min_seconds=cfg.federation.round_min_seconds,
+        stop=stop,
+    )
+
+
+def _optimizer_args(cfg: Config, plan: RunPlan, workload: Workload) -> dict[str, Any]:
+    """The meta-optimizer's settings: the noise variance Phi it may correct for is public."""
+    p = plan.privacy
+    phi = 0.0 if p is None else (p.gradient_noise_multiplier * p.clip / plan.normaliser) ** 2
+    return {"training": cfg.training, "noise_variance": phi, "planned_rounds": cfg.rounds,
+            "clip": p.clip if p is not None and p.adaptive is not None else None,
+            "coordinates": workload.trained_coordinates}  # fmt: skip
+
+
+def initial_state(
+    cfg: Config,
+    plan: RunPlan,
+    ckpt: dict[str, Any] | None,
+    ledger: Ledger | None,
+    run_id: str,
+    workload: Workload,
+) -> tuple[TrainingState, list[RoundOutcome], int]:
+    """The model, the rounds so far and the next round: fresh, or resumed by the resume rule."""
+    if ckpt is None:
+        fresh = TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan, workload))
+        return fresh, [], 0
+    _check_same_subset(ckpt, cfg)
+    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan, workload),
+                          optimizer_state=ckpt["optimizer"])  # fmt: skip
+    adaptive = None if plan.privacy is None else plan.privacy.adaptive
+    if adaptive is not None and ckpt.get("clip") is not None:
+        state.clip = float(ckpt["clip"])  # adaptive clipping's bound for the next round
+        state.set_noise_variance((adaptive.gradient_noise_multiplier * state.clip
+                                  / plan.normaliser) ** 2)  # fmt: skip
+    outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
+    next_round = int(ckpt["next_round"])
+    if ledger is None:
+        return state, outcomes, next_round
+    _check_ledger_binding(ckpt, ledger)
+    lost = [i for i in run_spends(ledger, run_id) if i >= next_round]
+    if lost:
+        log.warning("resume: rounds %s were spent but their update was not checkpointed; they "
+                    "count as spent and are not run again", [i + 1 for i in lost])  # fmt: skip
+        outcomes += [
+            RoundOutcome(run_id, ledger.federation_id, i + 1, STATUS_LOST_ON_RESUME) for i in lost
+        ]
+        next_round = max(lost) + 1
+    return state, outcomes, next_round
+
+
+def _check_same_subset(ckpt: Mapping[str, Any], cfg: Config) -> None:
+    """Refuse to resume with other trained parameters: the optimizer's state is for the old ones."""
+    saved = ckpt.get("config", {}).get("training", {}).get("trained_parameters", "all")
+    if saved != cfg.training.trained_parameters:
+        raise FederationError(
+            f"the checkpoint trained training.trained_parameters = {saved!r}, this configuration "
+            f"says {cfg.training.trained_parameters!r}: resume with {saved!r}, or start a new run "
+            "with --out"
+        )
+
+
+def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: Ledger) -> None:
+    """Refuse a ledger that is not the one the run spent from, or that lost records since.
+
+    The run recorded the ledger's identity, path, position and last record before its first spend
+    and in every checkpoint; a resume that opened another, emptier or diverged ledger (a relative
+    path from another directory, a restored backup, a copy without its journal) stops here.
+    """
+    bound = ckpt.get("ledger")
+    if bound is None:
+        raise FederationError("the checkpoint records no ledger: it is not a private run's")
+    saved = LedgerCheckpoint.from_dict(bound)
+    if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
+        raise FederationError(
+            f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
+            f"restore the run's ledger at {saved.path} and resume again"
+        )
+    ledger.check_resume(saved)
+
+
+def plan_and_budget(
+    cfg: Config, open_ledger: LedgerOpener | None, ckpt: Mapping[str, Any] | None,
+    membership: Membership,
+) -> tuple[Config, RunPlan, Ledger | None]:  # fmt: skip
+    """The configuration with the data's budget, the plan, and the ledger (opened if private)."""
+    registered = list(membership.members.values())
+    z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
+    recorded = open_ledger is None  # fedmeta's ledger, where the data's budget is recorded
+    opened_with = with_recorded_ledger(cfg, ckpt, check=recorded)
+    if recorded:  # the data's recorded budget, not the run's configuration
+        try:
+            cfg = adopt_data_budget(cfg, registered, ledger_file(opened_with))
+        except BudgetMismatch as error:
+            raise FederationError(str(error)) from None
+        opened_with = with_recorded_ledger(cfg, ckpt, check=False)
+    try:
+        plan = build_plan(cfg, membership.eligible(), noise_multiplier=z)
+    except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
+        raise PlanError(f"cannot plan the private run: {error}") from None
+    ledger = (open_ledger or open_budget)(opened_with, registered) if plan.private else None
+    return cfg, plan, ledger
+
+
+def forecast_run(
+    cfg: Config, plan: RunPlan, ledger: Ledger | None, progress: tuple[str, int], *, fresh: bool
+) -> BudgetForecast | None:
+    """What the rest of the run costs (None: non-private); a fresh run refused if nothing fits.
+
+    ``progress``: (run id, next round); the ledger's spends of this run count as done.
+    """
+    if plan.privacy is None or ledger is None:
+        return None
+    run_id, next_round = progress
+    spent = len(run_spends(ledger, run_id))
+    predicted = forecast(plan.privacy, ledger, cfg.rounds - max(spent, next_round))
+    if fresh:
+        check_target_fits(cfg, plan.privacy, ledger, predicted)
+    return predicted
