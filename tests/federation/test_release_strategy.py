@@ -18,7 +18,7 @@ import pytest
 from tests.accounting.fakes import LinearLedger
 
 from fedmeta.accounting import TwoStagePoissonScheme
-from fedmeta.config import load_config
+from fedmeta.config_io import load_config
 from fedmeta.server import release_strategy
 from fedmeta.server import round as round_module
 from fedmeta.server.plan import PrivatePlan, build_plan
