@@ -104,7 +104,9 @@ print_env() {
      && (conf_env; podman image exists "$base_tag") 2>/dev/null; then
     echo "export FEDMETA_BASE_IMAGE=$base_tag"
   fi
+  # (once: not where the settings `all` kept name it already)
   if [ -z "${FEDMETA_PROMETHEUS_IMAGE:-}" ] && command -v podman >/dev/null \
+     && ! grep -qs '^export FEDMETA_PROMETHEUS_IMAGE=' "$dir/settings.env" \
      && (conf_env; podman image exists "$prom_tag") 2>/dev/null; then
     echo "export FEDMETA_PROMETHEUS_IMAGE=$prom_tag"
   fi
