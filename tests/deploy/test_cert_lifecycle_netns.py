@@ -31,7 +31,10 @@ run; the server side switched to the new CA's certificate (SuperLink restart bet
 reload), after which the old CA alone no longer verifies the proxy; a run on the new CA; then the
 new CA alone on the server and at a participant, and a run that needs every participant.
 
-About 5-8 minutes each on 2 shared cores (``slow``).
+About 4 and 3 minutes on 2 shared cores at load 5-6 (``slow``; 2026-11-28, measured once each:
+239 s and 190 s, where the code before took 285 s and 385 s at load 6-7.5). The waits are on
+events (a log line, a process's exit, the SuperLink's node list, nginx's old workers gone), each
+bounded only as a guard; run 2 is 12 rounds long, not 29.
 """
 
 from __future__ import annotations
