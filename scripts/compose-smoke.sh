@@ -4,13 +4,14 @@
 # tests/deploy/test_compose_podman.py runs it.
 #
 #   scripts/compose-smoke.sh [--engine auto|docker|podman] [--tls] [--flower-images] [--no-build]
-#                            [--keep-up]
+#                            [--no-setup] [--keep-up]
 #
 #   1. the engine: --engine docker needs a Docker Engine that answers (DOCKER_HOST, else the
 #      default socket); where python:3.11-slim-bookworm cannot be pulled and FEDMETA_BASE_IMAGE is
 #      unset, the local base image of docs/deploy.md (debootstrap | docker import). --engine
 #      podman: scripts/podman-setup.sh all; eval "$(scripts/podman-setup.sh env)". auto (default):
-#      a Docker Engine if one answers, else podman.
+#      a Docker Engine if one answers, else podman. --no-setup: podman is set up already (the
+#      compose tests' session fixture ran `podman-setup.sh all` once), only `env` is read.
 #   2. docker compose up -d --build (--wait for health; timed); a participant reads a PNG drawing
 #   3. docker compose exec serverapp fedmeta deploy run --set rounds=4        -> 4 rounds
 #      flwr run . compose (a connection to 127.0.0.1:8000; without --tls)     -> 3 rounds
@@ -33,10 +34,11 @@
 # no torch index reachable: FEDMETA_TORCH_INDEX_URL= (empty). Prints "compose-smoke: ok" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=(--build) tls=0 keep=0 engine=auto flower=0
+build=(--build) tls=0 keep=0 engine=auto flower=0 setup=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) build=(--no-build) ;;
+    --no-setup) setup=0 ;;
     --tls) tls=1 ;;
     --flower-images) flower=1 ;;
     --keep-up) keep=1 ;;
@@ -59,7 +61,8 @@ if [ "$engine" = auto ]; then
 fi
 if [ "$engine" = podman ]; then
   t0=$(date +%s)
-  bash scripts/podman-setup.sh all
+  # `all` ends with a compose project of its own (up, wait, down): once per machine, not per run.
+  if [ "$setup" = 1 ]; then bash scripts/podman-setup.sh all; fi
   eval "$(bash scripts/podman-setup.sh env)"
   echo "compose-smoke: podman set up in $(secs "$t0") s"
 else

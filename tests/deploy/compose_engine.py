@@ -42,6 +42,21 @@ def podman_with_images() -> dict[str, str]:
         pytest.skip(reason)
     _script("scripts/podman-setup.sh", "all", timeout=3600)
     print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
+    return _podman_env()
+
+
+def with_prometheus_image() -> dict[str, str]:
+    """``podman_with_images``' environment once the ``dashboards`` profile's local Prometheus
+    image exists (``podman-setup.sh dashboards``: Debian's package on the local base image, kept
+    once built), which ``env`` then exports as FEDMETA_PROMETHEUS_IMAGE. Without it the
+    dashboards test on podman would skip after ``podman-setup.sh all``, which does not build it.
+    """
+    print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
+    return _podman_env()
+
+
+def _podman_env() -> dict[str, str]:
+    """This environment with what ``podman-setup.sh env`` exports (its own DOCKER_HOST)."""
     exports = _script("scripts/podman-setup.sh", "env", timeout=120)
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
     for line in exports.splitlines():

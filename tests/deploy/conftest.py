@@ -58,3 +58,11 @@ def podman_images() -> dict[str, str]:
     from tests.deploy.compose_engine import podman_with_images
 
     return podman_with_images()
+
+
+@pytest.fixture(scope="session")
+def podman_dashboards(podman_images: dict[str, str]) -> dict[str, str]:
+    """``podman_images`` and the ``dashboards`` profile's local Prometheus image, built once."""
+    from tests.deploy.compose_engine import with_prometheus_image
+
+    return with_prometheus_image()

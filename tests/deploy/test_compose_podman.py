@@ -12,9 +12,11 @@ overlay that runs the SuperLink and SuperNodes from Flower's images (--flower-im
 engines, and with TLS on podman.
 `slow`. The podman tests share one set of images, built once per test session by the
 ``podman_images`` fixture (scripts/compose-build.sh; tests/deploy/compose_engine.py), and run
-compose with --no-build; the Docker Engine tests build in their own engine (FEDMETA_SMOKE_NO_BUILD=1
-skips that where the images exist). Skipped only where it cannot run: not root (podman-setup
-installs packages; dockerd needs root) or no apt-get, with the reason."""
+the script with --no-build and --no-setup (``podman-setup.sh all``, whose check is a compose
+project of its own, also ran once, in the fixture); the Docker Engine tests build in their own
+engine (FEDMETA_SMOKE_NO_BUILD=1 skips that where the images exist). Skipped only where it
+cannot run: not root (podman-setup installs packages; dockerd needs root) or no apt-get, with the
+reason."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def _smoke_on_podman(images: dict[str, str], *more: str) -> str:
     """_smoke through podman, on the images the session's ``podman_images`` fixture built once
     (tests/deploy/compose_engine.py: podman-setup.sh all, compose-build.sh podman)."""
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}  # podman-setup sets it
-    return _smoke("podman", {**env, **images}, "--no-build", *more)
+    return _smoke("podman", {**env, **images}, "--no-build", "--no-setup", *more)
 
 
 def _smoke_on_docker_engine(*more: str) -> str:

@@ -150,17 +150,19 @@ def test_dashboards_prometheus_draws_the_runs_epsilon_in_a_browser(
 
 @pytest.mark.slow
 def test_dashboards_profile_on_podman_draws_a_deployed_runs_epsilon(
-    podman_images: dict[str, str], tmp_path: Path
+    podman_dashboards: dict[str, str], tmp_path: Path
 ) -> None:
     """``docker compose --profile dashboards up`` on podman with no image registry: Prometheus
-    from Debian's package (``scripts/podman-setup.sh dashboards``, FEDMETA_PROMETHEUS_IMAGE),
-    scraping the ServerApp of a ``deploy run``; the same browser check on 127.0.0.1:9090."""
+    from Debian's package (``scripts/podman-setup.sh dashboards``, FEDMETA_PROMETHEUS_IMAGE; the
+    session fixture builds it once), scraping the ServerApp of a ``deploy run``; the same browser
+    check on 127.0.0.1:9090."""
     from tests.deploy.test_compose_faults import Compose
 
-    image = podman_images.get("FEDMETA_PROMETHEUS_IMAGE", "")
+    image = podman_dashboards.get("FEDMETA_PROMETHEUS_IMAGE", "")
     if not image.startswith("localhost/"):
-        pytest.skip("no local Prometheus image: run `scripts/podman-setup.sh dashboards` first")
-    dc = Compose(podman_images, "fedmeta-dashboards", "--profile", "dashboards")
+        pytest.skip(f"FEDMETA_PROMETHEUS_IMAGE is {image!r} here, not the local image of "
+                    "`scripts/podman-setup.sh dashboards` that this test checks")  # fmt: skip
+    dc = Compose(podman_dashboards, "fedmeta-dashboards", "--profile", "dashboards")
     dc("down", "-v", "--remove-orphans", "-t", "5")
     try:
         up = dc("up", "-d", "--no-build", "--wait", "--wait-timeout", "840", timeout=900)

@@ -219,6 +219,11 @@ def test_flower_accepts_certificates_and_registered_keys(tmp_path: Path, procs: 
             return False
         return any(n.get("status") == "online" for n in json.loads(res.stdout).get("nodes", []))
 
+    # The SuperLink logs the activation (a file read every 0.5 s); only then is it asked
+    # through `flwr`, a process of about 1.5 s of CPU, whether it lists the node online.
+    activated = '"POST /v1/fleet/activate-node HTTP/1.1" 200'
+    _wait(lambda: activated in (tmp_path / "superlink.log").read_text(), 120,
+          "the SuperLink to log the registered SuperNode's activation")  # fmt: skip
     _wait(online, 120, "the registered SuperNode to be online")
     assert registered.poll() is None
 

@@ -99,3 +99,20 @@ def test_supernode_arguments_split_from_flowers() -> None:
     assert args.poll == 0.2 and rest == ["--superlink", "h:1", "--insecure"]
     with pytest.raises(SystemExit, match="--reply-timeout must be > 0"):
         supernode.parse_args(["--reply-timeout", "0"])
+
+
+def test_a_worker_told_to_stop_while_its_supernode_is_gone_stops_at_once() -> None:
+    """The SuperNode exited first (a revoked key, a SIGTERM to the node's group): the worker's
+    task poll meets a closed port and retries for ``api_timeout_s``; told to stop meanwhile, it
+    returns within one backoff instead of being killed by ``deploy participant``'s grace period.
+    """
+    import threading
+
+    from fedmeta.cli.deploy_local import free_port
+
+    options = worker.WorkerOptions(address=f"127.0.0.1:{free_port()}", api_timeout_s=60.0)
+    w = worker.Worker(options, app=lambda **_: None)
+    threading.Timer(0.5, w.stopping.set).start()
+    started = time.monotonic()
+    w.serve(w.stopping)  # returns: no SystemExit(EXIT_API_UNREACHABLE) after 60 s
+    assert time.monotonic() - started < options.api_timeout_s / 2

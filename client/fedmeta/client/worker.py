@@ -94,12 +94,19 @@ class WorkerOptions:
 # ------------------------------------------------------------------------------------ HTTP client
 
 
-def _retry_invoker(max_time: float) -> Any:
-    """Retry transient transport errors and 502/503/504 for at most ``max_time`` seconds."""
+def _retry_invoker(max_time: float, stop: threading.Event | None = None) -> Any:
+    """Retry transient transport errors and 502/503/504 for at most ``max_time`` seconds.
+
+    Not once ``stop`` is set: a worker told to stop while its SuperNode is gone (the node exited
+    first, and ``fedmeta deploy participant`` then ends the worker) stops within one backoff
+    (at most 2 s), not after ``max_time`` or its supervisor's SIGKILL.
+    """
     import httpx
     from flwr.supercore.retry import RetryInvoker, exponential
 
     def giveup(error: Exception) -> bool:
+        if stop is not None and stop.is_set():
+            return True
         if isinstance(error, httpx.HTTPStatusError):
             return error.response.status_code not in (502, 503, 504)
         return False
@@ -113,8 +120,13 @@ def _retry_invoker(max_time: float) -> Any:
     )
 
 
-def runtime_client(options: WorkerOptions, *interceptors: Any) -> Any:
-    """A Runtime API client whose every call (retries included) ends within ``api_timeout_s``."""
+def runtime_client(
+    options: WorkerOptions, *interceptors: Any, stop: threading.Event | None = None
+) -> Any:
+    """A Runtime API client whose every call (retries included) ends within ``api_timeout_s``.
+
+    Or within one retry's backoff once ``stop`` is set.
+    """
     from flwr.supercore.runtime import RuntimeHttpClient
 
     return RuntimeHttpClient.from_server_address(
@@ -122,11 +134,11 @@ def runtime_client(options: WorkerOptions, *interceptors: Any) -> Any:
         insecure=options.root_certificates is None,
         root_certificates=options.root_certificates,
         interceptors=list(interceptors),
-        retry_invoker=_retry_invoker(options.api_timeout_s),
+        retry_invoker=_retry_invoker(options.api_timeout_s, stop),
     )
 
 
-def _control_client(options: WorkerOptions) -> Any:
+def _control_client(options: WorkerOptions, stop: threading.Event) -> Any:
     from flwr.supercore.interceptors import (
         RuntimeVersionHttpInterceptor,
         SuperExecAuthHttpInterceptor,
@@ -140,7 +152,7 @@ def _control_client(options: WorkerOptions) -> Any:
                 protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"}),
             )
         )
-    return runtime_client(options, *interceptors)
+    return runtime_client(options, *interceptors, stop=stop)
 
 
 def _task_client(options: WorkerOptions, token: str) -> Any:
@@ -295,7 +307,9 @@ class Worker:
 
             app = client_app
         self.app = app
-        self.control = _control_client(options)
+        #: Set on SIGTERM/SIGINT (``main``): ends ``serve`` and any retry of the task poll.
+        self.stopping = threading.Event()
+        self.control = _control_client(options, self.stopping)
         self.tasks = 0
         self._alive_at = 0.0
 
@@ -312,6 +326,8 @@ class Worker:
             try:
                 res = self.control.AcquireTask(request)
             except httpx.HTTPError as error:  # retried for api_timeout_s already
+                if stop.is_set():  # told to stop while its SuperNode was unreachable
+                    return
                 log.error("the SuperNode's Runtime API at %s is unreachable: %s",
                           self.options.address, error)  # fmt: skip
                 raise SystemExit(EXIT_API_UNREACHABLE) from None
@@ -514,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - a cold first task is slower, not wrong
             log.warning("warm-up failed (the first task will be slower): %s: %s",
                         type(error).__name__, error)  # fmt: skip
-    stop = threading.Event()
+    stop = worker.stopping
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     log.info("warm worker ready")
