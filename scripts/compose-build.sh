@@ -9,8 +9,10 @@
 # The build arguments come from the FEDMETA_* variables of docs/deploy.md ("Offline and mirrored
 # builds"), as docker-compose.yml's x-build reads them; as scripts/compose-smoke.sh does, the
 # machine's CPU torch wheel (/opt/wheels) is linked into the build context where no wheelhouse is
-# given, and pip's CA bundle (PIP_CERT) copied where no CA directory is given. An image that exists
-# is kept (--force: build again; the layer cache still applies). Prints one line per image.
+# given, and pip's CA bundle (PIP_CERT) copied where no CA directory is given. An image built from
+# the same sources (a digest of every file the Dockerfile copies, kept as the image's label
+# fedmeta.sources) is kept; one built from other sources is built again (--force: always; the
+# layer cache still applies). Prints one line per image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cli=${1:-docker} force=0
@@ -30,10 +32,17 @@ if [ -z "${FEDMETA_CA_CERTS:-}" ]; then
   fi
 fi
 
-exists() { "$cli" image inspect "$1" >/dev/null 2>&1; }
+# What the image is built from (deploy/images/Dockerfile's COPY lines), compiled files left out.
+sources=$(find pyproject.toml README.md configs deploy/images deploy/fedmeta deploy/tls deploy/proxy \
+            core/fedmeta cli/fedmeta accounting/fedmeta server/fedmeta client/fedmeta \
+            metalearning/fedmeta simulation/fedmeta -type f ! -name '*.pyc' -print0 2>/dev/null \
+          | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+built_from() { "$cli" image inspect --format '{{ index .Config.Labels "fedmeta.sources" }}' "$1" 2>/dev/null || true; }
 for target in server participant; do   # the second reuses every layer of the first
   tag=fedmeta-$target:dev
-  if [ "$force" = 0 ] && exists "$tag"; then echo "compose-build: $tag exists"; continue; fi
+  if [ "$force" = 0 ] && [ "$(built_from "$tag")" = "$sources" ]; then
+    echo "compose-build: $tag exists, built from these sources ($sources)"; continue
+  fi
   t0=$(date +%s)
   nice -n 10 timeout 3600 "$cli" build -q -f deploy/images/Dockerfile --target "$target" \
     --build-arg BASE_IMAGE="${FEDMETA_BASE_IMAGE:-python:3.11-slim-bookworm}" \
@@ -43,6 +52,6 @@ for target in server participant; do   # the second reuses every layer of the fi
     --build-arg WHEELHOUSE="${FEDMETA_WHEELHOUSE:-deploy/images/wheelhouse}" \
     --build-arg CA_CERTS="${FEDMETA_CA_CERTS:-deploy/images/ca-certs}" \
     --build-arg STRIP_LIBRARIES="${FEDMETA_STRIP_LIBRARIES:-auto}" \
-    -t "$tag" . >/dev/null
+    --label "fedmeta.sources=$sources" -t "$tag" . >/dev/null
   echo "compose-build: $tag built in $(( $(date +%s) - t0 )) s ($("$cli" image inspect --format '{{.Size}}' "$tag") bytes)"
 done

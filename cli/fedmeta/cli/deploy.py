@@ -728,8 +728,13 @@ def supervise(commands: Mapping[str, Sequence[str]], grace_s: float = 15.0) -> i
     """Run the commands side by side; when one ends (or on SIGTERM/SIGINT), end the others.
 
     Returns the status of the first to end (143 for a signal), so a supervisor restarts them all.
+    Each child runs in a session of its own, so that a signal to this process's group (Ctrl-C in
+    its terminal) reaches it once, from here: Flower's SuperNode restores the default action after
+    its first SIGTERM, and a second one would end it before it tells the SuperLink it is leaving
+    (the node then shows offline only after two missed heartbeats, about 60 s).
     """
-    procs = {name: subprocess.Popen(list(cmd)) for name, cmd in commands.items()}
+    procs = {name: subprocess.Popen(list(cmd), start_new_session=True)
+             for name, cmd in commands.items()}  # fmt: skip
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
