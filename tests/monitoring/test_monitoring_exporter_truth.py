@@ -167,6 +167,9 @@ _READONLY_SCRAPE = textwrap.dedent(
     from prometheus_client import generate_latest
     from fedmeta.server.monitoring.ledger import exporter_registry
     registry, collector = exporter_registry(sys.argv[1], affordable=False)
+    # One scrape that must read the ledger: a slow first read (a loaded machine) is waited for
+    # rather than answered with the empty last snapshot that a live scrape gets after 8 s.
+    collector.read_timeout_s = 240.0
     print(generate_latest(registry).decode())
     collector.close()
     """
