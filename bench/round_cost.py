@@ -112,7 +112,8 @@ def _rows(args: argparse.Namespace) -> np.ndarray:
 def _handler(table: np.ndarray, device: torch.device) -> Callable[[Any, Any], Any]:
     """The ClientApp's train handler with the gradient replaced by the participant's rows.
 
-    Decoding the request, moving the rows to the host (as the participants' gradients do),
+    Decoding the request, moving the rows to the host (as a deployed participant's gradients
+    do; on CUDA in-process they stay on the GPU, as in the batched round's device lane),
     building the reply with its clip bits, and encoding it are the ClientApp's own steps
     (client/fedmeta/client/app.py).
     """
@@ -129,13 +130,18 @@ def _handler(table: np.ndarray, device: torch.device) -> Callable[[Any, Any], An
         request = P.decode_gradient_request(message.content)
         pid = participant_id(context)
         n = len(request.task_ids)
-        rows = held[int(pid)][:n].detach().to("cpu", torch.float32).numpy()
+        shared = context.node_config.get(getattr(P, "NODE_SHARED_MEMORY", ""), False)
+        rows: Any = held[int(pid)][:n]
+        # A GPU's rows stay there where the simulation's batched round keeps them (a checkout
+        # before the device lane has no DEVICE_STYPE: its rows go to the host, as they did then).
+        if not (shared and device.type == "cuda" and hasattr(P, "DEVICE_STYPE")):
+            rows = rows.detach().to("cpu", torch.float32).numpy()
         bits = clip_bits(norms[int(pid)][:n], float(request.clip or CLIP))
         reply = P.GradientReply(request.run_id, request.round_id, pid, request.task_ids, rows,
                                 None, None, 0.0, bits)  # fmt: skip
         # As the ClientApp encodes (a checkout before the shared lane has neither key nor flag,
         # which is how the figures before it were measured).
-        if context.node_config.get(getattr(P, "NODE_SHARED_MEMORY", ""), False):
+        if shared:
             return Message(P.encode_gradient_reply(reply, shared=True), reply_to=message)
         return Message(P.encode_gradient_reply(reply), reply_to=message)
 

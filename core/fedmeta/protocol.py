@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, ConfigRecordValues, MetricRecord, RecordDict
 from numpy.lib import format as npy
 
@@ -167,7 +168,9 @@ class GradientReply:
     round_id: int
     participant_id: str
     task_ids: tuple[int, ...]
-    grads: np.ndarray | None  # float32 [n_tasks, dim] (per_task)
+    # float32 [n_tasks, dim] (per_task); a tensor on the participant's device only within one
+    # process (DEVICE_STYPE, the in-process grid), an array everywhere else.
+    grads: np.ndarray | torch.Tensor | None
     grad_sum: np.ndarray | None  # float32 [dim] (sum_and_norms)
     task_norms: tuple[float, ...] | None  # post-clip, one per task (sum_and_norms)
     compute_seconds: float | None = None
@@ -215,10 +218,11 @@ def _task_ids(record: ConfigRecord) -> tuple[int, ...]:
 
 def _array(
     content: RecordDict, record_name: str, key: str, *, copy: bool = True, shared: bool = False
-) -> np.ndarray:
+) -> Any:
     """The named float32 array; with ``copy=False`` a read-only view of the message's bytes.
 
-    ``shared``: a :data:`SHARED_STYPE` array is accepted too (the in-process grid).
+    ``shared``: a :data:`SHARED_STYPE` array is accepted too, and a :data:`DEVICE_STYPE` one (a
+    tensor on the participant's device, returned as it is; the in-process grid).
     """
     arrays = content.array_records.get(record_name)
     if arrays is None or key not in arrays:
@@ -226,9 +230,11 @@ def _array(
     array = arrays[key]
     if str(getattr(array, "dtype", None)) != "float32":
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: dtype {array.dtype}, expected float32")
-    if array.stype == SHARED_STYPE and not shared:
+    if array.stype in (SHARED_STYPE, DEVICE_STYPE) and not shared:
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: an in-process array outside a process")
     try:
+        if array.stype == DEVICE_STYPE:
+            return device_values(array)  # only read by the server (server/recheck.py)
         values = shared_values(array) if array.stype == SHARED_STYPE else npy_values(array)
     except Exception as error:  # noqa: BLE001 - any undecodable array is a malformed message
         raise ProtocolError(REASON_BAD_DTYPE, f"{key}: cannot decode ({error})") from None
@@ -281,6 +287,36 @@ def shared_values(array: Array) -> np.ndarray:
         raise ValueError(f"{len(array.data)} bytes for {count} values of {dtype}")
     values = np.frombuffer(array.data, dtype=dtype, count=count).reshape(array.shape)
     values.flags.writeable = False
+    return values
+
+
+#: The ``stype`` of an array whose values are a float32 tensor on an accelerator, held by the
+#: ``Array`` object itself (no bytes): the in-process grid's batched round keeps the rows on the
+#: GPU that computed them, so the server re-checks and sums them there and only the sum (one
+#: vector) crosses to the host (server/recheck.py). Like :data:`SHARED_STYPE` it exists within one
+#: process only and is refused from any other grid.
+DEVICE_STYPE: Final = "fedmeta.device"
+_DEVICE_ROWS = "_fedmeta_device_rows"  # the attribute of the Array that holds the tensor
+
+
+def device_array(values: torch.Tensor) -> Array:
+    """An ``Array`` holding the float32 tensor ``values`` itself, for the in-process grid only."""
+    if values.dtype != torch.float32:
+        raise ValueError(f"device rows must be float32; got {values.dtype}")
+    array = Array(dtype="float32", shape=tuple(int(n) for n in values.shape),
+                  stype=DEVICE_STYPE, data=b"")  # fmt: skip
+    setattr(array, _DEVICE_ROWS, values.detach())
+    return array
+
+
+def device_values(array: Array) -> torch.Tensor:
+    """The tensor of a :func:`device_array`, checked against its dtype and shape."""
+    values = getattr(array, _DEVICE_ROWS, None)
+    if not isinstance(values, torch.Tensor):
+        raise ValueError("no tensor behind an in-process device array")
+    if values.dtype != torch.float32 or tuple(values.shape) != tuple(array.shape):
+        raise ValueError(f"a {values.dtype} tensor of shape {tuple(values.shape)} behind a "
+                         f"float32 array of shape {tuple(array.shape)}")  # fmt: skip
     return values
 
 
@@ -403,7 +439,8 @@ def decode_client_config(config_json: str) -> ClientConfig:
 def encode_gradient_reply(reply: GradientReply, *, shared: bool = False) -> RecordDict:
     """A participant's reply to a round's request.
 
-    ``shared``: the arrays share the reply's memory (:data:`SHARED_STYPE`, the in-process grid).
+    ``shared``: the arrays share the reply's memory (:data:`SHARED_STYPE`, the in-process grid),
+    and rows that are a tensor stay where they are (:data:`DEVICE_STYPE`).
     """
     to_array = shared_array if shared else npy_array
     meta: dict[str, ConfigRecordValues] = {
@@ -413,8 +450,13 @@ def encode_gradient_reply(reply: GradientReply, *, shared: bool = False) -> Reco
         "participant_id": reply.participant_id,
         "task_ids": [int(t) for t in reply.task_ids],
     }
-    if reply.grads is not None:
-        arrays = {"grads": to_array(np.asarray(reply.grads, dtype=np.float32))}
+    grads = reply.grads
+    if isinstance(grads, torch.Tensor) and not shared:  # the wire carries host bytes
+        grads = grads.detach().to("cpu", torch.float32).numpy()
+    if isinstance(grads, torch.Tensor):
+        arrays = {"grads": device_array(grads.to(torch.float32))}
+    elif grads is not None:
+        arrays = {"grads": to_array(np.asarray(grads, dtype=np.float32))}
     elif reply.grad_sum is not None and reply.task_norms is not None:
         arrays = {"grad_sum": to_array(np.asarray(reply.grad_sum, dtype=np.float32))}
         meta["task_norms"] = [float(x) for x in reply.task_norms]

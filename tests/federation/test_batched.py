@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from fedmeta import protocol as P
 from fedmeta.client.gradients import gradient_reply
@@ -62,8 +63,6 @@ def test_on_cuda_batched_rows_agree_to_float32_rounding(monkeypatch: pytest.Monk
     """vmap over the whole round against one vmap per participant: float32 sums in another
     order, so each row within 1e-5 of the bound (float32's 1.2e-7 times the depth of the
     reductions' partial sums, with room)."""
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cfg = load_config(None, [*SMALL, "federation.client_device=cuda"])
@@ -71,8 +70,10 @@ def test_on_cuda_batched_rows_agree_to_float32_rounding(monkeypatch: pytest.Monk
     batched = batched_replies(requests, {k: str(k) for k in requests})
     for key, request in requests.items():
         alone, together = gradient_reply(request, str(key)), batched[key]
-        assert alone.grads is not None and together.grads is not None
-        assert np.allclose(together.grads, alone.grads, rtol=0, atol=1e-5 * 0.05)
+        assert isinstance(together.grads, torch.Tensor) and together.grads.is_cuda  # device lane
+        assert alone.grads is not None
+        got = together.grads.cpu().numpy()
+        assert np.allclose(got, alone.grads, rtol=0, atol=1e-5 * 0.05)
 
 
 def test_requests_that_differ_in_more_than_their_tasks_are_not_batched() -> None:
@@ -95,6 +96,37 @@ def test_a_simulated_run_batches_its_rounds(tmp_path: Path) -> None:
                      open_ledger=_ledger(tmp_path))  # fmt: skip
     assert result.summary["rounds_completed"] == 2
     assert grid.batched_rounds == 2 and grid.fallback_rounds == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_server_checks_the_rows_where_they_were_computed(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the batched round's rows reach the server's re-check as tensors on that GPU (the
+    device lane); on the CPU as host arrays. Either way the round completes."""
+    from fedmeta.server import validation
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    where: list[str] = []
+    real = validation.fused_row_sum
+
+    def spy(grads, clip):  # type: ignore[no-untyped-def]
+        where.append(grads.device.type if isinstance(grads, torch.Tensor) else "host")
+        return real(grads, clip)
+
+    monkeypatch.setattr(validation, "fused_row_sum", spy)
+    from fedmeta.server.app import execute
+
+    cfg = load_config(None, [*SMALL, "rounds=2", "sampling.participants_per_round=3",
+                             "privacy.noise_multiplier=1.0", "output.progress=false",
+                             "output.plots=false", "privacy.insecure_test_seed=3",
+                             "training.eval_every=100", f"federation.client_device={device}"])
+    grid = BatchedGrid(cfg.federation.participants)
+    result = execute(cfg, grid, out_dir=tmp_path / "run", observers=[], echo=False,
+                     open_ledger=_ledger(tmp_path))  # fmt: skip
+    assert result.summary["rounds_completed"] == 2 and grid.batched_rounds == 2
+    assert where and set(where) == {"host" if device == "cpu" else "cuda"}
 
 
 def _ledger(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -144,3 +144,54 @@ def test_the_transport_accepts_shared_replies_only_from_an_in_process_grid() -> 
 
     assert GridTransport(InProcessGrid(1), register_timeout_s=1, round_timeout_s=1).shared
     assert not GridTransport(NetworkGrid(1), register_timeout_s=1, round_timeout_s=1).shared
+
+
+def test_device_rows_cross_the_in_process_grid_as_the_tensor_itself() -> None:
+    """The device lane (protocol.DEVICE_STYPE): the reply holds the participant's tensor, which
+    the server reads as it is; from any other grid it is malformed, and the wire gets its bytes."""
+    rows = torch.from_numpy(_odd_rows())
+    reply = P.GradientReply("r", 0, "p", tuple(range(len(rows))), rows, None, None)
+    back = P.decode_gradient_reply(P.encode_gradient_reply(reply, shared=True), shared=True)
+    assert isinstance(back.grads, torch.Tensor)
+    assert back.grads.data_ptr() == rows.data_ptr()  # the same memory: no copy, no host trip
+    with pytest.raises(P.ProtocolError) as error:
+        P.decode_gradient_reply(P.encode_gradient_reply(reply, shared=True))
+    assert error.value.reason == P.REASON_BAD_DTYPE
+    wire = P.decode_gradient_reply(P.encode_gradient_reply(reply))
+    assert isinstance(wire.grads, np.ndarray)
+    assert np.array_equal(wire.grads, rows.numpy(), equal_nan=True)
+
+
+def test_a_device_array_whose_tensor_disagrees_with_it_is_malformed() -> None:
+    rows = torch.zeros(3, 4)
+    content = P.encode_gradient_reply(P.GradientReply("r", 0, "p", (0, 1, 2), rows, None, None),
+                                      shared=True)  # fmt: skip
+    array = content.array_records[P.GRADS_RECORD]["grads"]
+    array.shape = (3, 5)  # what the message says no longer describes what it holds
+    with pytest.raises(P.ProtocolError) as error:
+        P.decode_gradient_reply(content, shared=True)
+    assert error.value.reason == P.REASON_BAD_DTYPE
+    with pytest.raises(ValueError, match="float32"):
+        P.device_array(rows.double())
+
+
+@pytest.mark.parametrize("clip", [0.5, math.inf])
+def test_device_rows_are_validated_as_their_host_copy_is(clip: float) -> None:
+    """The server's check of a reply whose rows are a tensor: the same acceptance, counts and
+    post-clip norms as the host array's, its sum on the host; on the CPU bit for bit."""
+    from fedmeta.server.validation import Accepted, Expectation, validate_reply
+
+    rows = _odd_rows()
+    exp = Expectation("r", 0, "p", tuple(range(len(rows))), rows.shape[1],
+                      clip if math.isfinite(clip) else None, "per_task", 1e-6)  # fmt: skip
+    results = []
+    for grads in (rows, torch.from_numpy(rows)):
+        reply = P.GradientReply("r", 0, "p", exp.task_ids, grads, None, None)
+        content = P.encode_gradient_reply(reply, shared=True)
+        results.append(validate_reply(P.decode_gradient_reply(content, shared=True), exp))
+    host, device = results
+    assert isinstance(host, Accepted) and isinstance(device, Accepted)
+    assert device.grad_sum.device.type == "cpu"
+    assert torch.equal(device.grad_sum, host.grad_sum)
+    assert device.post_clip_norms == host.post_clip_norms
+    assert (device.nonfinite, device.norm_violations) == (host.nonfinite, host.norm_violations)

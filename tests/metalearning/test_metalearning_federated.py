@@ -103,6 +103,35 @@ def test_federated_task_lists_stable_and_reuse_reported() -> None:
     )
 
 
+@pytest.mark.parametrize(("k_shot", "ids"), [(1, [7, 0, 49, 7]), (2, [3]), (1, list(range(50)))])
+def test_a_batch_of_tasks_is_its_tasks_stacked_bit_for_bit(k_shot: int, ids: list[int]) -> None:
+    """``tasks`` gathers every task's images at once; the batch is ``task``'s, stacked."""
+    fts = ml.FederatedTaskSet.from_classes(
+        _fake_classes(), 3, n_way=3, k_shot=k_shot, q_query=2, tasks_per_participant=50, seed=5
+    )
+    p = fts.participant(1)
+    batch, one_by_one = p.tasks(ids), ml.stack_tasks([p.task(t) for t in ids])
+    for got, want in zip(batch, one_by_one, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    with pytest.raises(IndexError, match="got 50"):
+        p.tasks([1, 50])
+    with pytest.raises(ValueError, match="at least one"):
+        p.tasks([])
+
+
+@pytest.mark.gpu
+def test_a_batch_gathered_on_the_gpu_is_the_hosts_batch() -> None:
+    """On CUDA the images are copied once and gathered there: the same values as on the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    fts = ml.FederatedTaskSet.from_classes(
+        _fake_classes(), 3, n_way=3, k_shot=1, q_query=2, tasks_per_participant=50, seed=5
+    )
+    p, cuda = fts.participant(1), torch.device("cuda")
+    for got, want in zip(p.tasks([4, 9, 4], cuda), p.tasks([4, 9, 4]), strict=True):
+        assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
 def test_task_lists_drawn_in_worker_processes_match_one_process(monkeypatch) -> None:
     # DP-MAML's 400,000-task universe is numbered in worker processes; the lists must be the very
     # tasks one process draws (a task is a pure function of its seed path), whatever the cores.

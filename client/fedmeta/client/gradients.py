@@ -121,6 +121,18 @@ def clipped_rows(
     The one gradient call of a participant, and of the simulation's batched round
     (simulation/fedmeta/simulation/batched.py), which gives it every sampled participant's tasks.
     """
+    grads, norms = device_clipped_rows(cfg, wl, params, tasks, clip)
+    return grads.to("cpu").numpy(), norms.to("cpu", torch.float64).numpy()
+
+
+def device_clipped_rows(
+    cfg: ClientConfig, wl: Workload, params: torch.Tensor, tasks: Any, clip: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clipped_rows` where they were computed: float32 rows and the pre-clip norms.
+
+    On the CPU the same tensors :func:`clipped_rows` returns as arrays; on a GPU they stay there
+    (the in-process grid's device lane, protocol.DEVICE_STYPE).
+    """
     from fedmeta.metalearning import per_task_clipped_grads
 
     grads, norms = per_task_clipped_grads(
@@ -135,8 +147,7 @@ def clipped_rows(
         nonfinite="zero",
         coordinates=wl.trained_coordinates,
     )
-    return (grads.detach().to("cpu", torch.float32).numpy(),
-            norms.detach().to("cpu", torch.float64).numpy())  # fmt: skip
+    return grads.detach().to(torch.float32), norms.detach()
 
 
 def isolated_rows(

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedmeta.metalearning.images import ClassDataset
 from fedmeta.metalearning.sinusoid import SinusoidTasks
@@ -105,9 +106,27 @@ class ParticipantTasks:
             raise IndexError(f"task_id must be in [0, {self.num_tasks}); got {task_id}")
         return task_from_plan(self.dataset, self.plan[task_id], self.k_shot)
 
-    def tasks(self, task_ids: Sequence[int]) -> Task:
-        """Return the given tasks as one batch (order kept)."""
-        return stack_tasks([self.task(int(t)) for t in task_ids])
+    def tasks(self, task_ids: Sequence[int], device: torch.device | None = None) -> Task:
+        """Return the given tasks as one batch (order kept): :meth:`task`'s tensors, stacked.
+
+        One gather of every task's images at once rather than a task at a time, on ``device``
+        (the host by default): a GPU round of DP-MAML's lot builds 1,600 tasks (48,000 images),
+        which one task at a time on the host took a tenth of the round.
+        """
+        ids = np.asarray(task_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("tasks needs at least one task id")
+        if ids.min() < 0 or ids.max() >= self.num_tasks:
+            bad = int(ids[(ids < 0) | (ids >= self.num_tasks)][0])
+            raise IndexError(f"task_id must be in [0, {self.num_tasks}); got {bad}")
+        plans = self.plan[ids]  # [n, n_way, k_shot + q]
+        n, n_way, per = plans.shape
+        x = self.dataset.example(plans, device)  # [n, n_way, per, C, H, W]
+        y = torch.arange(n_way, device=x.device).repeat_interleave(per).reshape(n_way, per)
+        k, image = self.k_shot, x.shape[3:]
+        support_y, query_y = (part.reshape(1, -1).repeat(n, 1) for part in (y[:, :k], y[:, k:]))
+        return Task(x[:, :, :k].reshape(n, -1, *image), support_y,
+                    x[:, :, k:].reshape(n, -1, *image), query_y)  # fmt: skip
 
     def example_use_counts(self) -> np.ndarray:
         """Per example (global index order): how many of this participant's tasks use it."""
@@ -151,9 +170,10 @@ class SinusoidParticipant:
             raise IndexError(f"task_id must be in [0, {self.num_tasks}); got {task_id}")
         return self.family.task_from_rng(seeded_rng(self.seed, 0x5111, self.index, task_id))[0]
 
-    def tasks(self, task_ids: Sequence[int]) -> Task:
-        """Return the given tasks as one batch (order kept)."""
-        return stack_tasks([self.task(int(t)) for t in task_ids])
+    def tasks(self, task_ids: Sequence[int], device: torch.device | None = None) -> Task:
+        """Return the given tasks as one batch (order kept), on ``device`` (the host by default)."""
+        batch = stack_tasks([self.task(int(t)) for t in task_ids])
+        return batch if device is None else batch.to(device)
 
     @property
     def max_tasks_per_example(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -55,6 +55,8 @@ class ClassDataset:
     #: Per image row: the content digest of the item it was made from, at source resolution
     #: (metalearning/items.py; uint64). A rotation keeps its source item's digest. None: unknown.
     item_ids: np.ndarray | None = None
+    #: ``images`` copied to an accelerator, by device, on first use there (see :meth:`example`).
+    _on_device: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -133,10 +135,21 @@ class ClassDataset:
         return ClassDataset(torch.cat(parts).contiguous(), np.asarray(offsets, np.int64), names,
                             groups, self.source, items)  # fmt: skip
 
-    def example(self, idx: np.ndarray) -> Tensor:
-        """Float images in [0, 1] for global example indices ``idx`` (any shape)."""
-        t = self.images[torch.from_numpy(np.asarray(idx, np.int64).reshape(-1))]
-        return pixels_to_unit(t).reshape(*np.shape(idx), *self.images.shape[1:])
+    def example(self, idx: np.ndarray, device: torch.device | None = None) -> Tensor:
+        """Float images in [0, 1] for global example indices ``idx`` (any shape), on ``device``.
+
+        On an accelerator the uint8 images are copied there once and the examples gathered and
+        converted there: a GPU round's tasks are then built without the host (DP-MAML's round
+        gathers 48,000 images), with the same values (an index and a correctly rounded division).
+        """
+        images = self.images
+        if device is not None and device.type != "cpu":
+            key = str(device)
+            if key not in self._on_device:
+                self._on_device[key] = self.images.to(device)
+            images = self._on_device[key]
+        index = torch.from_numpy(np.asarray(idx, np.int64).reshape(-1)).to(images.device)
+        return pixels_to_unit(images[index]).reshape(*np.shape(idx), *self.images.shape[1:])
 
 
 class DataSplits(NamedTuple):

@@ -124,10 +124,17 @@ def _payload(reply: GradientReply, exp: Expectation) -> Rejected | None:
         return Rejected(pid, REASON_UNREQUESTED_TASK, detail)
     for name in ("grads", "grad_sum"):
         array = getattr(reply, name)
-        if array is not None and not (isinstance(array, np.ndarray) and array.dtype.kind == "f"):
-            got = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+        if array is not None and not _floating(array):
+            got = array.dtype if isinstance(array, np.ndarray | Tensor) else type(array).__name__
             return Rejected(pid, REASON_BAD_SHAPE, f"{name} of {got}, expected floating point")
     return None
+
+
+def _floating(array: object) -> bool:
+    """A real floating-point array, or (the in-process grid's device lane) tensor."""
+    if isinstance(array, Tensor):
+        return array.is_floating_point()
+    return isinstance(array, np.ndarray) and array.dtype.kind == "f"
 
 
 def _structure(reply: GradientReply, exp: Expectation) -> Rejected | None:
@@ -217,7 +224,7 @@ def _per_task(reply: GradientReply, exp: Expectation) -> Accepted:
     return Accepted(
         exp.participant_id,
         len(reply.task_ids),
-        total,
+        total.cpu(),  # rows checked on a GPU: their sum, one vector, is what reaches the host
         norm_violations=int(over.sum()),
         nonfinite=nonfinite,
         post_clip_norms=tuple(post.tolist()),

@@ -21,6 +21,12 @@ path, with its per-task failure isolation, whenever the batch cannot be formed o
 fedmeta's ClientApp, an exception). Rows kept on an accelerator are bounded: the batch is cut into
 parts of at most :func:`device_rows` tasks, so a lot larger than the device's memory is computed
 in parts rather than refused.
+
+Where the round fits in one part on a GPU, its rows stay there: each participant's reply holds a
+slice of the one tensor (``protocol.DEVICE_STYPE``), the server re-checks, clips and sums it on
+that GPU (server/recheck.py) and only the sum, one vector per participant, reaches the host,
+where the noise is drawn from the CSPRNG. A round computed in parts goes through the host as a
+deployed participant's rows do.
 """
 
 from __future__ import annotations
@@ -153,17 +159,22 @@ def _rows(
     wl: Workload,
     request: P.GradientRequest,
     asked: list[tuple[str, tuple[int, ...]]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Every asked task's clipped row and pre-clip norm, in order, in parts that fit the device."""
-    from fedmeta.client.gradients import clipped_rows
+) -> tuple[np.ndarray | torch.Tensor, np.ndarray]:
+    """Every asked task's clipped row and pre-clip norm, in order, in parts that fit the device.
+
+    On an accelerator, a batch that fits in one part keeps its rows there (a tensor).
+    """
+    from fedmeta.client.gradients import clipped_rows, device_clipped_rows
     from fedmeta.metalearning import Task, resolve_device, resolve_method
     from fedmeta.workload import participant_tasks
 
     dim = wl.trained_dim
-    tasks = [participant_tasks(wl, pid, None).tasks(list(ids)) for pid, ids in asked if ids]
+    device = resolve_device(cfg.federation.client_device)
+    # On a GPU the tasks are gathered there from a copy of the images made once.
+    tasks = [participant_tasks(wl, pid, None).tasks(list(ids), device)
+             for pid, ids in asked if ids]  # fmt: skip
     if not tasks:
         return np.zeros((0, dim), dtype=np.float32), np.zeros(0, dtype=np.float64)
-    device = resolve_device(cfg.federation.client_device)
     params = torch.from_numpy(np.ascontiguousarray(request.params, dtype=np.float32))
     if device.type == "cpu" and resolve_method(wl.model, device) == "vmap":
         # A CPU vmap batch's rows depend on its size in their last bits (its matrix products
@@ -173,6 +184,10 @@ def _rows(
     joined = Task(*(torch.cat(parts) for parts in zip(*tasks, strict=True)))
     count = joined.num_tasks
     part = device_rows(device, dim) or count
+    if part >= count and device.type != "cpu":
+        # The device lane: the rows stay on the GPU, where the server re-checks and sums them.
+        kept, kept_norms = device_clipped_rows(cfg, wl, params, joined, request.clip)
+        return kept, kept_norms.to("cpu", torch.float64).numpy()
     if part >= count:
         return clipped_rows(cfg, wl, params, joined, request.clip)
     rows = np.zeros((count, dim), dtype=np.float32)
