@@ -119,6 +119,14 @@ def test_a_batch_of_tasks_is_its_tasks_stacked_bit_for_bit(k_shot: int, ids: lis
         p.tasks([])
 
 
+def test_the_pixel_table_is_the_hosts_division_bit_for_bit() -> None:
+    """What an accelerator gathers (images.UNIT_PIXELS) is what the host divides, every value."""
+    from fedmeta.metalearning.images import UNIT_PIXELS, pixels_to_unit
+
+    every = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(pixels_to_unit(every).view(torch.int32), UNIT_PIXELS.view(torch.int32))
+
+
 @pytest.mark.gpu
 def test_a_batch_gathered_on_the_gpu_is_the_hosts_batch() -> None:
     """On CUDA the images are copied once and gathered there: the same values as on the host."""

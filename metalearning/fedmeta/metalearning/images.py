@@ -33,9 +33,20 @@ __all__ = [
 ]
 
 
+#: The 256 pixel values in [0, 1], divided on the host (IEEE division, correctly rounded).
+UNIT_PIXELS = torch.arange(256, dtype=torch.float32) / 255.0
+
+
 def pixels_to_unit(images: Tensor) -> Tensor:
-    """uint8 pixels (0..255) as float32 in [0, 1]: what every task and model input carries."""
-    return images.float() / 255.0
+    """uint8 pixels (0..255) as float32 in [0, 1]: what every task and model input carries.
+
+    On an accelerator the host's table is gathered instead of dividing there: CUDA's float
+    division gave values one unit in the last place away from the host's (a GPU test found it),
+    and a task must be the same task wherever it is built.
+    """
+    if images.device.type == "cpu":
+        return images.float() / 255.0
+    return UNIT_PIXELS.to(images.device)[images.long()]
 
 
 @dataclass
@@ -140,7 +151,7 @@ class ClassDataset:
 
         On an accelerator the uint8 images are copied there once and the examples gathered and
         converted there: a GPU round's tasks are then built without the host (DP-MAML's round
-        gathers 48,000 images), with the same values (an index and a correctly rounded division).
+        gathers 48,000 images), with the host's values (:func:`pixels_to_unit`).
         """
         images = self.images
         if device is not None and device.type != "cpu":
