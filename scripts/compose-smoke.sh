@@ -69,10 +69,20 @@ else
   answers || { echo "compose-smoke: no Docker Engine answers on ${DOCKER_HOST:-the default socket}; start it, or use --engine podman" >&2; exit 1; }
   echo "compose-smoke: Docker Engine $(docker version --format '{{.Server.Version}}') on ${DOCKER_HOST:-the default socket}"
   # No image registry: the local base image, by the commands of docs/deploy.md ("A local base image").
-  base=python:3.11-slim-bookworm
-  if [ -z "${FEDMETA_BASE_IMAGE:-}" ] && ! docker image inspect "$base" >/dev/null 2>&1 \
-     && ! timeout 120 docker pull -q "$base" >/dev/null 2>&1; then
-    export FEDMETA_BASE_IMAGE=localhost/fedmeta-base:bookworm
+  # The local base is also made where FEDMETA_BASE_IMAGE names it but this engine lacks it (the
+  # podman environment of `podman-setup.sh env` exports its name; an engine pulls localhost/ names
+  # from port 80, where no registry is): copied from podman's store where that holds it.
+  base=python:3.11-slim-bookworm local_base=localhost/fedmeta-base:bookworm
+  if [ "${FEDMETA_BASE_IMAGE:-}" = "$local_base" ] || { [ -z "${FEDMETA_BASE_IMAGE:-}" ] \
+     && ! docker image inspect "$base" >/dev/null 2>&1 \
+     && ! timeout 120 docker pull -q "$base" >/dev/null 2>&1; }; then
+    export FEDMETA_BASE_IMAGE=$local_base
+    if ! docker image inspect "$FEDMETA_BASE_IMAGE" >/dev/null 2>&1 \
+       && command -v podman >/dev/null && podman image exists "$FEDMETA_BASE_IMAGE" 2>/dev/null; then
+      t0=$(date +%s)
+      podman save "$FEDMETA_BASE_IMAGE" | docker load >/dev/null
+      echo "compose-smoke: local base $FEDMETA_BASE_IMAGE copied from podman's store in $(secs "$t0") s"
+    fi
     if ! docker image inspect "$FEDMETA_BASE_IMAGE" >/dev/null 2>&1; then
       t0=$(date +%s)
       command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q debootstrap >/dev/null

@@ -3,7 +3,7 @@ container and a restarted ``superlink`` container, mid-run.
 
 One federation (project ``fedmeta-faults``, the base compose file, images of the session's
 ``podman_images`` fixture, ``up --no-build``), a small budget so that runs are short
-(``privacy.epsilon_budget=2.0`` on every run: the ledger keeps the first run's budget):
+(``privacy.epsilon_budget=4.0`` on every run: the ledger keeps the first run's budget):
 
 * ``killed_serverapp``: ``docker compose restart serverapp`` after 2 spends of a run. The
   operator's ``docker compose exec serverapp fedmeta deploy run`` dies with the container (status
@@ -30,7 +30,8 @@ from tests.deploy.compose_engine import ROOT, compose_cli
 pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]
 
 PROJECT = "fedmeta-faults"
-BUDGET = "privacy.epsilon_budget=2.0"
+BUDGET = "privacy.epsilon_budget=4.0"
+PADDED = "federation.round_min_seconds=2"
 WATCH_S, SLACK_S = 30.0, 90.0  # federation.superlink_timeout_s; podman's restart on 2 busy cores
 
 #: Each run's spent rounds, read in the serverapp container (the ledger volume).
@@ -109,7 +110,10 @@ def test_killed_serverapp_under_compose_shows_interrupted(compose: Compose) -> N
 
 def test_superlink_restart_mid_run_under_compose(compose: Compose) -> None:
     dc = compose
-    run = dc.deploy_run()
+    # Rounds of at least 2 s: the restart (podman stops the container gracefully first) must land
+    # mid-run; with the rounds as fast as they come, the rest of the budget was spent and the run
+    # completed before the SuperLink went down.
+    run = dc.deploy_run("--set", PADDED)
     _until_spent(dc, sum(map(len, dc.spends().values())), 2, run)
     assert dc("restart", "superlink", timeout=300).returncode == 0
     back = time.monotonic()

@@ -167,7 +167,10 @@ def test_dashboards_profile_on_podman_draws_a_deployed_runs_epsilon(
     try:
         up = dc("up", "-d", "--no-build", "--wait", "--wait-timeout", "840", timeout=900)
         assert up.returncode == 0, up.stdout + up.stderr
-        run = dc.deploy_run("--set", "rounds=200")
+        # Long enough to be checked during: a budget of 20 and rounds of at least 1 s (the
+        # module's budget of 2 ended this run in 7 rounds, before Prometheus's 4 scrapes).
+        run = dc.deploy_run("--set", "rounds=200", "--set", "privacy.epsilon_budget=20",
+                            "--set", "federation.round_min_seconds=1")  # fmt: skip
         base = "http://127.0.0.1:9090"
         wait_for(lambda: prom_query(base, f"count_over_time({SERIES}[5m]) >= 4"), 600,
                  interval=2, what=f"4 scrapes of {SERIES} from the ServerApp")  # fmt: skip
