@@ -27,7 +27,10 @@ from collections.abc import Iterator
 import pytest
 from tests.deploy.compose_engine import ROOT, compose_cli
 
-pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]
+# One compose project at a time: each publishes 127.0.0.1:8000 and 9464 (the dashboards 9090), so
+# under `pytest -m deploy -n 2 --dist loadgroup` these files share one worker.
+pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e,
+              pytest.mark.xdist_group("compose")]  # fmt: skip
 
 PROJECT = "fedmeta-faults"
 BUDGET = "privacy.epsilon_budget=4.0"

@@ -28,7 +28,9 @@ import pytest
 import yaml
 from tests.monitoring.helpers import PROM_DIR, ROOT, free_port, http_get, prom_query, wait_for
 
-pytestmark = [pytest.mark.deploy, pytest.mark.e2e]
+# One compose project at a time: each publishes 127.0.0.1:8000 and 9464 (the dashboards 9090), so
+# under `pytest -m deploy -n 2 --dist loadgroup` these files share one worker.
+pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.xdist_group("compose")]
 
 SERIES = "fedmeta_epsilon_spent_task"
 #: Chromium headless on a machine without a display, a GPU or network beyond loopback.
