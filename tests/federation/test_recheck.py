@@ -147,7 +147,7 @@ def test_the_transport_accepts_shared_replies_only_from_an_in_process_grid() -> 
 
 
 def test_device_rows_cross_the_in_process_grid_as_the_tensor_itself() -> None:
-    """The device lane (protocol.DEVICE_STYPE): the reply holds the participant's tensor, which
+    """The device lane (wire_arrays.DEVICE_STYPE): the reply holds the participant's tensor, which
     the server reads as it is; from any other grid it is malformed, and the wire gets its bytes."""
     rows = torch.from_numpy(_odd_rows())
     reply = P.GradientReply("r", 0, "p", tuple(range(len(rows))), rows, None, None)

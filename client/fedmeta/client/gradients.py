@@ -131,7 +131,7 @@ def device_clipped_rows(
     """:func:`clipped_rows` where they were computed: float32 rows and the pre-clip norms.
 
     On the CPU the same tensors :func:`clipped_rows` returns as arrays; on a GPU they stay there
-    (the in-process grid's device lane, protocol.DEVICE_STYPE).
+    (the in-process grid's device lane, wire_arrays.DEVICE_STYPE).
     """
     from fedmeta.metalearning import per_task_clipped_grads
 

@@ -23,7 +23,7 @@ parts of at most :func:`device_rows` tasks, so a lot larger than the device's me
 in parts rather than refused.
 
 Where the round fits in one part on a GPU, its rows stay there: each participant's reply holds a
-slice of the one tensor (``protocol.DEVICE_STYPE``), the server re-checks, clips and sums it on
+slice of the one tensor (``wire_arrays.DEVICE_STYPE``), the server re-checks, clips and sums it on
 that GPU (server/recheck.py) and only the sum, one vector per participant, reaches the host,
 where the noise is drawn from the CSPRNG. A round computed in parts goes through the host as a
 deployed participant's rows do.
