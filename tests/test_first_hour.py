@@ -169,6 +169,27 @@ def test_a_completed_run_piped_into_head_exits_0(tmp_path: Path) -> None:
     assert summary["rounds_completed"] == 4
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_a_reader_gone_before_the_first_line_does_not_end_the_run(tmp_path: Path) -> None:
+    """Every print of the run meets a closed pipe (``| head -0``, or a reader that left while the
+    plan was still being written, as on a loaded CI machine): the run still completes, exit 0.
+    Before simulate.ReaderMayLeave the first BrokenPipeError ended it before its first round,
+    with status 0 and no summary (checked: this test failed so)."""
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
+    read, write = os.pipe()
+    proc = subprocess.Popen([FEDMETA, "simulate", *_sets(SHORT)], cwd=tmp_path, env=env,
+                            text=True, stdin=subprocess.DEVNULL, stdout=write,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    os.close(write)
+    os.close(read)  # no reader at all: the first write (or flush) meets EPIPE
+    err = proc.communicate(timeout=1800)[1]
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    summary = json.loads((tmp_path / "runs" / "fedmeta" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 4 and summary["stopped_reason"] == "planned_rounds"
+
+
 @pytest.mark.integration
 def test_ledger_show_says_experiments_keep_ledgers_of_their_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
