@@ -171,6 +171,31 @@ def test_the_probe_sees_a_closed_port_as_refused() -> None:
     assert result.kind == REFUSED, result
 
 
+@pytest.mark.integration
+def test_a_connection_nothing_accepts_is_refused_not_a_slow_answer() -> None:
+    """A full accept queue (the kernel completes no handshake): a connect timeout, which is what
+    a SuperLink container that is gone for a restart looks like, not a busy SuperLink."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = int(listener.getsockname()[1])
+    pending = []
+    try:
+        for _ in range(4):  # fill the queue; later connections wait for a handshake
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", port))
+            pending.append(client)
+        probe = sw.heartbeat_probe(_grid(port), timeout_s=1)
+        assert probe is not None
+        result = probe()
+        assert result.kind == REFUSED and "no connection within" in result.detail, result
+    finally:
+        for client in pending:
+            client.close()
+        listener.close()
+
+
 def test_no_watch_outside_a_deployment() -> None:
     with sw.watching(object(), 30) as stop:
         assert stop is None

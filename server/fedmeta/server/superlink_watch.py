@@ -10,7 +10,8 @@ survive the restart, and nothing bounded the wait.
 :class:`SuperLinkWatch` probes the SuperLink every second with the ServerApp's own task
 heartbeat, sent once, without Flower's retries, and :func:`judge` reads the answers:
 
-* *restarted*: the SuperLink refused connections (nothing was listening) and answers again;
+* *restarted*: the SuperLink refused connections (nothing was listening, or nothing accepted a
+  connection within ``CONNECT_S``) and answers again;
 * *forgot the run*: it answers that it holds no such task (the heartbeat is refused, or HTTP
   401/403/404: restarted without its database, or the run was stopped);
 * *gone*: no answer at all for ``federation.superlink_timeout_s``.
@@ -40,9 +41,13 @@ from typing import Any
 log = logging.getLogger("fedmeta.server")
 
 OK = "ok"
-REFUSED = "refused"  # nothing listening, or its name does not resolve: the SuperLink is down
+REFUSED = "refused"  # nothing listening or accepting, or its name does not resolve: it is down
 NO_ANSWER = "no_answer"  # connected, but no answer in time (or a 5xx): busy, or going away
 FORGOTTEN = "forgotten"  # it answers, but holds no such task
+
+
+#: Seconds a probe waits for the TCP connection (the rest of the answer: its own bound).
+CONNECT_S = 2.0
 
 
 class SuperLinkLost(RuntimeError):
@@ -173,11 +178,19 @@ def heartbeat_probe(grid: Any, timeout_s: float) -> Callable[[], Probe] | None:
                       RuntimeTokenHttpInterceptor(token=grid._token)],
         retry_invoker=None,
     )  # fmt: skip
-    client._client.timeout = httpx.Timeout(timeout_s)
+    # A connection is given 2 s at most: a SuperLink host or container that is gone (restarting
+    # under podman, its address unanswered) shows as a connect timeout, and a short one leaves
+    # time for the probes after it to see the restart's refusals.
+    client._client.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_S))
 
     def probe() -> Probe:
         try:
             res = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
+        except httpx.ConnectTimeout as error:
+            # No TCP handshake at all: nothing is there to accept the connection, which a busy
+            # SuperLink's kernel still does (that is a read timeout, NO_ANSWER). A restart under
+            # podman showed only these, so that it went unnoticed (issue 41).
+            return Probe(REFUSED, f"no connection within {CONNECT_S:g} s ({_one_line(error)})")
         except httpx.ConnectError as error:
             return Probe(REFUSED, _one_line(error))
         except httpx.TransportError as error:
