@@ -31,6 +31,7 @@ from fedmeta.metalearning.tasks import (
     seeded_rng,
     stack_tasks,
     task_from_plan,
+    tasks_from_plans,
 )
 
 __all__ = ["FederatedTaskSet", "ParticipantTasks", "SinusoidParticipant", "partition_classes"]
@@ -119,14 +120,7 @@ class ParticipantTasks:
         if ids.min() < 0 or ids.max() >= self.num_tasks:
             bad = int(ids[(ids < 0) | (ids >= self.num_tasks)][0])
             raise IndexError(f"task_id must be in [0, {self.num_tasks}); got {bad}")
-        plans = self.plan[ids]  # [n, n_way, k_shot + q]
-        n, n_way, per = plans.shape
-        x = self.dataset.example(plans, device)  # [n, n_way, per, C, H, W]
-        y = torch.arange(n_way, device=x.device).repeat_interleave(per).reshape(n_way, per)
-        k, image = self.k_shot, x.shape[3:]
-        support_y, query_y = (part.reshape(1, -1).repeat(n, 1) for part in (y[:, :k], y[:, k:]))
-        return Task(x[:, :, :k].reshape(n, -1, *image), support_y,
-                    x[:, :, k:].reshape(n, -1, *image), query_y)  # fmt: skip
+        return tasks_from_plans(self.dataset, self.plan[ids], self.k_shot, device)
 
     def example_use_counts(self) -> np.ndarray:
         """Per example (global index order): how many of this participant's tasks use it."""

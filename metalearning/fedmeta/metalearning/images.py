@@ -67,7 +67,8 @@ class ClassDataset:
     #: (metalearning/items.py; uint64). A rotation keeps its source item's digest. None: unknown.
     item_ids: np.ndarray | None = None
     #: ``images`` copied to an accelerator, by device, on first use there (see :meth:`example`).
-    _on_device: dict[str, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _on_device: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False,
+                                          compare=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         n = len(self.names)

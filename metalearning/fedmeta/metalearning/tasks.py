@@ -29,6 +29,7 @@ __all__ = [
     "seeded_rng",
     "stack_tasks",
     "task_from_plan",
+    "tasks_from_plans",
 ]
 
 
@@ -72,12 +73,25 @@ def seeded_rng(seed: int, *path: int) -> np.random.Generator:
 
 def task_from_plan(ds: ClassDataset, plan: np.ndarray, k_shot: int) -> Task:
     """Build a task from ``plan`` [n_way, k_shot + q] global example indices; label = row index."""
-    n_way, per = plan.shape
-    x = ds.example(plan)  # [n_way, per, C, H, W]
-    y = torch.arange(n_way).repeat_interleave(per).reshape(n_way, per)
-    sx = x[:, :k_shot].reshape(-1, *x.shape[2:])
-    qx = x[:, k_shot:].reshape(-1, *x.shape[2:])
-    return Task(sx, y[:, :k_shot].reshape(-1), qx, y[:, k_shot:].reshape(-1))
+    return tasks_from_plans(ds, plan[None], k_shot).task(0)
+
+
+def tasks_from_plans(
+    ds: ClassDataset, plans: np.ndarray, k_shot: int, device: torch.device | None = None
+) -> Task:
+    """The tasks of ``plans`` [n, n_way, k_shot + q] as one batch: each task's images at once.
+
+    Gathered on ``device`` (the host by default); task ``i`` is :func:`task_from_plan` of
+    ``plans[i]``.
+    """
+    n, n_way, per = plans.shape
+    x = ds.example(plans, device)  # [n, n_way, per, C, H, W]
+    y = torch.arange(n_way, device=x.device).repeat_interleave(per).reshape(n_way, per)
+    image = x.shape[3:]
+    support_y, query_y = (part.reshape(1, -1).repeat(n, 1) for part in (y[:, :k_shot],
+                                                                       y[:, k_shot:]))  # fmt: skip
+    return Task(x[:, :, :k_shot].reshape(n, -1, *image), support_y,
+                x[:, :, k_shot:].reshape(n, -1, *image), query_y)  # fmt: skip
 
 
 def draw_plan(
