@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from fedmeta import exitcodes
+from fedmeta.pipes import to_devnull
 
 
 def _version() -> str:
@@ -132,10 +132,6 @@ def _registrars() -> tuple[Any, ...]:
             evaluate.register, deploy.register)  # fmt: skip
 
 
-def _quiet_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush into a closed pipe is silent."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exitcodes.INTERRUPTED
     except BrokenPipeError:
         # The reader has what it wanted (`| head`): nothing more to say, and nothing failed.
-        _quiet_stdout()
+        to_devnull(sys.stdout)  # the interpreter's final flush into the closed pipe is silent
         return 0
     return int(result or 0)
 

@@ -25,7 +25,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, cast
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fedmeta.workload import Workload
@@ -102,6 +102,8 @@ def _handle(args: argparse.Namespace) -> int:
         return _preview(args)
     stop, rounds = threading.Event(), threading.Event()
     restore = _stop_on_signals(stop, rounds)
+    from fedmeta.pipes import ReaderMayLeave
+
     stdout, sys.stdout = sys.stdout, ReaderMayLeave.around(sys.stdout)
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
@@ -126,47 +128,6 @@ def _handle(args: argparse.Namespace) -> int:
         print(f"fedmeta simulate: {_no_round_hint(cfg)}", file=sys.stderr)
         return exitcodes.BUDGET_EXHAUSTED
     return exitcodes.OK
-
-
-class ReaderMayLeave:
-    """``sys.stdout`` during a run: a reader that leaves (``simulate | head``) does not end the run.
-
-    A print into the closed pipe raised BrokenPipeError in the middle of the run, which ended it
-    half way with status 0 and no summary whenever Python's 8 KB stdout buffer filled before the
-    last round (a loaded CI machine hit it). Here the first BrokenPipeError points the stream at
-    /dev/null, so the run goes on and its later output is dropped, as ``head`` wanted.
-    """
-
-    def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
-
-    @classmethod
-    def around(cls, stream: TextIO) -> TextIO:
-        """``stream`` wrapped (once), typed as the stream it stands for."""
-        return stream if isinstance(stream, cls) else cast("TextIO", cls(stream))
-
-    def write(self, text: str) -> int:
-        """Write; into a pipe its reader has left, nothing (and from now on /dev/null)."""
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._leave()
-            return len(text)
-
-    def flush(self) -> None:
-        """Flush, with the same rule as :meth:`write`."""
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._leave()
-
-    def _leave(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())  # what is still buffered then goes there too
-        os.close(devnull)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)  # isatty, fileno, encoding: the real stream's
 
 
 def _interrupted_line(out: Path) -> str:
