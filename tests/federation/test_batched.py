@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,17 +85,23 @@ def test_requests_that_differ_in_more_than_their_tasks_are_not_batched() -> None
     assert batched_replies(requests, {k: str(k) for k in requests}) == {}
 
 
-def test_a_simulated_run_batches_its_rounds(tmp_path: Path) -> None:
+def _two_batched_rounds(tmp_path: Path, *more: str) -> tuple[dict[str, Any], BatchedGrid]:
+    """A private simulated run of 2 rounds through a BatchedGrid: (its summary, the grid)."""
     from fedmeta.server.app import execute
 
     cfg = load_config(None, [*SMALL, "rounds=2", "sampling.participants_per_round=3",
                              "privacy.noise_multiplier=1.0", "output.progress=false",
                              "output.plots=false", "privacy.insecure_test_seed=3",
-                             "training.eval_every=100"])  # fmt: skip
+                             "training.eval_every=100", *more])  # fmt: skip
     grid = BatchedGrid(cfg.federation.participants)
     result = execute(cfg, grid, out_dir=tmp_path / "run", observers=[], echo=False,
                      open_ledger=_ledger(tmp_path))  # fmt: skip
-    assert result.summary["rounds_completed"] == 2
+    return result.summary, grid
+
+
+def test_a_simulated_run_batches_its_rounds(tmp_path: Path) -> None:
+    summary, grid = _two_batched_rounds(tmp_path)
+    assert summary["rounds_completed"] == 2
     assert grid.batched_rounds == 2 and grid.fallback_rounds == 0
 
 
@@ -116,16 +123,8 @@ def test_the_server_checks_the_rows_where_they_were_computed(
         return real(grads, clip)
 
     monkeypatch.setattr(validation, "fused_row_sum", spy)
-    from fedmeta.server.app import execute
-
-    cfg = load_config(None, [*SMALL, "rounds=2", "sampling.participants_per_round=3",
-                             "privacy.noise_multiplier=1.0", "output.progress=false",
-                             "output.plots=false", "privacy.insecure_test_seed=3",
-                             "training.eval_every=100", f"federation.client_device={device}"])
-    grid = BatchedGrid(cfg.federation.participants)
-    result = execute(cfg, grid, out_dir=tmp_path / "run", observers=[], echo=False,
-                     open_ledger=_ledger(tmp_path))  # fmt: skip
-    assert result.summary["rounds_completed"] == 2 and grid.batched_rounds == 2
+    summary, grid = _two_batched_rounds(tmp_path, f"federation.client_device={device}")
+    assert summary["rounds_completed"] == 2 and grid.batched_rounds == 2
     assert where and set(where) == {"host" if device == "cpu" else "cuda"}
 
 

@@ -178,9 +178,9 @@ def heartbeat_probe(grid: Any, timeout_s: float) -> Callable[[], Probe] | None:
                       RuntimeTokenHttpInterceptor(token=grid._token)],
         retry_invoker=None,
     )  # fmt: skip
-    # A connection is given 2 s at most: a SuperLink host or container that is gone (restarting
-    # under podman, its address unanswered) shows as a connect timeout, and a short one leaves
-    # time for the probes after it to see the restart's refusals.
+    # A connection is given CONNECT_S at most: a SuperLink host or container that is gone
+    # (restarting under podman, its address unanswered) shows as a connect timeout, and a short
+    # one leaves time for the probes after it to see the restart's refusals.
     client._client.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_S))
 
     def probe() -> Probe:
