@@ -17,6 +17,7 @@ from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
 from fedmeta.checkpoint import load_checkpoint
 from fedmeta.config import ConfigError
 from fedmeta.config_io import load_config
+from fedmeta.metalearning.public_basis import top_directions
 from fedmeta.server.noise import NoiseSource, noised_sum
 from fedmeta.server.subspace import PublicSubspace, Subspace, gamma, public_subspace
 from fedmeta.simulation.simulate import main
@@ -147,6 +148,28 @@ def _sets(root: Path, *extra: str) -> list[str]:
         "privacy.insecure_test_seed=5", "training.optimizer=sgd", "training.momentum=0",
         "training.meta_lr=0.1", "dataset.filters=8", *extra,
     ]  # fmt: skip
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_basis_spans_the_top_singular_directions_on_the_rows_device(device: str) -> None:
+    """The Gram route, on the rows' own device, against the known top right singular vectors."""
+    g = torch.Generator().manual_seed(7)
+    n, d, k = 40, 300, 5
+    left, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    right, _ = torch.linalg.qr(torch.randn(d, n, generator=g, dtype=torch.float64))
+    spectrum = torch.logspace(2, -2, n, dtype=torch.float64)
+    rows = ((left * spectrum) @ right.T).to(torch.float32)
+    basis = top_directions(rows.to(device), k)
+    assert basis.device.type == device and basis.dtype == torch.float64
+    u, expected = basis.cpu(), right[:, :k]
+    gap = float(spectrum[k - 1] - spectrum[k])
+    # Davis-Kahan: the rows' float32 rounding (at most half an ulp of each entry, Frobenius
+    # norm below u * ||rows||_F) turns the projector by at most that over the spectral gap;
+    # the float64 Gram and QR add far less. Twice it, for the bound's constant.
+    rounding = 2.0**-24 * float(torch.linalg.matrix_norm(rows.to(torch.float64)))
+    turned = float(torch.linalg.matrix_norm(u @ u.T - expected @ expected.T, ord=2))
+    assert turned <= 2 * 2 * rounding / gap
 
 
 @pytest.mark.e2e

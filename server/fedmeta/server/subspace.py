@@ -200,6 +200,8 @@ def public_subspace(cfg: Config, workload: Any) -> PublicSubspace | None:
     inner = {**inner_kwargs(cfg.training, evaluation=False),
              "first_order": cfg.training.first_order}  # fmt: skip
     seed = (cfg.seed * 1_000_003 + _BASIS_SALT) % (2**63)
+    # The accelerator when there is one (public work, any device will do), unless told the host.
+    device = "cpu" if cfg.federation.client_device == "cpu" else "auto"
 
     def compute(params: Tensor, round_index: int) -> Tensor:
         tasks = sample_tasks(workload.public_classes, n_way=ds.ways, k_shot=ds.shots,
@@ -207,7 +209,7 @@ def public_subspace(cfg: Config, workload: Any) -> PublicSubspace | None:
                              path=(_BASIS_PATH, round_index))  # fmt: skip
         return public_gradient_basis(
             workload.model, params, tasks, k, clip=cfg.privacy.clip,
-            coordinates=workload.trained_coordinates, inner=inner,
+            coordinates=workload.trained_coordinates, inner=inner, device=device,
         )  # fmt: skip
 
     return PublicSubspace(settings.refresh_every, compute)
