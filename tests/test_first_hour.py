@@ -174,7 +174,7 @@ def test_a_completed_run_piped_into_head_exits_0(tmp_path: Path) -> None:
 def test_a_reader_gone_before_the_first_line_does_not_end_the_run(tmp_path: Path) -> None:
     """Every print of the run meets a closed pipe (``| head -0``, or a reader that left while the
     plan was still being written, as on a loaded CI machine): the run still completes, exit 0.
-    Before simulate.ReaderMayLeave the first BrokenPipeError ended it before its first round,
+    Before ReaderMayLeave the first BrokenPipeError ended it before its first round,
     with status 0 and no summary (checked: this test failed so)."""
     env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
     read, write = os.pipe()

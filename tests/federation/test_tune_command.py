@@ -8,6 +8,8 @@ in one line saying what fits (cli/fedmeta/cli/tune.py, issue 42 item 2).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +102,27 @@ def test_candidates_may_not_change_the_data_or_the_budget(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         main(_args(tmp_path, _sets(tmp_path), candidates))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_a_reader_gone_before_the_first_line_does_not_end_the_tuning(tmp_path: Path) -> None:
+    """``fedmeta tune ... | head -0``: every print meets a closed pipe, and the tuning still runs
+    both trials, records them and exits 0. Without the CLI's ReaderMayLeave the first print's
+    BrokenPipeError ended the tuning with status 1 and no tune.json (checked)."""
+    fedmeta = str(Path(sys.executable).parent / "fedmeta")
+    sets = [w for s in _sets(tmp_path) for w in ("--set", s)]
+    candidates = [w for c in CANDIDATES for w in ("--candidate", c)]
+    env = {**os.environ, "FEDMETA_STATE_DIR": str(tmp_path / "state")}
+    read, write = os.pipe()
+    out = str(tmp_path / "tune")
+    command = [fedmeta, "tune", *sets, *candidates, "--trials", "each", "--out", out]
+    proc = subprocess.Popen(command, cwd=tmp_path, text=True, env=env, stdin=subprocess.DEVNULL,
+                            stdout=write, stderr=subprocess.PIPE)  # fmt: skip
+    os.close(write)
+    os.close(read)  # no reader at all: the first write (or flush) meets EPIPE
+    err = proc.communicate(timeout=900)[1]
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    tune = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert [t["candidate"] for t in tune["trials"]] == CANDIDATES

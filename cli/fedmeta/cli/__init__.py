@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from fedmeta import exitcodes
-from fedmeta.pipes import to_devnull
+from fedmeta.pipes import ReaderMayLeave, to_devnull
 
 
 def _version() -> str:
@@ -135,7 +135,20 @@ def _registrars() -> tuple[Any, ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI and return its exit status."""
+    """Run the CLI and return its exit status.
+
+    A reader that leaves (``fedmeta simulate | head``, ``deploy run | head``) never ends a command
+    half way: a run, a tuning or a deployed run goes on with its output dropped
+    (:class:`ReaderMayLeave`), since stopping it between spends would waste budget already paid.
+    """
+    stdout, sys.stdout = sys.stdout, ReaderMayLeave.around(sys.stdout)
+    try:
+        return _run(argv)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)

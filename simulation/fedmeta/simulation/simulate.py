@@ -101,10 +101,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.print_config or args.dry_run:
         return _preview(args)
     stop, rounds = threading.Event(), threading.Event()
-    restore = _stop_on_signals(stop, rounds)
-    from fedmeta.pipes import ReaderMayLeave
-
-    stdout, sys.stdout = sys.stdout, ReaderMayLeave.around(sys.stdout)
+    restore = _stop_on_signals(stop, rounds)  # stdout: the CLI's ReaderMayLeave (a run goes on)
     try:
         cfg = _resume_config(args) if args.resume else load_config(args.config, args.overrides)
         observers = [*_observers(cfg, args.tensorboard), RoundsStarted(rounds)]
@@ -119,7 +116,6 @@ def _handle(args: argparse.Namespace) -> int:
         return _report(error)
     finally:
         restore()
-        sys.stdout = stdout
     summary = result.summary
     if summary["stopped_reason"] == "interrupted":
         print(_interrupted_line(result.out_dir), file=sys.stderr)
