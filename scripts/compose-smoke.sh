@@ -4,7 +4,7 @@
 # tests/deploy/test_compose_podman.py runs it.
 #
 #   scripts/compose-smoke.sh [--engine auto|docker|podman] [--tls] [--flower-images] [--no-build]
-#                            [--no-setup] [--keep-up]
+#                            [--no-setup] [--images-from-podman] [--keep-up]
 #
 #   1. the engine: --engine docker needs a Docker Engine that answers (DOCKER_HOST, else the
 #      default socket); where python:3.11-slim-bookworm cannot be pulled and FEDMETA_BASE_IMAGE is
@@ -12,12 +12,17 @@
 #      podman: scripts/podman-setup.sh all; eval "$(scripts/podman-setup.sh env)". auto (default):
 #      a Docker Engine if one answers, else podman. --no-setup: podman is set up already (the
 #      compose tests' session fixture ran `podman-setup.sh all` once), only `env` is read.
+#      --images-from-podman (Docker Engine; implies --no-build): fedmeta's images as podman built
+#      them (scripts/compose-build.sh podman), copied with `podman save | docker load` where this
+#      engine lacks them or holds another build, instead of built again in this engine.
 #   2. docker compose up -d --build (--wait for health; timed); a participant reads a PNG drawing
 #   3. docker compose exec serverapp fedmeta deploy run --set rounds=4        -> 4 rounds
 #      flwr run . compose (a connection to 127.0.0.1:8000; without --tls)     -> 3 rounds
 #      docker compose exec serverapp fedmeta deploy run                       -> budget_exhausted:
 #      the second run composes in the same ledger (it spends only what the first left); a third
-#      finds nothing left (exit status 3)
+#      finds nothing left (exit status 3). Every run sets privacy.epsilon_budget=2.5
+#      (FEDMETA_SMOKE_BUDGET; a ledger keeps its first budget, so all runs give the same) rather
+#      than federation.toml's 4.0: the run to budget_exhausted takes about 9 rounds, not 34.
 #   4. the exporter reads the ledger: one spend per round of the three runs that ran
 #   5. docker compose down -v (also on failure; --keep-up leaves the federation running)
 #
@@ -28,17 +33,20 @@
 # stand-ins of deploy/images/flower-standin.Dockerfile, by the commands of docs/deploy.md, and it
 # says so. Step 2 then also checks that those containers run as Flower's user without fedmeta.
 # Both: the four files of docs/deploy.md (keys made with --owner 10001:49999 --group-read).
-# Project name fedmeta-smoke (COMPOSE_PROJECT_NAME), so that `down -v` never touches a federation
-# of yours under the default name. Offline torch: FEDMETA_WHEELHOUSE=.whl with the CPU wheel in
+# Project name fedmeta-smoke (COMPOSE_PROJECT_NAME; FEDMETA_SMOKE_PROJECT names another), so that
+# `down -v` never touches a federation of yours under the default name; the published ports are
+# FEDMETA_SUPERLINK_PORT and FEDMETA_EXPORTER_PORT (8000, 9464), so that two runs of this script
+# can share a machine with other names and ports. Offline torch: FEDMETA_WHEELHOUSE=.whl with the CPU wheel in
 # .whl/ (the script links /opt/wheels' torch wheel there when it exists and no wheelhouse is set);
 # no torch index reachable: FEDMETA_TORCH_INDEX_URL= (empty). Prints "compose-smoke: ok" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=(--build) tls=0 keep=0 engine=auto flower=0 setup=1
+build=(--build) tls=0 keep=0 engine=auto flower=0 setup=1 from_podman=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-build) build=(--no-build) ;;
     --no-setup) setup=0 ;;
+    --images-from-podman) from_podman=1 build=(--no-build) ;;
     --tls) tls=1 ;;
     --flower-images) flower=1 ;;
     --keep-up) keep=1 ;;
@@ -49,7 +57,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 case "$engine" in auto|docker|podman) ;; *) echo "compose-smoke: --engine is auto, docker or podman (got '$engine')" >&2; exit 2 ;; esac
-export COMPOSE_PROJECT_NAME=fedmeta-smoke
+export COMPOSE_PROJECT_NAME=${FEDMETA_SMOKE_PROJECT:-fedmeta-smoke}
+link_port=${FEDMETA_SUPERLINK_PORT:-8000} exporter_port=${FEDMETA_EXPORTER_PORT:-9464}
 work=$(mktemp -d /tmp/fedmeta-compose-smoke.XXXXXX)
 secs() { echo $(( $(date +%s) - $1 )); }
 
@@ -66,6 +75,8 @@ if [ "$engine" = podman ]; then
   eval "$(bash scripts/podman-setup.sh env)"
   echo "compose-smoke: podman set up in $(secs "$t0") s"
 else
+  # podman with the store of scripts/podman-setup.sh (its `env` would also set DOCKER_HOST).
+  pm() { ( eval "$(bash scripts/podman-setup.sh env)"; podman "$@" ); }
   answers || { echo "compose-smoke: no Docker Engine answers on ${DOCKER_HOST:-the default socket}; start it, or use --engine podman" >&2; exit 1; }
   echo "compose-smoke: Docker Engine $(docker version --format '{{.Server.Version}}') on ${DOCKER_HOST:-the default socket}"
   # No image registry: the local base image, by the commands of docs/deploy.md ("A local base image").
@@ -78,9 +89,9 @@ else
      && ! timeout 120 docker pull -q "$base" >/dev/null 2>&1; }; then
     export FEDMETA_BASE_IMAGE=$local_base
     if ! docker image inspect "$FEDMETA_BASE_IMAGE" >/dev/null 2>&1 \
-       && command -v podman >/dev/null && podman image exists "$FEDMETA_BASE_IMAGE" 2>/dev/null; then
+       && command -v podman >/dev/null && pm image exists "$FEDMETA_BASE_IMAGE" 2>/dev/null; then
       t0=$(date +%s)
-      podman save "$FEDMETA_BASE_IMAGE" | docker load >/dev/null
+      pm save "$FEDMETA_BASE_IMAGE" | docker load >/dev/null
       echo "compose-smoke: local base $FEDMETA_BASE_IMAGE copied from podman's store in $(secs "$t0") s"
     fi
     if ! docker image inspect "$FEDMETA_BASE_IMAGE" >/dev/null 2>&1; then
@@ -92,6 +103,24 @@ else
       tar -C "$work/rootfs" -c . | docker import - "$FEDMETA_BASE_IMAGE" >/dev/null
       rm -rf "$work/rootfs"
       echo "compose-smoke: $base not reachable; local base $FEDMETA_BASE_IMAGE made in $(secs "$t0") s"
+    fi
+  fi
+  # --images-from-podman: the images of this test run's one build (podman's), not a second build
+  # in this engine. The same image id is the same build: nothing to copy.
+  if [ "$from_podman" = 1 ]; then
+    t0=$(date +%s) copy=()
+    for img in fedmeta-server:dev fedmeta-participant:dev; do
+      want=$(pm image inspect -f '{{.Id}}' "$img" 2>/dev/null) \
+        || { echo "compose-smoke: podman holds no $img (scripts/compose-build.sh podman builds it)" >&2; exit 1; }
+      have=$(docker image inspect -f '{{.Id}}' "$img" 2>/dev/null || true)
+      [ "${have#sha256:}" = "$want" ] || copy+=("$img")
+    done
+    if [ ${#copy[@]} -gt 0 ]; then
+      pm save -m "${copy[@]}" | docker load >/dev/null   # as podman names them: localhost/NAME
+      for img in "${copy[@]}"; do docker tag "localhost/$img" "$img"; done
+      echo "compose-smoke: ${copy[*]} copied from podman's store in $(secs "$t0") s (not built in this engine)"
+    else
+      echo "compose-smoke: fedmeta-server:dev, fedmeta-participant:dev: this engine holds podman's build"
     fi
   fi
 fi
@@ -154,7 +183,10 @@ if [ "$flower" = 1 ]; then
 fi
 # One image build at a time: both images share their layers (the second build reuses them).
 export COMPOSE_PARALLEL_LIMIT=${COMPOSE_PARALLEL_LIMIT:-1}
-for port in 8000 9464; do
+# What an interrupted earlier run of this project left (its containers restart with the engine,
+# its ledger volume holds a spent budget): gone first. Only this script's own project name.
+timeout 300 "${compose[@]}" "${files[@]}" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
+for port in "$link_port" "$exporter_port"; do
   if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
     echo "compose-smoke: 127.0.0.1:$port is in use; the compose file publishes it" >&2; exit 1
   fi
@@ -199,7 +231,9 @@ if [ "$flower" = 1 ]; then
   echo "compose-smoke: superlink and supernode-0 run ${FEDMETA_FLWR_SUPERLINK_IMAGE:-$published_link} / ${FEDMETA_FLWR_SUPERNODE_IMAGE:-$published_node} as uid 49999, without fedmeta"
 fi
 
-run() { timeout 1800 "${compose[@]}" "${files[@]}" exec -T serverapp fedmeta deploy run --poll 1 "$@"; }
+budget=${FEDMETA_SMOKE_BUDGET:-2.5}
+run() { timeout 1800 "${compose[@]}" "${files[@]}" exec -T serverapp fedmeta deploy run --poll 1 \
+          --set "privacy.epsilon_budget=$budget" "$@"; }
 
 # 3. A first run of 4 rounds, `flwr run .` (3b), then the documented command to budget_exhausted:
 #    each run composes in the same ledger (it spends only what the earlier ones left), and a last
@@ -218,8 +252,8 @@ if [ "$tls" = 0 ]; then
   flwr_cli=${FEDMETA_FLWR:-$(command -v flwr || true)}
   [ -n "$flwr_cli" ] || { echo "compose-smoke: no flwr CLI (activate fedmeta's environment or set FEDMETA_FLWR)" >&2; exit 1; }
   mkdir -p "$work/flwr-home"
-  printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:8000"\ninsecure = true\n' \
-    > "$work/flwr-home/config.toml"
+  printf '[superlink]\ndefault = "compose"\n\n[superlink.compose]\naddress = "127.0.0.1:%s"\ninsecure = true\n' \
+    "$link_port" > "$work/flwr-home/config.toml"
   fl() { FLWR_HOME=$work/flwr-home FLWR_TELEMETRY_ENABLED=0 timeout 300 "$flwr_cli" "$@"; }
   # A field of the JSON that `flwr ... --format json` prints (lines may come before it): KEY ...
   json_field() {
@@ -231,14 +265,15 @@ print(v)' "$@"
   t0=$(date +%s)
   flwr_rounds=3 flwr_out=/runs/flwr-run-dot-$(date -u +%Y%m%dT%H%M%SZ)
   submitted=$(fl run . compose --format json --run-config \
-    "config-file='/etc/fedmeta/federation.toml' num-server-rounds=$flwr_rounds out='$flwr_out'" 2>&1) || true
+    "config-file='/etc/fedmeta/federation.toml' num-server-rounds=$flwr_rounds out='$flwr_out' set='privacy.epsilon_budget=$budget'" 2>&1) || true
   run_id=$(json_field run-id <<<"$submitted") \
     || { echo "$submitted"; echo "compose-smoke: flwr run . was not accepted" >&2; exit 1; }
   status=""
-  for _ in $(seq 900); do
+  # Every 5 s: each `flwr ls` is a new Python process that imports Flower (about a CPU second).
+  for _ in $(seq 360); do
     status=$(fl ls compose --run-id "$run_id" --format json | json_field runs 0 status 2>/dev/null || true)
     case "$status" in finished*) break ;; esac
-    sleep 2
+    sleep 5
   done
   echo "compose-smoke: flwr run . (run $run_id): $status in $(secs "$t0") s"
   [ "$status" = finished:completed ] || { fl log "$run_id" compose --show 2>&1 | tail -30; exit 1; }

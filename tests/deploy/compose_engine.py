@@ -4,19 +4,67 @@
 and ``scripts/compose-build.sh podman`` (fedmeta's two images, one engine build each) run once;
 every compose test of the session then runs compose with ``--no-build``. Before, each of the five
 compose tests built its images again through ``docker compose build`` (issue 41: the deploy suite
-did not fit in 25 minutes).
+did not fit in 25 minutes). Under ``pytest -n 2`` each worker runs the session fixtures: a lock
+file makes the second wait for the first's setup and build, then find them done.
+
+Each compose project of the tests has its own name and its own published host ports
+(``project_env``), so that two can run at once, one per worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from fedmeta.cli.deploy_local import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
+#: Held while podman is set up or images are built (one xdist worker at a time).
+LOCK = Path(os.environ.get("FEDMETA_PODMAN_LOCK", "/var/tmp/fedmeta-podman-setup.lock"))
+
+#: docker-compose.yml's published host ports, by their variables (defaults 8000, 9464, 9090, 3000).
+PORT_VARS = ("FEDMETA_SUPERLINK_PORT", "FEDMETA_EXPORTER_PORT", "FEDMETA_PROMETHEUS_PORT",
+             "FEDMETA_GRAFANA_PORT")  # fmt: skip
+
+
+def project_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with free loopback ports for every port docker-compose.yml publishes."""
+    return {**env, **{var: str(free_port()) for var in PORT_VARS}}
+
+
+@contextlib.contextmanager
+def _setup_lock() -> Iterator[None]:
+    with LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+def _once_per_run(step: str) -> bool:
+    """Whether ``step`` is still to do in this test run; call it under ``_setup_lock``. An xdist
+    worker finds it done by another worker of the same run (PYTEST_XDIST_TESTRUNUID, the same in
+    every worker of one run), and does not repeat it: `podman-setup.sh all` ends with a compose
+    project of its own, which on two loaded cores took minutes."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    done = LOCK.with_name(f"{LOCK.name}.{step}")
+    if run is None:
+        return True
+    if done.is_file() and done.read_text() == run:
+        return False
+    return True
+
+
+def _done_in_this_run(step: str) -> None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is not None:
+        LOCK.with_name(f"{LOCK.name}.{step}").write_text(run)
 
 
 def podman_unavailable() -> str | None:
@@ -40,8 +88,11 @@ def podman_with_images() -> dict[str, str]:
     reason = podman_unavailable()
     if reason:
         pytest.skip(reason)
-    _script("scripts/podman-setup.sh", "all", timeout=3600)
-    print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
+    with _setup_lock():
+        if _once_per_run("images"):
+            _script("scripts/podman-setup.sh", "all", timeout=3600)
+            print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
+            _done_in_this_run("images")
     return _podman_env()
 
 
@@ -51,7 +102,10 @@ def with_prometheus_image() -> dict[str, str]:
     once built), which ``env`` then exports as FEDMETA_PROMETHEUS_IMAGE. Without it the
     dashboards test on podman would skip after ``podman-setup.sh all``, which does not build it.
     """
-    print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
+    with _setup_lock():
+        if _once_per_run("dashboards"):
+            print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
+            _done_in_this_run("dashboards")
     return _podman_env()
 
 
@@ -74,3 +128,27 @@ def compose_cli() -> list[str]:
     if res is not None and res.returncode == 0:
         return ["docker", "compose"]
     return [_script("scripts/podman-setup.sh", "compose-bin", timeout=60).strip()]
+
+
+def smoke(engine: str, env: dict[str, str], *more: str) -> str:
+    """scripts/compose-smoke.sh on ``engine`` (and ``more`` of its flags); its output, checked.
+    The project is named after the test, its ports free ones: two can run at once."""
+    args = ["--engine", engine, *more]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
+    env = {**project_env(env), "FEDMETA_SMOKE_PROJECT": "fedmeta-smoke-" + test.removeprefix(
+        "test_compose_federation_").replace("_", "-")}  # fmt: skip
+    # `flwr run .` against the federation: the flwr CLI installed with fedmeta, beside this
+    # interpreter when the environment is not activated (`.venv/bin/python -m pytest`).
+    beside = Path(sys.executable).parent / "flwr"
+    flwr_cli = str(beside) if beside.is_file() else (shutil.which("flwr") or "")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args], cwd=ROOT,
+                         env={**env, "FEDMETA_FLWR": flwr_cli},
+                         capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
+    print(res.stdout)  # the run's record (pytest -s or -rP shows it)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "compose-smoke: ok" in res.stdout
+    assert "stopped: budget_exhausted" in res.stdout
+    if "--tls" not in more:  # `flwr run .` is the step without TLS (compose-smoke.sh, 3b)
+        assert "compose-smoke: flwr run . (run" in res.stdout
+    assert "compose-smoke: the participant image reads PNG drawings" in res.stdout
+    return res.stdout

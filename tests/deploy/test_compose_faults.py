@@ -25,12 +25,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from tests.deploy.compose_engine import ROOT, compose_cli
+from tests.deploy.compose_engine import ROOT, compose_cli, project_env
 
-# One compose project at a time: each publishes 127.0.0.1:8000 and 9464 (the dashboards 9090), so
-# under `pytest -m deploy -n 2 --dist loadgroup` these files share one worker.
-pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e,
-              pytest.mark.xdist_group("compose")]  # fmt: skip
+# Both tests use the module's one federation: under `pytest -n 2` one worker runs them (the
+# default `--dist loadfile` of pyproject.toml keeps a file's tests together).
+pytestmark = [pytest.mark.deploy, pytest.mark.slow, pytest.mark.e2e]
 
 PROJECT = "fedmeta-faults"
 BUDGET = "privacy.epsilon_budget=4.0"
@@ -51,10 +50,11 @@ print(json.dumps(out))
 
 
 class Compose:
-    """``docker compose -p PROJECT`` with the session's podman environment."""
+    """``docker compose -p PROJECT`` with the session's podman environment, on host ports of its
+    own (``self.env``'s FEDMETA_*_PORT), so that other compose projects can run beside it."""
 
     def __init__(self, env: dict[str, str], project: str = PROJECT, *more: str) -> None:
-        self.env, self.cli = env, [*compose_cli(), "-p", project, *more]
+        self.env, self.cli = project_env(env), [*compose_cli(), "-p", project, *more]
 
     def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.cli, *args], cwd=ROOT, env=self.env, capture_output=True,

@@ -28,9 +28,7 @@ import pytest
 import yaml
 from tests.monitoring.helpers import PROM_DIR, ROOT, free_port, http_get, prom_query, wait_for
 
-# One compose project at a time: each publishes 127.0.0.1:8000 and 9464 (the dashboards 9090), so
-# under `pytest -m deploy -n 2 --dist loadgroup` these files share one worker.
-pytestmark = [pytest.mark.deploy, pytest.mark.e2e, pytest.mark.xdist_group("compose")]
+pytestmark = [pytest.mark.deploy, pytest.mark.e2e]
 
 SERIES = "fedmeta_epsilon_spent_task"
 #: Chromium headless on a machine without a display, a GPU or network beyond loopback.
@@ -157,7 +155,7 @@ def test_dashboards_profile_on_podman_draws_a_deployed_runs_epsilon(
     """``docker compose --profile dashboards up`` on podman with no image registry: Prometheus
     from Debian's package (``scripts/podman-setup.sh dashboards``, FEDMETA_PROMETHEUS_IMAGE; the
     session fixture builds it once), scraping the ServerApp of a ``deploy run``; the same browser
-    check on 127.0.0.1:9090."""
+    check on Prometheus's published port (a free one here: FEDMETA_PROMETHEUS_PORT)."""
     from tests.deploy.test_compose_faults import Compose
 
     image = podman_dashboards.get("FEDMETA_PROMETHEUS_IMAGE", "")
@@ -173,7 +171,7 @@ def test_dashboards_profile_on_podman_draws_a_deployed_runs_epsilon(
         # module's budget of 2 ended this run in 7 rounds, before Prometheus's 4 scrapes).
         run = dc.deploy_run("--set", "rounds=200", "--set", "privacy.epsilon_budget=20",
                             "--set", "federation.round_min_seconds=1")  # fmt: skip
-        base = "http://127.0.0.1:9090"
+        base = f"http://127.0.0.1:{dc.env['FEDMETA_PROMETHEUS_PORT']}"
         wait_for(lambda: prom_query(base, f"count_over_time({SERIES}[5m]) >= 4"), 600,
                  interval=2, what=f"4 scrapes of {SERIES} from the ServerApp")  # fmt: skip
         assert run.poll() is None, run.communicate()[0]  # during the run
