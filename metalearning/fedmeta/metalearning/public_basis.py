@@ -92,11 +92,10 @@ def public_gradient_basis(
     inner: Mapping[str, Any],
     device: str = "cpu",
 ) -> Tensor:
-    """``[d, k]`` orthonormal float64 columns on the host: the top ``k`` directions of ``tasks``'
-    gradients, computed on ``device``.
+    """``[d, k]`` orthonormal float64 columns (on the host) spanning ``tasks``' top gradients.
 
-    The gradients are clipped to ``clip`` first (as the participants' are), so no public task
-    outweighs the others in the basis.
+    Computed on ``device``. The gradients are clipped to ``clip`` first (as the participants'
+    are), so no public task outweighs the others in the basis.
     """
     if not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"clip must be a finite number > 0; got {clip}")
