@@ -20,12 +20,13 @@ def to_devnull(stream: TextIO) -> None:
 
 
 class ReaderMayLeave:
-    """``sys.stdout`` during a run: a reader that leaves (``simulate | head``) does not end the run.
+    """``sys.stdout`` during a CLI command: a reader that leaves (``| head``) ends nothing.
 
-    A print into the closed pipe raised BrokenPipeError in the middle of the run, which ended it
-    half way with status 0 and no summary whenever Python's 8 KB stdout buffer filled before the
-    last round (a loaded CI machine hit it). Here the first BrokenPipeError points the stream at
-    /dev/null, so the run goes on and its later output is dropped, as ``head`` wanted.
+    A print into the closed pipe raised BrokenPipeError in the middle of the command, which ended
+    a simulated run with status 0 and no summary whenever Python's 8 KB stdout buffer filled
+    before the last round (a loaded CI machine hit it). Here the first BrokenPipeError points the
+    stream at /dev/null, so the run, tuning or deployed run goes on and its later output is
+    dropped, as ``head`` wanted.
     """
 
     def __init__(self, stream: TextIO) -> None:

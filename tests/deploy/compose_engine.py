@@ -13,13 +13,12 @@ Each compose project of the tests has its own name and its own published host po
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,31 +39,22 @@ def project_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, **{var: str(free_port()) for var in PORT_VARS}}
 
 
-@contextlib.contextmanager
-def _setup_lock() -> Iterator[None]:
-    with LOCK.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
-        yield
+def _once_per_run(step: str, action: Callable[[], None]) -> None:
+    """``action()``, one xdist worker at a time, unless another worker of this test run did it.
 
-
-def _once_per_run(step: str) -> bool:
-    """Whether ``step`` is still to do in this test run; call it under ``_setup_lock``. An xdist
-    worker finds it done by another worker of the same run (PYTEST_XDIST_TESTRUNUID, the same in
-    every worker of one run), and does not repeat it: `podman-setup.sh all` ends with a compose
-    project of its own, which on two loaded cores took minutes."""
+    The marker holds the run's PYTEST_XDIST_TESTRUNUID (the same in every worker of one run), so
+    a later run does the step again: `podman-setup.sh all` ends with a compose project of its
+    own, which on two loaded cores took minutes, and need not run twice in one test run.
+    """
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     done = LOCK.with_name(f"{LOCK.name}.{step}")
-    if run is None:
-        return True
-    if done.is_file() and done.read_text() == run:
-        return False
-    return True
-
-
-def _done_in_this_run(step: str) -> None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is not None:
-        LOCK.with_name(f"{LOCK.name}.{step}").write_text(run)
+    with LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        if run is not None and done.is_file() and done.read_text() == run:
+            return
+        action()
+        if run is not None:
+            done.write_text(run)
 
 
 def podman_unavailable() -> str | None:
@@ -88,11 +78,11 @@ def podman_with_images() -> dict[str, str]:
     reason = podman_unavailable()
     if reason:
         pytest.skip(reason)
-    with _setup_lock():
-        if _once_per_run("images"):
-            _script("scripts/podman-setup.sh", "all", timeout=3600)
-            print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
-            _done_in_this_run("images")
+    def setup_and_build() -> None:
+        _script("scripts/podman-setup.sh", "all", timeout=3600)
+        print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
+
+    _once_per_run("images", setup_and_build)
     return _podman_env()
 
 
@@ -102,10 +92,10 @@ def with_prometheus_image() -> dict[str, str]:
     once built), which ``env`` then exports as FEDMETA_PROMETHEUS_IMAGE. Without it the
     dashboards test on podman would skip after ``podman-setup.sh all``, which does not build it.
     """
-    with _setup_lock():
-        if _once_per_run("dashboards"):
-            print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
-            _done_in_this_run("dashboards")
+    def build_prometheus() -> None:
+        print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
+
+    _once_per_run("dashboards", build_prometheus)
     return _podman_env()
 
 

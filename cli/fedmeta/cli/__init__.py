@@ -132,8 +132,6 @@ def _registrars() -> tuple[Any, ...]:
             evaluate.register, deploy.register)  # fmt: skip
 
 
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return its exit status.
 

@@ -88,8 +88,8 @@ def tasks_from_plans(
     x = ds.example(plans, device)  # [n, n_way, per, C, H, W]
     y = torch.arange(n_way, device=x.device).repeat_interleave(per).reshape(n_way, per)
     image = x.shape[3:]
-    support_y, query_y = (part.reshape(1, -1).repeat(n, 1) for part in (y[:, :k_shot],
-                                                                       y[:, k_shot:]))  # fmt: skip
+    support_y = y[:, :k_shot].reshape(1, -1).repeat(n, 1)
+    query_y = y[:, k_shot:].reshape(1, -1).repeat(n, 1)
     return Task(x[:, :, :k_shot].reshape(n, -1, *image), support_y,
                 x[:, :, k_shot:].reshape(n, -1, *image), query_y)  # fmt: skip
 
