@@ -16,7 +16,8 @@
 #             images' base where no image registry is reachable (FEDMETA_BASE_IMAGE names it)
 #   service   podman's Docker-compatible API on $FEDMETA_PODMAN_DIR/podman.sock and, where systemd
 #             is not running (podman runs healthchecks from systemd timers), a healthcheck runner
-#             that runs every container's healthcheck every $FEDMETA_HEALTHCHECK_EVERY_S (5) s, so
+#             that runs each container's healthcheck at the container's own interval (as those
+#             timers do), looking every $FEDMETA_HEALTHCHECK_EVERY_S (5) s, so
 #             `depends_on: service_healthy` and `up --wait` work
 #   check     a two-service compose project through that socket: up / wait / logs / down
 #   dashboards  localhost/fedmeta-prometheus:2.42: Debian's Prometheus on the base image
@@ -203,12 +204,22 @@ alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 cmd_healthchecks() {
   # Without systemd nothing runs podman's healthchecks: a container stays "starting" for ever. Run
-  # each running container's check (those with one) every $every s; podman applies the container's
-  # own start period and retries to the results.
+  # each running container's check (those with one) when its own interval has passed (the
+  # compose file's: 5 s for the SuperLink, 10 s a participant, 15 s the exporter), looking every
+  # $every s; podman applies the container's own start period and retries to the results. Every
+  # check is a `podman healthcheck run` and an exec in the container: all of them every 5 s kept
+  # about a third of a core busy per federation on a 2-core machine (issue 41).
   conf_env
+  local c now ns
+  declare -A due=()
   while :; do
+    now=$(date +%s)
     for c in $(podman ps -q --filter health=starting --filter health=healthy --filter health=unhealthy 2>/dev/null); do
+      [ "${due[$c]:-0}" -le "$now" ] || continue
       timeout 30 podman healthcheck run "$c" >/dev/null 2>&1 || true
+      ns=$(podman inspect -f '{{with .Config.Healthcheck}}{{printf "%d" .Interval}}{{end}}' "$c" 2>/dev/null || true)
+      case "$ns" in ''|*[!0-9]*) ns=0 ;; esac
+      due[$c]=$(( now + ns / 1000000000 ))
     done
     sleep "$every"
   done

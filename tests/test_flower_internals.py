@@ -119,10 +119,16 @@ INTERNALS: tuple[Internal, ...] = (
              ("runtime_api_address", "insecure", "root_certificates", "token")),
     Internal(_RUNTIME, "RuntimeHttpClient.SendTaskHeartbeat", "superlink_watch"),
     Internal(_PB, "SendTaskHeartbeatResponse", "superlink_watch", fields=("success",)),
-    # fedmeta deploy status: node public keys, which `flwr supernode list` does not print
-    Internal("flwr.cli.flower_config", "read_superlink_connection", "deploy_status"),
-    Internal("flwr.cli.utils", "init_http_client_from_connection", "deploy_status"),
+    # the Control API in-process (cli/fedmeta/cli/control_api.py): `fedmeta deploy status`'s node
+    # public keys, which `flwr supernode list` does not print, and `deploy run`'s status polls
+    Internal("flwr.cli.flower_config", "read_superlink_connection", "control_api"),
+    Internal("flwr.cli.utils", "init_http_client_from_connection", "control_api"),
     Internal("flwr.proto.control_pb2", "ListNodesRequest", "deploy_status"),
+    Internal("flwr.proto.control_pb2", "ListRunsRequest", "control_api", fields=("run_id",)),
+    Internal("flwr.supercore.control", "ControlHttpClient.ListRuns", "control_api"),
+    Internal("flwr.proto.control_pb2", "ListRunsResponse", "control_api", fields=("run_dict",)),
+    Internal("flwr.proto.run_pb2", "RunStatus", "control_api",
+             fields=("status", "sub_status", "details")),
 )  # fmt: skip
 
 #: Metadata fields that fedmeta sets through ``Message.metadata.__dict__`` as Flower's own

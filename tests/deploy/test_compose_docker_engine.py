@@ -1,6 +1,7 @@
 """The compose federation on Docker Engine from the documented commands (scripts/compose-smoke.sh
 --engine docker; the steps: tests/deploy/test_compose_podman.py), plain and with the overlay that
-runs the SuperLink and SuperNodes from Flower's images.
+runs the SuperLink and SuperNodes from Flower's images, each ``--quick`` (one run of 2 rounds; the
+whole sequence of runs is podman's plain test).
 
 The engine: the machine's own Docker Engine where one answers, else Debian's docker.io started
 here (tests/deploy/docker_engine.py), once for both tests (``engine``: this module's tests share
@@ -45,7 +46,7 @@ def _smoke_on_docker_engine(env: dict[str, str], *more: str) -> str:
     asks for a build in Docker Engine."""
     if os.environ.get("FEDMETA_DOCKER_BUILD") != "1":
         more = ("--images-from-podman", *more)
-    out = smoke("docker", env, *more)
+    out = smoke("docker", env, "--quick", *more)
     assert "compose-smoke: Docker Engine" in out
     if "--images-from-podman" in more:
         assert "podman's store" in out or "this engine holds podman's build" in out, out

@@ -8,7 +8,11 @@ ledger; a third deploy run finds nothing left and exits 3), the exporter's view 
 
 Run on podman (set up as the guide says), plain, with the overlay that runs the SuperLink and
 SuperNodes from Flower's images (--flower-images), and that with TLS; the same on Docker Engine:
-tests/deploy/test_compose_docker_engine.py. `slow`. Every compose test shares one set of images,
+tests/deploy/test_compose_docker_engine.py. The whole sequence runs once, on podman's plain files;
+the overlays and Docker Engine run ``--quick`` (up, the image checks, one run of 2 rounds, its 2
+spends in the exporter, down): how runs compose in the ledger does not depend on the engine or the
+overlay, and the whole sequence on each took 5-7 of the deploy suite's worker-minutes each (issue
+41: the suite in 20 minutes). `slow`. Every compose test shares one set of images,
 built once per test session by the ``podman_images`` fixture (scripts/compose-build.sh;
 tests/deploy/compose_engine.py); these run the script with --no-build and --no-setup
 (``podman-setup.sh all``, whose check is a compose project of its own, also ran once, in the
@@ -44,7 +48,7 @@ def test_compose_federation_on_flowers_images_on_podman(podman_images: dict[str,
     """The overlay deploy/compose/flower-images.yml: the SuperLink and SuperNodes from Flower's
     published images (or, where no registry has them, the stand-ins built to their contract, which
     the script says), fedmeta's worker beside each SuperNode; the same runs and ledger checks."""
-    out = _smoke_on_podman(podman_images, "--flower-images")
+    out = _smoke_on_podman(podman_images, "--flower-images", "--quick")
     # Which images ran is said: Flower's published ones, a mirror's given ones, or the stand-ins.
     said = ("compose-smoke: Flower's published images", "compose-smoke: Flower's images as given",
             "stand-ins built from deploy/images/flower-standin.Dockerfile")  # fmt: skip
@@ -58,5 +62,5 @@ def test_compose_federation_on_flowers_images_with_tls_on_podman(
 ) -> None:
     """The same with TLS and node authentication: the four files of docs/deploy.md, the keys
     readable by fedmeta's and Flower's users (--owner 10001:49999 --group-read)."""
-    out = _smoke_on_podman(podman_images, "--flower-images", "--tls")
+    out = _smoke_on_podman(podman_images, "--flower-images", "--tls", "--quick")
     assert "as uid 49999, without fedmeta" in out

@@ -11,8 +11,9 @@ where ``flwr run`` exits 0 even when the ServerApp fails. It
   the participants' workers accept only runs of their own fedmeta version;
 * gives every run its own output directory (``--runs-dir``/UTC time-random) unless ``--out`` names
   one, so a second run never collides with the first;
-* polls the run's status (``flwr ls --run-id``) until it finishes, then exits with fedmeta's exit
-  status (core/fedmeta/exitcodes.py), and prints where the outputs and the ledger are.
+* polls the run's status (what ``flwr ls --run-id`` shows, asked in this process: control_api.py)
+  until it finishes, then exits with fedmeta's exit status (core/fedmeta/exitcodes.py), and prints
+  where the outputs and the ledger are.
 
 ``fedmeta deploy participant`` runs one participant: a SuperNode
 (``python -m fedmeta.client.supernode``, fast polls, ``--isolation process``) and its warm worker
@@ -22,8 +23,8 @@ first one's status, so a supervisor (systemd, a container's restart policy) rest
 ``fedmeta deploy worker`` runs the warm worker alone, for a SuperNode started elsewhere (Flower's
 ``flwr/supernode`` image: ``deploy/compose/flower-images.yml``).
 
-Nothing here imports torch, Flower or ``server``: the commands drive subprocesses (``worker``
-replaces its own process with the worker's). The modules
+Nothing here imports torch or ``server``, and Flower only to poll a run's status (control_api.py):
+the commands drive subprocesses (``worker`` replaces its own process with the worker's). The modules
 they launch are imported (``client.supernode``, ``client.worker``: both import Flower only when
 they run), so the launched names follow the code.
 """
@@ -343,29 +344,24 @@ def submit(env: Mapping[str, str], app: Path, config_file: Path, reach_s: float 
         time.sleep(2.0)
 
 
-def run_status(env: Mapping[str, str], run_id: str) -> tuple[str, str]:
-    """(status, details) of ``run_id``; ("", "") when the SuperLink did not answer this time."""
-    res = flwr(env, "ls", CONNECTION, "--run-id", run_id, "--format", "json")
-    if res.returncode != 0:
-        return "", ""
-    try:
-        runs = json_in(res.stdout).get("runs", [])
-    except ValueError:
-        return "", ""
-    if not runs:
-        return "", ""
-    details = str(runs[0].get("status-details") or "")
-    return str(runs[0].get("status", "")), "" if details == "N/A" else details
-
-
 def wait_for(env: Mapping[str, str], run_id: str, timeout: float, poll: float) -> tuple[str, str]:
-    """Poll until the run finishes or ``timeout`` passes (then the run is stopped)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status, details = run_status(env, run_id)
-        if status.startswith("finished"):
-            return status, details
-        time.sleep(poll)
+    """Poll until the run finishes or ``timeout`` passes (then the run is stopped).
+
+    In this process, through Flower's Control API client (control_api.py): a ``flwr ls`` process
+    per poll cost about 1.3 CPU-seconds each time.
+    """
+    from fedmeta.cli.control_api import RunStatus
+
+    run_status = RunStatus(env, CONNECTION)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, details = run_status(run_id)
+            if status.startswith("finished"):
+                return status, details
+            time.sleep(poll)
+    finally:
+        run_status.close()
     flwr(env, "stop", run_id, CONNECTION)
     return "timeout", f"not finished after {timeout:.0f} s; stopped"
 

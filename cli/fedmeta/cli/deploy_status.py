@@ -22,7 +22,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -212,36 +212,22 @@ def _bindings(path: Path | None) -> dict[str, str]:
     return {str(fp): str(pid) for pid, fp in keys.items()}
 
 
-@contextlib.contextmanager
-def _environment(env: Mapping[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def _nodes(env: Mapping[str, str]) -> list[dict[str, Any]]:
     """The SuperLink's nodes with their public keys, which ``flwr supernode list`` omits.
 
     Read through the Control API with Flower 1.41's own client, as that command does.
     """
-    from flwr.cli.flower_config import read_superlink_connection
-    from flwr.cli.utils import init_http_client_from_connection
     from flwr.proto.control_pb2 import ListNodesRequest
 
+    from fedmeta.cli.control_api import open_client
     from fedmeta.cli.deploy import CONNECTION
     from fedmeta.server.transport import key_fingerprint
 
-    # Flower's helpers print progress to stdout: keep it for this command's own output (--json).
-    with _environment(env), contextlib.redirect_stdout(sys.stderr):
-        client = init_http_client_from_connection(read_superlink_connection(CONNECTION))
-        try:
-            infos = list(client.ListNodes(ListNodesRequest()).nodes_info)
-        finally:
-            client.close()
+    client = open_client(env, CONNECTION)
+    try:
+        infos = list(client.ListNodes(ListNodesRequest()).nodes_info)
+    finally:
+        client.close()
     return [{"node_id": str(i.node_id), "name": i.name, "status": i.status,
              "key": key_fingerprint(bytes(i.public_key)), "last_online": i.last_activated_at}
             for i in infos if i.status != "unregistered"]  # fmt: skip
