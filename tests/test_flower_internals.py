@@ -118,6 +118,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("flwr.superlink.grid", "HttpGrid", "superlink_watch",
              ("runtime_api_address", "insecure", "root_certificates", "token")),
     Internal(_RUNTIME, "RuntimeHttpClient.SendTaskHeartbeat", "superlink_watch"),
+    # the round's push or pull failing with the SuperLink's session (a restart mid-push): the
+    # exchange stops the run with the reason (server/fedmeta/server/transport.py)
+    Internal("flwr.supercore.inflatable.inflatable_utils", "ObjectPushError", "transport"),
+    Internal("flwr.supercore.inflatable.inflatable_utils", "ObjectPullError", "transport"),
+    Internal("flwr.supercore.inflatable.inflatable_utils", "ObjectUnavailableError", "transport"),
     Internal(_PB, "SendTaskHeartbeatResponse", "superlink_watch", fields=("success",)),
     # the Control API in-process (cli/fedmeta/cli/control_api.py): `fedmeta deploy status`'s node
     # public keys, which `flwr supernode list` does not print, and `deploy run`'s status polls

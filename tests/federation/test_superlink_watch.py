@@ -199,3 +199,40 @@ def test_a_connection_nothing_accepts_is_refused_not_a_slow_answer() -> None:
 def test_no_watch_outside_a_deployment() -> None:
     with sw.watching(object(), 30) as stop:
         assert stop is None
+
+
+@pytest.mark.integration
+def test_a_connection_dropped_without_an_answer_is_refused() -> None:
+    """A SuperLink going down under a probe: the connection accepted, then closed with no answer.
+    Seen as a slow answer, a restart inside one probe went unnoticed (issue 41, under compose)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = int(listener.getsockname()[1])
+
+    def drop_one() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    thread = threading.Thread(target=drop_one, daemon=True)
+    thread.start()
+    try:
+        probe = sw.heartbeat_probe(_grid(port), timeout_s=5)
+        assert probe is not None
+        result = probe()
+        assert result.kind == REFUSED and "dropped without an answer" in result.detail, result
+    finally:
+        thread.join(timeout=10)
+        listener.close()
+
+
+@pytest.mark.integration
+def test_every_probe_is_a_new_connection(superlink: tuple[int, dict[str, object]]) -> None:
+    """Kept-alive connections could go stale and read as dropped: each probe asks for close."""
+    port, answer = superlink
+    probe = sw.heartbeat_probe(_grid(port), timeout_s=5)
+    assert probe is not None
+    assert probe().kind == OK and probe().kind == OK
+    seen = answer["seen"]
+    assert isinstance(seen, list) and all("close" in headers.lower() for _, headers in seen)

@@ -11,7 +11,7 @@ survive the restart, and nothing bounded the wait.
 heartbeat, sent once, without Flower's retries, and :func:`judge` reads the answers:
 
 * *restarted*: the SuperLink refused connections (nothing was listening, or nothing accepted a
-  connection within ``CONNECT_S``) and answers again;
+  connection within ``CONNECT_S``, or it dropped one without answering) and answers again;
 * *forgot the run*: it answers that it holds no such task (the heartbeat is refused, or HTTP
   401/403/404: restarted without its database, or the run was stopped);
 * *gone*: no answer at all for ``federation.superlink_timeout_s``.
@@ -52,6 +52,25 @@ CONNECT_S = 2.0
 
 class SuperLinkLost(RuntimeError):
     """The run was ended because its SuperLink restarted, forgot the run or stopped answering."""
+
+
+class StopRequest(threading.Event):
+    """The run's stop event, with why when the SuperLink's side set it (``reason``).
+
+    Besides the watch, the round's exchange sets it when Flower's grid fails to move the round's
+    messages (a restarted SuperLink no longer holds the push session: ``ObjectPushError``), which
+    can come before any probe has seen the restart (server/fedmeta/server/transport.py).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+
+    def lost(self, reason: str) -> None:
+        """Stop the run because the SuperLink was lost (the first reason is kept)."""
+        if self.reason is None:
+            self.reason = reason
+        self.set()
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,10 @@ class SuperLinkWatch:
             seen = self.probe()
             now = time.monotonic()
             since = outage.since if outage else now
+            before = outage
             outage, reason = judge(outage, seen, now, self.timeout_s)
+            if (before is None) != (outage is None):  # an outage began or ended: operator's log
+                log.info("SuperLink probe: %s %s", seen.kind, seen.detail)
             if reason is not None:
                 self._end(reason, now - since)
                 return
@@ -182,30 +204,47 @@ def heartbeat_probe(grid: Any, timeout_s: float) -> Callable[[], Probe] | None:
     # (restarting under podman, its address unanswered) shows as a connect timeout, and a short
     # one leaves time for the probes after it to see the restart's refusals.
     client._client.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_S))
+    # A new connection for every probe: a connection closed without an answer then means that the
+    # process that accepted it went away (a restart), never that a kept-alive one had gone stale.
+    client._client.headers["Connection"] = "close"
 
     def probe() -> Probe:
-        try:
-            res = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
-        except httpx.ConnectTimeout as error:
-            # No TCP handshake at all: nothing is there to accept the connection, which a busy
-            # SuperLink's kernel still does (that is a read timeout, NO_ANSWER). A restart under
-            # podman showed only these, so that it went unnoticed (issue 41).
-            return Probe(REFUSED, f"no connection within {CONNECT_S:g} s ({_one_line(error)})")
-        except httpx.ConnectError as error:
-            return Probe(REFUSED, _one_line(error))
-        except httpx.TransportError as error:
-            return Probe(NO_ANSWER, _one_line(error) or type(error).__name__)
-        except httpx.HTTPStatusError as error:
-            code = error.response.status_code
-            kind = NO_ANSWER if code >= 500 else FORGOTTEN
-            return Probe(kind, f"HTTP {code} to the task's heartbeat")
-        except ValueError as error:  # an answer that is not the Runtime API's (a proxy's page)
-            return Probe(NO_ANSWER, _one_line(error))
-        if not res.success:
-            return Probe(FORGOTTEN, "it refused the task's heartbeat: the task is not active")
-        return Probe(OK)
+        return _answer_of(lambda: client.SendTaskHeartbeat(SendTaskHeartbeatRequest()))
 
     return probe
+
+
+def _answer_of(send: Callable[[], Any]) -> Probe:
+    """What one heartbeat ``send()`` says of the SuperLink (httpx's errors read as probe kinds)."""
+    import httpx
+
+    try:
+        res = send()
+    except httpx.ConnectTimeout as error:
+        # No TCP handshake at all: nothing is there to accept the connection, which a busy
+        # SuperLink's kernel still does (that is a read timeout, NO_ANSWER). A restart under
+        # podman showed only these, so that it went unnoticed (issue 41).
+        return Probe(REFUSED, f"no connection within {CONNECT_S:g} s ({_one_line(error)})")
+    except httpx.ConnectError as error:
+        return Probe(REFUSED, _one_line(error))
+    except (httpx.RemoteProtocolError, httpx.ReadError) as error:
+        # Accepted, then closed or reset with no answer: the SuperLink went down under this
+        # probe. A restart whose whole downtime fell inside one such probe was otherwise seen
+        # as a slow answer followed by answers, and went unnoticed under compose (the run
+        # stalled for minutes, then went on).
+        return Probe(REFUSED, f"the connection was dropped without an answer "
+                              f"({_one_line(error) or type(error).__name__})")  # fmt: skip
+    except httpx.TransportError as error:
+        return Probe(NO_ANSWER, _one_line(error) or type(error).__name__)
+    except httpx.HTTPStatusError as error:
+        code = error.response.status_code
+        kind = NO_ANSWER if code >= 500 else FORGOTTEN
+        return Probe(kind, f"HTTP {code} to the task's heartbeat")
+    except ValueError as error:  # an answer that is not the Runtime API's (a proxy's page)
+        return Probe(NO_ANSWER, _one_line(error))
+    if not res.success:
+        return Probe(FORGOTTEN, "it refused the task's heartbeat: the task is not active")
+    return Probe(OK)
 
 
 def _one_line(error: BaseException) -> str:
@@ -222,12 +261,13 @@ def watching(grid: Any, timeout_s: float) -> Iterator[threading.Event | None]:
     if probe is None:
         yield None
         return
-    stop = threading.Event()
+    stop = StopRequest()
     watch = SuperLinkWatch(probe, timeout_s, stop)
     watch.start()
     try:
         yield stop
     finally:
         watch.close()
-    if watch.reason is not None:
-        raise SuperLinkLost(watch.reason)
+    reason = watch.reason or stop.reason
+    if reason is not None:
+        raise SuperLinkLost(reason)

@@ -22,12 +22,20 @@ from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from flwr.app import Message
+from flwr.supercore.inflatable.inflatable_utils import (
+    ObjectPullError,
+    ObjectPushError,
+    ObjectUnavailableError,
+)
 
 from fedmeta import protocol as P
 from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE
 from fedmeta.server.round import Delivery, Exchange
+from fedmeta.server.superlink_watch import StopRequest
 
 log = logging.getLogger("fedmeta.server")
+#: Flower's grid failing to move a round's objects: the SuperLink lost the push or pull session.
+_GRID_ERRORS = (ObjectPushError, ObjectPullError, ObjectUnavailableError)
 
 FAILURE_TIMEOUT = "timeout"
 FAILURE_ERROR_REPLY = "error_reply"
@@ -139,9 +147,14 @@ class GridTransport:
         for pid, request in requests.items():
             content = P.encode_gradient_request(request)
             messages.append(Message(content, nodes[pid], P.MSG_TRAIN, group_id=group))
-        ids = list(self.grid.push_messages(messages))
-        pending = dict(zip(ids, requests, strict=True))
-        replies = self._pull(pending, stop)
+        try:
+            ids = list(self.grid.push_messages(messages))
+            pending = dict(zip(ids, requests, strict=True))
+            replies = self._pull(pending, stop)
+        except _GRID_ERRORS as error:
+            if stop is None:
+                raise
+            return _lost_round(requests, error, stop)
         return self._deliveries(requests, pending, replies, self.shared)
 
     def _pull(self, pending: Mapping[str, str], stop: threading.Event | None) -> list[Message]:
@@ -179,6 +192,26 @@ class GridTransport:
         for pid in requests:
             deliveries.setdefault(pid, Delivery(None, FAILURE_TIMEOUT, "no reply in time"))
         return Exchange({pid: deliveries[pid] for pid in requests}, strays)
+
+
+def _lost_round(
+    requests: Mapping[str, P.GradientRequest], error: Exception, stop: threading.Event
+) -> Exchange:
+    """Stop the run: the round's messages were lost with the SuperLink's session.
+
+    A restart mid-push. The round is then abandoned before its spend (server/round.py), as when
+    the SuperLink watch notices a restart; the error is what ``SuperLinkLost`` then says.
+    """
+    said = " ".join(str(error).split())[:200]
+    reason = (f"the SuperLink lost the round's messages ({type(error).__name__}: {said}); it "
+              "restarted or dropped the session")  # fmt: skip
+    log.warning("ending the run: %s", reason)
+    if isinstance(stop, StopRequest):
+        stop.lost(reason)
+    else:  # fedmeta simulate's own stop (its grids raise none of these)
+        stop.set()
+    failed = Delivery(None, FAILURE_TIMEOUT, "the SuperLink lost the round")
+    return Exchange(dict.fromkeys(requests, failed), {})
 
 
 def _delivery(reply: Message, shared: bool = False) -> Delivery:
