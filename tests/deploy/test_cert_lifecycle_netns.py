@@ -74,6 +74,8 @@ MAX_FAILURES = 2
 RECONNECTED = re.compile(r"Connection successful after ([0-9.]+) seconds")
 #: The SuperLink's access log line of a node it activated (through the proxy: from loopback).
 ACTIVATED = re.compile(r'"POST /v1/fleet/activate-node HTTP/1.1" 200')
+#: An idle SuperNode's poll of the SuperLink (Flower 1.41's; fedmeta's launcher keeps it when idle).
+IDLE_POLL_S = 3.0
 
 
 class LogMark:
@@ -230,14 +232,19 @@ def restart_superlink(
     """Step 2: SIGTERM the SuperLink, start it on the same database; the gaps, in seconds.
 
     ``stopped``: until the old process has exited; ``control``: until the new one's Control API
-    answers (``flwr ls``, polled every 0.5 s: about 1 s resolution); ``nodes``: until every
-    SuperNode has logged its reconnection (Flower's retry backoff, at most 20 s between tries).
+    answers (``flwr ls``, polled every 0.5 s: about 1 s resolution), including a pause of
+    ``IDLE_POLL_S + 1`` s with none running; ``nodes``: until every SuperNode has logged its
+    reconnection (Flower's retry backoff, at most 20 s between tries).
     """
     before = {n.key_name: reconnections(fed, n) for n in nodes}
     t0 = time.monotonic()
     fed.server.kill(link, signal.SIGTERM)
     link.wait(timeout=60)
     stopped = time.monotonic() - t0
+    # Down for longer than an idle SuperNode's poll (Flower's 3 s): every node then meets it down
+    # and logs its reconnection. On a quiet machine the restart took less than a poll, and a node
+    # that never met it logged nothing to wait for (seen once, 2026-11-28).
+    time.sleep(IDLE_POLL_S + 1)
     restarted = fed.start_superlink(
         database=superlink_db(fed), proxy=False, log_name=f"superlink-{time.time_ns()}"
     )
