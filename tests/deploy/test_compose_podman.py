@@ -11,8 +11,8 @@ SuperNodes from Flower's images (--flower-images), and that with TLS; the same o
 tests/deploy/test_compose_docker_engine.py. The whole sequence runs once, on podman's plain files;
 the overlays and Docker Engine run ``--quick`` (up, the image checks, one run of 2 rounds, its 2
 spends in the exporter, down): how runs compose in the ledger does not depend on the engine or the
-overlay, and the whole sequence on each took 5-7 of the deploy suite's worker-minutes each (issue
-41: the suite in 20 minutes). `slow`. Every compose test shares one set of images,
+overlay, and the whole sequence took 5-7 minutes a test in the deploy suite (issue 41: the suite
+in 20 minutes). `slow`. Every compose test shares one set of images,
 built once per test session by the ``podman_images`` fixture (scripts/compose-build.sh;
 tests/deploy/compose_engine.py); these run the script with --no-build and --no-setup
 (``podman-setup.sh all``, whose check is a compose project of its own, also ran once, in the
