@@ -90,6 +90,15 @@ def compose(podman_images: dict[str, str]) -> Iterator[Compose]:
         dc("down", "-v", "--remove-orphans", "-t", "5", timeout=300)
 
 
+def _what_the_services_said(dc: Compose) -> str:
+    """The serverapp's and superlink's log lines that tell a failed restart test's story (the
+    watch's probes, restarts, warnings), read only when the test fails."""
+    logs = dc("logs", "--no-color", "--timestamps", "serverapp", "superlink", timeout=120).stdout
+    said = [line for line in logs.splitlines() if "fedmeta" in line or "Starting" in line
+            or "WARN" in line or "ERROR" in line or "SuperLink" in line]  # fmt: skip
+    return "\n".join(said[-80:])
+
+
 def _until_spent(dc: Compose, before: int, more: int, run: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 900
     while sum(map(len, dc.spends().values())) < before + more:
@@ -128,10 +137,7 @@ def test_superlink_restart_mid_run_under_compose(compose: Compose) -> None:
     text = run.communicate(timeout=WATCH_S + SLACK_S + 600)[0]
     took = time.monotonic() - back
     print(f"deploy run exited {run.returncode} {took:.0f} s after `restart superlink` returned")
-    logs = dc("logs", "--no-color", "--timestamps", "serverapp", "superlink", timeout=120).stdout
-    said = [line for line in logs.splitlines() if "fedmeta" in line or "Starting" in line
-            or "WARN" in line or "ERROR" in line or "SuperLink" in line]  # fmt: skip
-    assert run.returncode == 1, text + "\n--- logs ---\n" + "\n".join(said[-80:])
+    assert run.returncode == 1, text + "\n--- logs ---\n" + _what_the_services_said(dc)
     assert "SuperLinkLost: the SuperLink" in text and "stopped: interrupted" in text, text
     assert took <= WATCH_S + SLACK_S, text
     out = re.search(r"outputs will be in (\S+) on the ServerApp's host", text)

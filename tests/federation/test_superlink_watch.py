@@ -11,7 +11,7 @@ from __future__ import annotations
 import http.server
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -113,6 +113,13 @@ def _grid(port: int) -> object:
     return HttpGrid(runtime_api_address=f"127.0.0.1:{port}", insecure=True, token="t0ken")
 
 
+def _probe(port: int, timeout_s: float = 5) -> Callable[[], Probe]:
+    """The heartbeat probe of an ``HttpGrid`` whose SuperLink is at loopback ``port``."""
+    probe = sw.heartbeat_probe(_grid(port), timeout_s=timeout_s)
+    assert probe is not None
+    return probe
+
+
 @pytest.fixture
 def superlink() -> Iterator[tuple[int, dict[str, object]]]:
     """An HTTP server answering the heartbeat path as told by the yielded dict."""
@@ -149,8 +156,7 @@ def superlink() -> Iterator[tuple[int, dict[str, object]]]:
 @pytest.mark.integration
 def test_the_probe_reads_a_superlinks_answers(superlink: tuple[int, dict[str, object]]) -> None:
     port, answer = superlink
-    probe = sw.heartbeat_probe(_grid(port), timeout_s=5)
-    assert probe is not None
+    probe = _probe(port)
     assert probe().kind == OK
     seen = answer["seen"]
     assert isinstance(seen, list) and seen[0][0] == "/v1/runtime/send-task-heartbeat"
@@ -165,8 +171,7 @@ def test_the_probe_reads_a_superlinks_answers(superlink: tuple[int, dict[str, ob
 
 @pytest.mark.integration
 def test_the_probe_sees_a_closed_port_as_refused() -> None:
-    probe = sw.heartbeat_probe(_grid(_free_port()), timeout_s=5)
-    assert probe is not None
+    probe = _probe(_free_port())
     result = probe()
     assert result.kind == REFUSED, result
 
@@ -186,8 +191,7 @@ def test_a_connection_nothing_accepts_is_refused_not_a_slow_answer() -> None:
             client.setblocking(False)
             client.connect_ex(("127.0.0.1", port))
             pending.append(client)
-        probe = sw.heartbeat_probe(_grid(port), timeout_s=1)
-        assert probe is not None
+        probe = _probe(port, timeout_s=1)
         result = probe()
         assert result.kind == REFUSED and "no connection within" in result.detail, result
     finally:
@@ -218,8 +222,7 @@ def test_a_connection_dropped_without_an_answer_is_refused() -> None:
     thread = threading.Thread(target=drop_one, daemon=True)
     thread.start()
     try:
-        probe = sw.heartbeat_probe(_grid(port), timeout_s=5)
-        assert probe is not None
+        probe = _probe(port)
         result = probe()
         assert result.kind == REFUSED and "dropped without an answer" in result.detail, result
     finally:
@@ -231,8 +234,7 @@ def test_a_connection_dropped_without_an_answer_is_refused() -> None:
 def test_every_probe_is_a_new_connection(superlink: tuple[int, dict[str, object]]) -> None:
     """Kept-alive connections could go stale and read as dropped: each probe asks for close."""
     port, answer = superlink
-    probe = sw.heartbeat_probe(_grid(port), timeout_s=5)
-    assert probe is not None
+    probe = _probe(port)
     assert probe().kind == OK and probe().kind == OK
     seen = answer["seen"]
     assert isinstance(seen, list) and all("close" in headers.lower() for _, headers in seen)
