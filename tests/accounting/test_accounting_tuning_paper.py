@@ -13,8 +13,10 @@ What the paper gives, and what this test can check (issue 42, item 2):
   figure: Theorem 2 evaluated directly below (numpy over dp-accounting's base curve, with ``gamma``
   solved by scipy's ``brentq`` from scipy's own laws, not by our bisection), and dp-accounting's
   ``RepeatAndSelectDpEvent`` (Google's implementation of the same paper, a second author's
-  library). The closed-form corollaries (3: ``(2 + eta) eps`` for pure DP, the Liu and Talwar
-  figure ``3 eps`` at ``eta = 1``; 4: a Gaussian base) are checked in test_accounting_tuning.py.
+  library). The figure's plotted points themselves, recomputed from the inputs published with the
+  paper, are checked in test_accounting_tuning_figure7.py. The closed-form corollaries (3: ``(2 +
+  eta) eps`` for pure DP, the Liu and Talwar figure ``3 eps`` at ``eta = 1``; 4: a Gaussian base)
+  are checked in test_accounting_tuning.py.
 * 60 epochs of 60,000 records at 256 a batch: ``ceil(60 * 60000 / 256) = 14063`` steps (the paper
   states epochs; the step count is ours, rounded up, which errs high).
 
