@@ -21,8 +21,8 @@ What the comparison shows:
   lambda_hat <= (1 + eta) L / 1.25`` above it (1.25 the grid's smallest order); on these inputs it
   is never below it, so our value errs high against the paper's own evaluation, by at most that
   slack (0.47 at ``gamma = 0.5``, at most 4e-5 at the ``gamma <= 2.4e-4``, the figure's left half).
-* **The base curve** is DP-SGD at ``q = 256 / 60000``, ``sigma = 1.1`` over ``ceil(60 * 60000 /
-  256) = 14063`` steps (the paper's section 5 settings): our own round accounting reproduces it at
+* **The base curve** is the paper's section 5 base run (tests/accounting/mnist_dpsgd.py: DP-SGD at
+  ``q = 256 / 60000``, ``sigma = 1.1``, 14,063 steps): our own round accounting reproduces it at
   every integer order to ``BASE_REL`` and is at or above it at the fractional ones (the published
   fractional orders came from an older series expansion; ours errs high).
 """
@@ -33,8 +33,8 @@ import math
 
 import numpy as np
 import pytest
+from tests.accounting.mnist_dpsgd import STEPS, mnist_round
 
-from fedmeta.accounting import FlatPoissonScheme, GaussianRound
 from fedmeta.accounting.rdp import RDP_ORDERS
 from fedmeta.accounting.tuning import (
     NegativeBinomialTrials,
@@ -90,8 +90,7 @@ def _point(trials: NegativeBinomialTrials | PoissonTrials) -> float:
 
 @pytest.mark.parametrize("rel", [BASE_REL])
 def test_our_round_accounting_reproduces_the_figures_base_curve(rel: float) -> None:
-    run = (GaussianRound(FlatPoissonScheme(256 / 60000), 1.1), math.ceil(60 * 60000 / 256))
-    ours = dict(zip(RDP_ORDERS, rounds_rdp([run]), strict=True))
+    ours = dict(zip(RDP_ORDERS, rounds_rdp([(mnist_round(), STEPS)]), strict=True))
     shared = [(o, v) for o, v in zip(FIGURE_ORDERS, FIGURE_RDP, strict=True) if o in ours]
     assert sum(float(o).is_integer() for o, _ in shared) >= 60
     for order, published in shared:

@@ -34,8 +34,8 @@ import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import optimize, stats
+from tests.accounting.mnist_dpsgd import DELTA, RATE, SIGMA, STEPS, mnist_round
 
-from fedmeta.accounting import FlatPoissonScheme, GaussianRound
 from fedmeta.accounting.rdp import RDP_ORDERS
 from fedmeta.accounting.tuning import (
     Candidate,
@@ -47,8 +47,6 @@ from fedmeta.accounting.tuning import (
 )
 
 pytestmark = pytest.mark.unit
-RATE, SIGMA, DELTA = 256 / 60000, 1.1, 1e-5
-STEPS = math.ceil(60 * 60000 / 256)
 CURVE_REL, LIBRARY_REL = 1e-6, 1e-3
 ORDERS = np.asarray(RDP_ORDERS)
 
@@ -85,8 +83,7 @@ def _theorem2(eps: npt.NDArray[np.float64], eta: float, mean: float) -> npt.NDAr
 
 
 def _run(trials: object) -> TuningRun:
-    event = GaussianRound(FlatPoissonScheme(RATE), SIGMA)
-    return TuningRun((Candidate("mnist-dpsgd", event, STEPS),), trials)  # type: ignore[arg-type]
+    return TuningRun((Candidate("mnist-dpsgd", mnist_round(), STEPS),), trials)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("rel", [CURVE_REL])
