@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from fedmeta.client_config import ClientTrainingConfig
-from fedmeta.config import TrainingConfig
+from fedmeta.config_training import TrainingConfig
 
 
 def inner_kwargs(cfg: TrainingConfig, *, evaluation: bool) -> dict[str, Any]:

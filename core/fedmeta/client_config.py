@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from fedmeta.config import Config, DatasetConfig, FederationConfig, TrainingConfig
+from fedmeta.config import Config, DatasetConfig
+from fedmeta.config_federation import FederationConfig
+from fedmeta.config_section import Section
+from fedmeta.config_training import TrainingConfig
 
 
 class ClientConfigError(ValueError):
@@ -33,12 +36,7 @@ def _server_field(section: type[BaseModel], name: str) -> Any:
     return section.model_fields[name]
 
 
-class _Section(BaseModel):
-    # As the server's sections: strict (no bool read as a number), unknown keys refused, frozen.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True)
-
-
-class ClientDatasetConfig(_Section):
+class ClientDatasetConfig(Section):
     """The task data's specification: what a participant rebuilds its numbered tasks from."""
 
     name: Literal["sinusoid", "omniglot", "image_folder"] = _server_field(DatasetConfig, "name")
@@ -57,7 +55,7 @@ class ClientDatasetConfig(_Section):
     filters: int = _server_field(DatasetConfig, "filters")
 
 
-class ClientTrainingConfig(_Section):
+class ClientTrainingConfig(Section):
     """The model's shape and the inner loop of training (the meta-optimizer is the server's)."""
 
     inner_steps: int = _server_field(TrainingConfig, "inner_steps")
@@ -73,7 +71,7 @@ class ClientTrainingConfig(_Section):
     chunk_size: int | None = _server_field(TrainingConfig, "chunk_size")
 
 
-class ClientFederationConfig(_Section):
+class ClientFederationConfig(Section):
     """How the data is partitioned, how to reply and where to compute."""
 
     participants: int = _server_field(FederationConfig, "participants")  # the partition's parts
@@ -83,7 +81,7 @@ class ClientFederationConfig(_Section):
     client_device: str = _server_field(FederationConfig, "client_device")
 
 
-class ClientConfig(_Section):
+class ClientConfig(Section):
     """Everything a participant reads: the ``config`` of a registration or gradient request."""
 
     seed: int = _server_field(Config, "seed")

@@ -245,7 +245,7 @@ def test_cli_neighbouring_is_a_flag_and_printed(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.unit
 def test_cli_default_delta_is_the_configurations(capsys: pytest.CaptureFixture[str]) -> None:
-    from fedmeta.config import PrivacyConfig
+    from fedmeta.config_privacy import PrivacyConfig
 
     assert arguments.DEFAULT_DELTA == PrivacyConfig().delta
     argv = ["privacy", "epsilon", "--flat-poisson-rate", "0.01", "--noise-multiplier", "1"]

@@ -10,7 +10,7 @@ import torch
 
 import fedmeta.metalearning as ml
 from fedmeta.adaptation import adaptation_summary, inner_kwargs
-from fedmeta.config import TrainingConfig
+from fedmeta.config_training import TrainingConfig
 from fedmeta.metalearning import Task
 
 pytestmark = pytest.mark.unit

@@ -15,8 +15,9 @@ from pydantic import ValidationError
 
 import fedmeta.metalearning as ml
 from fedmeta.adaptation import adaptation_summary
-from fedmeta.config import ConfigError, TrainingConfig
+from fedmeta.config import ConfigError
 from fedmeta.config_io import load_config
+from fedmeta.config_training import TrainingConfig
 from fedmeta.metalearning import INNER_RATES, Task, inner_rates, with_learned_inner_rates
 from fedmeta.workload import build_model, initial_params
 

@@ -57,7 +57,7 @@ def budget_delta(base_config: str | None) -> float | None:
 
 def _experiment_name(name: str) -> str:
     """``--experiment NAME`` of the ledger commands: a name ``privacy.experiment`` accepts."""
-    from fedmeta.config import EXPERIMENT_NAME
+    from fedmeta.config_privacy import EXPERIMENT_NAME
 
     if not re.fullmatch(EXPERIMENT_NAME, name):
         raise argparse.ArgumentTypeError(

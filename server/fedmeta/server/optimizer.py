@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedmeta.config import TrainingConfig
+from fedmeta.config_training import TrainingConfig
 
 
 def learning_rate(cfg: TrainingConfig, step: int, planned: int) -> float:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from fedmeta.accounting import TwoStageSampler
-from fedmeta.config import TrainingConfig
+from fedmeta.config_training import TrainingConfig
 from fedmeta.protocol import GradientReply, GradientRequest, ReplyFormat
 from fedmeta.server.operator_log import log_failures
 from fedmeta.server.optimizer import learning_rate, make_optimizer
