@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from layout import SUBPACKAGES, module_of, package_files
 
 from fedmeta.client import flower_internals as fi
-from fedmeta.client import supernode, worker
+from fedmeta.client import supernode, warm_up, worker
 from fedmeta.server import transport
 
 pytestmark = pytest.mark.unit
@@ -53,7 +54,8 @@ class Internal:
 _RUNTIME = "flwr.supercore.runtime"
 _PB = "flwr.proto.runtime_pb2"
 _SCI = "flwr.supernode.start_client_internal"
-_W = "worker"  # client/fedmeta/client/worker.py
+#: The adapter (client/fedmeta/client/flower_internals.py): every internal the warm worker needs.
+_W = "flower_internals"
 _RPCS = ("AcquireTask", "PullTaskInput", "PullMessages", "PullObject", "ConfirmMessageReceived",
          "SendTaskHeartbeat", "PushMessages", "PushObject", "PushTaskOutput")  # fmt: skip
 
@@ -100,7 +102,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("flwr.common.constant", "ErrorCode.CLIENT_APP_RAISED_EXCEPTION", _W),
     Internal("flwr.common.config", "parse_config_args", _W),
     # the worker's warm-up and the in-process grid: Flower's Message() reads the task identity
-    Internal("flwr.supercore.task_identity", "TaskIdentity", "worker, local_grid"),
+    Internal("flwr.supercore.task_identity", "TaskIdentity", _W),
     # the SuperNode launcher: module globals it replaces, and the entry point it calls
     Internal(_SCI, "time", "supernode"),
     Internal(_SCI, "pull_objects", "supernode", ("initial_backoff", "backoff_cap")),
@@ -137,8 +139,14 @@ INTERNALS: tuple[Internal, ...] = (
 )  # fmt: skip
 
 #: Metadata fields that fedmeta sets through ``Message.metadata.__dict__`` as Flower's own
-#: runtimes do (no setter exists): the message id (worker, local_grid) and the sender (local_grid).
+#: runtimes do (no setter exists), in the adapter alone (``set_message_id``, ``set_src_node_id``):
+#: the message id (worker, warm-up, local_grid) and the sender (local_grid).
 METADATA_PRIVATE_FIELDS = ("_message_id", "_src_node_id")
+
+#: Flower's public API: what a module may import from Flower without going through the adapter.
+PUBLIC_FLOWER = ("flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.simulation")
+#: The worker's modules: they reach Flower's internals only through the adapter.
+WORKER_MODULES = (worker, warm_up)
 
 
 def _resolve(internal: Internal) -> Any:
@@ -249,16 +257,80 @@ def test_sleep_finder_sees_each_wait_in_its_innermost_function() -> None:
 
 
 def test_message_metadata_keeps_the_private_fields_fedmeta_sets() -> None:
-    """worker and local_grid set these through ``metadata.__dict__``, as Flower's runtimes do."""
+    """The adapter's writers set these through ``metadata.__dict__``, as Flower's runtimes do."""
     from flwr.app import Message, RecordDict
 
     fi.ensure_task_identity()
-    metadata = Message(RecordDict(), 1, "query").metadata
+    message = Message(RecordDict(), 1, "query")
     for name in METADATA_PRIVATE_FIELDS:
-        assert name in metadata.__dict__, f"flwr.app.Metadata has no {name}"
-    metadata.__dict__["_message_id"] = "m"
-    metadata.__dict__["_src_node_id"] = 7
-    assert (metadata.message_id, metadata.src_node_id) == ("m", 7)
+        assert name in message.metadata.__dict__, f"flwr.app.Metadata has no {name}"
+    fi.set_message_id(message, "m")
+    fi.set_src_node_id(message, 7)
+    assert (message.metadata.message_id, message.metadata.src_node_id) == ("m", 7)
+
+
+def test_task_statuses_mirror_flowers() -> None:
+    from flwr.common.constant import SubStatus
+
+    assert (fi.COMPLETED, fi.FAILED) == (SubStatus.COMPLETED, SubStatus.FAILED)
+
+
+def flower_imports(source: str) -> list[tuple[str, str]]:
+    """``(module, name)`` of every import from Flower in ``source`` (``name`` "" for ``import``)."""
+    found: list[tuple[str, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "flwr":
+            found += [(node.module or "", alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.split(".")[0] == "flwr"]
+    return found
+
+
+def non_public(imports: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The imports below Flower's public API (``flwr`` itself: its ``__version__``)."""
+    return [(module, name) for module, name in imports
+            if module != "flwr" and not module.startswith(PUBLIC_FLOWER)]  # fmt: skip
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES, ids=lambda m: m.__name__)
+def test_the_worker_reaches_flower_internals_only_through_the_adapter(module: Any) -> None:
+    found = non_public(flower_imports(Path(module.__file__).read_text()))
+    assert found == [], f"{module.__name__} imports Flower internals {found}: use flower_internals"
+
+
+def test_every_internal_the_adapter_imports_is_listed_and_named_with_the_version() -> None:
+    """The inventory covers the adapter: each internal it imports is an ``INTERNALS`` row whose
+    module and name its docstring names, beside the Flower version they were checked against."""
+    listed = {(i.module, i.name.split(".")[0]) for i in INTERNALS if i.used_by == _W}
+    imported = set(non_public(flower_imports(Path(fi.__file__).read_text())))
+    assert imported - listed == set(), f"not in INTERNALS: {imported - listed}"
+    doc = fi.__doc__ or ""
+    assert f"flwr {fi.FLOWER_SERIES}" in doc, "the adapter names the Flower version it checked"
+    unnamed = [i.label for i in INTERNALS if i.used_by == _W
+               and not (i.module in doc and i.name.split(".")[-1] in doc)]  # fmt: skip
+    assert unnamed == [], f"the adapter's docstring does not name {unnamed}"
+
+
+def test_the_import_check_sees_internals_and_lets_the_public_api_pass() -> None:
+    """Negative control for the two tests above."""
+    source = (
+        "import flwr\nfrom flwr.app import Message\nimport flwr.supernode.start_client_internal\n"
+        "def f():\n    from flwr.supercore.retry import RetryInvoker\n"
+    )
+    assert non_public(flower_imports(source)) == [
+        ("flwr.supernode.start_client_internal", ""), ("flwr.supercore.retry", "RetryInvoker")
+    ]  # fmt: skip
+
+
+def test_only_the_adapter_writes_message_metadata() -> None:
+    """``metadata.__dict__`` is written in one function per field, in the adapter alone."""
+    writers = [
+        module_of(path)
+        for package in ("fedmeta", *SUBPACKAGES)
+        for path in package_files(package)
+        if "metadata.__dict__" in path.read_text()
+    ]
+    assert writers == [fi.__name__], writers
 
 
 def test_task_identity_is_set_through_its_properties_and_never_overwritten() -> None:

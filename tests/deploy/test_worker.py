@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fedmeta.client import supernode, worker
+from fedmeta.client import supernode, warm_up, worker
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]
 
@@ -45,7 +45,7 @@ def test_warm_up_runs_registration_and_a_gradient_through_the_client_app() -> No
         calls.append(message.metadata.message_type)
         return app(message=message, context=context)
 
-    seconds = worker.warm_up(spy, {"participant-id": "0"})
+    seconds = warm_up.warm_up(spy, {"participant-id": "0"})
     assert calls == ["query", "train"] and seconds > 0
 
 

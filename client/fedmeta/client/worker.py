@@ -12,15 +12,14 @@ calls as ``flwr/supernode/runtime/run_clientapp.py``::
 
 without the process exit, so the workload cache stays warm across messages.
 
-**What it relies on in Flower 1.41** (checked at start: another Flower version is refused; the
-full list, checked by a unit test, is ``client/fedmeta/client/flower_internals.py``):
-the Runtime API's HTTP client (``flwr.supercore.runtime.RuntimeHttpClient``) and its interceptors
-(``RuntimeVersionHttpInterceptor``, ``RuntimeTokenHttpInterceptor``,
-``SuperExecAuthHttpInterceptor``); ``flwr.supernode.runtime.run_clientapp.push_message`` and
-``push_task_output``; ``pull_and_inflate_object_from_tree`` and the protobuf object helpers; the
-task heartbeat (``SendTaskHeartbeat``; the SuperNode fails a claimed task after 60 s without one);
-``TaskIdentity``, which Flower's ``Message`` reads. Flower's own HTTP retry policy is not used: it
-retries forever and sends SIGINT to its own process on HTTP 401, which would end this worker.
+**What it relies on in Flower 1.41** (checked at start: another Flower version is refused): the
+Runtime API's HTTP client and its interceptors, ``run_clientapp``'s push functions, the object
+pulls, the task heartbeat (the SuperNode fails a claimed task after 60 s without one) and
+``TaskIdentity``. Each is reached only through ``client/fedmeta/client/flower_internals.py``, the
+adapter that names every internal and the Flower version it was checked against; this module
+imports nothing of Flower's. Flower's own HTTP retry policy is not used: it retries forever and
+sends SIGINT to its own process on HTTP 401, which would end this worker. The warm-up is
+``client/fedmeta/client/warm_up.py``.
 
 **Safety.** It runs only the fedmeta installed on this node, never code shipped in the run's FAB:
 a run whose app is not ``fedmeta/fedmeta`` at this node's fedmeta version gets an error reply
@@ -42,17 +41,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from fedmeta.client import flower_internals
+from fedmeta.client import flower_internals as fi
+from fedmeta.client.warm_up import warm_up
 
-FLOWER_SERIES = flower_internals.FLOWER_SERIES
+FLOWER_SERIES = fi.FLOWER_SERIES
 APP_ID = "fedmeta/fedmeta"
-EXIT_FLOWER_VERSION = flower_internals.EXIT_FLOWER_VERSION  # EX_CONFIG: not this Flower
+EXIT_FLOWER_VERSION = fi.EXIT_FLOWER_VERSION  # EX_CONFIG: not this Flower
 EXIT_TASK_TIMEOUT = 75  # EX_TEMPFAIL: a task overran; restart the node and the worker
 EXIT_API_UNREACHABLE = 69  # EX_UNAVAILABLE: the SuperNode's Runtime API stopped answering
 
@@ -63,7 +63,7 @@ MODULE = __spec__.name if __spec__ is not None else __name__
 
 def check_flower(version: str | None = None) -> None:
     """Refuse any Flower but the pinned series: the worker calls internals that change."""
-    flower_internals.check_flower("worker", version)
+    fi.check_flower("worker", version)
 
 
 def expected_app() -> tuple[str, str]:
@@ -91,155 +91,7 @@ class WorkerOptions:
     timings: Path | None = None  # one JSON line per task
 
 
-# ------------------------------------------------------------------------------------ HTTP client
-
-
-def _retry_invoker(max_time: float, stop: threading.Event | None = None) -> Any:
-    """Retry transient transport errors and 502/503/504 for at most ``max_time`` seconds.
-
-    Not once ``stop`` is set: a worker told to stop while its SuperNode is gone (the node exited
-    first, and ``fedmeta deploy participant`` then ends the worker) stops within one backoff
-    (at most 2 s), not after ``max_time`` or its supervisor's SIGKILL.
-    """
-    import httpx
-    from flwr.supercore.retry import RetryInvoker, exponential
-
-    def giveup(error: Exception) -> bool:
-        if stop is not None and stop.is_set():
-            return True
-        if isinstance(error, httpx.HTTPStatusError):
-            return error.response.status_code not in (502, 503, 504)
-        return False
-
-    return RetryInvoker(
-        wait_gen_factory=lambda: exponential(base_delay=0.1, max_delay=2),
-        recoverable_exceptions=(httpx.TransportError, httpx.HTTPStatusError),
-        max_tries=None,
-        max_time=max_time,
-        should_giveup=giveup,
-    )
-
-
-def runtime_client(
-    options: WorkerOptions, *interceptors: Any, stop: threading.Event | None = None
-) -> Any:
-    """A Runtime API client whose every call (retries included) ends within ``api_timeout_s``.
-
-    Or within one retry's backoff once ``stop`` is set.
-    """
-    from flwr.supercore.runtime import RuntimeHttpClient
-
-    return RuntimeHttpClient.from_server_address(
-        server_address=options.address,
-        insecure=options.root_certificates is None,
-        root_certificates=options.root_certificates,
-        interceptors=list(interceptors),
-        retry_invoker=_retry_invoker(options.api_timeout_s, stop),
-    )
-
-
-def _control_client(options: WorkerOptions, stop: threading.Event) -> Any:
-    from flwr.supercore.interceptors import (
-        RuntimeVersionHttpInterceptor,
-        SuperExecAuthHttpInterceptor,
-    )
-
-    interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
-    if options.secret:
-        interceptors.append(
-            SuperExecAuthHttpInterceptor(
-                master_secret=options.secret,
-                protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"}),
-            )
-        )
-    return runtime_client(options, *interceptors, stop=stop)
-
-
-def _task_client(options: WorkerOptions, token: str) -> Any:
-    from flwr.supercore.interceptors import (
-        RuntimeTokenHttpInterceptor,
-        RuntimeVersionHttpInterceptor,
-    )
-
-    return runtime_client(
-        options,
-        RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-        RuntimeTokenHttpInterceptor(token),
-    )
-
-
-def _heartbeat_fn(
-    client: Any, refused: threading.Event, alive: Callable[[], None]
-) -> Callable[[], bool]:
-    """Flower's task heartbeat, minus its SIGINT to this process when the task was dropped.
-
-    ``alive`` is called with every beat: a long task keeps the worker's liveness file fresh.
-    """
-    import httpx
-    from flwr.proto.runtime_pb2 import SendTaskHeartbeatRequest
-
-    def beat() -> bool:
-        alive()
-        try:
-            res = client.SendTaskHeartbeat(SendTaskHeartbeatRequest())
-        except httpx.TransportError:
-            return False
-        except httpx.HTTPStatusError:
-            refused.set()
-            return True
-        if not res.success:
-            refused.set()  # the SuperNode dropped the task: its reply will be refused too
-        return True
-
-    return beat
-
-
 # ------------------------------------------------------------------------------------ one task
-
-
-def pull_task_input(client: Any, options: WorkerOptions) -> tuple[Any, Any, Any]:
-    """(message, context, run) of the claimed task, as ``run_clientapp.pull_task_input``.
-
-    Differs from Flower's only in the object pulls: the SuperNode announces a task before it has
-    stored the message's objects, and Flower retries a missing object after 1 s (doubling); here
-    after ``pull_backoff_s``, and never for longer than the task may take.
-    """
-    from flwr.app import Message
-    from flwr.common.serde import context_from_proto, run_from_proto
-    from flwr.proto.node_pb2 import Node
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
-        make_confirm_message_received_fn_protobuf,
-        make_pull_object_fn_protobuf,
-    )
-    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
-    from flwr.supercore.task_identity import TaskIdentity
-
-    res = client.PullTaskInput(PullTaskInputRequest())
-    TaskIdentity.task_id = res.task_id
-    TaskIdentity.run_id = res.run.run_id
-    TaskIdentity.node_id = res.context.node_id
-    context, run = context_from_proto(res.context), run_from_proto(res.run)
-    pulled = client.PullMessages(PullAppMessagesRequest())
-    if not pulled.messages_list:
-        raise RuntimeError("the SuperNode handed out a task without a message")
-    node, tree = Node(node_id=context.node_id), pulled.message_object_trees[0]
-    message = pull_and_inflate_object_from_tree(
-        tree,
-        make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
-        make_confirm_message_received_fn_protobuf(
-            client.ConfirmMessageReceived, node, context.run_id
-        ),
-        return_type=Message,
-        # Object pulls are Runtime API calls: bounded like every other. The task's own bound would
-        # keep the worker for an hour on a message whose run failed meanwhile (a killed ServerApp:
-        # the SuperNode never stores its objects), and no later run's task would be served.
-        max_time=min(options.api_timeout_s, options.task_timeout_s),
-        initial_backoff=options.pull_backoff_s,
-        backoff_cap=1.0,
-    )
-    message.metadata.__dict__["_message_id"] = tree.object_id  # as Flower does: not in the tree
-    return message, context, run
 
 
 def app_refusal(run: Any) -> str | None:
@@ -251,13 +103,6 @@ def app_refusal(run: Any) -> str | None:
         f"run {run.run_id} is app {run.fab_id}=={run.fab_version}; this node runs only "
         f"{fab_id}=={version} (install the server's fedmeta version on the node)"
     )
-
-
-def _error_reply(message: Any, reason: str) -> Any:
-    from flwr.app import Error, Message
-    from flwr.common.constant import ErrorCode
-
-    return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
 
 
 @dataclass
@@ -309,30 +154,33 @@ class Worker:
         self.app = app
         #: Set on SIGTERM/SIGINT (``main``): ends ``serve`` and any retry of the task poll.
         self.stopping = threading.Event()
-        self.control = _control_client(options, self.stopping)
+        self.control = self._client(fi.control_interceptors(options.secret), self.stopping)
         self.tasks = 0
         self._alive_at = 0.0
+
+    def _client(self, interceptors: list[Any], stop: threading.Event | None = None) -> Any:
+        """A Runtime API client whose every call ends within ``api_timeout_s``."""
+        o = self.options
+        return fi.runtime_client(o.address, o.root_certificates, o.api_timeout_s, *interceptors,
+                                 stop=stop)  # fmt: skip
 
     def serve(self, stop: threading.Event) -> None:
         """Acquire and run tasks until ``stop`` is set; poll fast while tasks keep coming."""
         import httpx
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest
-        from flwr.supercore.constant import TaskType
 
-        request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
         last_task = -1e9  # idle until the first task
         while not stop.is_set():
             self._touch_alive()
             try:
-                res = self.control.AcquireTask(request)
+                token = fi.acquire_task(self.control)
             except httpx.HTTPError as error:  # retried for api_timeout_s already
                 if stop.is_set():  # told to stop while its SuperNode was unreachable
                     return
                 log.error("the SuperNode's Runtime API at %s is unreachable: %s",
                           self.options.address, error)  # fmt: skip
                 raise SystemExit(EXIT_API_UNREACHABLE) from None
-            if res.HasField("task") and res.token:
-                self.run_task(res.token)
+            if token is not None:
+                self.run_task(token)
                 last_task = time.monotonic()
                 continue
             idle = time.monotonic() - last_task > self.options.idle_after_s
@@ -347,32 +195,31 @@ class Worker:
 
     def run_task(self, token: str) -> TaskResult:
         """One task, as ``run_clientapp`` runs it, minus the process start and exit."""
-        from flwr.common.constant import SubStatus
-        from flwr.supercore.heartbeat import HeartbeatSender
-        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
-
         t0, started = time.perf_counter(), time.time()
-        client = _task_client(self.options, token)
+        client = self._client(fi.task_interceptors(token))
         refused = threading.Event()
-        heartbeat = HeartbeatSender(_heartbeat_fn(client, refused, self._touch_alive))
-        heartbeat.start()
+        heartbeat = fi.heartbeat(client, refused, self._touch_alive)
         watchdog = Watchdog(self.options.task_timeout_s, f"task {self.tasks + 1}")
         context = reply = None
-        result = TaskResult(SubStatus.FAILED, "ClientApp task failed", {})
+        result = TaskResult(fi.FAILED, "ClientApp task failed", {})
+        # Object pulls are Runtime API calls: bounded like every other. The task's own bound would
+        # keep the worker for an hour on a message whose run failed meanwhile (a killed ServerApp:
+        # the SuperNode never stores its objects), and no later run's task would be served.
+        pull_s = min(self.options.api_timeout_s, self.options.task_timeout_s)
         try:
-            message, context, run = pull_task_input(client, self.options)
+            message, context, run = fi.pull_task_input(client, pull_s, self.options.pull_backoff_s)
             result.times["input"] = time.perf_counter() - t0
             reply, result = self._call_app(message, context, run, result)
             result.kind, result.group = message.metadata.message_type, message.metadata.group_id
             result.times["app"] = time.perf_counter() - t0
             if reply is not None:
-                push_message(client, reply, context)
+                fi.push_reply(client, reply, context)
             result.times["pushed"] = time.perf_counter() - t0
         except Exception as error:  # noqa: BLE001 - the task fails; the worker lives on
             log.exception("task failed before its reply was sent")
-            result = TaskResult(SubStatus.FAILED, f"{type(error).__name__}: {error}", result.times)
+            result = TaskResult(fi.FAILED, f"{type(error).__name__}: {error}", result.times)
         finally:
-            push_task_output(client, context, result.status, result.details)
+            fi.push_output(client, context, result.status, result.details)
             watchdog.cancel()
             heartbeat.stop()
             client.close()
@@ -385,19 +232,17 @@ class Worker:
 
     def _call_app(self, message: Any, context: Any, run: Any, result: TaskResult) -> Any:
         """The ClientApp's reply, or an error reply naming why there is none."""
-        from flwr.common.constant import SubStatus
-
         refusal = app_refusal(run) if self.options.check_app else None
         if refusal is not None:
             log.warning("%s", refusal)
-            return _error_reply(message, refusal), TaskResult(SubStatus.FAILED, refusal, {})
+            return fi.error_reply(message, refusal), TaskResult(fi.FAILED, refusal, {})
         try:
             reply = self.app(message=message, context=context)
         except Exception as error:  # noqa: BLE001 - reported to the server as an error reply
             log.exception("the ClientApp raised")
             reason = f"{type(error).__name__}: {error}"
-            return _error_reply(message, reason), TaskResult(SubStatus.FAILED, reason, {})
-        return reply, TaskResult(SubStatus.COMPLETED, "", result.times)
+            return fi.error_reply(message, reason), TaskResult(fi.FAILED, reason, {})
+        return reply, TaskResult(fi.COMPLETED, "", result.times)
 
     def _record(self, result: TaskResult) -> None:
         if self.options.timings is None:
@@ -407,49 +252,6 @@ class Worker:
                 "group": result.group, **times}  # fmt: skip
         with self.options.timings.open("a") as fh:
             fh.write(json.dumps(line) + "\n")
-
-
-# ------------------------------------------------------------------------------------ warm-up
-
-WARM_UP_CLIP = 1.0
-
-
-def warm_up(app: Any, node_config: dict[str, Any], config_path: Path | None = None) -> float:
-    """Run one registration and one gradient through ``app`` before the first real task.
-
-    The first gradient in a process pays torch's lazy initialisation (seconds); the first request
-    for a configuration builds its workload (data loading included). Doing both here keeps them
-    out of round 1. ``config_path``: the federation's configuration, so that its workload is the
-    one built (the default configuration's sinusoid warms torch only): the requests carry its
-    participants' part (``client_config``), as the server's do. Returns the seconds spent.
-    """
-    import numpy as np
-    from flwr.app import Context, Message, RecordDict
-
-    from fedmeta import protocol as P
-    from fedmeta.client_config import client_config
-    from fedmeta.config_io import load_config
-
-    t0 = time.perf_counter()
-    cfg = client_config(load_config(config_path))
-    sent = cfg.model_dump_json()
-    flower_internals.ensure_task_identity()  # Message() reads it; a real task sets it again
-    context = Context(run_id=0, node_id=0, node_config=dict(node_config), state=RecordDict(),
-                      run_config={})  # fmt: skip
-    query = Message(P.encode_register_request(P.RegisterRequest("warm-up", sent)),
-                    0, P.MSG_REGISTER)  # fmt: skip
-    query.metadata.__dict__["_message_id"] = "warm-up-register"
-    registration = P.decode_registration(app(message=query, context=context).content)
-    from fedmeta.workload import build_model, initial_params
-
-    params = initial_params(cfg, build_model(cfg)).numpy().astype(np.float32)
-    ids = tuple(range(min(2, registration.task_count)))
-    # Any bound will do: the reply is discarded (a clip is a round's parameter, not configuration).
-    request = P.GradientRequest("warm-up", 0, ids, WARM_UP_CLIP, params, sent)
-    train = Message(P.encode_gradient_request(request), 0, P.MSG_TRAIN)
-    train.metadata.__dict__["_message_id"] = "warm-up-train"
-    app(message=train, context=context)
-    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -482,8 +284,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """Validated options (a missing file is one line naming the flag)."""
-    from flwr.common.config import parse_config_args
-
     def read(flag: str, path: Path | None) -> bytes | None:
         if path is None:
             return None
@@ -504,7 +304,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         address=args.runtime_api_address,
         root_certificates=read("--root-certificates", args.root_certificates),
         secret=read("--superexec-auth-secret-file", args.superexec_auth_secret_file),
-        node_config=parse_config_args([args.node_config]) if args.node_config else {},
+        node_config=fi.parse_node_config(args.node_config) if args.node_config else {},
         poll_s=args.poll, idle_poll_s=args.idle_poll, api_timeout_s=args.api_timeout,
         task_timeout_s=args.task_timeout, check_app=not args.no_app_check,
         warm_config=args.warm_config, alive_file=args.alive_file, timings=args.timings,

@@ -23,7 +23,7 @@ from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 
 from fedmeta import protocol as P
-from fedmeta.client.flower_internals import ensure_task_identity
+from fedmeta.client.flower_internals import ensure_task_identity, set_message_id, set_src_node_id
 
 Handler = Callable[[Message, Context], Any]
 
@@ -94,7 +94,7 @@ class InProcessGrid(Grid):
         ids = []
         for msg in messages:
             mid = uuid.uuid4().hex
-            msg.metadata.__dict__["_message_id"] = mid
+            set_message_id(msg, mid)
             ids.append(mid)
             dst = msg.metadata.dst_node_id
             ctx = self.contexts.get(dst)
@@ -102,7 +102,7 @@ class InProcessGrid(Grid):
                 continue
             if dst not in self.online:  # what the SuperLink answers for a node it lost
                 gone = Message(Error(code=5, reason="node unavailable"), reply_to=msg)
-                gone.metadata.__dict__["_src_node_id"] = 1
+                set_src_node_id(gone, 1)
                 self._replies[mid] = [gone]
                 continue
             t0 = time.perf_counter()
@@ -117,7 +117,7 @@ class InProcessGrid(Grid):
                 continue
             outs = out if isinstance(out, list) else [out]
             for o in outs:
-                o.metadata.__dict__["_src_node_id"] = dst
+                set_src_node_id(o, dst)
             self._replies[mid] = outs
         return ids
 
