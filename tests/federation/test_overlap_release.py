@@ -140,6 +140,7 @@ def _released(tmp: Path, swap_from: str) -> dict[str, Any]:
     """What a run in that world releases, less what may differ (model values, clocks, ids)."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp / "state"))
+        monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp / "cache"))  # item digests of tmp files
         data, ledger = _world(tmp, swap_from)
         observer = PrometheusRunObserver()
         result = execute(_cfg(data, ledger), InProcessGrid(2), out_dir=tmp / "out",
