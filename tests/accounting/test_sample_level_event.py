@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedmeta.accounting.sample_level import (
+    ORDERS,
     ExampleSampling,
     SampleLevelRound,
     gdp_mu,
@@ -92,8 +93,9 @@ def test_first_order_mu_is_the_larger_endpoint() -> None:
     # m = 2, K = 5, z_in = 2, z_out = 3: query endpoint (2/3)^2 = 0.444, support 2*5/4 = 2.5.
     assert gdp_mu(round_of()) == pytest.approx(math.sqrt(2.5), rel=1e-15)
     # With a quiet inner loop the outer endpoint decides: (4/1)^2 = 16 against 4*1/100.
-    quiet = round_of(inner_noise_multiplier=10.0, outer_noise_multiplier=1.0, inner_steps=1,
-                     max_appearances=4)
+    quiet = round_of(
+        inner_noise_multiplier=10.0, outer_noise_multiplier=1.0, inner_steps=1, max_appearances=4
+    )
     assert gdp_mu(quiet) == pytest.approx(4.0, rel=1e-15)
 
 
@@ -107,7 +109,7 @@ def test_second_order_charges_every_query_gradient_of_the_task() -> None:
 
 @st.composite
 def rounds_strategy(draw: st.DrawFn) -> SampleLevelRound:
-    order = draw(st.sampled_from(["first", "second"]))
+    order = draw(st.sampled_from(ORDERS))
     return SampleLevelRound(
         sampling=FLAT,
         inner_noise_multiplier=draw(st.floats(0.05, 50.0)),

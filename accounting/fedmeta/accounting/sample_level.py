@@ -162,7 +162,9 @@ class SampleLevelRound:
         """Rebuild (and re-validate) a round from ``to_dict`` output; every key is required."""
         keys = set(cls.__dataclass_fields__)
         if not isinstance(data, dict) or set(data) != keys:
-            raise ValueError(f"sample-level round must have exactly the keys {sorted(keys)}; got {data!r}")
+            raise ValueError(
+                f"sample-level round must have exactly the keys {sorted(keys)}; got {data!r}"
+            )
         sampling = data["sampling"]
         if not isinstance(sampling, dict):
             raise ValueError(f"sampling must be a mapping; got {sampling!r}")
@@ -198,7 +200,8 @@ def gdp_mu(event: SampleLevelRound) -> float:
     ``mu^2`` is the largest ``split_mu_squared`` over ``a_s + a_q <= m``. It grows in each count, so
     the maximum lies on ``a_s + a_q = m``; there, with ``a_s = m - a_q``, it is a quadratic in
     ``a_q`` with leading coefficient ``(1 - 2 query_cap)^2 / z_out^2 >= 0`` (``query_cap = 0`` at
-    first order): convex, so its maximum over ``0..m`` is at an endpoint (a test checks every split).
+    first order): convex, so its maximum over ``0..m`` is at an endpoint (a test checks every
+    split).
     First order: ``mu^2 = max(m^2 / z_out^2, m K / z_in^2)``.
     """
     m = event.max_appearances

@@ -1,4 +1,4 @@
-"""The example-level guarantee of sample-level DP-MAML over ``T`` rounds (issue 53), and calibration.
+"""The example-level guarantee of sample-level DP-MAML over ``T`` rounds (issue 53); calibration.
 
 Per round (``accounting.sample_level``): conditional on the example x being sampled, the round is
 ``mu``-GDP, i.e. dominated, for every order of the hockey-stick divergence, by the Gaussian pair
@@ -64,7 +64,7 @@ def effective_noise_multiplier(event: SampleLevelRound) -> float:
 
 
 def dominating_round(event: SampleLevelRound) -> GaussianRound:
-    """The task-level round whose dominating pair is this round's (module docstring). Never record it.
+    """The task-level round with this round's dominating pair (module docstring); never recorded.
 
     Raises ValueError when ``1/mu`` lies outside the accountant's ``NOISE_MULTIPLIER_RANGE``.
     """
@@ -112,7 +112,7 @@ def sample_level_delta(
     *,
     discretization: float = DEFAULT_DISCRETIZATION,
 ) -> float:
-    """Smallest delta (pessimistic PLD, or RDP where smaller) at ``epsilon_value`` after ``rounds``."""
+    """Smallest delta (pessimistic PLD, or RDP if smaller) at ``epsilon_value`` after ``rounds``."""
     rounds = check_rounds("rounds", rounds, minimum=0)
     if rounds == 0:
         return 0.0
@@ -124,7 +124,7 @@ def sample_level_delta(
 def sample_level_max_rounds(
     event: SampleLevelRound, epsilon_budget: float, delta: float, method: Method = "pld"
 ) -> int:
-    """Largest ``T`` with ``sample_level_epsilon(event, T, delta) <= epsilon_budget`` (0 if none)."""
+    """Largest ``T`` with ``sample_level_epsilon(event, T, delta) <= epsilon_budget``, or 0."""
     return max_rounds(dominating_round(event), epsilon_budget, delta, method=method)
 
 
@@ -137,13 +137,13 @@ def calibrate_sample_level(
     method: Method = "pld",
     relative_tolerance: float = 1e-3,
 ) -> SampleLevelRound:
-    """``event`` with the smallest noise multipliers of both loops that meet the target (first order).
+    """``event`` with the least noise in each loop that meets the target (first order only).
 
     The task-level calibration finds the smallest feasible ``z_eff = 1/mu`` for the sampling; since
     first-order ``mu^2 = max(m^2 / z_out^2, m K / z_in^2)`` is a maximum, each loop can be set at
     its own threshold without raising ``mu``: ``z_out = m z_eff``, ``z_in = sqrt(m K) z_eff``. Both
-    are rounded up by the calibration's own tolerance, so the result is feasible. Second order has no
-    such split (the outer term carries the support appearances): refused.
+    are rounded up by the calibration's own tolerance, so the result is feasible. Second order has
+    no such split (the outer term carries the support appearances): refused.
     """
     _check_event(event)
     if event.order != "first":
