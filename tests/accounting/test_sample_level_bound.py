@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from scipy import optimize, stats
 
 from fedmeta.accounting.composition import DEFAULT_DISCRETIZATION as GRID
+from fedmeta.accounting.composition import Method
 from fedmeta.accounting.dpmaml_reading import dpmaml_moments_epsilon, dpmaml_per_update_epsilon
 from fedmeta.accounting.sample_level import ExampleSampling, SampleLevelRound, gdp_mu
 from fedmeta.accounting.sample_level_bound import (
@@ -193,25 +194,30 @@ def first_order_rounds(draw: st.DrawFn) -> SampleLevelRound:
     )
     return SampleLevelRound(
         sampling,
-        inner_noise_multiplier=draw(st.floats(0.5, 20.0)),
-        outer_noise_multiplier=draw(st.floats(0.5, 20.0)),
-        inner_steps=draw(st.integers(1, 10)),
-        max_appearances=draw(st.integers(1, 6)),
+        inner_noise_multiplier=draw(st.floats(1.0, 20.0)),
+        outer_noise_multiplier=draw(st.floats(1.0, 20.0)),
+        inner_steps=draw(st.integers(1, 5)),
+        max_appearances=draw(st.integers(1, 4)),
     )
 
 
+# The enforced accountant (PLD). The RDP cross-check is monotone in T (the curve scales with the
+# count) but not always in mu: dp-accounting drops a fractional order whose series does not
+# converge (conservative), and which orders drop depends on the noise, so a smaller mu can read a
+# hair higher (158.81 against 158.70 at q = 0.68, mu 3.16 and 3.46, T = 84). Both stay upper bounds.
 @pytest.mark.unit
-@settings(max_examples=25, deadline=None)
-@given(event=first_order_rounds(), rounds=st.integers(1, 500), factor=st.floats(1.01, 3.0))
+@settings(max_examples=10, deadline=None)
+@given(event=first_order_rounds(), rounds=st.integers(1, 300), factor=st.floats(1.01, 3.0))
 def test_epsilon_is_monotone(event: SampleLevelRound, rounds: int, factor: float) -> None:
-    def eps(changed: SampleLevelRound, count: int = rounds) -> float:
-        return sample_level_epsilon(changed, count, DELTA, "rdp")
+    def eps(changed: SampleLevelRound, count: int = rounds, method: Method = "pld") -> float:
+        return sample_level_epsilon(changed, count, DELTA, method)
 
     def change(**kw: Any) -> SampleLevelRound:
         return SampleLevelRound(**{**vars(event), **kw})
 
     base = eps(event)
     assert eps(event, rounds + 1) >= base
+    assert eps(event, rounds + 1, "rdp") >= eps(event, rounds, "rdp")
     assert eps(change(max_appearances=event.max_appearances + 1)) >= base
     assert eps(change(inner_steps=event.inner_steps + 1)) >= base
     assert eps(change(inner_noise_multiplier=event.inner_noise_multiplier * factor)) <= base
@@ -229,6 +235,16 @@ def test_pld_epsilon_is_monotone_in_rounds() -> None:
     )
     values = [sample_level_epsilon(event, t, DELTA) for t in (1, 10, 100, 1000, 10_000)]
     assert values == sorted(values) and values[0] > 0.0
+
+
+@pytest.mark.unit
+def test_pld_epsilon_is_monotone_in_each_field() -> None:
+    base = event_of(ExampleSampling(20, 5, 0.1), inner_noise_multiplier=2.0)
+    eps = sample_level_epsilon(base, 100, DELTA)
+    for more in ({"max_appearances": 3}, {"inner_steps": 4}):
+        assert sample_level_epsilon(SampleLevelRound(**{**vars(base), **more}), 100, DELTA) > eps
+    for less in ({"inner_noise_multiplier": 2.5}, {"outer_noise_multiplier": 20.0}):
+        assert sample_level_epsilon(SampleLevelRound(**{**vars(base), **less}), 100, DELTA) <= eps
 
 
 @pytest.mark.unit
