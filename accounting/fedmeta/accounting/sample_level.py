@@ -118,7 +118,8 @@ class SampleLevelRound:
     twice). ``query_cap`` is the most query examples in one task, required for ``order="second"``
     and refused for ``"first"`` (where it plays no part).
 
-    Once recorded this event is never reinterpreted.
+    The relation is add/remove only (no replace-one form). Once recorded this event is never
+    reinterpreted.
     """
 
     sampling: ExampleSampling
