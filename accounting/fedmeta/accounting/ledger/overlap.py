@@ -124,6 +124,16 @@ def _pads(salt: str, federation_id: str, rows: int) -> np.ndarray:
     return np.frombuffer(stream, dtype=np.uint8).reshape(rows, LOOK_BYTES)
 
 
+@dataclass(frozen=True)
+class _Near:
+    """A range search's answer for each of some looks."""
+
+    records: np.ndarray  # the records holding any look within the tolerance (row ids)
+    hit: np.ndarray  # per look: whether a recorded look lies within the tolerance
+    nearest: np.ndarray  # per look: the record of the nearest recorded look (-1: none)
+    stored: np.ndarray  # per look: whether this very look is recorded
+
+
 @dataclass
 class _Known:
     """The federation's recorded items (sorted) and looks, each with its record."""
@@ -148,24 +158,30 @@ class _Known:
         hit = self.items[pos] == keyed
         return np.unique(self.owners[pos[hit]]), hit
 
-    def near(
-        self, looks: np.ndarray, tolerance: int = LOOK_TOLERANCE
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The records holding a look near one of ``looks`` (row ids); per look, whether one does.
+    def near(self, looks: np.ndarray, tolerance: int = LOOK_TOLERANCE) -> _Near:
+        """Which recorded looks lie within ``tolerance`` bits of each of ``looks``.
 
-        Near: at most ``tolerance`` bits apart (charging's ``LOOK_TOLERANCE`` by default). Exact
-        range search (faiss, Hamming distance).
+        Charging's ``LOOK_TOLERANCE`` by default. Exact range search (faiss, Hamming distance).
         """
         if not len(self.looks) or not len(looks):
-            return np.zeros(0, np.int64), np.zeros(len(looks), bool)
+            none = np.full(len(looks), -1, np.int64)
+            return _Near(np.zeros(0, np.int64), none >= 0, none, none >= 0)
         if self._index is None:
             import faiss  # a maintained index: SIMD Hamming search, range queries
 
             self._index = faiss.IndexBinaryFlat(LOOK_BYTES * 8)
             self._index.add(np.ascontiguousarray(self.looks))
-        lims, _, labels = self._index.range_search(np.ascontiguousarray(looks), tolerance + 1)
-        hit = np.diff(lims) > 0
-        return np.unique(self.look_owners[labels]), hit
+        lims, dist, labels = self._index.range_search(np.ascontiguousarray(looks), tolerance + 1)
+        counts = np.diff(lims.astype(np.int64))
+        rows = np.repeat(np.arange(len(looks)), counts)
+        order = np.lexsort((dist, rows))  # each row's matches, nearest first
+        hit = counts > 0
+        first = lims[:-1].astype(np.int64)[hit]
+        nearest = np.full(len(looks), -1, np.int64)
+        nearest[hit] = self.look_owners[labels[order][first]]
+        stored = np.zeros(len(looks), bool)
+        stored[hit] = dist[order][first] == 0
+        return _Near(np.unique(self.look_owners[labels]), hit, nearest, stored)
 
     def add_looks(self, looks: np.ndarray, record: int) -> None:
         self.looks = np.concatenate([self.looks, looks])
@@ -238,9 +254,11 @@ def resolve_records(
         keyed = keyed_items(salt, federation_id, items)
         looks = items.look_array()
         records, exact = known.exact(keyed)
-        near_records, near = known.near(looks) if looks is not None else (records[:0], exact)
-        found = {known.identities[int(r)] for r in np.concatenate([records, near_records])}
-        fresh = ~(exact | near)
+        near = known.near(looks if looks is not None else np.zeros((0, LOOK_BYTES), np.uint8))
+        found = {known.identities[int(r)] for r in np.concatenate([records, near.records])}
+        fresh = ~exact if looks is None else ~(exact | near.hit)
+        if write and looks is not None:  # before the new record: its looks are stored with it
+            _keep_looks(conn, (salt, federation_id), known, looks, keyed, near, fresh)
         if fresh.any():
             identity = f"items:{items.set_digest}"
             found.add(identity)
@@ -248,24 +266,36 @@ def resolve_records(
                 record = _record(conn, federation_id, identity, np.unique(keyed[fresh]), day, known)
                 if looks is not None:
                     _seal(conn, salt, federation_id, looks[fresh], record, known)
-        if write and looks is not None:
-            _upgrade(conn, salt, federation_id, known, keyed[exact & ~near], looks[exact & ~near])
         out[name] = sorted(found)
     return out
 
 
-def _upgrade(conn: sqlite3.Connection, salt: str, federation_id: str, known: _Known,
-             keyed: np.ndarray, looks: np.ndarray) -> None:  # fmt: skip
-    """Items recorded by digest alone (before looks) that came again: their looks join its record.
+def _keep_looks(
+    conn: sqlite3.Connection,
+    where: tuple[str, str],
+    known: _Known,
+    looks: np.ndarray,
+    keyed: np.ndarray,
+    near: _Near,
+    fresh: np.ndarray,
+) -> None:
+    """The looks of charged items not recorded yet join the record they were charged by.
 
-    So their near-duplicates are charged to that record from now on.
+    An item recorded by digest alone (before looks) that comes again gives its record its look,
+    so its near-duplicates are charged to that record from now on; a near-duplicate's own look
+    joins the record of its nearest look, so a copy near *it* (though farther from the record's
+    look than the tolerance) is charged there too: the tolerance is not transitive, this errs
+    towards charging.
     """
-    if not len(keyed):
+    keep = ~fresh & ~near.stored
+    if not keep.any():
         return
-    pos = np.searchsorted(known.items, keyed)
-    owners = known.owners[pos]
-    for record in np.unique(owners):
-        _seal(conn, salt, federation_id, looks[owners == record], int(record), known)
+    owners = near.nearest.copy()
+    pos = np.minimum(np.searchsorted(known.items, keyed), max(len(known.items) - 1, 0))
+    by_digest = known.items[pos] == keyed if len(known.items) else np.zeros(len(keyed), bool)
+    owners[by_digest] = known.owners[pos[by_digest]]
+    for record in np.unique(owners[keep]):
+        _seal(conn, *where, looks[keep & (owners == record)], int(record), known)
 
 
 def _seal(conn: sqlite3.Connection, salt: str, federation_id: str, looks: np.ndarray,
@@ -332,7 +362,7 @@ def held_items(
         for items in declared:
             held = known.exact(keyed_items(meta["salt"], fid, items))[1]
             if (looks := items.look_array()) is not None:
-                held |= known.near(looks, tolerance)[1]
+                held |= known.near(looks, tolerance).hit
             found += int(held.sum())
     return found
 
