@@ -176,6 +176,12 @@ def test_a_split_that_makes_participants_items_held_out_is_refused(tmp_path: Pat
     with pytest.raises(EvaluationDataPrivate, match=r"items are recorded as participants'") as e:
         check_evaluation_data(seed7, build_workload(seed7), db)
     assert "\n" not in str(e.value) and "seed" in str(e.value)
+    diagnostics = config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
+                         "metrics.private_diagnostics=true")  # fmt: skip
+    check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
+    diagnostics = config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
+                         "metrics.private_diagnostics=true")  # fmt: skip
+    check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
 
 
 def _looks(seed: int, n: int) -> np.ndarray:

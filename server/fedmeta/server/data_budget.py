@@ -114,10 +114,13 @@ def check_evaluation_data(cfg: Config, workload: Workload, path: Path) -> None:
     participants' items of an earlier run become held-out items (issue 52, item 8). An item counts
     when the ledger at ``path`` holds it in any budget, by digest or by a look within
     ``EVALUATION_TOLERANCE`` (fedmeta/item_identity.py says why it is narrower than charging's).
-    Experiments run on public data and are not checked. One line naming the counts and the fix.
+    Experiments run on public data and are not checked; with ``metrics.private_diagnostics`` the
+    operator has made the run's metrics private diagnostics (off by default), and they may be
+    computed on such items. One line naming the counts and the fix.
     """
     splits = workload.splits
-    if splits is None or cfg.privacy.experiment is not None or not path.is_file():
+    exempt = cfg.privacy.experiment is not None or cfg.metrics.private_diagnostics
+    if splits is None or exempt or not path.is_file():
         return
     parts = [(name, split.item_ids, split.item_looks)
              for name, split in (("validation", splits.val), ("test", splits.test))]  # fmt: skip
@@ -134,7 +137,8 @@ def check_evaluation_data(cfg: Config, workload: Workload, path: Path) -> None:
         f"participants' private data in {path} (by content or as near-duplicates), and "
         "validation and test metrics are released without the accountant: use the seed and "
         "dataset.split the earlier runs on this data used, so that their participants' items "
-        "stay out of validation and test; nothing was spent"
+        "stay out of validation and test (or metrics.private_diagnostics = true: the metrics "
+        "become private diagnostics, not to be released); nothing was spent"
     )
 
 
