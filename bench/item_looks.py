@@ -84,7 +84,8 @@ def copies(white: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.unpackbits(a ^ b, axis=1).sum(axis=1)
+    bits: np.ndarray = np.unpackbits(a ^ b, axis=1).sum(axis=1)
+    return bits
 
 
 def false_matches(looks: np.ndarray, chars: np.ndarray) -> dict[int, tuple[int, int]]:
@@ -92,7 +93,8 @@ def false_matches(looks: np.ndarray, chars: np.ndarray) -> dict[int, tuple[int, 
     index = faiss.IndexBinaryFlat(LOOK_BYTES * 8)
     index.add(looks)
     lims, dist, labels = index.range_search(looks, max(TOLERANCES) + 1)
-    rows = np.repeat(np.arange(len(looks)), np.diff(lims.astype(np.int64)))
+    counts = lims[1:].astype(np.int64) - lims[:-1].astype(np.int64)
+    rows = np.repeat(np.arange(len(looks)), counts)
     keep = rows < labels  # each pair once, no drawing with itself
     same = chars[rows[keep]] == chars[labels[keep]]
     d = dist[keep]

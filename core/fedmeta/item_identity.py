@@ -118,15 +118,14 @@ class DataItems:
 def _from_text(text: str) -> DataItems:
     """Decoded once per text: every round names the same participants."""
     prefix, _, body = text.partition(":")
-    digests, _, looks = body.partition(":")
+    digest_text, _, look_text = body.partition(":")
     try:
-        packed = base64.b64decode(digests, validate=True)
-        raw_looks = base64.b64decode(looks, validate=True) if prefix == "items-v2" else b""
+        packed = base64.b64decode(digest_text, validate=True)
+        raw_looks = base64.b64decode(look_text, validate=True) if prefix == "items-v2" else b""
         digests = np.frombuffer(packed, dtype=">u8")
         if not raw_looks:
             return DataItems.of(digests)
-        looks = np.frombuffer(raw_looks, dtype=np.uint8).reshape(-1, LOOK_BYTES)
-        return DataItems.of(digests, looks)
+        return DataItems.of(digests, np.frombuffer(raw_looks, np.uint8).reshape(-1, LOOK_BYTES))
     except (ValueError, binascii.Error) as error:
         raise ValueError(f"an item set must be {ITEMS_TEXT_PREFIX}<base64 of 8-byte digests>:"
                          f"<base64 of {LOOK_BYTES}-byte looks>; {error}") from None  # fmt: skip

@@ -101,7 +101,8 @@ class ClassDataset:
         rows = [np.arange(self.offsets[c], self.offsets[c + 1]) for c in (int(c) for c in classes)]
         if not rows:
             return np.zeros((0, LOOK_BYTES), np.uint8)
-        return self.item_looks[np.concatenate(rows)]
+        looks: np.ndarray = self.item_looks[np.concatenate(rows)]
+        return looks
 
     @property
     def n_classes(self) -> int:
