@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
 from fedmeta.accounting import BudgetLedger, DataItems, FlatPoissonScheme, GaussianRound, epsilon
@@ -235,3 +237,23 @@ def test_every_loader_gives_a_drawing_the_same_look(tmp_path: Path) -> None:
     assert a is not None and b is not None and len(a) == len(b) == CHARS * DRAWINGS
     distance = np.unpackbits(a ^ b, axis=1).sum(axis=1)  # both in the drawings' order
     assert distance.max() <= LOOK_TOLERANCE // 4, distance.max()
+
+
+@pytest.mark.unit
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32)),
+                min_size=1, max_size=30))  # fmt: skip
+def test_an_item_set_travels_as_text_with_its_looks(rows: list[tuple[int, bytes]]) -> None:
+    """Sent and read back, a set is the same rows (digest and look together), repeats once;
+    a participant of an older fedmeta (``items-v1:``, digests alone) is still read."""
+    digests = np.asarray([d for d, _ in rows], dtype=np.uint64)
+    looks = np.frombuffer(b"".join(look for _, look in rows), dtype=np.uint8).reshape(-1, 32)
+    items = DataItems.of(digests, looks)
+    back = DataItems.from_text(items.to_text())
+    assert back == items and len(items) == len(set(rows))
+    assert items.array().tolist() == sorted({d for d, _ in rows})
+    assert back is not None and back.look_array() is not None
+    old = "items-v1:" + DataItems.of(digests).to_text().split(":")[1]
+    v1 = DataItems.from_text(old)
+    assert v1 is not None and v1.look_array() is None
+    assert v1.array().tolist() == sorted(set(digests.tolist()))
