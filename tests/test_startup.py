@@ -7,6 +7,7 @@ is run, as a user runs it, and its report read. No time is asserted (timings are
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,35 @@ def test_a_participant_loads_no_accounting_code() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_a_participant_registering_on_omniglot_data_loads_no_accounting_nor_sqlite(
+    tmp_path: Path,
+) -> None:
+    """Issue 54: the registration sends the participant's item set (fedmeta.item_identity, on
+    the floor); it used to import ``fedmeta.accounting`` and with it the ledger's SQLite."""
+    import numpy as np
+
+    white = np.random.default_rng(0).random((4, 20, 105, 105)) > 0.1  # the npz's convention
+    np.savez(tmp_path / "images_background.npz", images=white[:2])
+    np.savez(tmp_path / "images_evaluation.npz", images=white[2:])
+    code = (
+        "import sys\n"
+        "from fedmeta.client.gradients import registration\n"
+        "from fedmeta.client_config import client_config\n"
+        "from fedmeta.config_io import load_config\n"
+        "from fedmeta.protocol import RegisterRequest\n"
+        f"cfg = load_config(None, ['dataset.name=omniglot', 'dataset.path={tmp_path}',\n"
+        "    'dataset.split=background', 'dataset.ways=2', 'dataset.shots=1',\n"
+        "    'dataset.query=1', 'dataset.tasks_per_participant=3', 'dataset.partition=even',\n"
+        "    'federation.participants=1', 'sampling.participants_per_round=1'])\n"
+        "request = RegisterRequest('run', client_config(cfg).model_dump_json())\n"
+        "reg = registration(request, '0')\n"
+        "assert reg.data_fingerprint.startswith('items-'), reg.data_fingerprint[:40]\n"
+        "bad = sorted(m for m in sys.modules\n"
+        "             if m.startswith('fedmeta.accounting') or m in ('sqlite3', '_sqlite3'))\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "FEDMETA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env)

@@ -5,11 +5,13 @@ initial parameters, held-out validation / test / probe tasks, the data's identit
 is a pure function of the configuration and the data: a participant rebuilds exactly its own
 numbered tasks in any process, so task ids are stable across rounds and restarts.
 
-**The data's identity** keys the privacy budget. Image data is named by its items' content
-digests at source resolution (metalearning/items.py; ``participant_fingerprint`` sends a
-participant's item set to the server), so the same drawings through another loader, file format,
-path or node key spend from the same budget, and a subset, superset or reshuffle is charged with
-what the data it overlaps has spent (accounting/fedmeta/accounting/ledger/overlap.py). The
+**The data's identity** keys the privacy budget. Image data is named by its items: each one's
+content digest at source resolution and its look, a perceptual hash of the model's input
+(metalearning/items.py, fedmeta/item_identity.py; ``participant_fingerprint`` sends a
+participant's item set to the server), so near-duplicates and the same drawings through another
+loader, file format, path or node key spend from the same budget, and a subset, superset or
+reshuffle is charged with what the data it overlaps has spent
+(accounting/fedmeta/accounting/ledger/overlap.py). The
 synthetic sinusoid is named by its generator and seed (``declared_identity``) plus the
 participant's index. See server/fedmeta/server/budget_keys.py. ``data_fingerprint`` is a digest of
 the source files (or the sinusoid generator's full specification): recorded, never a key.
@@ -31,6 +33,7 @@ from torch import Tensor, nn
 
 from fedmeta.client_config import ClientConfig, ClientDatasetConfig, client_config
 from fedmeta.config import GROUP_NORM_GROUPS, Config
+from fedmeta.item_identity import DataItems
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
     from fedmeta.accounting.ledger.public import PublicDataUse
@@ -379,17 +382,18 @@ def participant_fingerprint(
 ) -> str:
     """What a participant tells the (trusted) server its data is.
 
-    Image data: its items' content digests (``items-v1:...``, ledger/overlap.py), every item of
-    the classes its tasks are drawn from; the budget is charged by overlap with them. Data without
-    item digests (the sinusoid): ``data_fingerprint``.
+    Image data: its items (``items-v2:...``, fedmeta/item_identity.py), every item of the classes
+    its tasks are drawn from, each by its exact digest and its look (what the model sees); the
+    budget is charged by overlap with them (ledger/overlap.py). Data without item digests (the
+    sinusoid): ``data_fingerprint``. The item set is the floor's, so a participant imports
+    neither the accountant nor SQLite (issue 54).
     """
-    from fedmeta.accounting import DataItems
     from fedmeta.metalearning.federated import ParticipantTasks
 
     if isinstance(tasks, ParticipantTasks):
         items = tasks.dataset.items_of(tasks.classes)
         if items is not None and len(items):
-            return DataItems.of(items).to_text()
+            return DataItems.of(items, tasks.dataset.looks_of(tasks.classes)).to_text()
     return data_fingerprint(own_data(cfg, data_path))
 
 

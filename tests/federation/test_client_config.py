@@ -182,7 +182,7 @@ def test_a_participant_with_its_own_folder_computes_from_it_alone(tmp_path: Path
                 "dataset.image_size=8")  # fmt: skip
     sent = client_config(cfg).model_dump_json()
     reg = registration(P.RegisterRequest("r", sent), "4", str(own))
-    assert reg.task_count > 0 and reg.data_fingerprint.startswith("items-v1:")
+    assert reg.task_count > 0 and reg.data_fingerprint.startswith("items-v2:")
     params = initial_params(cfg, build_model(cfg)).numpy()
     reply = gradient_reply(P.GradientRequest("r", 0, (0, 1), 1.0, params, sent), "4", str(own))
     assert reply.grads is not None and reply.grads.shape == (2, params.size)

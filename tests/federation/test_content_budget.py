@@ -183,7 +183,7 @@ def test_an_item_set_travels_as_text_and_back() -> None:
     assert len(items) == 3 and items.array().tolist() == [3, 5, 2**64 - 1]
     assert DataItems.from_text(items.to_text()) == items
     assert DataItems.from_text("omniglot:abc") is None
-    with pytest.raises(ValueError, match="items-v1"):
+    with pytest.raises(ValueError, match="items-v2"):
         DataItems.from_text("items-v1:!!")
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from fedmeta.metalearning.digests import manifest_digest
 from fedmeta.metalearning.errors import DataError
-from fedmeta.metalearning.items import image_item_digest
+from fedmeta.metalearning.items import LOOK_BYTES, image_item_digest, model_input_looks
 
 __all__ = [
     "ClassDataset",
@@ -66,6 +66,9 @@ class ClassDataset:
     #: Per image row: the content digest of the item it was made from, at source resolution
     #: (metalearning/items.py; uint64). A rotation keeps its source item's digest. None: unknown.
     item_ids: np.ndarray | None = None
+    #: Per image row: the look of the model input it was made from (uint8 ``[N, 32]``,
+    #: metalearning/items.py), aligned with ``item_ids``; a rotation keeps its source's look.
+    item_looks: np.ndarray | None = None
     #: ``images`` copied to an accelerator, by device, on first use there (see :meth:`example`).
     _on_device: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False,
                                           compare=False)  # fmt: skip
@@ -78,6 +81,9 @@ class ClassDataset:
             raise ValueError("offsets[-1] must equal the number of images")
         if self.item_ids is not None and self.item_ids.shape != (self.images.shape[0],):
             raise ValueError("item_ids must hold one digest per image")
+        if self.item_looks is not None and self.item_looks.shape != (
+            self.images.shape[0], LOOK_BYTES):  # fmt: skip
+            raise ValueError(f"item_looks must hold one {LOOK_BYTES}-byte look per image")
 
     def items_of(self, classes: Iterable[int]) -> np.ndarray | None:
         """The item digests of ``classes``' images (None when the source gave none)."""
@@ -87,6 +93,16 @@ class ClassDataset:
         if not cls:
             return np.zeros(0, np.uint64)
         return np.concatenate([self.item_ids[self.offsets[c] : self.offsets[c + 1]] for c in cls])
+
+    def looks_of(self, classes: Iterable[int]) -> np.ndarray | None:
+        """The looks of ``classes``' images, aligned with :meth:`items_of` (None: none known)."""
+        if self.item_looks is None:
+            return None
+        rows = [np.arange(self.offsets[c], self.offsets[c + 1]) for c in (int(c) for c in classes)]
+        if not rows:
+            return np.zeros((0, LOOK_BYTES), np.uint8)
+        looks: np.ndarray = self.item_looks[np.concatenate(rows)]
+        return looks
 
     @property
     def n_classes(self) -> int:
@@ -117,6 +133,7 @@ class ClassDataset:
                 [],
                 self.source,
                 None if self.item_ids is None else np.zeros(0, np.uint64),
+                None if self.item_looks is None else np.zeros((0, LOOK_BYTES), np.uint8),
             )
         idx = np.concatenate([np.arange(self.offsets[c], self.offsets[c + 1]) for c in cls])
         counts = self.counts[cls]
@@ -127,6 +144,7 @@ class ClassDataset:
             [self.groups[c] for c in cls],
             self.source,
             None if self.item_ids is None else self.item_ids[idx],
+            None if self.item_looks is None else self.item_looks[idx],
         )
 
     def with_rotations(self, angles: Sequence[int] = (0, 90, 180, 270)) -> ClassDataset:
@@ -144,8 +162,9 @@ class ClassDataset:
             groups += list(self.groups)
             offsets += list(int(offsets[-1]) + self.offsets[1:])
         items = None if self.item_ids is None else np.tile(self.item_ids, len(angles))
+        looks = None if self.item_looks is None else np.tile(self.item_looks, (len(angles), 1))
         return ClassDataset(torch.cat(parts).contiguous(), np.asarray(offsets, np.int64), names,
-                            groups, self.source, items)  # fmt: skip
+                            groups, self.source, items, looks)  # fmt: skip
 
     def example(self, idx: np.ndarray, device: torch.device | None = None) -> Tensor:
         """Float images in [0, 1] for global example indices ``idx`` (any shape), on ``device``.
@@ -221,13 +240,15 @@ def _read_class_folders(root: Path, image_size: int, channels: int) -> ClassData
             arrays.append(a[None] if channels == 1 else a.transpose(2, 0, 1))
         names.append(d.name)
         counts.append(len(files))
+    images = np.stack(arrays)
     return ClassDataset(
-        torch.from_numpy(np.stack(arrays)),
+        torch.from_numpy(images),
         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         names,
         list(names),
         str(root),
         np.asarray(items, dtype=np.uint64),
+        model_input_looks(images),  # what the model sees, as every loader names it
     )
 
 

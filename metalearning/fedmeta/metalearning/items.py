@@ -16,6 +16,15 @@ so a changed normalisation can never be confused with this one. 64 bits: among t
 drawings the chance of any collision is about 3e-11 (birthday bound n^2 / 2^65); a collision can
 only merge two items' budgets, which errs on the side of charging more.
 
+**What the model sees** (issue 52, items 2-3): the exact digest above names the file's content,
+so a JPEG copy, a copy resized or cropped by one pixel, or the same grey-level files through the
+other loader would each be a new item. Every item therefore also has a *look*
+(:func:`model_input_looks`): a 256-bit perceptual hash (``imagehash.phash``, DCT of the image
+resized to 64x64, its 16x16 lowest frequencies against their median) of the model's input itself,
+after the loader's decoding, resizing and binarisation, canonicalised the same way for every
+loader (mean over channels, paper dark). The ledger matches looks with a Hamming tolerance
+(``LOOK_TOLERANCE`` in the floor's ``fedmeta.item_identity``), so near-duplicates are one item.
+
 Vectorised where the data arrives as an array (:func:`ink_digests`: one ``packbits`` over all
 masks, then one short hash call per item); the loaders cache the result by the source files'
 ``stat`` (metalearning/omniglot.py), so a second digest of unchanged files costs a ``stat`` each.
@@ -27,11 +36,23 @@ import hashlib
 
 import numpy as np
 
-__all__ = ["ITEM_FORMAT", "image_item_digest", "ink_digests", "pixel_digest"]
+__all__ = [
+    "ITEM_FORMAT",
+    "LOOK_BYTES",
+    "LOOK_FORMAT",
+    "image_item_digest",
+    "ink_digests",
+    "model_input_looks",
+    "pixel_digest",
+]
 
 #: Names this normalisation; part of every digest (BLAKE2b personalisation, 16 bytes at most).
 ITEM_FORMAT = b"fedmeta-item-v1"
 _INK_THRESHOLD = 128  # grey levels below are ink (decode_png: above 127 is paper)
+#: Names the look's definition (canonical input + hash); a changed one is a new format.
+LOOK_FORMAT = "phash16x4-grey-inkbright-v1"
+LOOK_BYTES = 32  # 256 bits: 16 x 16 DCT coefficients
+_LOOK_HASH_SIZE, _LOOK_HIGHFREQ = 16, 4
 
 
 def _digest(data: bytes) -> bytes:
@@ -98,3 +119,29 @@ def _is_drawing(image: object, grey: np.ndarray) -> bool:
         return True
     rgb = np.asarray(image.convert("RGB"))
     return bool(np.isin(rgb, (0, 255)).all() and (rgb.min(axis=2) == rgb.max(axis=2)).all())
+
+
+def model_input_looks(images: np.ndarray) -> np.ndarray:
+    """The looks (uint8 ``[N, 32]``, 256 bits each) of model inputs (uint8 ``[N, C, H, W]``).
+
+    ``images`` is what the model is given (before the division by 255): Omniglot's resized stroke
+    intensity, an image folder's resized RGB. Canonical form, the same for every loader: the mean
+    over channels, inverted when its mean is above mid-grey (so black ink on white paper read as
+    RGB and white-on-black stroke intensity are one picture). Then ``imagehash.phash`` (Zauner
+    2010's DCT hash; a maintained library rather than our own): robust to JPEG, a resize, a
+    one-pixel crop and a threshold (measured on Omniglot: docs/privacy.md).
+    """
+    import imagehash
+    from PIL import Image
+
+    if images.ndim != 4 or images.dtype != np.uint8:
+        raise ValueError(f"images must be uint8 [N, C, H, W]; got {images.dtype} {images.shape}")
+    grey = images.astype(np.float32).mean(axis=1)
+    bright = grey.reshape(len(grey), -1).mean(axis=1) > 127.5
+    grey[bright] = 255.0 - grey[bright]
+    canonical = np.rint(grey).astype(np.uint8)
+    out = np.empty((len(images), LOOK_BYTES), dtype=np.uint8)
+    for i, picture in enumerate(canonical):
+        bits = imagehash.phash(Image.fromarray(picture, "L"), _LOOK_HASH_SIZE, _LOOK_HIGHFREQ)
+        out[i] = np.packbits(bits.hash.reshape(-1))
+    return out

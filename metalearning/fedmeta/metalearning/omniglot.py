@@ -485,7 +485,11 @@ def _all_characters(
     flat = images.reshape(n_chars * n_draw, *images.shape[2:])
     offsets = np.arange(n_chars + 1, dtype=np.int64) * n_draw
     names = [f"{p:04d}" for p in prefixes]
-    from fedmeta.metalearning.omniglot_items import omniglot_item_ids  # it reads this module
+    from fedmeta.metalearning.omniglot_items import (  # it reads this module
+        cached_looks,
+        omniglot_item_ids,
+    )
 
     items = omniglot_item_ids(path, cache=cache)
-    return ClassDataset(flat, offsets, names, alphas, str(path), items), prefixes
+    looks = cached_looks(flat.numpy(), cache=cache)  # of the model input, as every loader's
+    return ClassDataset(flat, offsets, names, alphas, str(path), items, looks), prefixes

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmeta.metalearning.items import ITEM_FORMAT, ink_digests
+from fedmeta.metalearning.items import (
+    ITEM_FORMAT,
+    LOOK_BYTES,
+    LOOK_FORMAT,
+    ink_digests,
+    model_input_looks,
+)
 from fedmeta.metalearning.omniglot import (
     default_cache_dir,
     find_omniglot_sources,
@@ -79,3 +85,37 @@ def _save_quietly(target: Path, array: np.ndarray) -> None:
         tmp.replace(target)
     except OSError:
         pass  # caching is an optimisation only
+
+
+def cached_looks(images: np.ndarray, *, cache: bool | str | Path = True) -> np.ndarray:
+    """:func:`~metalearning.items.model_input_looks` of ``images``, cached by their SHA-256.
+
+    Hashing all 32,460 drawings takes seconds (docs/privacy.md); the resized drawings are the
+    same on every load, so their looks are kept beside the resize cache, keyed by the pixels
+    themselves (a changed image is a changed key) and the look's format.
+    """
+    key = hashlib.sha256(LOOK_FORMAT.encode() + repr(images.shape).encode())
+    key.update(np.ascontiguousarray(images).data)
+    return _looks_by_key(key.hexdigest()[:32], images, _cache_dir_of(cache))
+
+
+_LOOKS: dict[str, np.ndarray] = {}  # this process's, by key: a second load costs the SHA-256
+
+
+def _looks_by_key(key: str, images: np.ndarray, cache_dir: str | None) -> np.ndarray:
+    if key in _LOOKS:
+        return _LOOKS[key]
+    cached = None if cache_dir is None else Path(cache_dir) / f"omniglot-looks-{key}.npy"
+    looks = None
+    if cached is not None and cached.is_file():
+        try:
+            looks = np.load(cached, allow_pickle=False)
+        except (OSError, ValueError):
+            cached.unlink(missing_ok=True)  # a broken cache is rebuilt
+    if looks is None or looks.shape != (len(images), LOOK_BYTES):
+        looks = model_input_looks(images)
+        if cached is not None:
+            _save_quietly(cached, looks)
+    looks.setflags(write=False)
+    _LOOKS[key] = looks
+    return looks

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmeta.accounting import BudgetTerms, DataItems, Ledger, current_budget
+from fedmeta.accounting import BudgetTerms, DataItems, Ledger, current_budget, ledger_holds
 from fedmeta.config import Config
+from fedmeta.item_identity import EVALUATION_TOLERANCE
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
 from fedmeta.server.budget_keys import budget_identity, budget_label
 from fedmeta.server.plan import BudgetForecast, PrivatePlan
 from fedmeta.server.transport import Registered
+from fedmeta.workload import Workload
 
 
 class BudgetMismatch(ValueError):
@@ -100,6 +102,46 @@ def check_experiment_data(cfg: Config, registered: Sequence[Registered]) -> None
     )
 
 
+class EvaluationDataPrivate(BudgetMismatch):
+    """Validation or test items a ledger records as participants' private data (issue 52)."""
+
+
+def check_evaluation_data(cfg: Config, workload: Workload, path: Path) -> None:
+    """Refuse a private run whose validation or test items are recorded as private data.
+
+    The server's validation and test metrics are released without the accountant, so they may
+    only be computed on data that was never a participant's: under another seed or split the
+    participants' items of an earlier run become held-out items (issue 52, item 8). An item counts
+    when the ledger at ``path`` holds it in any budget, by digest or by a look within
+    ``EVALUATION_TOLERANCE`` (fedmeta/item_identity.py says why it is narrower than charging's).
+    Experiments run on public data and are not checked; with ``metrics.private_diagnostics`` the
+    operator has made the run's metrics private diagnostics (off by default), and they may be
+    computed on such items. One line naming the counts and the fix.
+    """
+    splits = workload.splits
+    exempt = cfg.privacy.experiment is not None or cfg.metrics.private_diagnostics
+    if splits is None or exempt or not path.is_file():
+        return
+    parts = [(name, split.item_ids, split.item_looks)
+             for name, split in (("validation", splits.val), ("test", splits.test))]  # fmt: skip
+    held = {
+        name: ledger_holds(path, [DataItems.of(ids, looks)], tolerance=EVALUATION_TOLERANCE)
+        for name, ids, looks in parts
+        if ids is not None and len(ids)
+    }
+    if not any(held.values()):
+        return
+    counts = " and ".join(f"{n} {name} items" for name, n in held.items() if n)
+    raise EvaluationDataPrivate(
+        f"dataset.split {cfg.dataset.split!r} with seed {cfg.seed}: {counts} are recorded as "
+        f"participants' private data in {path} (by content or as near-duplicates), and "
+        "validation and test metrics are released without the accountant: use the seed and "
+        "dataset.split the earlier runs on this data used, so that their participants' items "
+        "stay out of validation and test (or metrics.private_diagnostics = true: the metrics "
+        "become private diagnostics, not to be released); nothing was spent"
+    )
+
+
 def _mismatch(cfg: Config, name: str, value: float, terms: BudgetTerms, path: Path) -> str:
     fix = (
         "a run asks for its own epsilon with privacy.target_epsilon"
@@ -147,9 +189,7 @@ def other_budget_hint(
     )
 
 
-def no_fit_reason(
-    cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast
-) -> str:
+def no_fit_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast) -> str:
     """One line: a run's target does not fit what its participants have left, and the fixes."""
     assert cfg.privacy.target_epsilon is not None  # only a run with a target is refused this way
     target = cfg.privacy.target_epsilon

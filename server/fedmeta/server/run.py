@@ -45,6 +45,7 @@ from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource,
 from fedmeta.checkpoint import save_checkpoint
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import use_round_cohort
+from fedmeta.server.data_budget import EvaluationDataPrivate, check_evaluation_data, ledger_file
 from fedmeta.server.membership import Membership
 from fedmeta.server.plan import BudgetForecast, RunPlan
 from fedmeta.server.release_strategy import ReleaseStrategy, choose_release
@@ -231,9 +232,14 @@ def _start(cfg: Config, transport: GridTransport, options: RunOptions) -> _Run:
     run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
     membership = register(cfg, transport, run_id)
     registered = tuple(membership.members.values())
+    wl = options.workload or build_workload(cfg)  # the data, whatever the budget's terms
+    if cfg.privacy.enabled and options.open_ledger is None:  # before this run records its data
+        try:  # held-out metrics are released: never on earlier participants' items (issue 52)
+            check_evaluation_data(cfg, wl, ledger_file(cfg))
+        except EvaluationDataPrivate as error:
+            raise FederationError(str(error)) from None
     cfg, plan, ledger = plan_and_budget(cfg, options.open_ledger, ckpt, membership)
     federation_id = ledger.federation_id if ledger is not None else "non-private"
-    wl = options.workload or build_workload(cfg)
     selection = model_selection(cfg, wl, ckpt)
     state, outcomes, next_round = initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
