@@ -203,7 +203,7 @@ def _print_public_data(rows: list[dict[str, Any]]) -> None:
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
     where: Path | None = getattr(args, "epsilon_cache", None)
-    kept = None if where is None or args.recompute else EpsilonCache(where)
+    kept = None if where is None else EpsilonCache(where, read=not args.recompute)
     report = _ledger_report(args.db, args.federation, args.participants, kept)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -336,8 +336,8 @@ def _add_ledger_parser(
     )  # fmt: skip
     p.add_argument(
         "--recompute", action="store_true",
-        help="compose every epsilon afresh, reading none kept from an earlier show (they are "
-        "kept only under the hash of the records they were composed from)",
+        help="compose every epsilon afresh, reading none kept by an earlier show (each is kept "
+        "only under the hash of the records it was composed from), and keep these instead",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=handled("ledger show", _cmd_ledger_show), locations=default_ledger,

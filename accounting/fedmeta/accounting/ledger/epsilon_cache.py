@@ -75,14 +75,19 @@ def composition_key(counts: Multiset, delta: float, unit: Unit, method: Method) 
 
 
 class EpsilonCache:
-    """Composed epsilons by :func:`composition_key`, in a SQLite file of their own."""
+    """Composed epsilons by :func:`composition_key`, in a SQLite file of their own.
 
-    def __init__(self, path: Path) -> None:
+    ``read=False`` finds nothing and keeps what is composed: a recomputation that also replaces
+    whatever the file held under the same keys.
+    """
+
+    def __init__(self, path: Path, *, read: bool = True) -> None:
         self.path = path
+        self.read = read
 
     def get(self, key: str) -> float | None:
-        """The epsilon kept under ``key``, or None (none, or the file unreadable)."""
-        if not self.path.is_file():
+        """The epsilon kept under ``key``, or None (none, not reading, or the file unreadable)."""
+        if not self.read or not self.path.is_file():
             return None
         try:
             with contextlib.closing(self._connect()) as conn:
