@@ -12,8 +12,9 @@ with the epsilons an earlier show kept (the same records shown again). ``--at RE
 code of commit REV instead (``git archive`` into a temporary folder put first on ``PYTHONPATH``;
 every fedmeta package is a regular package, so the archived ones are the ones imported).
 
-Prints a markdown table; with ``--out``, appends one JSON record per case: command, case, the
-seconds of every run, median, the commit measured, machine, load average, date
+Prints a markdown table; with ``--out``, appends one JSON record per case: this script's command
+line, the command measured, case, the seconds of every run, median, the commit measured, machine,
+load average, date
 (docs/benchmarks.md, "Command-line latency"). No time is asserted anywhere (tests check what the
 commands import: tests/test_startup.py).
 """
@@ -116,6 +117,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict[str, object]]:
         load = os.getloadavg()[0]
         seconds = times(argv, env, args.runs, before)
         records.append({
+            "bench": " ".join(["python", "bench/cli_latency.py", *sys.argv[1:]]),
             "command": " ".join(["fedmeta", *(argv if argv != show else show[:2])]),
             "case": case or None, "spends": args.spends if argv == show else None,
             "seconds": seconds, "median_s": round(statistics.median(seconds), 3),
