@@ -34,6 +34,21 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``, on stdout as argparse's own, but the version looked up only when asked.
+
+    importlib.metadata reads installed distributions' metadata: a cost no other command should pay.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")  # fmt: skip
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        print(f"fedmeta {_version()}")
+        parser.exit()
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line with a did-you-mean, then exit status 2.
 
@@ -114,7 +129,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         prog="fedmeta",
         description="Differentially private federated meta-learning.",
     )
-    parser.add_argument("--version", action="version", version=f"fedmeta {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     # Imported here, not at the top, so that a Ctrl-C while a command's modules load (torch takes
