@@ -13,8 +13,8 @@ code of commit REV instead (``git archive`` into a temporary folder put first on
 every fedmeta package is a regular package, so the archived ones are the ones imported).
 
 Prints a markdown table; with ``--out``, appends one JSON record per case: this script's command
-line, the command measured, case, the seconds of every run, median, the commit measured, machine,
-load average, date
+line, the command measured, case, the wall and CPU seconds of every run and their medians, the
+commit measured, machine, load average, date
 (docs/benchmarks.md, "Command-line latency"). No time is asserted anywhere (tests check what the
 commands import: tests/test_startup.py).
 """
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -51,18 +52,24 @@ with BudgetLedger.open(sys.argv[1], "bench", 50.0, 1e-5) as ledger:
 """
 
 
-def times(argv: list[str], env: dict[str, str], runs: int, before: list[str] | None) -> list[float]:
-    """Seconds of each run of ``fedmeta ARGV``; ``before`` (a command) runs first, untimed."""
-    out = []
+def times(
+    argv: list[str], env: dict[str, str], runs: int, before: list[str] | None
+) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds (user + system) of each run of ``fedmeta ARGV``; ``before`` (a
+    command) runs first, untimed. CPU time is what a loaded machine's wall time hides least."""
+    wall, cpu = [], []
     for _ in range(runs):
         if before is not None:
             subprocess.run(before, env=env, check=True)
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run([FEDMETA, *argv], env=env, capture_output=True, check=False)
-        out.append(round(time.perf_counter() - start, 3))
+        wall.append(round(time.perf_counter() - start, 3))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(round(after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime, 3))
         if done.returncode != 0:
             raise SystemExit(f"fedmeta {' '.join(argv)} failed: {done.stderr.decode()[-2000:]}")
-    return out
+    return wall, cpu
 
 
 def commit(at: str | None) -> str:
@@ -115,12 +122,13 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict[str, object]]:
     records = []
     for argv, case, before in cases:
         load = os.getloadavg()[0]
-        seconds = times(argv, env, args.runs, before)
+        seconds, cpu = times(argv, env, args.runs, before)
         records.append({
             "bench": " ".join(["python", "bench/cli_latency.py", *sys.argv[1:]]),
             "command": " ".join(["fedmeta", *(argv if argv != show else show[:2])]),
             "case": case or None, "spends": args.spends if argv == show else None,
             "seconds": seconds, "median_s": round(statistics.median(seconds), 3),
+            "cpu_seconds": cpu, "median_cpu_s": round(statistics.median(cpu), 3),
             "runs": args.runs, "commit": commit(args.at), "machine": machine(),
             "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
             "date": datetime.now(UTC).isoformat(timespec="minutes"),
@@ -142,10 +150,12 @@ def main() -> int:
         records = measure(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| command | case | median s | runs (s) | load (start, end) |\n|---|---|---|---|---|")
+    print("| command | case | median s | runs (s) | median CPU s | load (start, end) |")
+    print("|---|---|---|---|---|---|")
     for r in records:
         print(f"| `{r['command']}` | {r['case'] or ''} | {r['median_s']} | "
-              f"{', '.join(map(str, r['seconds']))} | {r['load_average_1min']} |")  # fmt: skip
+              f"{', '.join(map(str, r['seconds']))} | {r['median_cpu_s']} | "
+              f"{r['load_average_1min']} |")  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as sink:
