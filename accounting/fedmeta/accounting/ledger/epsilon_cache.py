@@ -104,6 +104,8 @@ class EpsilonCache:
             return
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Its owner's only, as the ledger is: the per-participant epsilons are in it too.
+            self.path.touch(mode=0o600, exist_ok=True)
             with contextlib.closing(self._connect()) as conn, conn:
                 conn.execute(_CREATE)
                 conn.execute("INSERT OR REPLACE INTO epsilons VALUES (?, ?)", (key, value))
