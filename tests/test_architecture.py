@@ -207,8 +207,8 @@ QUOTED_MODULES_ALLOWED = {
     # Flower reads an app's components from its pyproject.toml as "module:attribute" strings; the
     # app `fedmeta deploy run` submits holds no code, so this text is its whole interface (the
     # ServerApp process imports the fedmeta installed on the server). pyproject.toml says the same.
-    ("cli/fedmeta/cli/deploy.py", "fedmeta.server.app:app"),
-    ("cli/fedmeta/cli/deploy.py", "fedmeta.client.app:app"),
+    ("cli/fedmeta/cli/deploy_run_config.py", "fedmeta.server.app:app"),
+    ("cli/fedmeta/cli/deploy_run_config.py", "fedmeta.client.app:app"),
 }
 
 
@@ -282,7 +282,7 @@ def test_string_edges_are_found(tmp_path: Path) -> None:
     # the worker's name, import_module and its argument, the -m line, the component string
     assert len(found) == 5, found
     assert not any(":1 " in f or ":3 " in f for f in found), found
-    deploy = "cli/fedmeta/cli/deploy.py"
+    deploy = "cli/fedmeta/cli/deploy_run_config.py"
     assert string_edges(probe, deploy)[-1:] != [f"{deploy}:7 'fedmeta.server.app:app'"]
 
 

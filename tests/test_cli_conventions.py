@@ -67,6 +67,29 @@ def test_mistyped_commands_and_flags_get_one_line_and_a_suggestion(
 
 
 @pytest.mark.unit
+def test_help_without_the_commands_loaded_is_the_help_with_them() -> None:
+    """``fedmeta --help`` lists the commands from commands.COMMANDS without importing them: the
+    same text, in the same order, as the parser with every command registered in full."""
+    from fedmeta.cli import build_parser
+    from fedmeta.cli.commands import COMMANDS
+
+    full, listed = build_parser(), build_parser(["--help"])
+    assert listed.format_help() == full.format_help()
+    for command in COMMANDS:  # and the one command a command line names is the full one
+        chosen = build_parser([command.name])
+        assert chosen.format_help() == full.format_help()
+        assert _sub_help(chosen, command.name) == _sub_help(full, command.name)
+
+
+def _sub_help(parser: object, name: str) -> str:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return str(action.choices[name].format_help())
+
+
+@pytest.mark.unit
 def test_set_without_equals_names_the_form(capsys: pytest.CaptureFixture[str]) -> None:
     assert _main(["simulate", "--set", "rounds", "20"]) == 2
     line = _one_line(capsys.readouterr().err)

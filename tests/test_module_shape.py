@@ -4,7 +4,8 @@ A module over ``MAX_MODULE_LINES`` usually holds two concepts; a private name (`
 another module is an interface nobody declared. Both are counted on the source, nothing imported.
 The limits: at most ``MAX_LARGE_MODULES`` modules over ``MAX_MODULE_LINES`` lines, at most
 ``MAX_PRIVATE_IMPORTS`` private names imported across modules. The issue allows 4 and 5; each limit
-is what the code holds today (4 and 1), so that no new one comes in unnoticed.
+is what the code holds today (2 and 1: fedmeta.config and fedmeta.client.worker, whose splits
+are under way), so that no new one comes in unnoticed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from layout import SUBPACKAGES, module_of, package_files
 
 MAX_MODULE_LINES = 500
 #: At most this many modules over MAX_MODULE_LINES, and at most this many private imports.
-MAX_LARGE_MODULES = 4
+MAX_LARGE_MODULES = 2
 MAX_PRIVATE_IMPORTS = 1
 #: ``fedmeta`` is the shared floor (core/fedmeta).
 PACKAGES = ("fedmeta", *SUBPACKAGES)

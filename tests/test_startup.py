@@ -7,6 +7,7 @@ is run, as a user runs it, and its report read. No time is asserted (timings are
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,54 @@ def test_a_participant_registering_on_omniglot_data_loads_no_accounting_nor_sqli
     )
     env = {**os.environ, "FEDMETA_CACHE_DIR": str(tmp_path / "cache")}
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=env)
+#: What ``fedmeta --version`` and ``--help`` may load of fedmeta: the dispatcher and the command
+#: table, no command (fedmeta.cli.commands, bench/cli_latency.py).
+DISPATCH = {"fedmeta", "fedmeta.cli", "fedmeta.cli.commands", "fedmeta.exitcodes", "fedmeta.pipes"}
+
+
+def loaded(argv: list[str], tmp_path: Path) -> set[str]:
+    """``sys.modules`` after ``fedmeta ARGV`` ran in a fresh interpreter (exit included)."""
+    code = (
+        "import json, sys\n"
+        "from fedmeta.cli import main\n"
+        "try:\n"
+        "    main(json.loads(sys.argv[1]))\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True,
+                         text=True, cwd=tmp_path, check=False, timeout=120)  # fmt: skip
+    names = set(json.loads(run.stderr.splitlines()[-1]))
+    assert "fedmeta.cli" in names, run.stderr[-2000:]
+    return names
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("argv", [["--version"], ["--help"]], ids=["version", "help"])
+def test_version_and_help_load_no_command(argv: list[str], tmp_path: Path) -> None:
+    names = loaded(argv, tmp_path)
+    heavy = sorted(n for n in names if n.split(".")[0] in HEAVY)
+    ours = sorted(n for n in names if n.split(".")[0] == "fedmeta" and n not in DISPATCH)
+    assert not heavy and not ours, (heavy, ours)
+
+
+@pytest.mark.integration
+def test_ledger_show_of_kept_epsilons_loads_no_composition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shown once (composed, kept), ``ledger show`` shows the same ledger again without
+    dp-accounting or scipy, and never with torch or Flower; its first show does compose (the
+    negative control)."""
+    from fedmeta.accounting import BudgetLedger, GaussianRound, TwoStagePoissonScheme
+
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger.open(db, "fed", 20.0, 1e-5) as ledger:
+        for i in range(3):
+            ledger.spend(GaussianRound(TwoStagePoissonScheme(20, 4, 0.5), 2.0), "run-1", i)
+    argv = ["ledger", "show", "--db", str(db), "--participants"]
+    assert "dp_accounting" in loaded(argv, tmp_path)  # composed, and kept
+    names = loaded(argv, tmp_path)
+    heavy = sorted(n for n in names if n.split(".")[0] in HEAVY)
+    assert not heavy, heavy

@@ -14,6 +14,8 @@ from pathlib import Path
 
 STATE_DIR_ENV = "FEDMETA_STATE_DIR"
 WITNESS_DIR_ENV = "FEDMETA_WITNESS_DIR"
+CACHE_DIR_ENV = "FEDMETA_CACHE_DIR"
+EPSILON_CACHE_NAME = "epsilons.sqlite"
 LEDGER_NAME = "ledger.sqlite"
 INSECURE_LEDGER_NAME = "insecure-test-ledger.sqlite"
 
@@ -44,6 +46,21 @@ def experiment_ledger_path(name: str, *, secure: bool) -> Path:
     """
     folder = "experiments" if secure else "insecure-test-experiments"
     return state_dir() / folder / f"{name}.sqlite"
+
+
+def epsilon_cache_path() -> Path:
+    """Where ``fedmeta ledger show`` keeps the epsilons it composed, by their inputs' hash.
+
+    ``$FEDMETA_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fedmeta``, else ``~/.cache/fedmeta``:
+    derived data, safe to delete (accounting/fedmeta/accounting/ledger/epsilon_cache.py), and
+    never beside a ledger.
+    """
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve() / EPSILON_CACHE_NAME
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return (base / "fedmeta").resolve() / EPSILON_CACHE_NAME
 
 
 def witness_dir() -> Path:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fedmeta import exitcodes
-from fedmeta.cli import deploy as D
+from fedmeta.cli import deploy_participant, deploy_run, deploy_run_config
+from fedmeta.cli.deploy_flwr import DeployError
 from fedmeta.config_io import load_config
 
 pytestmark = [pytest.mark.deploy, pytest.mark.unit]
@@ -44,38 +45,38 @@ def _args(tmp_path: Path, text: str = CONFIG, **kw: object) -> argparse.Namespac
 def test_the_config_travels_as_overrides_and_rebuilds_the_same_tree(tmp_path: Path) -> None:
     text = CONFIG.replace("/srv/ledger; or not.sqlite", "/srv/ledger.sqlite")
     args = _args(tmp_path, text, overrides=["rounds=9", "training.meta_lr=0.02"])
-    sets, cfg = D.run_overrides(args)
+    sets, cfg = deploy_run_config.run_overrides(args)
     assert cfg == load_config(args.config, args.overrides)
     assert cfg.rounds == 9 and cfg.dataset.path == '/data/caf\u00e9 "x"'
     # What the ServerApp reads: the run config's `set`, split on ';'.
-    run_toml = D.run_config_file(tmp_path / "run.toml", sets, "/runs/a", False)
+    run_toml = deploy_run_config.run_config_file(tmp_path / "run.toml", sets, "/runs/a", False)
     loaded = tomllib.loads(run_toml.read_text())
     assert loaded["set"].split(";") == sets and loaded["out"] == "/runs/a"
 
 
 def test_a_value_with_a_semicolon_or_a_bad_key_is_refused_here(tmp_path: Path) -> None:
-    with pytest.raises(D.DeployError, match="';'") as semicolon:
-        D.run_overrides(_args(tmp_path))
+    with pytest.raises(DeployError, match="';'") as semicolon:
+        deploy_run_config.run_overrides(_args(tmp_path))
     assert semicolon.value.status == exitcodes.BAD_INPUT
-    with pytest.raises(D.DeployError, match="federation.bogus") as bad:
-        D.run_overrides(_args(tmp_path, "[federation]\nbogus = 1\n"))
+    with pytest.raises(DeployError, match="federation.bogus") as bad:
+        deploy_run_config.run_overrides(_args(tmp_path, "[federation]\nbogus = 1\n"))
     assert bad.value.status == exitcodes.BAD_INPUT
     # A TOML date is refused by validation, before it is written as an override.
-    with pytest.raises(D.DeployError, match="privacy.delta must be a number") as date:
-        D.run_overrides(_args(tmp_path, "[privacy]\ndelta = 1979-05-27\n"))
+    with pytest.raises(DeployError, match="privacy.delta must be a number") as date:
+        deploy_run_config.run_overrides(_args(tmp_path, "[privacy]\ndelta = 1979-05-27\n"))
     assert date.value.status == exitcodes.BAD_INPUT
 
 
 def test_node_keys_file_becomes_one_override(tmp_path: Path) -> None:
     keys = tmp_path / "node-keys.toml"
     keys.write_text('[federation.node_keys]\n"0" = "SHA256:abc+/x"\n"7" = "SHA256:def"\n')
-    line = D.node_keys_override(keys)
+    line = deploy_run_config.node_keys_override(keys)
     assert line.startswith("federation.node_keys=")
     value = tomllib.loads("v = " + line.split("=", 1)[1])["v"]
     assert value == {"0": "SHA256:abc+/x", "7": "SHA256:def"}
     keys.write_text("[other]\n")
-    with pytest.raises(D.DeployError, match="make-certs.sh writes one"):
-        D.node_keys_override(keys)
+    with pytest.raises(DeployError, match="make-certs.sh writes one"):
+        deploy_run_config.node_keys_override(keys)
 
 
 @pytest.mark.parametrize(
@@ -99,8 +100,8 @@ def test_node_keys_file_becomes_one_override(tmp_path: Path) -> None:
 def test_exit_status_follows_fedmeta_exit_codes(
     status: str, stopped: str | None, rounds: int | None, error: str, code: int
 ) -> None:
-    outcome = D.Outcome("1", status, "details", stopped, rounds, "/runs/x", error=error)
-    assert D.exit_status(outcome) == code
+    outcome = deploy_run.Outcome("1", status, "details", stopped, rounds, "/runs/x", error=error)
+    assert deploy_run.exit_status(outcome) == code
 
 
 def test_outcome_and_exception_class_read_from_the_log(
@@ -111,39 +112,41 @@ def test_outcome_and_exception_class_read_from_the_log(
         "fedmeta.server.transport.RegistrationError: 2 participants registered; needs >= 5\n"
         "ERROR: Exit Code: 201\n"
     )
-    monkeypatch.setattr(D, "flwr", lambda *a, **k: argparse.Namespace(stdout=log, returncode=0))
+    reply = argparse.Namespace(stdout=log, returncode=0)
+    monkeypatch.setattr(deploy_run, "flwr", lambda *a, **k: reply)
     details = "ServerApp failed with exception: 2 participants registered; needs >= 5"
-    outcome = D.read_outcome({}, "9", "finished:failed", details, str(tmp_path / "none"))
+    outcome = deploy_run.read_outcome({}, "9", "finished:failed", details, str(tmp_path / "none"))
     assert outcome.error == "RegistrationError"
-    assert D.exit_status(outcome) == exitcodes.UNAVAILABLE
+    assert deploy_run.exit_status(outcome) == exitcodes.UNAVAILABLE
     # A completed run: summary.json where this host sees it, else the printed summary.
     out = tmp_path / "run"
     out.mkdir()
     (out / "summary.json").write_text(json.dumps(
         {"stopped_reason": "budget_exhausted", "rounds_completed": 0,
          "ledger": {"path": "/ledger/ledger.sqlite", "records": 4}}))  # fmt: skip
-    done = D.read_outcome({}, "9", "finished:completed", "", str(out))
+    done = deploy_run.read_outcome({}, "9", "finished:completed", "", str(out))
     assert (done.rounds_completed, done.ledger) == (0, "/ledger/ledger.sqlite")
-    assert D.exit_status(done) == exitcodes.BUDGET_EXHAUSTED
+    assert deploy_run.exit_status(done) == exitcodes.BUDGET_EXHAUSTED
     printed = (
         "rounds completed 14 of 1000 planned | stopped: budget_exhausted\noutputs: /r/summary.json"
     )
-    monkeypatch.setattr(D, "flwr", lambda *a, **k: argparse.Namespace(stdout=printed, returncode=0))
-    remote = D.read_outcome({}, "9", "finished:completed", "", "/elsewhere")
+    reply = argparse.Namespace(stdout=printed, returncode=0)
+    monkeypatch.setattr(deploy_run, "flwr", lambda *a, **k: reply)
+    remote = deploy_run.read_outcome({}, "9", "finished:completed", "", "/elsewhere")
     assert (remote.rounds_completed, remote.stopped_reason, remote.out) == (
         14, "budget_exhausted", "/r",
     )  # fmt: skip
 
 
 def test_every_run_gets_its_own_output_directory() -> None:
-    outs = {D.default_out("/runs/") for _ in range(50)}
+    outs = {deploy_run_config.default_out("/runs/") for _ in range(50)}
     assert len(outs) == 50 and all(o.startswith("/runs/run-") for o in outs)
 
 
 def test_the_app_has_no_code_and_this_fedmeta_version(tmp_path: Path) -> None:
     from importlib import metadata
 
-    app = D.write_app(tmp_path / "app")
+    app = deploy_run_config.write_app(tmp_path / "app")
     assert [p.name for p in app.iterdir()] == ["pyproject.toml"]
     project = tomllib.loads((app / "pyproject.toml").read_text())
     assert project["project"]["name"] == "fedmeta"
@@ -167,7 +170,7 @@ def _participant(tmp_path: Path, **kw: object) -> argparse.Namespace:
 def test_participant_runs_a_fast_supernode_and_a_worker_on_loopback(tmp_path: Path) -> None:
     key = tmp_path / "node.key"
     key.write_text("k")
-    node, worker = D.participant_commands(_participant(tmp_path, node_key=key))
+    node, worker = deploy_participant.participant_commands(_participant(tmp_path, node_key=key))
     assert node[1:3] == ["-m", "fedmeta.client.supernode"]
     assert node[node.index("--superlink") + 1] == "fl.example.org:443"
     assert "--insecure" not in node and node[node.index("--isolation") + 1] == "process"
@@ -181,16 +184,16 @@ def test_participant_runs_a_fast_supernode_and_a_worker_on_loopback(tmp_path: Pa
 
 
 def test_participant_refuses_what_it_cannot_run_safely(tmp_path: Path) -> None:
-    with pytest.raises(D.DeployError, match="--root-certificates CA"):
-        D.participant_commands(_participant(tmp_path, root_certificates=None))
-    with pytest.raises(D.DeployError, match="not both"):
-        D.participant_commands(_participant(tmp_path, insecure=True))
-    with pytest.raises(D.DeployError, match="--participant-id"):
-        D.participant_commands(_participant(tmp_path, participant_id=None))
-    with pytest.raises(D.DeployError, match="without quotes"):
-        D.participant_commands(_participant(tmp_path, participant_id='3" evil="1'))
+    with pytest.raises(DeployError, match="--root-certificates CA"):
+        deploy_participant.participant_commands(_participant(tmp_path, root_certificates=None))
+    with pytest.raises(DeployError, match="not both"):
+        deploy_participant.participant_commands(_participant(tmp_path, insecure=True))
+    with pytest.raises(DeployError, match="--participant-id"):
+        deploy_participant.participant_commands(_participant(tmp_path, participant_id=None))
+    with pytest.raises(DeployError, match="without quotes"):
+        deploy_participant.participant_commands(_participant(tmp_path, participant_id='3" evil="1'))
     insecure = _participant(tmp_path, root_certificates=None, insecure=True)
-    node, _ = D.participant_commands(insecure)
+    node, _ = deploy_participant.participant_commands(insecure)
     assert "--insecure" in node
 
 
@@ -206,11 +209,13 @@ def test_a_failed_run_names_the_resume_command_only_where_there_is_a_run_to_resu
     tmp_path: Path, capsys: pytest.CaptureFixture[str], error: str, status: int, hint: str | None
 ) -> None:
     """The third compose run, whose budget affords no round (exit 3), was told to resume."""
-    outcome = D.Outcome("5", "finished:failed", f"{error}: no", None, None, "/runs/x", error=error)
-    assert D.exit_status(outcome) == status
+    outcome = deploy_run.Outcome(
+        "5", "finished:failed", f"{error}: no", None, None, "/runs/x", error=error
+    )
+    assert deploy_run.exit_status(outcome) == status
     args = argparse.Namespace(superlink="superlink:8000", insecure=True, root_certificates=None,
                               config=None, node_keys=None, overrides=[])  # fmt: skip
-    D.report(outcome, status, args)
+    deploy_run.report(outcome, status, args)
     err = capsys.readouterr().err
     assert "continue with" not in err if hint is None else hint in err, err
     assert f"(exit status {status})" in err
@@ -236,19 +241,19 @@ def test_submit_tries_an_unreachable_superlink_again_and_nothing_else(
         clock[0] += took
         return argparse.Namespace(stdout=out, stderr="", returncode=1)
 
-    monkeypatch.setattr(D, "flwr", fake_flwr)
-    monkeypatch.setattr(D.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(D.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(deploy_run, "flwr", fake_flwr)
+    monkeypatch.setattr(deploy_run.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(deploy_run.time, "monotonic", lambda: clock[0])
     replies[:] = [(unreachable, 0.1), (unreachable, 0.1), ('{"success": true, "run-id": 77}', 1)]
-    assert D.submit({}, tmp_path, tmp_path / "run.toml") == "77" and len(calls) == 3
+    assert deploy_run.submit({}, tmp_path, tmp_path / "run.toml") == "77" and len(calls) == 3
     # Final at once: another refusal, a slow failure (the request may have been received), and
     # a fast one once reach_s has passed.
     for reply, took, reach_s in (('{"error-message": "Invalid run config"}', 0.1, 60.0),
                                  (unreachable, 30.0, 60.0), (unreachable, 0.1, 0.0)):  # fmt: skip
         replies[:] = [(reply, took)]
         calls.clear()
-        with pytest.raises(D.DeployError) as caught:
-            D.submit({}, tmp_path, tmp_path / "run.toml", reach_s=reach_s)
+        with pytest.raises(DeployError) as caught:
+            deploy_run.submit({}, tmp_path, tmp_path / "run.toml", reach_s=reach_s)
         assert caught.value.status == exitcodes.UNAVAILABLE and len(calls) == 1
 
 
@@ -276,8 +281,8 @@ def test_worker_alone_reaches_a_supernode_elsewhere_with_the_participants_settin
     env = {"FEDMETA_PARTICIPANT_ID": "0", "FEDMETA_DATA_PATH": "/data",
            "FEDMETA_WORKER_ALIVE": "/tmp/alive"}  # fmt: skip
     args = _worker_args(monkeypatch, env)
-    assert args.func is D._handle_worker
-    command = D.worker_only_command(args)
+    assert args.func is deploy_participant._handle_worker
+    command = deploy_participant.worker_only_command(args)
     assert command[1:3] == ["-m", "fedmeta.client.worker"]
     assert command[command.index("--runtime-api-address") + 1] == "127.0.0.1:9094"
     # What deploy/compose/flower-images.yml gives the SuperNode as its --node-config.
@@ -288,7 +293,7 @@ def test_worker_alone_reaches_a_supernode_elsewhere_with_the_participants_settin
     args = _worker_args(monkeypatch, {}, "--participant-id", "7", "--runtime-api-address",
                         "10.0.0.5:9094", "--runtime-ca", str(ca), "--superexec-auth-secret-file",
                         str(secret))  # fmt: skip
-    command = D.worker_only_command(args)
+    command = deploy_participant.worker_only_command(args)
     assert command[command.index("--root-certificates") + 1] == str(ca)
     assert command[command.index("--superexec-auth-secret-file") + 1] == str(secret)
     assert command[command.index("--node-config") + 1] == 'participant-id="7"'
@@ -330,13 +335,13 @@ def test_worker_warns_of_plain_http_beyond_the_loopback_then_becomes_the_worker(
         execs.append(argv)
         raise _Exec
 
-    monkeypatch.setattr(D.os, "execv", execv)
+    monkeypatch.setattr(deploy_participant.os, "execv", execv)
     args = _worker_args(monkeypatch, {"FEDMETA_PARTICIPANT_ID": "2"},
                         "--runtime-api-address", address)  # fmt: skip
     with pytest.raises(_Exec):
         args.func(args)
     (argv,) = execs
-    assert argv == D.worker_only_command(args)
+    assert argv == deploy_participant.worker_only_command(args)
     err = capsys.readouterr().err
     assert "--node-config must be 'participant-id=\"2\"'" in err
     assert ("plain HTTP to the Runtime API" in err) is warned

@@ -36,7 +36,7 @@ _CHILD = textwrap.dedent(
 _SUPERVISOR = textwrap.dedent(
     """
     import sys
-    from fedmeta.cli.deploy import supervise
+    from fedmeta.cli.deploy_participant import supervise
     child = [sys.executable, "-c", sys.argv[1]]
     sys.exit(supervise({"a": child + [sys.argv[2]], "b": child + [sys.argv[3]]}, grace_s=10))
     """

@@ -13,7 +13,7 @@ from flwr.proto.control_pb2 import ListRunsRequest, ListRunsResponse
 from flwr.proto.run_pb2 import Run, RunStatus
 
 from fedmeta.cli import control_api
-from fedmeta.cli.deploy import CONNECTION, flwr_home
+from fedmeta.cli.deploy_flwr import CONNECTION, flwr_home
 from fedmeta.cli.deploy_local import free_port
 
 pytestmark = pytest.mark.unit

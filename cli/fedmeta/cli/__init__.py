@@ -1,8 +1,10 @@
 """The ``fedmeta`` command line: the entry layer on top of server, client and simulation.
 
-Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; this
-module imports them plainly, inside :func:`main`. The registering modules import nothing heavy at
-module level, so ``fedmeta privacy ...`` never pays for importing torch or Flower (a test checks).
+Each sub-command lives next to the code it drives and exposes ``register(subparsers)``; only the
+command a command line names is imported and registered (commands.py), the others are listed by
+name and help alone. So ``fedmeta --version`` and ``--help`` import no command, and ``fedmeta
+ledger show`` not the planner, Flower or torch (tests/test_startup.py checks the imports;
+bench/cli_latency.py measures the time).
 
 The conventions every command shares live here, once: ``--version``; a usage error is one line
 (with a did-you-mean for a mistyped command or flag) and exit status 2; Ctrl-C is one line and exit
@@ -30,6 +32,21 @@ def _version() -> str:
         return version("fedmeta")
     except PackageNotFoundError:  # a source tree on sys.path, not installed
         return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, on stdout as argparse's own, but the version looked up only when asked.
+
+    importlib.metadata reads installed distributions' metadata: a cost no other command should pay.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit")  # fmt: skip
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        print(f"fedmeta {_version()}")
+        parser.exit()
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -103,33 +120,29 @@ def _flags(parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with every sub-command registered."""
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser, every command registered; with ``argv``, only the one it names.
+
+    The others are there by name and help alone: enough for ``--help`` and a did-you-mean.
+    """
     parser = OneLineParser(
         prog="fedmeta",
         description="Differentially private federated meta-learning.",
     )
-    parser.add_argument("--version", action="version", version=f"fedmeta {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for register in _registrars():
-        register(subparsers)
+    # Imported here, not at the top, so that a Ctrl-C while a command's modules load (torch takes
+    # seconds) meets main's handler.
+    from fedmeta.cli.commands import COMMANDS, named_in
+
+    chosen = None if argv is None else named_in(argv)
+    for command in COMMANDS:
+        if argv is None or command.name == chosen:
+            command.register(subparsers)
+        else:
+            subparsers.add_parser(command.name, help=command.help)
     return parser
-
-
-def _registrars() -> tuple[Any, ...]:
-    """Each is ``register(subparsers) -> None``, in the order ``fedmeta --help`` lists them.
-
-    Imported here, not at the top, so that a Ctrl-C while they load (scipy takes seconds) meets
-    :func:`main`'s handler. The accounting commands (privacy, ledger) come through plan_config,
-    which hands ``privacy plan`` the configuration writer (accounting knows no configuration).
-    """
-    from fedmeta.cli import deploy, evaluate, plan_config, tune
-    from fedmeta.server import exporter
-    from fedmeta.simulation import simulate
-
-    return (plan_config.register, simulate.register, tune.register, exporter.register,
-            evaluate.register, deploy.register)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,8 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
+        words = list(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(words)
+        args, extra = parser.parse_known_args(words)
         if extra:  # reported by the command it was given to, with its flags (and --set)
             _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         result: Any = args.func(args)

@@ -10,7 +10,7 @@ server).
 
 The client is the one ``flwr`` itself builds (``read_superlink_connection`` and
 ``init_http_client_from_connection`` from a ``FLWR_HOME`` whose ``config.toml`` names the
-connection: ``fedmeta.cli.deploy.flwr_home``), so TLS and the CA are handled as the CLI handles
+connection: ``fedmeta.cli.deploy_flwr.flwr_home``), so TLS and the CA are handled as the CLI handles
 them. The names used are listed in tests/test_flower_internals.py.
 """
 

@@ -166,7 +166,14 @@ def register(sub: Any, add_connection_args: Any) -> None:
 
 
 def _handle_status(args: argparse.Namespace) -> int:
-    from fedmeta.cli.deploy import CONNECTION, DeployError, flwr, flwr_home, json_in, tls_settings
+    from fedmeta.cli.deploy_flwr import (
+        CONNECTION,
+        DeployError,
+        flwr,
+        flwr_home,
+        json_in,
+        tls_settings,
+    )
     from fedmeta.cli.deploy_runs import annotate
 
     try:
@@ -199,7 +206,8 @@ def _bindings(path: Path | None) -> dict[str, str]:
     """Key fingerprint -> participant id, from a node-keys file."""
     if path is None:
         return {}
-    from fedmeta.cli.deploy import DeployError, node_keys_override
+    from fedmeta.cli.deploy_flwr import DeployError
+    from fedmeta.cli.deploy_run_config import node_keys_override
 
     try:
         import tomllib
@@ -220,7 +228,7 @@ def _nodes(env: Mapping[str, str]) -> list[dict[str, Any]]:
     from flwr.proto.control_pb2 import ListNodesRequest
 
     from fedmeta.cli.control_api import open_client
-    from fedmeta.cli.deploy import CONNECTION
+    from fedmeta.cli.deploy_flwr import CONNECTION
     from fedmeta.server.transport import key_fingerprint
 
     client = open_client(env, CONNECTION)

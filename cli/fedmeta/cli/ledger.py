@@ -15,6 +15,7 @@ from typing import Any
 
 from fedmeta.accounting.ledger import (
     BudgetLedger,
+    EpsilonCache,
     accept_rollback,
     backup,
     budgets,
@@ -45,9 +46,17 @@ def _participant_rows(ledger: BudgetLedger, wanted: bool) -> list[dict[str, Any]
     ]  # fmt: skip
 
 
-def _federation_report(db: str, fid: str, participants: bool = False) -> dict[str, Any]:
-    """One federation of a ledger, read-only: what ``ledger show`` prints."""
+def _federation_report(
+    db: str, fid: str, participants: bool = False, kept: EpsilonCache | None = None
+) -> dict[str, Any]:
+    """One federation of a ledger, read-only: what ``ledger show`` prints.
+
+    ``kept``: composed epsilons found under the hash of their inputs, the records read now
+    (epsilon_cache.py); without it every epsilon is composed here.
+    """
     with BudgetLedger.open_readonly(db, fid) as ledger:
+        if kept is not None:
+            ledger.keep_epsilons(kept)
         groups = ledger.rounds()
         table = _participant_rows(ledger, participants)
         runs: dict[str, dict[str, int]] = {}
@@ -89,7 +98,9 @@ def _federation_report(db: str, fid: str, participants: bool = False) -> dict[st
         }
 
 
-def _ledger_report(db: str, federation: str | None, participants: bool = False) -> dict[str, Any]:
+def _ledger_report(
+    db: str, federation: str | None, participants: bool = False, kept: EpsilonCache | None = None
+) -> dict[str, Any]:
     info = BudgetLedger.describe(db)
     ids = [federation] if federation else list(info.federations)
     data: dict[str, list[dict[str, Any]]] = {}
@@ -106,7 +117,7 @@ def _ledger_report(db: str, federation: str | None, participants: bool = False) 
         budget_of[record.federation_id] = {"data_key": record.data_key, **entry}
     feds = []
     for fid in ids:
-        report = _federation_report(db, fid, participants)
+        report = _federation_report(db, fid, participants, kept)
         report["budget"] = budget_of.get(fid)
         feds.append(report)
     return {
@@ -191,7 +202,9 @@ def _print_public_data(rows: list[dict[str, Any]]) -> None:
 
 
 def _cmd_ledger_show(args: argparse.Namespace) -> int:
-    report = _ledger_report(args.db, args.federation, args.participants)
+    where: Path | None = getattr(args, "epsilon_cache", None)
+    kept = None if where is None else EpsilonCache(where, read=not args.recompute)
+    report = _ledger_report(args.db, args.federation, args.participants, kept)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
@@ -289,21 +302,25 @@ def register(
     *,
     default_ledger: Path | None = None,
     experiment_ledger: Callable[[str], Path] | None = None,
+    epsilon_cache: Path | None = None,
 ) -> None:
     """Add ``ledger`` to the top-level ``fedmeta`` parser.
 
     ``default_ledger`` makes ``--db`` optional (fedmeta passes its state directory's ledger);
-    ``experiment_ledger`` maps ``--experiment NAME`` to an experiment's ledger.
+    ``experiment_ledger`` maps ``--experiment NAME`` to an experiment's ledger; ``epsilon_cache``
+    is where ``show`` keeps the epsilons it composed (None: it composes every one each time).
     """
     where = (
         None
         if default_ledger is None
         else LedgerLocations(default_ledger, experiment_ledger or no_experiments)
     )
-    _add_ledger_parser(subparsers, where)
+    _add_ledger_parser(subparsers, where, epsilon_cache)
 
 
-def _add_ledger_parser(subparsers: Any, default_ledger: LedgerLocations | None) -> None:
+def _add_ledger_parser(
+    subparsers: Any, default_ledger: LedgerLocations | None, epsilon_cache: Path | None
+) -> None:
     """``fedmeta ledger show|migrate|backup|new-budget|accept-rollback``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
@@ -317,8 +334,14 @@ def _add_ledger_parser(subparsers: Any, default_ledger: LedgerLocations | None) 
         "--participants", action="store_true",
         help="the per-participant table: rounds charged, epsilon, data versions (private)",
     )  # fmt: skip
+    p.add_argument(
+        "--recompute", action="store_true",
+        help="compose every epsilon afresh, reading none kept by an earlier show (each is kept "
+        "only under the hash of the records it was composed from), and keep these instead",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=handled("ledger show", _cmd_ledger_show), locations=default_ledger)
+    p.set_defaults(func=handled("ledger show", _cmd_ledger_show), locations=default_ledger,
+                   epsilon_cache=epsilon_cache)  # fmt: skip
     p = lsub.add_parser(
         "migrate",
         help="carry whole-data (schema 2) budgets into per-participant budgets (recorded)",

@@ -9,10 +9,8 @@ is validated with the configuration schema before it is written and read back af
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
 import tempfile
 import tomllib
 from datetime import UTC, datetime
@@ -20,22 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta.accounting.plan_request import PlanRequest, PlanRow
-from fedmeta.cli import ledger, privacy
+from fedmeta.cli import privacy
 from fedmeta.cli.privacy_plan import WrittenConfig
 from fedmeta.config_io import to_toml
-from fedmeta.paths import default_ledger_path, experiment_ledger_path
 from fedmeta.server.rate_advice import HIGH_SNR, advise_rate
 
 __all__ = ["plan_keys", "register", "write_config"]
 
 
 def register(subparsers: Any) -> None:
-    """Add ``privacy`` (with the configuration writer) and ``ledger`` (with fedmeta's ledgers)."""
+    """Add ``privacy``, with the configuration writer and the delta of the recorded budget."""
     privacy.register(subparsers, config_writer=write_config, budget_delta=budget_delta)
-    ledger.register(
-        subparsers, default_ledger=default_ledger_path(secure=True),
-        experiment_ledger=lambda name: experiment_ledger_path(_experiment_name(name), secure=True),
-    )  # fmt: skip
 
 
 def budget_delta(base_config: str | None) -> float | None:
@@ -53,17 +46,6 @@ def budget_delta(base_config: str | None) -> float | None:
     cfg = load_config(base_config) if base_config else Config()
     terms = current_budget(ledger_file(cfg), budget_identity(cfg, []), label=budget_label(cfg))
     return None if terms is None else terms.delta
-
-
-def _experiment_name(name: str) -> str:
-    """``--experiment NAME`` of the ledger commands: a name ``privacy.experiment`` accepts."""
-    from fedmeta.config_privacy import EXPERIMENT_NAME
-
-    if not re.fullmatch(EXPERIMENT_NAME, name):
-        raise argparse.ArgumentTypeError(
-            f"must be 1-64 letters, digits, '.', '_' or '-' (as privacy.experiment); got {name!r}"
-        )
-    return name
 
 
 def plan_keys(row: PlanRow, request: PlanRequest) -> dict[str, Any]:

@@ -59,6 +59,7 @@ from fedmeta.accounting.ledger.chain import (
     genesis_hash,
     record_hash,
 )
+from fedmeta.accounting.ledger.epsilon_cache import EpsilonCache
 from fedmeta.accounting.ledger.faults import ensure_directory
 from fedmeta.accounting.ledger.operations import (
     BudgetTerms,
@@ -108,6 +109,7 @@ __all__ = [
     "BudgetLedger",
     "BudgetRecord",
     "BudgetTerms",
+    "EpsilonCache",
     "Exposures",
     "FIRST_BUDGET_REASON",
     "LEDGER_MODES",

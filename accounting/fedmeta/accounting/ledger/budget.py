@@ -26,6 +26,7 @@ from fedmeta.accounting.ledger.cohorts import (
     participant_rows,
     record_cohort,
 )
+from fedmeta.accounting.ledger.epsilon_cache import EpsilonCache, composition_key
 from fedmeta.accounting.ledger.overlap import resolve_records
 from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
@@ -89,6 +90,9 @@ class BudgetLedger(LedgerAppend):
     share one ``federation_id`` (``resolve_federation``) and so compose. The enforced guarantee is
     the PLD epsilon at ``delta`` for ``unit`` (task level by default).
     """
+
+    #: Composed epsilons kept between processes (``keep_epsilons``); None: composed every time.
+    _epsilon_cache: EpsilonCache | None = None
 
     # ---------------------------------------------------------------------------------- opening
 
@@ -205,12 +209,30 @@ class BudgetLedger(LedgerAppend):
             out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
         return sorted(out, key=lambda p: (p.name, p.key))
 
+    def keep_epsilons(self, cache: EpsilonCache) -> None:
+        """Look each composition up in ``cache`` first, and keep there what is composed here.
+
+        Only under the hash of its whole input (epsilon_cache.py): what the records give now.
+        """
+        self._epsilon_cache = cache
+
     def _composed(self, counts: Multiset, unit: Unit, method: Method) -> float:
         """Epsilon of one participant's rounds (cached per distinct multiset)."""
         key = (counts, unit, method)
         if key not in self._epsilons:
-            self._epsilons[key] = epsilon(list(counts), self.delta, unit, method)
+            self._epsilons[key] = self._recalled_or_composed(counts, unit, method)
         return self._epsilons[key]
+
+    def _recalled_or_composed(self, counts: Multiset, unit: Unit, method: Method) -> float:
+        kept = self._epsilon_cache
+        if kept is None:
+            return epsilon(list(counts), self.delta, unit, method)
+        name = composition_key(counts, self.delta, unit, method)
+        found = kept.get(name)
+        if found is None:
+            found = epsilon(list(counts), self.delta, unit, method)
+            kept.put(name, found)
+        return found
 
     def _worst(self, unit: Unit, method: Method) -> tuple[Multiset, float]:
         """The most exposed participant's rounds and epsilon, over every participant."""
