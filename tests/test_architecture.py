@@ -36,10 +36,6 @@ ALLOWED = {"accounting": {"fedmeta.item_identity"}}
 MAX_FUNCTION_LINES = 60
 #: The longest package module allowed (issue 54): a longer one holds more than one concept.
 MAX_MODULE_LINES = 500
-#: TEMPORARY (issue 54): the one module being split on another branch while this check landed.
-#: The lead deletes this set and its use in over_the_limit when merging that branch
-#: (test_the_size_check_sees_every_module fails once the entry is stale); nothing is ever added.
-PENDING_SPLIT = frozenset({"cli/fedmeta/cli/deploy.py"})
 
 
 def sources(package: str) -> Iterator[Path]:
@@ -114,9 +110,8 @@ def module_lines() -> dict[str, int]:
 
 
 def over_the_limit(lines: dict[str, int]) -> dict[str, int]:
-    """The modules of ``lines`` longer than MAX_MODULE_LINES, PENDING_SPLIT's left out."""
-    return {path: n for path, n in lines.items()
-            if n > MAX_MODULE_LINES and path not in PENDING_SPLIT}  # fmt: skip
+    """The modules of ``lines`` longer than MAX_MODULE_LINES."""
+    return {path: n for path, n in lines.items() if n > MAX_MODULE_LINES}
 
 
 def test_no_module_is_over_the_size_limit() -> None:
@@ -125,15 +120,12 @@ def test_no_module_is_over_the_size_limit() -> None:
 
 
 def test_the_size_check_sees_every_module() -> None:
-    """Negative control: the walk reaches every source root, a long module is caught, and an
-    entry of PENDING_SPLIT that is no longer long is reported for deletion."""
+    """Negative control: the walk reaches every source root and a long module is caught."""
     lines = module_lines()
     assert {path.split("/")[0] for path in lines} == set(SOURCE_ROOTS)
     assert over_the_limit({"a.py": MAX_MODULE_LINES + 1, "b.py": MAX_MODULE_LINES}) == {
         "a.py": MAX_MODULE_LINES + 1
     }
-    stale = sorted(p for p in PENDING_SPLIT if lines.get(p, 0) <= MAX_MODULE_LINES)
-    assert not stale, f"split already: delete {stale} from PENDING_SPLIT (and the set itself)"
 
 
 def test_nothing_points_at_files_outside_the_repository() -> None:
