@@ -177,3 +177,74 @@ def test_registry_entries_of_the_older_per_state_dir_place_are_still_read(tmp_pa
     old = tmp_path / "old" / "ledger.sqlite"
     (witness_dir() / "ledgers.json").write_text(json.dumps({"ledgers": [str(old)]}))
     assert old in ledger_registry.known_ledgers()
+
+
+# ------------------------------------------------------------------ --dry-run as the run (item 5)
+
+
+def _cli(path: Path, out: Path, *extra: str) -> list[str]:
+    sets = ["dataset.name=omniglot", f"dataset.path={path}", "dataset.ways=3", "dataset.shots=1",
+            "dataset.query=1", "dataset.tasks_per_participant=5", "dataset.partition=even",
+            "dataset.split=background", f"federation.participants={PARTICIPANTS}",
+            "sampling.participants_per_round=2", "privacy.epsilon_budget=2",
+            "privacy.delta=1e-6", "privacy.noise_multiplier=0.9", "rounds=3",
+            "federation.backend=inprocess", "output.plots=false", "output.progress=false"]  # fmt: skip
+    return ["simulate", *(a for s in sets for a in ("--set", s)), "--out", str(out), *extra]
+
+
+def _status(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from fedmeta.cli import main
+
+    capsys.readouterr()
+    status = main(args)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err.strip()
+
+
+@pytest.mark.integration
+def test_the_dry_run_forecasts_the_datas_recorded_budget_and_exits_as_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Item 5: on image data ``--dry-run`` forecast a fresh budget ('0 spends', exit 0) where
+    the run exits 3; it reads the same identity (the items) as the run now."""
+    path = _npz(tmp_path / "npz", _drawings(14, chars=12))
+    _spend(_cfg(path), 5)  # 1.86 of 2: no round at z = 0.9 fits (a fresh budget affords 2)
+    dry, out, err = _status(_cli(path, tmp_path / "dry", "--dry-run"), capsys)
+    assert dry == 3, (out, err)
+    assert "a fresh budget" not in out and "budget affords no round" in err
+    run, _, run_err = _status(_cli(path, tmp_path / "run"), capsys)
+    assert run == dry == 3 and "budget affords no round" in run_err
+    other = _npz(tmp_path / "other", _drawings(15, chars=12))  # data sharing nothing: fresh
+    fresh, out, _ = _status(_cli(other, tmp_path / "fresh", "--dry-run"), capsys)
+    assert fresh == 0 and "rounds affordable: 2 " in out, out  # as on a fresh budget
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", ["restored_state_dir", "second_ledger"])
+def test_the_dry_run_refuses_what_the_runs_ledger_open_refuses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], isolated_state_dir: Path,
+    monkeypatch: pytest.MonkeyPatch, case: str,
+) -> None:
+    """Item 5: a rolled-back state directory (caught by the witness) and a second ledger for
+    recorded data are refused by the dry run as by the run: one line, exit 2, nothing written."""
+    import shutil
+
+    path = _npz(tmp_path / "npz", _drawings(16, chars=12))
+    cfg = _cfg(path)
+    _spend(cfg, 1)
+    if case == "restored_state_dir":
+        backup = tmp_path / "state-backup"
+        shutil.copytree(isolated_state_dir, backup)
+        _spend(cfg, 2)
+        shutil.rmtree(isolated_state_dir)
+        shutil.copytree(backup, isolated_state_dir)
+        expected = "behind its witness"
+    else:
+        monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state-b"))
+        expected = "recorded in ledger"
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    dry, _, err = _status(_cli(path, tmp_path / "dry", "--dry-run"), capsys)
+    assert dry == 2 and expected in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before, "the dry run wrote something"
+    run, _, run_err = _status(_cli(path, tmp_path / "run"), capsys)
+    assert run == dry and expected in run_err
