@@ -248,3 +248,23 @@ def test_the_dry_run_refuses_what_the_runs_ledger_open_refuses(
     assert sorted(p.name for p in tmp_path.rglob("*")) == before, "the dry run wrote something"
     run, _, run_err = _status(_cli(path, tmp_path / "run"), capsys)
     assert run == dry and expected in run_err
+
+
+# ------------------------------------------------------------------ a target the noise misses (item 9)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_target_a_fixed_noise_multiplier_misses_is_a_configuration_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dry: bool
+) -> None:
+    """Item 9: ``--set privacy.target_epsilon=0.2`` with a fixed ``noise_multiplier`` printed
+    'internal error: ValueError' (exit 1); it is one configuration line (exit 2) naming both."""
+    path = _npz(tmp_path / "npz", _drawings(17, chars=12))
+    args = _cli(path, tmp_path / "out", "--set", "privacy.target_epsilon=0.2",
+                *(["--dry-run"] if dry else []))  # fmt: skip
+    status, _, err = _status(args, capsys)
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert "internal error" not in err
+    assert "privacy.noise_multiplier=0.9" in err and "privacy.target_epsilon=0.2" in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
