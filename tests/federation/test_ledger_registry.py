@@ -188,7 +188,8 @@ def _cli(path: Path, out: Path, *extra: str) -> list[str]:
             "dataset.split=background", f"federation.participants={PARTICIPANTS}",
             "sampling.participants_per_round=2", "privacy.epsilon_budget=2",
             "privacy.delta=1e-6", "privacy.noise_multiplier=0.9", "rounds=3",
-            "federation.backend=inprocess", "output.plots=false", "output.progress=false"]  # fmt: skip
+            "federation.backend=inprocess", "output.plots=false",
+            "output.progress=false"]  # fmt: skip
     return ["simulate", *(a for s in sets for a in ("--set", s)), "--out", str(out), *extra]
 
 
@@ -250,7 +251,7 @@ def test_the_dry_run_refuses_what_the_runs_ledger_open_refuses(
     assert run == dry and expected in run_err
 
 
-# ------------------------------------------------------------------ a target the noise misses (item 9)
+# ------------------------------------------------------------ a target the noise misses (item 9)
 
 
 @pytest.mark.integration

@@ -89,8 +89,11 @@ def preview_budget(cfg: Config, registered: Sequence[Registered] | None = None) 
 
 
 def _named_by_what_it_holds(cfg: Config, registered: Sequence[Registered]) -> bool:
-    """Whether the ledger can tell which records ``registered`` overlap: the sinusoid by its spec,
-    image data only by the items its participants declare (budget_keys.py)."""
+    """Whether the ledger can tell which records ``registered`` overlap.
+
+    The sinusoid by its spec; image data only by the items its participants declare
+    (budget_keys.py).
+    """
     if budget_identity(cfg, registered) != CONTENT_IDENTITY:
         return True
     return all(DataItems.from_text(r.data_fingerprint) is not None for r in registered)

@@ -69,7 +69,7 @@ def known_ledgers() -> list[Path]:
 
 
 def check_writable() -> None:
-    """Refuse (``RegistryUnusable``) before a ledger is created if the registry cannot be updated."""
+    """Refuse (``RegistryUnusable``) a registry that cannot be updated, before any ledger exists."""
     with _locked(registry_file()):
         pass
 
@@ -90,8 +90,9 @@ def _entries(registry: Path, *, strict: bool) -> list[dict[str, Any]]:
     try:
         data = json.loads(registry.read_text(encoding="utf-8"))
         rows = data["ledgers"]
-        return [{"path": r, "ledger_id": None} if isinstance(r, str) else
-                {"path": str(r["path"]), "ledger_id": r.get("ledger_id")} for r in rows]  # fmt: skip
+        return [{"path": r, "ledger_id": None} if isinstance(r, str)
+                else {"path": str(r["path"]), "ledger_id": r.get("ledger_id")}
+                for r in rows]  # fmt: skip
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
@@ -124,7 +125,7 @@ def _locked(registry: Path) -> Iterator[None]:
 
 
 def _replace(registry: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` beside ``registry``, fsync, rename over it (a reader sees one or the other)."""
+    """Write ``data`` beside ``registry``, fsync, rename over it (readers see old or new)."""
     tmp = registry.with_name(f".{registry.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
