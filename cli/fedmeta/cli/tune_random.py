@@ -70,10 +70,11 @@ def open_data_ledger(cfg: Any) -> Any:
     from fedmeta.server.budget_keys import budget_identity, budget_label, inherited_labels
     from fedmeta.server.data_budget import ledger_file
     from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
+    from fedmeta.simulation.dry_run import registered_as_run
 
     mode = _mode(cfg)
     path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, ())
+    refuse_second_ledger(cfg, path, registered_as_run(cfg))  # image data: by its items
     ensure_directory(path)
     recorded = current_budget(path, budget_identity(cfg), label=budget_label(cfg))
     federation = resolve_federation(path, budget_identity(cfg), label=budget_label(cfg),
