@@ -221,13 +221,14 @@ def test_the_dry_run_forecasts_the_datas_recorded_budget_and_exits_as_the_run(
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("case", ["restored_state_dir", "second_ledger"])
+@pytest.mark.parametrize("case", ["restored_state_dir", "restored_ledger_file", "second_ledger"])
 def test_the_dry_run_refuses_what_the_runs_ledger_open_refuses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], isolated_state_dir: Path,
     monkeypatch: pytest.MonkeyPatch, case: str,
 ) -> None:
-    """Item 5: a rolled-back state directory (caught by the witness) and a second ledger for
-    recorded data are refused by the dry run as by the run: one line, exit 2, nothing written."""
+    """Item 5: a rolled-back state directory (caught by the witness), a ledger file restored alone
+    (its anchor) and a second ledger for recorded data are refused by the dry run as by the run:
+    one line, exit 2, nothing written."""
     import shutil
 
     path = _npz(tmp_path / "npz", _drawings(16, chars=12))
@@ -240,6 +241,12 @@ def test_the_dry_run_refuses_what_the_runs_ledger_open_refuses(
         shutil.rmtree(isolated_state_dir)
         shutil.copytree(backup, isolated_state_dir)
         expected = "behind its witness"
+    elif case == "restored_ledger_file":  # the file alone: its anchor beside it catches it
+        db = isolated_state_dir / "ledger.sqlite"
+        shutil.copy2(db, tmp_path / "ledger-backup.sqlite")
+        _spend(cfg, 2)
+        shutil.copy2(tmp_path / "ledger-backup.sqlite", db)
+        expected = "behind its anchor"
     else:
         monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state-b"))
         expected = "recorded in ledger"
