@@ -59,7 +59,10 @@ def isolated_state_dir(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> Path:
     """Every test gets its own fedmeta state directory: the default ledger never leaks between tests
-    (nor into the developer's ~/.local/state)."""
+    (nor into the developer's ~/.local/state). So does its registry of ledgers, which otherwise
+    lives at a fixed place in the account's home (server/fedmeta/server/ledger_registry.py)."""
     state = tmp_path_factory.mktemp("state")
     monkeypatch.setenv("FEDMETA_STATE_DIR", str(state))
+    registry = tmp_path_factory.mktemp("registry") / "ledgers.json"
+    monkeypatch.setenv("FEDMETA_LEDGER_REGISTRY", str(registry))
     return state

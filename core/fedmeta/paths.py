@@ -64,12 +64,13 @@ def epsilon_cache_path() -> Path:
 
 
 def witness_dir() -> Path:
-    """Where the ledgers' witnesses and the registry of ledgers live: outside the state directory.
+    """Where the ledgers' witnesses live: outside the state directory.
 
     ``$FEDMETA_WITNESS_DIR`` if set (in a deployment: storage a restore of the state directory
     does not reach, e.g. the SuperLink host's or the exporter's), else a sibling of the state
     directory, ``<state>-witness`` (``~/.local/state/fedmeta-witness`` by default): restoring the
-    whole state directory leaves it alone (server/fedmeta/server/ledger_witness.py).
+    whole state directory leaves it alone (server/fedmeta/server/ledger_witness.py). The registry
+    of ledgers is elsewhere, at one place per account (server/fedmeta/server/ledger_registry.py).
     """
     explicit = os.environ.get(WITNESS_DIR_ENV)
     if explicit:

@@ -163,3 +163,60 @@ def test_a_trial_off_its_plan_stops_the_tuning_with_nothing_released(
     assert sorted(p.name for p in (tmp_path / "tune").iterdir()) == []
     with _ledger(tmp_path, sets) as ledger:  # the release stays: the price of what ran
         assert [type(r.event) for r in ledger.records()] == [TuningRelease]
+
+
+def _released(out: Path) -> tuple[list[str], set[str], set[float]]:
+    """A tuning's released files: their names, every path string they hold (the --out folder
+    written as OUT), and their modification times."""
+    import torch
+
+    def strings(value: object) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, dict):
+            return [s for k, v in value.items() for s in (*strings(k), *strings(v))]
+        if isinstance(value, list | tuple):
+            return [s for v in value for s in strings(v)]
+        return []
+
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    held = strings(json.loads((out / "tune.json").read_text()))
+    held += strings(json.loads((out / "chosen" / "summary.json").read_text()))
+    held += strings(torch.load(out / "chosen" / "checkpoint.pt", weights_only=False))
+    held += (out / "chosen" / "rounds.csv").read_text().split(",")
+    paths = {s.replace(str(out), "OUT") for s in held if str(out) in s}
+    times = {p.stat().st_mtime for p in [out, *out.rglob("*")]}
+    return files, paths, times
+
+
+def test_no_released_file_path_or_time_reveals_the_number_of_trials_or_the_winner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 52, item 7: ``chosen/summary.json`` and ``checkpoint.pt`` named the winner's scratch
+    ledger ``.trials/t4.ledger.sqlite`` and the files' times timed the later trials. One trial,
+    then four whose last wins: the same files, the same paths, one time, from before the trials."""
+    import time
+
+    import fedmeta.accounting.tuning as tuning
+    import fedmeta.cli.tune as tune
+
+    seen: list[float] = []  # when each trial ended
+
+    def score(summary: object, outcomes: object) -> float:  # the latest trial scores best
+        seen.append(time.time())
+        return 10.0 - len(seen)  # the sinusoid's metric (mse): lower is better
+
+    monkeypatch.setattr(tune, "validation_score", score)
+    released = []
+    for count in (1, 4):
+        monkeypatch.setattr(tuning, "draw_trials", lambda law, source, k=count: k)
+        seen.clear()
+        before = time.time()
+        out = main(_args(tmp_path / f"k{count}", _sets(tmp_path / f"k{count}")),
+                   source=InsecureSeededSource(SEED))  # fmt: skip
+        assert len(seen) == count and out["chosen"]["validation_metric"] == 10.0 - count
+        files, paths, times = _released(tmp_path / f"k{count}" / "tune")
+        assert len(times) == 1 and before <= times.pop() <= seen[0], "times reveal the trials"
+        released.append((files, paths))
+    assert released[0] == released[1], "the released files differ with the number of trials"
+    assert not any("/t0" in p or "/t3" in p for p in released[1][1])

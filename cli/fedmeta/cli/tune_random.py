@@ -16,7 +16,11 @@ rounds are counted on a scratch ledger per trial that only checks that the trial
 scratch log (logging silenced), and ``tune.json`` names the chosen candidate, its validation
 metric and the ledger's epsilon, nothing about the other trials or how many there were. The
 chosen trial's run directory is moved to ``--out/chosen`` (its own summary accounts its own rounds
-on its scratch ledger; the data's epsilon is the one in ``tune.json``). The tuning's duration grows
+on its scratch ledger; the data's epsilon is the one in ``tune.json``). No released file, path,
+name or time says how many trials ran or which one won (issue 52): every trial runs at the same
+path, so the chosen run's files name ``.trials/trial`` whatever its index; its run-directory lock
+(its process and day) is removed; and ``--out``, ``tune.json`` and every file under ``chosen`` get
+the time the tuning started as their modification and access times. The tuning's duration grows
 with ``K``: keep it as private as the trials (docs/privacy.md).
 
 **Kept to its plan.** A trial's scratch ledger has as budget the PLD epsilon of its candidate's
@@ -30,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -41,6 +47,11 @@ if TYPE_CHECKING:
 
 #: The scratch directory, inside --out, that holds the trials until the choice (then removed).
 SCRATCH = ".trials"
+#: Every trial runs at the same path (its scratch ledger and log beside it), and the best so far
+#: waits under ``BEST``: no path a released file names depends on a trial's index (issue 52).
+TRIAL = "trial"
+BEST = "best"
+
 
 
 class TrialOffPlan(RuntimeError):
@@ -59,10 +70,11 @@ def open_data_ledger(cfg: Any) -> Any:
     from fedmeta.server.budget_keys import budget_identity, budget_label, inherited_labels
     from fedmeta.server.data_budget import ledger_file
     from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
+    from fedmeta.simulation.dry_run import registered_as_run
 
     mode = _mode(cfg)
     path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, ())
+    refuse_second_ledger(cfg, path, registered_as_run(cfg))  # image data: by its items
     ensure_directory(path)
     recorded = current_budget(path, budget_identity(cfg), label=budget_label(cfg))
     federation = resolve_federation(path, budget_identity(cfg), label=budget_label(cfg),
@@ -165,26 +177,32 @@ def run_random(
     """Spend the release, run ``K`` trials privately, release the best; ``tune.json``'s dict."""
     from fedmeta.accounting.tuning import draw_candidate, draw_trials
     from fedmeta.config import ConfigError
+    from fedmeta.server.rundir import LOCK_NAME
 
     cfg = candidates[0][1]
     out = Path(args.out)
     scratch = out / SCRATCH
     if (out / "chosen").exists() or scratch.exists():
         raise ConfigError(f"--out {out}: it holds a tuning already; give a new directory")
+    started = time.time()  # every released file gets this time (module docstring)
     spent = spend_release(cfg, run)  # before the first trial (module docstring)
     scratch.mkdir(parents=True)
-    best: tuple[float, int, Path] | None = None
+    best: tuple[float, int] | None = None
     try:
-        for i in range(draw_trials(run.trials, source)):
+        for _ in range(draw_trials(run.trials, source)):
             c = draw_candidate(len(candidates), source)
-            score, where = run_trial(candidates[c][1], scratch / f"t{i}", run.candidates[c],
+            _clear_trial(scratch)
+            score, where = run_trial(candidates[c][1], scratch / TRIAL, run.candidates[c],
                                      spent["delta"])  # fmt: skip
             if score is not None and (best is None or (score > best[0] if higher
                                                        else score < best[0])):  # fmt: skip
-                best = (score, c, where)
+                shutil.rmtree(scratch / BEST, ignore_errors=True)
+                where.rename(scratch / BEST)
+                best = (score, c)
         chosen = None
         if best is not None:
-            shutil.move(str(best[2]), str(out / "chosen"))
+            shutil.move(str(scratch / BEST), str(out / "chosen"))
+            (out / "chosen" / LOCK_NAME).unlink(missing_ok=True)  # the trial's process and day
             chosen = {"candidate": candidates[best[1]][0], "run_dir": str(out / "chosen"),
                       "validation_metric": best[0]}  # fmt: skip
     finally:
@@ -194,4 +212,27 @@ def run_random(
               "released": "the best trial only (validation metric, server-held classes); the "
               "number of trials and the other trials stay private"}  # fmt: skip
     (out / "tune.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    _date_released(out, started)
     return result
+
+
+def _clear_trial(scratch: Path) -> None:
+    """Remove the last trial's files (its run, scratch ledger and log), keeping the best so far."""
+    for entry in scratch.iterdir():
+        if entry.name == BEST:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _date_released(out: Path, started: float) -> None:
+    """Give ``out``, ``tune.json`` and every file under ``chosen`` the tuning's start time.
+
+    A file's modification time would otherwise say when the winning trial ran, so how many
+    trials ran after it (and the directory's, when the last one ended).
+    """
+    for path in sorted(out.rglob("*"), reverse=True):  # files before their folders
+        os.utime(path, (started, started), follow_symlinks=False)
+    os.utime(out, (started, started))

@@ -15,12 +15,18 @@ bound is the smallest registered task count), no preview is made and the run dec
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedmeta.accounting import BudgetLedger, current_budget
+from fedmeta.accounting import BudgetLedger, DataItems, current_budget
 from fedmeta.config import Config
-from fedmeta.server.budget_keys import budget_identity, ledger_participants
+from fedmeta.server.budget_keys import (
+    CONTENT_IDENTITY,
+    budget_identity,
+    budget_label,
+    ledger_participants,
+)
 from fedmeta.server.data_budget import adopt_data_budget, ledger_file
 from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan, build_plan, forecast
 from fedmeta.server.transport import Registered
@@ -48,13 +54,16 @@ def configured_participants(cfg: Config) -> list[Registered]:
     return [Registered(str(i), i, count, "") for i in range(cfg.federation.participants)]
 
 
-def preview_budget(cfg: Config) -> BudgetPreview:
+def preview_budget(cfg: Config, registered: Sequence[Registered] | None = None) -> BudgetPreview:
     """Plan a fresh run of ``cfg`` against the ledger it would spend from; writes nothing.
 
+    ``registered``: the participants as they would register, their items included (``--dry-run``
+    on image data, whose budget is found by its items' overlap with the ledger's records); None:
+    the configured participants without items (the check before the data is loaded).
     ``BudgetMismatch`` when the configuration names a budget other than the data's recorded one
     (the run refuses that too).
     """
-    registered = configured_participants(cfg)
+    registered = list(registered) if registered is not None else configured_participants(cfg)
     counts = {r.participant_id: r.task_count for r in registered}
     if not cfg.privacy.enabled:
         return BudgetPreview(cfg, build_plan(cfg, counts), None, recorded=False)
@@ -64,7 +73,9 @@ def preview_budget(cfg: Config) -> BudgetPreview:
     private = plan.privacy
     if private is None:  # not with privacy.enabled; the plan, not the configuration, says so
         return BudgetPreview(cfg, plan, None, recorded=False)
-    terms = current_budget(path, budget_identity(cfg, registered), label=cfg.dataset.name)
+    terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
+    if terms is not None and not _named_by_what_it_holds(cfg, registered):
+        terms = None  # image data without its items: only the registered data can say
     if terms is None or terms.epsilon_budget is None:
         fresh = _fresh_forecast(cfg, private)
         refusal = _fresh_refusal(cfg, private, fresh)
@@ -75,6 +86,17 @@ def preview_budget(cfg: Config) -> BudgetPreview:
         predicted = forecast(private, ledger, cfg.rounds)
         refusal = _refusal(cfg, private, ledger, predicted)
     return BudgetPreview(cfg, plan, predicted, recorded=True, refusal=refusal)
+
+
+def _named_by_what_it_holds(cfg: Config, registered: Sequence[Registered]) -> bool:
+    """Whether the ledger can tell which records ``registered`` overlap.
+
+    The sinusoid by its spec; image data only by the items its participants declare
+    (budget_keys.py).
+    """
+    if budget_identity(cfg, registered) != CONTENT_IDENTITY:
+        return True
+    return all(DataItems.from_text(r.data_fingerprint) is not None for r in registered)
 
 
 def _fresh_forecast(cfg: Config, plan: PrivatePlan) -> BudgetForecast:

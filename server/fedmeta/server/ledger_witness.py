@@ -2,10 +2,11 @@
 
 **One ledger per data.** A budget lives in one ledger file; another file would hold another,
 fresh budget for the same data. Every ledger a production run opens is remembered, by absolute
-path, in a registry beside the witnesses (``ledgers.json`` in ``fedmeta.paths.witness_dir()``).
-A run that would open a ledger which records none of its data, while another known ledger (not
-the same ledger moved: another ledger id) records some of it, is refused in one line naming the
-other ledger, before anything is created. A relative ``FEDMETA_STATE_DIR`` (another state
+path, in the registry of ledgers: one per account at a fixed place, or one shared by several
+accounts or machines (server/fedmeta/server/ledger_registry.py). A run whose data, in whole or in
+part, is recorded in another remembered ledger (not the same ledger moved: another ledger id) is
+refused in one line naming that ledger, before anything is created, whether or not its own ledger
+records some of the data too (issue 52). A relative ``FEDMETA_STATE_DIR`` (another state
 directory from each working directory) is refused the same way. Experiments (public data, their
 own ledgers by design) and the reproducible test mode are outside this rule.
 
@@ -23,7 +24,6 @@ adversary with write access to both.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -33,9 +33,9 @@ from fedmeta.accounting import BudgetLedger, DataItems, LedgerError, current_bud
 from fedmeta.config import Config
 from fedmeta.paths import STATE_DIR_ENV, WITNESS_DIR_ENV, witness_dir
 from fedmeta.server.budget_keys import budget_identity, budget_label
+from fedmeta.server.ledger_registry import check_writable, known_ledgers, remember
 from fedmeta.server.transport import Registered
 
-REGISTRY_NAME = "ledgers.json"
 log = logging.getLogger("fedmeta.server")
 
 
@@ -50,11 +50,14 @@ def witness_file(ledger_path: Path) -> Path:
 
 
 def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
-    """Check ``ledger`` against its witness, keep the witness current, remember the ledger.
+    """Remember the ledger in the registry, check it against its witness, keep the witness current.
 
     A witness directory that cannot be created (a read-only file system) weakens detection, it
-    does not stop a run: one warning names it (a path, nothing of the data).
+    does not stop a run: one warning names it (a path, nothing of the data). A registry that
+    cannot be updated does (ledger_registry.py).
     """
+    if _production(cfg):
+        remember(ledger.path, ledger.ledger_id)
     witness = witness_file(ledger.path)
     try:
         witness.parent.mkdir(parents=True, exist_ok=True)
@@ -64,12 +67,19 @@ def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
                     WITNESS_DIR_ENV)  # fmt: skip
         return
     ledger.watch(witness)
-    if _production(cfg):
-        _remember(ledger.path)
 
 
-def refuse_second_ledger(cfg: Config, path: Path, registered: Sequence[Registered]) -> None:
-    """Refuse (``LedgerElsewhere``, one line) a ledger that would be a second one for this data."""
+def refuse_second_ledger(
+    cfg: Config, path: Path, registered: Sequence[Registered], *, writing: bool = True
+) -> None:
+    """Refuse (``LedgerElsewhere``, one line) a ledger that would be a second one for this data.
+
+    Every remembered ledger (the account's or the shared registry, ledger_registry.py) other than
+    this one (another ledger id: a moved copy is the same ledger) that records any of the run's
+    data, in whole or in part, refuses it, whether or not this ledger records some of it too:
+    each would hold part of the data's budget (issue 52, items 1 and 4). ``writing``: also check,
+    before anything is created, that the registry can be updated (a dry run writes nothing).
+    """
     state = os.environ.get(STATE_DIR_ENV)
     if state and not Path(state).expanduser().is_absolute():
         raise LedgerElsewhere(
@@ -77,18 +87,38 @@ def refuse_second_ledger(cfg: Config, path: Path, registered: Sequence[Registere
             "own state directory, so its own budget for the same data; set it to an absolute "
             "path (the directory that holds the data's ledger)"
         )
-    if not _production(cfg) or _records(cfg, path, registered):
+    if not _production(cfg):
         return
-    for other in _known():
-        if other == path or not other.is_file() or _same_ledger(other, path):
+    if writing:
+        check_writable()
+    for other in known_ledgers():
+        if other == path or _same_ledger(other, path):
+            continue
+        if not other.is_file():
+            log.warning("the registered ledger %s is missing: data it recorded is not checked "
+                        "against it (restore it, or see docs/ledger.md)", other)  # fmt: skip
             continue
         if _records(cfg, other, registered):
-            raise LedgerElsewhere(
-                f"ledger {path} would be a second budget for data already recorded in ledger "
-                f"{other}: spend from that one (privacy.ledger_path={other}, or the "
-                f"{STATE_DIR_ENV} that holds it), or move it whole with `fedmeta ledger backup "
-                f"--db {other} --to {path}`; nothing was spent"
-            )
+            raise LedgerElsewhere(_second_ledger_reason(cfg, path, other, registered))
+
+
+def _second_ledger_reason(
+    cfg: Config, path: Path, other: Path, registered: Sequence[Registered]
+) -> str:
+    """One line: which ledger records the data, and what to do."""
+    if _records(cfg, path, registered):
+        return (
+            f"ledger {path} would be a second budget for data already recorded in ledger {other} "
+            "(in part: both ledgers record some of this run's data, so neither holds its whole "
+            "budget): run each part on the ledger that records it, or only data that ledger "
+            "records; nothing was spent"
+        )
+    return (
+        f"ledger {path} would be a second budget for data already recorded in ledger "
+        f"{other}: spend from that one (privacy.ledger_path={other}, or the "
+        f"{STATE_DIR_ENV} that holds it), or move it whole with `fedmeta ledger backup "
+        f"--db {other} --to {path}`; nothing was spent"
+    )
 
 
 def _production(cfg: Config) -> bool:
@@ -114,25 +144,3 @@ def _same_ledger(one: Path, other: Path) -> bool:
         return BudgetLedger.describe(one).ledger_id == BudgetLedger.describe(other).ledger_id
     except LedgerError:
         return False
-
-
-def _known() -> list[Path]:
-    try:
-        data = json.loads((witness_dir() / REGISTRY_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    return [Path(p) for p in data.get("ledgers", []) if isinstance(p, str)]
-
-
-def _remember(path: Path) -> None:
-    """Add ``path`` to the registry (atomically replaced; a failure only weakens the check)."""
-    known = _known()
-    if path in known:
-        return
-    target = witness_dir() / REGISTRY_NAME
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({"ledgers": [str(p) for p in [*known, path]]}, indent=1))
-        os.replace(tmp, target)
-    except OSError:
-        tmp.unlink(missing_ok=True)

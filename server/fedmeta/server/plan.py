@@ -39,7 +39,7 @@ from fedmeta.accounting import (
 from fedmeta.accounting.composition import Method
 from fedmeta.accounting.schemes import Neighbouring, Unit
 from fedmeta.accounting.tuning_release import Recorded
-from fedmeta.config import Config
+from fedmeta.config import Config, ConfigError
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
 
@@ -197,8 +197,8 @@ def _check_noise_meets_target(cfg: Config, event: GaussianRound) -> None:
     if target is None:
         return
     own = reported_epsilon([(event, cfg.rounds)], cfg.privacy.delta) or 0.0
-    if own > target * (1 + TARGET_CHECK_SLACK):
-        raise ValueError(
+    if own > target * (1 + TARGET_CHECK_SLACK):  # a configuration error: one line, exit status 2
+        raise ConfigError(
             f"privacy.noise_multiplier={event.noise_multiplier:g} over rounds={cfg.rounds} spends "
             f"epsilon {own:.4g} > privacy.target_epsilon={target:g}: leave "
             "privacy.noise_multiplier unset to calibrate it to the target, or lower rounds"

@@ -1,7 +1,9 @@
 """`--dry-run`: the plan a run would print and the exit status it would have, with nothing run.
 
 Read-only: the recorded budget and spends through server/fedmeta/server/budget_preview.py, or a
-throw-away ledger where the registered data decides the plan.
+throw-away ledger where the registered data decides the plan. Image data is named by its items,
+as the run names it: the dry run computes them with the participants' own registration code, and
+checks the registry of ledgers and the ledger's anchor and witness as the run's open does.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ def dry_run(cfg: Any, resume: bool) -> int:
     if resume or not previewable(cfg):
         print(dry_run_plan(cfg))
         return exitcodes.OK
+    registered = registered_as_run(cfg)
     try:
-        preview = preview_budget(cfg)
+        preview = preview_budget(cfg, registered)
     except BudgetMismatch as error:
         print(f"fedmeta simulate: {error}", file=sys.stderr)
         return exitcodes.BAD_INPUT
+    check_ledger_as_run(preview.cfg, registered)  # LedgerError: exit 2, as the run's open
     participants, tasks = cfg.federation.participants, cfg.dataset.tasks_per_participant
     read = (f"this data's budget and spends as recorded in {ledger_file(cfg)}" if preview.recorded
             else "a fresh budget (none is recorded for this data yet)")  # fmt: skip
@@ -42,6 +46,47 @@ def dry_run(cfg: Any, resume: bool) -> int:
         print(f"fedmeta simulate: {preview.refusal}", file=sys.stderr)
         return exitcodes.BUDGET_EXHAUSTED
     return exitcodes.OK
+
+
+def registered_as_run(cfg: Any) -> list[Any]:
+    """The participants as the run's would register: image data with its items (issue 52).
+
+    Image data's budget is found by the overlap of its items with the ledger's records, so the
+    dry run asks each simulated participant's own registration code (it reads the data: the
+    digests are cached), as the run does; the sinusoid is named by its spec alone.
+    """
+    from fedmeta.client.gradients import registration
+    from fedmeta.client_config import client_config
+    from fedmeta.protocol import RegisterRequest
+    from fedmeta.server.budget_keys import CONTENT_IDENTITY, budget_identity
+    from fedmeta.server.budget_preview import configured_participants
+    from fedmeta.server.transport import Registered
+
+    configured = configured_participants(cfg)
+    if not cfg.privacy.enabled or budget_identity(cfg) != CONTENT_IDENTITY:
+        return configured
+    request = RegisterRequest("dry-run", client_config(cfg).model_dump_json())
+    return [Registered(r.participant_id, r.node_id, r.task_count,
+                       registration(request, r.participant_id).data_fingerprint)
+            for r in configured]  # fmt: skip
+
+
+def check_ledger_as_run(cfg: Any, registered: list[Any]) -> None:
+    """Refuse, reading only, what the run's open of its ledger refuses (startup.open_budget).
+
+    Another remembered ledger recording this data (the account's or the shared registry), and a
+    ledger behind its anchor or its witness (a restored state directory): the same identity,
+    registry and witness as the run, nothing written (issue 52, item 5).
+    """
+    from fedmeta.accounting.ledger import check_rollback
+    from fedmeta.server.data_budget import ledger_file
+    from fedmeta.server.ledger_witness import refuse_second_ledger, witness_file
+
+    if not cfg.privacy.enabled:
+        return
+    path = ledger_file(cfg)
+    refuse_second_ledger(cfg, path, registered, writing=False)
+    check_rollback(path, witness_file(path))
 
 
 def dry_run_plan(cfg: Any) -> str:

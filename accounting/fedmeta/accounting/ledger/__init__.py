@@ -52,7 +52,7 @@ verification), ``storage`` (the SQLite file: schema, migration, connections, tra
 from __future__ import annotations
 
 from fedmeta.accounting.calibration import affordable_rounds
-from fedmeta.accounting.ledger.anchor import LedgerRolledBack
+from fedmeta.accounting.ledger.anchor import LedgerRolledBack, check_rollback
 from fedmeta.accounting.ledger.backup import backup
 from fedmeta.accounting.ledger.budget import BudgetLedger
 from fedmeta.accounting.ledger.chain import (
@@ -142,6 +142,7 @@ __all__ = [
     "accept_rollback",
     "backup",
     "budgets",
+    "check_rollback",
     "current_budget",
     "ledger_holds",
     "ensure_directory",

@@ -141,7 +141,8 @@ def record_acceptance(
 
 
 def check_witness(
-    conn: sqlite3.Connection, path: Path, ledger_id: str | None, witness: Path
+    conn: sqlite3.Connection, path: Path, ledger_id: str | None, witness: Path,
+    *, follow: bool = True,
 ) -> None:
     """Refuse a ledger behind a witness kept outside its state directory (issue 39, item 5).
 
@@ -149,7 +150,7 @@ def check_witness(
     directory does not reach (ledger/witness.py). A ledger behind it (an older copy, the whole
     state directory restored, the ledger deleted and recreated) is refused unless that rollback
     was accepted on record; then, and when there is no witness yet, the witness is brought up to
-    the ledger.
+    the ledger (``follow``; a dry run checks without writing).
     """
     anchor = read_anchor(witness)
     found = None if anchor is None else behind(conn, ledger_id, anchor)
@@ -161,8 +162,39 @@ def check_witness(
             "else restore the newer ledger"
         )
     now = None if ledger_id is None else current_anchor(conn, ledger_id)
-    if now is not None and now != anchor:
+    if follow and now is not None and now != anchor:
         write_anchor_at(witness, now)
+
+
+def check_rollback(path: Path, witness: Path | None) -> None:
+    """Refuse, reading only, what a writable open refuses: a ledger behind its anchor or witness.
+
+    For ``--dry-run`` (issue 52, item 5): the exit status of the run it previews, with nothing
+    written (a read-only connection; the witness is read, never brought up to date). No file at
+    ``path``: nothing to check (the run creates a new ledger there).
+    """
+    from fedmeta.accounting.ledger.storage import (
+        absolute_path,
+        classify_error,
+        connect_readonly,
+        read_meta,
+        read_transaction,
+    )
+
+    path = absolute_path(path)
+    if not path.is_file():
+        return
+    conn = connect_readonly(path)
+    try:
+        with read_transaction(conn):
+            ledger_id = read_meta(conn).get("ledger_id")
+            check_anchor(conn, path, ledger_id)
+            if witness is not None:
+                check_witness(conn, path, ledger_id, witness, follow=False)
+    except sqlite3.Error as error:
+        raise classify_error(path, error) from error
+    finally:
+        conn.close()
 
 
 def check_anchor(conn: sqlite3.Connection, path: Path, ledger_id: str | None) -> None:
