@@ -20,7 +20,7 @@ namespaces on a bridge), the SuperLink with TLS, node authentication and its sta
    node id of its key's fingerprint, ``flwr supernode unregister NODE_ID``, its ``.pub`` removed,
    ``make-certs.sh`` rewrites ``node-keys.toml`` without it. Run 2 cannot use up its budget while
    the key is being revoked: the test holds the ledger's write lock from that first spend until
-   the SuperLink no longer lists the node, so the run waits at its next spend (``ledger_held``)
+   the SuperLink has unregistered the node, so the run waits at its next spend (``ledger_held``)
    and most of its rounds come after the revocation whatever the machine's speed (run 2's budget
    ran out during the revocation once without it, on a quiet machine under ``-n 2``). Checked:
    its SuperNode is refused and exits; started again (as a supervisor's restart policy would) it
@@ -85,7 +85,7 @@ ACTIVATED = re.compile(r'"POST /v1/fleet/activate-node HTTP/1.1" 200')
 IDLE_POLL_S = 3.0
 #: Longest hold of the ledger's write lock: a spend waits for it at most the ledger's busy timeout
 #: (accounting's BUSY_TIMEOUT_S, 60 s), after which the run fails; the revocation under the lock
-#: (two `flwr` calls) takes seconds.
+#: (one `flwr` call) took 4 s at load 9-11.
 HOLD_S = 40.0
 
 
@@ -306,8 +306,9 @@ def ledger_held(path: Path) -> Iterator[None]:
 
     A run's spend takes the same lock first, so the run goes no further than the spend of the
     round it is in until this lets go: what the test does meanwhile cannot race the run's rounds.
-    Readers (``ledger_spends``, ``deploy status --db``) still read. Hold it for less than
-    ``HOLD_S``: a spend waits for the lock only so long before the run fails.
+    Readers (``ledger_spends``, ``deploy status --db``) still read. A spend waits for the lock
+    at most the ledger's busy timeout (60 s) before the run fails: what is done under it is
+    bounded by ``HOLD_S``.
     """
     conn = sqlite3.connect(str(path), timeout=HOLD_S, isolation_level=None)
     try:
@@ -319,24 +320,13 @@ def ledger_held(path: Path) -> Iterator[None]:
         conn.close()
 
 
-def node_listed(fed: LocalFederation, node_id: str) -> bool:
-    """Whether ``flwr supernode list`` shows ``node_id`` as a node of the federation (registered,
-    online or offline; Flower lists an unregistered node as such, or not at all)."""
-    res = fed.flwr("supernode", "list", "--format", "json", timeout=HOLD_S)
-    assert res.returncode == 0, res.stdout + res.stderr
-    nodes = json.loads(res.stdout[res.stdout.index("{") :])["nodes"]
-    return any(n["node-id"] == node_id and n["status"] != "unregistered" for n in nodes)
-
-
-def revoke(fed: LocalFederation, node_id: str, held_since: float) -> None:
-    """Step 3's unregistration, as the guide says (``flwr supernode unregister NODE_ID``), until
-    the SuperLink no longer lists the node; while the ledger is held (since ``held_since``)."""
+def revoke(fed: LocalFederation, node_id: str) -> None:
+    """Step 3's unregistration, as the guide says (``flwr supernode unregister NODE_ID``): done
+    when the SuperLink answers that it unregistered the node (deleted from its state, so no round
+    samples it again), within ``HOLD_S`` (the ledger is held meanwhile)."""
     res = fed.flwr("supernode", "unregister", node_id, timeout=HOLD_S)
-    assert res.returncode == 0, res.stdout + res.stderr
-    left = HOLD_S - (time.monotonic() - held_since)
-    wait_until(lambda: not node_listed(fed, node_id), max(left, 0.0),
-               f"the SuperLink to drop node {node_id} within {HOLD_S:.0f} s of holding the ledger",
-               0.2)  # fmt: skip
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 and "unregistered successfully" in res.stdout, said
 
 
 def unbind(fed: LocalFederation, net: Network, node: Node) -> None:
@@ -408,10 +398,10 @@ def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Networ
         log_name="run2",
     )
     wait_spent(fed, run2, RUN1_ROUNDS + 1, every=0.1)
-    with ledger_held(ledger_path(fed)):  # run 2 waits at its next spend until the node is gone
+    with ledger_held(ledger_path(fed)):  # run 2 waits at its next spend until it is done
         held_since = time.monotonic()
         assert run2.poll() is None, "run 2 ended before the revocation: " + _log(fed, "run2")
-        revoke(fed, node_id, held_since)
+        revoke(fed, node_id)
         # What run 2 had spent, and the others answered, when the revocation took effect.
         spends = ledger_spends(ledger_path(fed))
         spent = sum(len(v) for run, v in spends.items() if run != summary1["run_id"])
