@@ -37,7 +37,8 @@ reload), after which the old CA alone no longer verifies the proxy; a run on the
 new CA alone on the server and at a participant, and a run that needs every participant.
 
 About 4 and 3 minutes on 2 shared cores at load 5-6 (``slow``; 2026-11-28, measured once each:
-239 s and 190 s, where the code before took 285 s and 385 s at load 6-7.5). The waits are on
+239 s and 190 s, where the code before took 285 s and 385 s at load 6-7.5; the first, with the
+ledger held during the revocation, 293-423 s in three runs at load 9-13). The waits are on
 events (a log line, a process's exit, the SuperLink's node list, nginx's old workers gone, a
 spend in the ledger), each bounded only as a guard; run 2 is 12 rounds long, not 29.
 """
