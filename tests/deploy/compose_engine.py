@@ -211,9 +211,14 @@ def smoke(engine: str, env: dict[str, str], *more: str) -> str:
     # interpreter when the environment is not activated (`.venv/bin/python -m pytest`).
     beside = Path(sys.executable).parent / "flwr"
     flwr_cli = str(beside) if beside.is_file() else (shutil.which("flwr") or "")
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args], cwd=ROOT,
-                         env={**env, "FEDMETA_FLWR": flwr_cli},
-                         capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
+    try:
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args],
+                             cwd=ROOT, env={**env, "FEDMETA_FLWR": flwr_cli},
+                             capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
+    finally:
+        # The script takes its project down (checked) unless it is killed first (the timeout).
+        if engine == "podman" and podman_leftovers(env, {project}):
+            take_down([*compose_cli(), "-p", project], env, project)
     print(res.stdout)  # the run's record (pytest -s or -rP shows it)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "compose-smoke: ok" in res.stdout
