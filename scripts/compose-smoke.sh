@@ -24,7 +24,8 @@
 #      (FEDMETA_SMOKE_BUDGET; a ledger keeps its first budget, so all runs give the same) rather
 #      than federation.toml's 4.0: the run to budget_exhausted takes about 9 rounds, not 34.
 #   4. the exporter reads the ledger: one spend per round of the three runs that ran
-#   5. docker compose down -v (also on failure; --keep-up leaves the federation running)
+#   5. docker compose down -v (also on failure, checked: the script fails if the project's
+#      containers are not gone; --keep-up leaves the federation running)
 #   --quick: step 3 is one run of 2 rounds (no `flwr run .`, no run to budget_exhausted), and step
 #   4 checks its 2 spends: the other engines and overlays, whose runs compose in the ledger as
 #   the plain one's do (the deploy suite runs the whole sequence once, on podman's plain files).
@@ -196,9 +197,25 @@ for port in "$link_port" "$exporter_port"; do
   fi
 done
 
+# 5. Down, checked: a `down` that fails (or leaves a container) is tried once more, then makes the
+#    script fail, saying what is left; unchecked, one once left a project's SuperLink running.
 cleanup() {
-  [ "$keep" = 1 ] || timeout 300 "${compose[@]}" "${files[@]}" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
+  local status=$? left=""
+  if [ "$keep" = 0 ]; then
+    for _ in 1 2; do
+      if timeout 300 "${compose[@]}" "${files[@]}" down -v --remove-orphans -t 5 > "$work/down.log" 2>&1; then
+        left=$(timeout 120 "${compose[@]}" "${files[@]}" ps -a -q 2>&1) && [ -z "$left" ] && break
+      else
+        left="(down exited non-zero)"
+      fi
+    done
+    if [ -n "$left" ]; then
+      echo "compose-smoke: down left project $COMPOSE_PROJECT_NAME behind: $left $(tail -c 1500 "$work/down.log")" >&2
+      [ "$status" != 0 ] || status=1
+    fi
+  fi
   rm -rf "$work"
+  exit "$status"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM

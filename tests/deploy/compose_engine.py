@@ -8,12 +8,16 @@ did not fit in 25 minutes). Under ``pytest -n 2`` each worker runs the session f
 file makes the second wait for the first's setup and build, then find them done.
 
 Each compose project of the tests has its own name and its own published host ports
-(``project_env``), so that two can run at once, one per worker.
+(``project_env``), so that two can run at once, one per worker. Each name is recorded in
+``STARTED`` when a test starts its project; the tests take their projects down, checked
+(``take_down``, compose-smoke.sh's own cleanup), and tests/deploy/conftest.py checks at the
+session's end that podman holds nothing of them (``podman_leftovers``).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +36,15 @@ LOCK = Path(os.environ.get("FEDMETA_PODMAN_LOCK", "/var/tmp/fedmeta-podman-setup
 #: docker-compose.yml's published host ports, by their variables (defaults 8000, 9464, 9090, 3000).
 PORT_VARS = ("FEDMETA_SUPERLINK_PORT", "FEDMETA_EXPORTER_PORT", "FEDMETA_PROMETHEUS_PORT",
              "FEDMETA_GRAFANA_PORT")  # fmt: skip
+
+
+#: The compose projects this session's tests started on podman (one set per xdist worker):
+#: nothing of theirs may be left when the session ends (tests/deploy/conftest.py).
+STARTED: set[str] = set()
+#: The project of ``podman-setup.sh check`` (``all``, run by the podman_images fixture).
+SETUP_CHECK_PROJECT = "fedmeta-podman-check"
+#: Compose's label naming a container's, network's or volume's project.
+PROJECT_LABEL = "com.docker.compose.project"
 
 
 def project_env(env: dict[str, str]) -> dict[str, str]:
@@ -78,12 +91,14 @@ def podman_with_images() -> dict[str, str]:
     reason = podman_unavailable()
     if reason:
         pytest.skip(reason)
+
     def setup_and_build() -> None:
         _script("scripts/podman-setup.sh", "all", timeout=3600)
         print(_script("scripts/compose-build.sh", "podman", timeout=5400), end="")
 
+    STARTED.add(SETUP_CHECK_PROJECT)
     _once_per_run("images", setup_and_build)
-    return _podman_env()
+    return podman_env()
 
 
 def with_prometheus_image() -> dict[str, str]:
@@ -92,14 +107,15 @@ def with_prometheus_image() -> dict[str, str]:
     once built), which ``env`` then exports as FEDMETA_PROMETHEUS_IMAGE. Without it the
     dashboards test on podman would skip after ``podman-setup.sh all``, which does not build it.
     """
+
     def build_prometheus() -> None:
         print(_script("scripts/podman-setup.sh", "dashboards", timeout=1800), end="")
 
     _once_per_run("dashboards", build_prometheus)
-    return _podman_env()
+    return podman_env()
 
 
-def _podman_env() -> dict[str, str]:
+def podman_env() -> dict[str, str]:
     """This environment with what ``podman-setup.sh env`` exports (its own DOCKER_HOST)."""
     exports = _script("scripts/podman-setup.sh", "env", timeout=120)
     env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
@@ -109,6 +125,68 @@ def _podman_env() -> dict[str, str]:
             key, _, value = pair.partition("=")
             env[key] = value.strip("'")
     return env
+
+
+def podman_leftovers(env: dict[str, str], projects: set[str]) -> list[str]:
+    """What podman still holds of the compose ``projects``: containers, pods, networks and
+    volumes labelled with one of them or named as compose names them (``PROJECT-...``,
+    ``PROJECT_...``), as ``"kind name"``. Nothing else is looked at, and nothing is changed."""
+    left = []
+    for kind, cmd in (("container", ["ps", "-a"]), ("pod", ["pod", "ps"]),
+                      ("network", ["network", "ls"]), ("volume", ["volume", "ls"])):  # fmt: skip
+        res = subprocess.run(["podman", *cmd, "--format", "json"], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)  # fmt: skip
+        assert res.returncode == 0, f"podman {' '.join(cmd)}: {res.stderr[-1000:]}"
+        for item in json.loads(res.stdout or "[]"):
+            # podman 4.3 spells them so: Names (a list) for containers, name/labels for networks
+            names = item.get("Names") or item.get("Name") or item.get("name") or []
+            name = names[0] if isinstance(names, list) else str(names)
+            labels = item.get("Labels") or item.get("labels") or {}
+            if labels.get(PROJECT_LABEL) in projects or any(
+                name.startswith((f"{p}-", f"{p}_")) for p in projects
+            ):
+                left.append(f"{kind} {name}")
+    return left
+
+
+def take_down(cli: list[str], env: dict[str, str], project: str) -> None:
+    """``CLI down -v --remove-orphans`` of ``project`` (``cli`` names it), checked: once more if
+    it fails or leaves something; after a second failure what is left of the project (by its
+    label) is removed with podman and an AssertionError says what ``down`` left and why.
+
+    Unchecked, a failed ``down`` left a project's SuperLink running 50 minutes after the suite
+    (issue 54).
+    """
+    said = ""
+    for attempt in (1, 2):
+        try:
+            res = subprocess.run([*cli, "down", "-v", "--remove-orphans", "-t", "5"], cwd=ROOT,
+                                 env=env, capture_output=True, text=True, timeout=300,
+                                 check=False)  # fmt: skip
+            said = f"exit {res.returncode}: {res.stdout[-1500:]}{res.stderr[-1500:]}"
+            done = res.returncode == 0
+        except subprocess.TimeoutExpired:
+            said, done = "no answer in 300 s", False
+        left = podman_leftovers(env, {project})
+        if done and not left:
+            return
+        print(f"`down` of {project} (try {attempt}) left {left}, {said}", file=sys.stderr)
+    _remove_project(env, project)
+    raise AssertionError(f"`down` of compose project {project} failed twice and left {left} "
+                         f"(removed with podman since), {said}")  # fmt: skip
+
+
+def _remove_project(env: dict[str, str], project: str) -> None:
+    """Remove the containers, networks and volumes labelled as ``project``'s (podman)."""
+    label = f"label={PROJECT_LABEL}={project}"
+    for ls, rm in ((["ps", "-a"], ["rm", "-f", "-v"]), (["network", "ls"], ["network", "rm", "-f"]),
+                   (["volume", "ls"], ["volume", "rm", "-f"])):  # fmt: skip
+        res = subprocess.run(["podman", *ls, "-q", "--filter", label], env=env,
+                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        ids = res.stdout.split()
+        if ids:
+            subprocess.run(["podman", *rm, *ids], env=env, capture_output=True, timeout=300,
+                           check=False)  # fmt: skip
 
 
 def compose_cli() -> list[str]:
@@ -125,15 +203,22 @@ def smoke(engine: str, env: dict[str, str], *more: str) -> str:
     The project is named after the test, its ports free ones: two can run at once."""
     args = ["--engine", engine, *more]
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
-    env = {**project_env(env), "FEDMETA_SMOKE_PROJECT": "fedmeta-smoke-" + test.removeprefix(
-        "test_compose_federation_").replace("_", "-")}  # fmt: skip
+    project = "fedmeta-smoke-" + test.removeprefix("test_compose_federation_").replace("_", "-")
+    env = {**project_env(env), "FEDMETA_SMOKE_PROJECT": project}
+    if engine == "podman":  # Docker Engine's: the script's cleanup checks them
+        STARTED.add(project)
     # `flwr run .` against the federation: the flwr CLI installed with fedmeta, beside this
     # interpreter when the environment is not activated (`.venv/bin/python -m pytest`).
     beside = Path(sys.executable).parent / "flwr"
     flwr_cli = str(beside) if beside.is_file() else (shutil.which("flwr") or "")
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args], cwd=ROOT,
-                         env={**env, "FEDMETA_FLWR": flwr_cli},
-                         capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
+    try:
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "compose-smoke.sh"), *args],
+                             cwd=ROOT, env={**env, "FEDMETA_FLWR": flwr_cli},
+                             capture_output=True, text=True, timeout=5400, check=False)  # fmt: skip
+    finally:
+        # The script takes its project down (checked) unless it is killed first (the timeout).
+        if engine == "podman" and podman_leftovers(env, {project}):
+            take_down([*compose_cli(), "-p", project], env, project)
     print(res.stdout)  # the run's record (pytest -s or -rP shows it)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     assert "compose-smoke: ok" in res.stdout

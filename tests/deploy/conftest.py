@@ -1,6 +1,8 @@
 """Fixtures for the deployment tests: the network-namespace harness, skipped with the reason printed
 where this machine cannot create namespaces (not root, no `ip`) or lacks a tool the multi-host
-federation runs."""
+federation runs; and, after the session's last deploy test, the check that nothing the tests
+started is left: no network namespace, and no container, pod, network or volume of their compose
+projects (``nothing_left_behind``)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.deploy.netns import Network, netns_unavailable, nginx_unavailable, tc_unavailable
+from tests.deploy.netns import (
+    Network,
+    namespaces_left,
+    netns_unavailable,
+    nginx_unavailable,
+    tc_unavailable,
+)
 
 
 def _skip(reason: str) -> None:
@@ -66,3 +74,20 @@ def podman_dashboards(podman_images: dict[str, str]) -> dict[str, str]:
     from tests.deploy.compose_engine import with_prometheus_image
 
     return with_prometheus_image()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """After the session's deploy tests (each xdist worker: its own tests), fail if anything they
+    started is still there: a network namespace of theirs, or a container, pod, network or volume
+    of a compose project they started on podman (matched by the projects' names and compose's
+    project label only: what anyone else runs is neither looked at nor touched). Docker Engine's
+    projects are checked by scripts/compose-smoke.sh's cleanup, before its engine stops."""
+    yield
+    from tests.deploy import compose_engine
+
+    left = [f"network namespace {ns}" for ns in namespaces_left()]
+    if compose_engine.STARTED and shutil.which("podman"):
+        env = compose_engine.podman_env()
+        left += compose_engine.podman_leftovers(env, compose_engine.STARTED)
+    assert not left, f"the deploy tests left behind: {', '.join(left)}"

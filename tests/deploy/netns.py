@@ -40,6 +40,8 @@ from typing import Any
 from fedmeta.cli.process_tree import end_pinned, pin
 
 _LIVE: weakref.WeakSet[Network] = weakref.WeakSet()
+#: Every namespace this process created, closed or not (``namespaces_left``).
+_MADE_EVER: set[str] = set()
 
 
 def netns_unavailable() -> str | None:
@@ -188,6 +190,7 @@ class Network:
         for ns in (self.switch, *(h.netns for h in self.hosts)):
             _ip("netns", "add", ns)
             self._made.append(ns)
+            _MADE_EVER.add(ns)
             _ip("link", "set", "lo", "up", ns=ns)
         _ip("link", "add", "br0", "type", "bridge", ns=self.switch)
         _ip("link", "set", "br0", "up", ns=self.switch)
@@ -247,6 +250,15 @@ class Network:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def namespaces_left() -> list[str]:
+    """The namespaces this process created that still exist (none, once every Network closed)."""
+    if not _MADE_EVER:
+        return []
+    res = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    existing = {line.split()[0] for line in res.stdout.splitlines() if line.strip()}
+    return sorted(existing & _MADE_EVER)
 
 
 def _namespace_pids(namespaces: Sequence[str]) -> list[int]:

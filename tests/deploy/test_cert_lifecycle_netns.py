@@ -18,10 +18,15 @@ namespaces on a bridge), the SuperLink with TLS, node authentication and its sta
 3. **Revocation.** Run 2 is started on the same ledger with make-certs.sh's ``node-keys.toml``;
    once it has spent a round, participant 2's key is revoked: ``fedmeta deploy status`` gives the
    node id of its key's fingerprint, ``flwr supernode unregister NODE_ID``, its ``.pub`` removed,
-   ``make-certs.sh`` rewrites ``node-keys.toml`` without it. Checked: its SuperNode is refused and
-   exits; started again (as a supervisor's restart policy would) it is refused at once; the
-   others go on answering, run 2 reaches ``budget_exhausted``; ``fedmeta deploy status`` no longer
-   lists the key.
+   ``make-certs.sh`` rewrites ``node-keys.toml`` without it. Run 2 cannot use up its budget while
+   the key is being revoked: the test holds the ledger's write lock from that first spend until
+   the SuperLink has unregistered the node, so the run waits at its next spend (``ledger_held``)
+   and most of its rounds come after the revocation whatever the machine's speed (run 2's budget
+   ran out during the revocation once without it, on a quiet machine under ``-n 2``). Checked:
+   its SuperNode is refused and exits; started again (as a supervisor's restart policy would) it
+   is refused at once; rounds that started after the revocation sampled the other two and had
+   their replies; run 2 reaches ``budget_exhausted``; ``fedmeta deploy status`` no longer lists
+   the key.
 4. **The ledger:** each run's rounds spent once (no round of run 1 spent again by run 2), epsilon
    within the budget.
 
@@ -32,17 +37,20 @@ reload), after which the old CA alone no longer verifies the proxy; a run on the
 new CA alone on the server and at a participant, and a run that needs every participant.
 
 About 4 and 3 minutes on 2 shared cores at load 5-6 (``slow``; 2026-11-28, measured once each:
-239 s and 190 s, where the code before took 285 s and 385 s at load 6-7.5). The waits are on
-events (a log line, a process's exit, the SuperLink's node list, nginx's old workers gone), each
-bounded only as a guard; run 2 is 12 rounds long, not 29.
+239 s and 190 s, where the code before took 285 s and 385 s at load 6-7.5; the first, with the
+ledger held during the revocation, 293-423 s in three runs at load 9-13). The waits are on
+events (a log line, a process's exit, the SuperLink's node list, nginx's old workers gone, a
+spend in the ledger), each bounded only as a guard; run 2 is 12 rounds long, not 29.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import sqlite3
 import ssl
 import subprocess
 import sys
@@ -76,6 +84,10 @@ RECONNECTED = re.compile(r"Connection successful after ([0-9.]+) seconds")
 ACTIVATED = re.compile(r'"POST /v1/fleet/activate-node HTTP/1.1" 200')
 #: An idle SuperNode's poll of the SuperLink (Flower 1.41's; fedmeta's launcher keeps it when idle).
 IDLE_POLL_S = 3.0
+#: Longest hold of the ledger's write lock: a spend waits for it at most the ledger's busy timeout
+#: (accounting's BUSY_TIMEOUT_S, 60 s), after which the run fails; the revocation under the lock
+#: (one `flwr` call) took 4 s at load 9-11.
+HOLD_S = 40.0
 
 
 class LogMark:
@@ -289,28 +301,48 @@ def node_ids(fed: LocalFederation) -> dict[str, str]:
     return {n["key"]: n["node_id"] for n in status["nodes"]}
 
 
-def revoke(fed: LocalFederation, net: Network, node: Node) -> str:
-    """Step 3, as the guide says: status -> node id, unregister, remove the .pub, re-bind.
+@contextlib.contextmanager
+def ledger_held(path: Path) -> Iterator[None]:
+    """The ledger's write lock, held (``BEGIN IMMEDIATE``; nothing written, rolled back after).
 
-    Returns the revoked key's fingerprint."""
-    pub = fed.certs / "nodes" / f"{node.key_name}.key.pub"
-    fingerprint = key_fingerprint(pub)
-    status = deploy_status(fed, fed.certs / "node-keys.toml")
-    (node_id,) = [n["node_id"] for n in status["nodes"] if n["key"] == fingerprint]
-    res = fed.flwr("supernode", "unregister", node_id)
-    assert res.returncode == 0, res.stdout + res.stderr
-    pub.unlink()
+    A run's spend takes the same lock first, so the run goes no further than the spend of the
+    round it is in until this lets go: what the test does meanwhile cannot race the run's rounds.
+    Readers (``ledger_spends``, ``deploy status --db``) still read. A spend waits for the lock
+    at most the ledger's busy timeout (60 s) before the run fails: what is done under it is
+    bounded by ``HOLD_S``.
+    """
+    conn = sqlite3.connect(str(path), timeout=HOLD_S, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        conn.close()
+
+
+def revoke(fed: LocalFederation, node_id: str) -> None:
+    """Step 3's unregistration, as the guide says (``flwr supernode unregister NODE_ID``): done
+    when the SuperLink answers that it unregistered the node (deleted from its state, so no round
+    samples it again), within ``HOLD_S`` (the ledger is held meanwhile)."""
+    res = fed.flwr("supernode", "unregister", node_id, timeout=HOLD_S)
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 and "unregistered successfully" in res.stdout, said
+
+
+def unbind(fed: LocalFederation, net: Network, node: Node) -> None:
+    """Step 3's rest: the key's ``.pub`` removed, ``node-keys.toml`` rewritten without it."""
+    (fed.certs / "nodes" / f"{node.key_name}.key.pub").unlink()
     make_certs(fed, net)
-    return fingerprint
 
 
-def wait_spent(fed: LocalFederation, run: Any, count: int) -> None:
+def wait_spent(fed: LocalFederation, run: Any, count: int, every: float = 0.5) -> None:
     """Until the ledger holds ``count`` spends (of any run), or ``run`` has ended."""
 
     def spent() -> int:
         return sum(len(v) for v in ledger_spends(ledger_path(fed)).values())
 
-    wait_until(lambda: spent() >= count or run.poll() is not None, 600, f"{count} spends")
+    wait_until(lambda: spent() >= count or run.poll() is not None, 600, f"{count} spends", every)
 
 
 def completed_tasks(fed: LocalFederation, node: Node) -> int:
@@ -352,8 +384,13 @@ def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Networ
     assert node_ids(fed) == ids_before  # node authentication: the same node ids after a restart
     assert all(n.proc is not None and n.proc.poll() is None for n in nodes)  # none restarted
 
-    # Rounds of at least a second: under load the revocation below took longer than the rest of
-    # the budget's rounds, and the others had nothing left to answer after it (seen once).
+    revoked, others = nodes[2], nodes[:2]
+    revoked_key = key_fingerprint(fed.certs / "nodes" / f"{revoked.key_name}.key.pub")
+    # The guide's first step: the node id of the key's fingerprint in `fedmeta deploy status`
+    # (node_ids, as read just above: the same ids before and after the restart).
+    node_id = ids_before[revoked_key]
+    # Rounds of at least a second: the lock below is taken in the round after the first spend
+    # that wait_spent sees, not rounds later.
     run2 = fed.deploy_run(
         fed.work / "runs" / "run2",
         sets=[*run_settings(fed, 1000), "federation.round_min_seconds=1"],
@@ -361,16 +398,24 @@ def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Networ
         node_keys=fed.certs / "node-keys.toml",
         log_name="run2",
     )
-    wait_spent(fed, run2, RUN1_ROUNDS + 1)
-    assert run2.poll() is None, "run 2 ended before the revocation: " + _log(fed, "run2")
-    revoked, others = nodes[2], nodes[:2]
-    revoked_key = revoke(fed, net, revoked)
-    # What the others had answered when the key was revoked: they must answer more after it.
-    answered = {n.key_name: completed_tasks(fed, n) for n in others}
+    wait_spent(fed, run2, RUN1_ROUNDS + 1, every=0.1)
+    with ledger_held(ledger_path(fed)):  # run 2 waits at its next spend until it is done
+        held_since = time.monotonic()
+        assert run2.poll() is None, "run 2 ended before the revocation: " + _log(fed, "run2")
+        revoke(fed, node_id)
+        # What run 2 had spent, and the others answered, when the revocation took effect.
+        spends = ledger_spends(ledger_path(fed))
+        spent = sum(len(v) for run, v in spends.items() if run != summary1["run_id"])
+        answered = {n.key_name: completed_tasks(fed, n) for n in others}
+        held_s = time.monotonic() - held_since
+    print(f"\nrevocation under the ledger lock: {held_s:.1f} s, after {spent} of run 2's rounds",
+          file=sys.stderr)  # fmt: skip
+    unbind(fed, net, revoked)
     _check_refused(fed, revoked)
     assert run2.wait(timeout=900) == 0, _log(fed, "run2")
     summary2 = _summary(fed, "run2")
     assert summary2["stopped_reason"] == "budget_exhausted", summary2
+    _check_answered_after(fed, spent, len(others))
     assert sum(completed_tasks(fed, n) > answered[n.key_name] for n in others) >= 1
     assert _released_failures(fed, "run2") <= MAX_FAILURES
     _check_bindings_and_status(fed, revoked_key)
@@ -379,6 +424,20 @@ def test_renewal_restart_and_revocation(lifecycle: tuple[LocalFederation, Networ
 
 def _log(fed: LocalFederation, name: str) -> str:
     return (fed.logs / f"{name}.log").read_text()[-3000:]
+
+
+def _check_answered_after(fed: LocalFederation, spent: int, remaining: int) -> None:
+    """Run 2's rounds that started after the revocation took effect (after the ``spent`` rounds
+    then recorded and the one then in progress, whose spend waited for the lock): there is at
+    least one, each sampled from the ``remaining`` participants and had replies."""
+    from fedmeta.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(fed.work / "runs" / "run2")
+    assert ckpt is not None
+    after = [o for o in ckpt["outcomes"] if o["round"] > spent + 1]
+    assert after, f"no round of run 2 started after the revocation (it had spent {spent})"
+    for o in after:
+        assert o["participants_registered"] == remaining and o["participants_replied"] >= 1, o
 
 
 def _summary(fed: LocalFederation, run: str) -> dict[str, Any]:

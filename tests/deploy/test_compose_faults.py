@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from tests.deploy.compose_engine import ROOT, compose_cli, project_env
+from tests.deploy.compose_engine import ROOT, STARTED, compose_cli, project_env, take_down
 
 # Both tests use the module's one federation: under `pytest -n 2` one worker runs them (the
 # default `--dist loadfile` of pyproject.toml keeps a file's tests together).
@@ -56,10 +56,18 @@ print(json.dumps(out))
 
 class Compose:
     """``docker compose -p PROJECT`` with the session's podman environment, on host ports of its
-    own (``self.env``'s FEDMETA_*_PORT), so that other compose projects can run beside it."""
+    own (``self.env``'s FEDMETA_*_PORT), so that other compose projects can run beside it.
+    The project is recorded as this session's (``STARTED``): nothing of it may outlive the
+    session."""
 
     def __init__(self, env: dict[str, str], project: str = PROJECT, *more: str) -> None:
         self.env, self.cli = project_env(env), [*compose_cli(), "-p", project, *more]
+        self.project = project
+        STARTED.add(project)
+
+    def down(self) -> None:
+        """Take the project down (containers, networks, volumes), checked (``take_down``)."""
+        take_down(self.cli, self.env, self.project)
 
     def __call__(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.cli, *args], cwd=ROOT, env=self.env, capture_output=True,
@@ -79,7 +87,7 @@ class Compose:
 @pytest.fixture(scope="module")
 def compose(podman_images: dict[str, str]) -> Iterator[Compose]:
     dc = Compose(podman_images)
-    dc("down", "-v", "--remove-orphans", "-t", "5")
+    dc.down()  # what an interrupted earlier session left of this project
     try:
         started = time.monotonic()
         up = dc("up", "-d", "--no-build", "--wait", "--wait-timeout", "840", timeout=900)
@@ -87,7 +95,7 @@ def compose(podman_images: dict[str, str]) -> Iterator[Compose]:
         print(f"fedmeta-faults: up and healthy in {time.monotonic() - started:.0f} s")
         yield dc
     finally:
-        dc("down", "-v", "--remove-orphans", "-t", "5", timeout=300)
+        dc.down()
 
 
 def _what_the_services_said(dc: Compose) -> str:
