@@ -51,9 +51,13 @@ _KEY_BYTES = 16  # AES-128-sized round key: what the PRF needs to be unpredictab
 _PERSON = b"fedmeta-slots-v1"  # BLAKE2b personalisation: this PRF and no other
 
 
-def _threshold(probability: float) -> int:
+def _coin(words: np.ndarray, probability: float) -> np.ndarray:
+    """``words < floor(p 2^64)``: true with probability at most ``p`` for uniform uint64 words."""
     # ldexp is exact and floor rounds down: threshold / 2^64 <= probability.
-    return math.floor(math.ldexp(probability, 64))
+    threshold = math.floor(math.ldexp(float(probability), 64))
+    if threshold >= 1 << 64:  # p = 1: every word (2^64 does not fit in a uint64)
+        return np.ones(words.shape, bool)
+    return words < np.uint64(threshold)
 
 
 @dataclass(frozen=True)
@@ -179,11 +183,10 @@ def build_round_slots(
     key = rng.bytes(_KEY_BYTES)
     position = _blocks(n_classes, rule, rng)
     words = _example_words(key, ids, 1 + rule.passes)
-    sampled = np.flatnonzero(words[:, 0] < np.uint64(_threshold(float(rule.example_rate))))
-    share = np.uint64(_threshold(float(rule.support_share)))
+    sampled = np.flatnonzero(_coin(words[:, 0], rule.example_rate))
     tasks: list[TaskSlots] = []
     for p in range(rule.passes):
-        support = words[sampled, 1 + p] < share
+        support = _coin(words[sampled, 1 + p], rule.support_share)
         tasks += _pass_tasks(position[p], labels[sampled], sampled, support, rule)
     return RoundSlots(rule, tuple(tasks), sampled)
 

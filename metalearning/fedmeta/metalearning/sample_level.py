@@ -45,7 +45,8 @@ from fedmeta.metalearning.maml import clip_by_global_norm
 from fedmeta.metalearning.models import inner_rates
 
 __all__ = ["SampleLevelGrads", "SampleLevelSteps", "noisy_adapt", "per_example_clipped_grads",
-           "query_gradient_sums", "sample_level_grads"]  # fmt: skip
+           "per_example_grads", "query_gradient_sums", "sample_level_grads",
+           "standard_normal"]  # fmt: skip
 
 # (batched params [T, ...], x [T, n, ...], y [T, n, ...]) -> per-example flat gradients [T, n, dim]
 PerExampleGrads = Callable[[Params, Tensor, Tensor], Tensor]
