@@ -17,7 +17,12 @@ from scipy import stats
 from torch.func import functional_call
 
 import fedmeta.metalearning as ml
-from fedmeta.metalearning.example_slots import MaskedTasks
+from fedmeta.metalearning.example_slots import (
+    MaskedTasks,
+    SlotRule,
+    build_round_slots,
+    masked_tasks,
+)
 from fedmeta.metalearning.execution import loss_function
 from fedmeta.metalearning.sample_level import (
     SampleLevelSteps,
@@ -228,14 +233,78 @@ def test_one_query_example_moves_the_released_sum_by_at_most_a_q_c_out(appearanc
     adapted = [noisy_adapt(grads_of, params, t, STEPS, np.random.default_rng(9))[0] for t in pair]
     for n in params:
         assert torch.equal(adapted[0][n], adapted[1][n])  # only the query sets differ
+
+    def change(clip: float) -> torch.Tensor:  # [T, dim]: with x minus without, per task
+        after = query_gradient_sums(grads_of, adapted[1], with_x, clip)[0]
+        return after - query_gradient_sums(grads_of, adapted[0], base, clip)[0]
+
     bound = appearances * STEPS.outer_clip
     for clip, bounded in ((STEPS.outer_clip, True), (math.inf, False)):
-        sums = [query_gradient_sums(grads_of, a, t, clip)[0] for a, t in zip(adapted, pair, strict=True)]
-        moved = float(torch.linalg.vector_norm(sums[1].sum(0) - sums[0].sum(0)))
+        moved = float(torch.linalg.vector_norm(change(clip).sum(0)))
         assert (moved <= bound * (1 + NORM_SLACK)) is bounded, (moved, bound)
     # Each task holding x moves by exactly x's clipped gradient (norm C_out), the others not at all.
-    sums = [query_gradient_sums(grads_of, a, t, STEPS.outer_clip)[0] for a, t in zip(adapted, pair, strict=True)]
-    per_task = torch.linalg.vector_norm(sums[1] - sums[0], dim=1)
+    per_task = torch.linalg.vector_norm(change(STEPS.outer_clip), dim=1)
     want = torch.zeros_like(per_task)
     want[:appearances] = STEPS.outer_clip
     torch.testing.assert_close(per_task, want, rtol=1e-5, atol=1e-12)
+
+
+def test_second_order_is_refused_with_one_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"^order must be 'first' at sample level .*got 'second'$"):
+        dataclasses.replace(STEPS, order="second")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("inner_steps", 0), ("inner_steps", 1.0), ("support_size", True), ("inner_lr", 0.0),
+     ("inner_clip", math.inf), ("inner_noise_multiplier", -1.0), ("outer_clip", math.nan)],
+)  # fmt: skip
+def test_bad_constants_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        dataclasses.replace(STEPS, **{field: value})
+
+
+def test_models_without_per_example_gradients_are_refused() -> None:
+    batch_norm = ml.ConvNet4(3, hidden=8, norm="batch", groups=4, image_size=8)
+    tasks = _images(1, 2, 0)
+    with pytest.raises(ValueError, match="^model norm must be 'group' or 'none' at sample level"):
+        sample_level_grads(batch_norm, None, tasks, STEPS, np.random.default_rng(0), device="cpu")
+    meta_sgd = ml.with_learned_inner_rates(ml.SinusoidMLP(), 0.01)
+    with pytest.raises(ValueError, match="learned inner rates"):
+        sample_level_grads(meta_sgd, None, _sinusoid(1, 2, 0), STEPS, np.random.default_rng(0),
+                           device="cpu")  # fmt: skip
+
+
+def test_a_round_from_sampled_examples_runs_and_an_empty_task_only_takes_noise() -> None:
+    """The builder's slots, padded, through the computation: a task with no examples returns a
+    zero sum (its inner steps took noise only), and sums stay within (query count) x C_out."""
+    ids, labels = np.arange(60), np.arange(60) % 6
+    rule = SlotRule(n_way=3, passes=2, example_rate=0.3, support_share=0.5)
+    slots = build_round_slots(ids, labels, 6, rule, np.random.default_rng(4))
+    images = torch.rand(60, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    tasks = masked_tasks(slots, lambda pos: images[torch.as_tensor(pos)])
+    empty = MaskedTasks(*(t[:1] for t in tasks))._replace(
+        support_mask=torch.zeros_like(tasks.support_mask[:1]),
+        query_mask=torch.zeros_like(tasks.query_mask[:1]),
+    )
+    model = ml.ConvNet4(3, hidden=8, norm="group", groups=4, image_size=8)
+    both = MaskedTasks(*(torch.cat([a, b]) for a, b in zip(tasks, empty, strict=True)))
+    out = sample_level_grads(model, ml.init_params(model, 1), both, STEPS,
+                             np.random.default_rng(0), device="cpu")  # fmt: skip
+    sums, counts = out.query_sums, both.query_mask.sum(1)
+    assert sums.shape == (len(slots.tasks) + 1, ml.param_spec(model).numel)
+    assert not sums[-1].any()
+    norms = torch.linalg.vector_norm(sums, dim=1)
+    assert bool((norms <= counts * STEPS.outer_clip * (1 + NORM_SLACK)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("atol", [1e-9])
+def test_cuda_computes_what_the_cpu_computes(atol: float) -> None:
+    model, params, tasks = _model("conv")
+    args = (model, params, tasks, LOOSE)
+    cpu = sample_level_grads(*args, np.random.default_rng(3), device="cpu")
+    gpu = sample_level_grads(*args, np.random.default_rng(3), device="cuda")
+    assert gpu.query_sums.device.type == "cuda"
+    torch.testing.assert_close(gpu.query_sums.cpu(), cpu.query_sums, rtol=0, atol=atol)
+    torch.testing.assert_close(gpu.support_norms.cpu(), cpu.support_norms, rtol=0, atol=atol)
