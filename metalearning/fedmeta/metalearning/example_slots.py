@@ -232,11 +232,9 @@ def slots_by_example(slots: RoundSlots, ids: np.ndarray) -> dict[int, list[tuple
 
 
 class MaskedTasks(NamedTuple):
-    """A batch of tasks of varying sizes, padded: ``*_mask[t, i]`` is False on padding.
+    """Tasks of varying sizes, padded; ``*_mask`` ``[T, S]`` is False on padding.
 
-    ``support_x`` ``[T, S, ...]``, ``support_y`` ``[T, S, ...]``, ``support_mask`` ``[T, S]``;
-    likewise the query set with ``Q``. ``S`` and ``Q`` are the round's largest sizes (at least 1):
-    data-dependent shapes that stay inside the computation (never released).
+    ``S`` and ``Q`` are the round's largest sizes (at least 1): data-dependent, never released.
     """
 
     support_x: Tensor
