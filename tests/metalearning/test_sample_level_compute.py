@@ -267,8 +267,14 @@ def test_bad_constants_are_refused_naming_the_field(field: str, value: object) -
 def test_models_without_per_example_gradients_are_refused() -> None:
     batch_norm = ml.ConvNet4(3, hidden=8, norm="batch", groups=4, image_size=8)
     tasks = _images(1, 2, 0)
-    with pytest.raises(ValueError, match="^model norm must be 'group' or 'none' at sample level"):
+    with pytest.raises(ValueError, match="^model norm must be .group. or .none. at sample level"):
         sample_level_grads(batch_norm, None, tasks, STEPS, np.random.default_rng(0), device="cpu")
+    layered = torch.nn.Sequential(
+        torch.nn.Linear(1, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+    )
+    with pytest.raises(ValueError, match="^model norm must be"):
+        sample_level_grads(layered, None, _sinusoid(1, 2, 0), STEPS, np.random.default_rng(0),
+                           device="cpu")  # fmt: skip
     meta_sgd = ml.with_learned_inner_rates(ml.SinusoidMLP(), 0.01)
     with pytest.raises(ValueError, match="learned inner rates"):
         sample_level_grads(meta_sgd, None, _sinusoid(1, 2, 0), STEPS, np.random.default_rng(0),

@@ -20,11 +20,13 @@ would move every query gradient of its task: refused (:class:`SampleLevelSteps`)
 
 Per-example gradients are ``torch.func.vmap`` over examples of ``torch.func.grad`` of one
 example's loss, itself vmapped over tasks; clipping reuses ``maml.clip_by_global_norm`` (a
-non-finite gradient becomes zero, which keeps the sensitivity). A model whose output for one
-example depends on the others (batch-statistics normalisation) has no per-example gradient and is
-refused, as are Meta-SGD's learned rates (not analysed at sample level). The noise is drawn on the
-host from the numpy ``Generator`` passed in (in a private run one over a secret CSPRNG keystream,
-as the server's ``NoiseSource``), task by task, so the draws do not depend on ``chunk_size``.
+non-finite gradient becomes zero, which keeps the sensitivity). Each example's loss is evaluated
+alone (a batch of one), so its gradient depends on no other example whatever the model; a model
+with batch statistics would then normalise each example by itself, which is not the model the rest
+of fedmeta trains and evaluates, so it is refused, as are Meta-SGD's learned rates (not analysed at
+sample level). The noise is drawn on the host from the numpy ``Generator`` passed in (in a private
+run one over a secret CSPRNG keystream, as the server's ``NoiseSource``), task by task, so the
+draws do not depend on ``chunk_size``.
 """
 
 from __future__ import annotations
@@ -103,10 +105,13 @@ class SampleLevelGrads:
 
 
 def _check_model(model: nn.Module, params: Params) -> None:
-    if getattr(model, "norm", None) == "batch":
+    batch_layers = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    if getattr(model, "norm", None) == "batch" or any(
+        isinstance(m, batch_layers) for m in model.modules()
+    ):
         raise ValueError(
-            "model norm must be 'group' or 'none' at sample level (batch statistics make one "
-            "example's output depend on the others); got 'batch'"
+            "model norm must be 'group' or 'none' at sample level (each example's gradient is "
+            "computed alone, and one example's batch statistics are not the task's); got 'batch'"
         )
     if inner_rates(params) is not None:
         raise ValueError("learned inner rates (Meta-SGD) are not supported at sample level")
