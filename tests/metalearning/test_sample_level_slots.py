@@ -187,3 +187,11 @@ def test_masked_tasks_pads_and_gathers_by_position() -> None:
             np.testing.assert_array_equal(x[t, :n].numpy(), ids[positions])
             np.testing.assert_array_equal(y[t, :n].numpy(), task_labels)
             assert not x[t, n:].any() and not y[t, n:].any()
+
+
+def test_a_participant_with_no_examples_gets_the_public_number_of_empty_tasks() -> None:
+    empty = np.array([], np.int64)
+    slots = build_round_slots(empty, empty, 4, SlotRule(2, 2, 0.5, 0.5), np.random.default_rng(0))
+    assert len(slots.tasks) == 4 and slots.sampled.size == 0
+    batch = masked_tasks(slots, lambda pos: torch.zeros(len(pos), 1))
+    assert batch.num_tasks == 4 and not batch.support_mask.any() and not batch.query_mask.any()
