@@ -10,6 +10,7 @@ one level: a spend of the other level is refused in one line naming the recorded
 
 from __future__ import annotations
 
+import argparse
 import json
 import sqlite3
 from pathlib import Path
@@ -21,6 +22,7 @@ from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
     GaussianRound,
+    LedgerError,
     LevelMismatch,
     Participant,
     epsilon,
@@ -36,6 +38,7 @@ from fedmeta.accounting.sample_level_bound import (
 )
 from fedmeta.accounting.tuning import Candidate, PoissonTrials, TuningRun, describe, release_of
 from fedmeta.accounting.tuning_release import recorded_from_dict
+from fedmeta.cli import ledger as ledger_cli
 
 pytestmark = pytest.mark.unit
 DELTA = 1e-5
@@ -184,3 +187,30 @@ def test_a_recorded_round_with_a_wrong_kind_or_keys_is_refused() -> None:
         SampleLevelRound.from_dict({**data, "kind": "tuning_release"})
     with pytest.raises(ValueError, match="must have exactly the keys"):
         SampleLevelRound.from_dict({k: v for k, v in data.items() if k != "kind"})
+
+
+def test_a_participant_unit_federation_refuses_sample_level_rounds(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger.open(db, "fed", 8.0, DELTA, unit="participant") as ledger:
+        with pytest.raises(LedgerError, match="unit must be 'task' for sample-level rounds"):
+            ledger.spend(SAMPLE, "run-1", 0)
+        assert ledger.position() == 0
+
+
+def test_ledger_show_reads_a_sample_level_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    db = tmp_path / "ledger.sqlite"
+    with _open(db) as ledger:
+        ledger.spend(SAMPLE, "run-1", 0)
+    parser = argparse.ArgumentParser(prog="fedmeta")
+    ledger_cli.register(parser.add_subparsers(dest="command"))
+    for extra in ([], ["--json"]):
+        args = parser.parse_args(["ledger", "show", "--db", str(db), "--recompute", *extra])
+        assert args.func(args) == 0
+    text, _, payload = capsys.readouterr().out.partition("\n{")
+    assert "example level" in text and '"kind": "sample_level_round"' in text
+    (federation,) = json.loads("{" + payload)["federations"]
+    assert federation["level"] == "sample"
+    assert federation["epsilon"] == pytest.approx(sample_level_epsilon(SAMPLE, 1, DELTA))

@@ -110,6 +110,12 @@ class LedgerAppend(LedgerHistory):
         have recorded the first spend of the other level meanwhile): nothing is written.
         """
         recorded, requested = self.recorded_level(), level_of(event)
+        if requested == "sample" and self.unit != "task":
+            raise LedgerError(
+                f"unit must be 'task' for sample-level rounds (their bound is per example, read at "
+                f"the accountant's per-record unit); federation {self.federation_id!r} is "
+                f"{self.unit!r}; nothing was recorded"
+            )
         if recorded is None or recorded == requested:
             return
         raise LevelMismatch(
