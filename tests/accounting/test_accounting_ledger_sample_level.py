@@ -148,12 +148,36 @@ def test_a_tuning_release_is_refused_on_sample_level_data(tmp_path: Path) -> Non
         assert ledger.position() == 1
 
 
-def test_the_level_is_rechecked_under_the_write_lock(tmp_path: Path) -> None:
+def test_the_level_is_rechecked_when_spending(tmp_path: Path) -> None:
     """Another process records the first task-level spend after this one last looked."""
     db = tmp_path / "ledger.sqlite"
     with _open(db) as mine, _open(db) as other:
         assert mine.rounds_affordable(SAMPLE) > 0  # saw an empty federation
         other.spend(TASK, "other", 0)
+        with pytest.raises(LevelMismatch, match="records task-level spends"):
+            mine.spend(SAMPLE, "mine", 0)
+    assert len(_rows(db)) == 1
+
+
+def test_the_level_is_rechecked_under_the_write_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other level lands during the search, charged to a cohort this spend does not reach.
+
+    Nothing this spend composes changed, so only the level check under the lock can see it.
+    """
+    db = tmp_path / "ledger.sqlite"
+    with _open(db) as mine, _open(db) as other:
+        mine.use_cohort([Participant("p0", "alice")])
+        other.use_cohort([Participant("p1", "carol")])
+        search = mine._max_total
+
+        def search_while_another_spends(base: tuple[object, ...], event: SampleLevelRound) -> int:
+            if other.position() == 0:
+                other.spend(TASK, "other", 0)
+            return search(base, event)
+
+        monkeypatch.setattr(mine, "_max_total", search_while_another_spends)
         with pytest.raises(LevelMismatch, match="records task-level spends"):
             mine.spend(SAMPLE, "mine", 0)
     assert len(_rows(db)) == 1

@@ -9,6 +9,10 @@ refusals) composes it with the rounds before and after it: by RDP wherever a gro
 a release (composition.py dispatches), by PLD elsewhere, as before. A ledger written before
 releases existed needs no migration (no table or column is added); code that predates releases
 refuses a ledger holding one (``unreadable event``) rather than composing without it.
+
+A sample-level round (accounting/sample_level.py) is recorded by ``BudgetLedger.spend`` like a
+task-level round, with its own ``kind``. ``_check_level`` keeps one privacy level per budget
+(accounting/levels.py says why levels never compose; docs/ledger.md, "Sample-level rounds").
 """
 
 from __future__ import annotations
