@@ -238,3 +238,8 @@ def test_ledger_show_reads_a_sample_level_ledger(
     (federation,) = json.loads("{" + payload)["federations"]
     assert federation["level"] == "sample"
     assert federation["epsilon"] == pytest.approx(sample_level_epsilon(SAMPLE, 1, DELTA))
+
+
+def test_a_recorded_sample_level_round_reads_like_other_records() -> None:
+    """What callers ask of every recorded event: its relation and participant cap."""
+    assert SAMPLE.neighbouring == "add_remove" and SAMPLE.participant_cap is None

@@ -161,6 +161,11 @@ class SampleLevelRound:
         """Always add/remove one example: the only relation this event describes."""
         return ADD_REMOVE
 
+    @property
+    def participant_cap(self) -> None:
+        """No participant-level bound (the unit is one example), as a recorded event says."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-ready description; ``SampleLevelRound.from_dict`` inverts it exactly.
 
