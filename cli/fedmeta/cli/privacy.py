@@ -81,8 +81,12 @@ def _add_scheme_args(
     if noise:  # at --level sample: --inner- and --outer-noise-multiplier (privacy_sample.py)
         parser.add_argument("--noise-multiplier", type=float, required=not levels, help="z")
     if levels:
-        parser.add_argument("--level", choices=LEVELS, default="task",
-                            help="task (default): one task; sample: one example (issue 53)")
+        parser.add_argument(
+            "--level",
+            choices=LEVELS,
+            default="task",
+            help="task (default): one task; sample: one example (issue 53)",
+        )
         add_sample_args(parser, noise=noise)
     if rounds:
         parser.add_argument("--rounds", type=int, required=True, help="T, number of rounds")
