@@ -40,6 +40,7 @@ from fedmeta.accounting.ledger import (
     LedgerRolledBack,
     LedgerUnreadable,
     LedgerUnwritable,
+    LevelMismatch,
     NotALedger,
     Participant,
     ParticipantExposure,
@@ -91,6 +92,7 @@ from fedmeta.accounting.schemes import (
 __all__ = [
     "BackupResult",
     "BudgetExhausted",
+    "LevelMismatch",
     "BudgetLedger",
     "BudgetRecord",
     "BudgetTerms",

@@ -22,7 +22,9 @@ from fedmeta.accounting.composition import (
     groups_epsilon,
     model_groups,
 )
+from fedmeta.accounting.levels import lowered
 from fedmeta.accounting.pairs import NOISE_MULTIPLIER_RANGE, ModelGroups, round_components
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     GaussianRound,
@@ -180,7 +182,7 @@ def _secant(u_lo: float, u_hi: float, g_lo: float, g_hi: float) -> float:
 
 
 def max_rounds(
-    event: GaussianRound,
+    event: GaussianRound | SampleLevelRound,
     epsilon_budget: float,
     delta: float,
     unit: Unit = "task",
@@ -203,11 +205,11 @@ def max_rounds(
     check_method(method)
     check_discretization(discretization)
     budget = _check_target("epsilon_budget", epsilon_budget, allow_zero=True)
-    if not isinstance(event, GaussianRound):
-        raise ValueError(f"event must be a GaussianRound; got {event!r}")
+    if not isinstance(event, GaussianRound | SampleLevelRound):
+        raise ValueError(f"event must be a GaussianRound or a SampleLevelRound; got {event!r}")
     limit = check_rounds("limit", limit, minimum=0)
-    base = model_groups([*prior, (event, 1)], unit)  # validates prior, relation and the event
-    model = round_components(event, unit)
+    base = model_groups([*prior, (event, 1)], unit)  # validates prior, relation, level, event
+    model = round_components(lowered(event), unit)  # sample level: its dominating pair
     already = sum(c for m, c in base) - 1
     limit = min(limit, MAX_ROUNDS_LIMIT - already)
 
@@ -306,7 +308,7 @@ def _illinois(g: Callable[[int], float], lo: int, g_lo: float, hi: int, g_hi: fl
 
 def affordable_rounds(
     groups: RoundGroups,
-    event: GaussianRound,
+    event: GaussianRound | SampleLevelRound,
     epsilon_budget: float,
     delta: float,
     unit: Unit = "task",

@@ -96,6 +96,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
+from fedmeta.accounting.levels import check_one_level, lowered
 from fedmeta.accounting.pairs import ModelGroups, RoundModel, check_noise, round_components
 from fedmeta.accounting.pmf import (
     MAX_GRID,
@@ -105,6 +106,7 @@ from fedmeta.accounting.pmf import (
     pld_parts,
 )
 from fedmeta.accounting.rdp import rdp_delta, rdp_epsilon
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.accounting.schemes import (
     GaussianRound,
     TwoStageFixedScheme,
@@ -167,13 +169,14 @@ def _check_groups(rounds: RoundGroups) -> list[tuple[GaussianRound, int]]:
     for item in rounds:
         if not (isinstance(item, tuple) and len(item) == 2):
             raise ValueError(f"rounds must be a sequence of (GaussianRound, count); got {item!r}")
-        event, count = item
-        if not isinstance(event, GaussianRound):
-            raise ValueError(f"rounds entries must start with a GaussianRound; got {event!r}")
+        if not isinstance(item[0], GaussianRound | SampleLevelRound):
+            raise ValueError(f"rounds entries must start with a GaussianRound; got {item[0]!r}")
+        event, count = lowered(item[0]), item[1]  # a sample-level round: its dominating pair
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"round count must be an integer >= 0; got {count!r}")
         if count:
             merged[event] = merged.get(event, 0) + count
+    check_one_level(item[0] for item in rounds if item[1])
     total = sum(merged.values())
     if total > MAX_ROUNDS_LIMIT:
         raise ValueError(f"round count must be at most {MAX_ROUNDS_LIMIT} in all; got {total}")

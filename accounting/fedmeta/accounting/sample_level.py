@@ -42,10 +42,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from fedmeta.accounting.schemes import one_of
+from fedmeta.accounting.pairs import NOISE_MULTIPLIER_RANGE
+from fedmeta.accounting.schemes import (
+    ADD_REMOVE,
+    FlatPoissonScheme,
+    GaussianRound,
+    Neighbouring,
+    TwoStagePoissonScheme,
+    one_of,
+)
 
 Order: TypeAlias = Literal["first", "second"]
 ORDERS: tuple[Order, ...] = ("first", "second")
+#: The ``kind`` a recorded sample-level round's JSON carries (a task-level round carries none).
+KIND = "sample_level_round"
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> int:
@@ -146,9 +156,25 @@ class SampleLevelRound:
                 f"release only through the released adapted parameters); got {self.query_cap!r}"
             )
 
+    @property
+    def neighbouring(self) -> Neighbouring:
+        """Always add/remove one example: the only relation this event describes."""
+        return ADD_REMOVE
+
+    @property
+    def participant_cap(self) -> None:
+        """No participant-level bound (the unit is one example), as a recorded event says."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-ready description; ``SampleLevelRound.from_dict`` inverts it exactly."""
+        """Return a JSON-ready description; ``SampleLevelRound.from_dict`` inverts it exactly.
+
+        It carries ``"kind": "sample_level_round"``, so a ledger record says its level and code
+        that predates sample-level records refuses it (``unreadable event``) rather than reading
+        it as a task-level round.
+        """
         return {
+            "kind": KIND,
             "sampling": dict(vars(self.sampling)),
             "inner_noise_multiplier": float(self.inner_noise_multiplier),
             "outer_noise_multiplier": float(self.outer_noise_multiplier),
@@ -161,8 +187,8 @@ class SampleLevelRound:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SampleLevelRound:
         """Rebuild (and re-validate) a round from ``to_dict`` output; every key is required."""
-        keys = set(cls.__dataclass_fields__)
-        if not isinstance(data, dict) or set(data) != keys:
+        keys = {"kind", *cls.__dataclass_fields__}
+        if not isinstance(data, dict) or set(data) != keys or data["kind"] != KIND:
             raise ValueError(
                 f"sample-level round must have exactly the keys {sorted(keys)}; got {data!r}"
             )
@@ -207,3 +233,35 @@ def gdp_mu(event: SampleLevelRound) -> float:
     """
     m = event.max_appearances
     return math.sqrt(max(split_mu_squared(event, 0, m), split_mu_squared(event, m, 0)))
+
+
+def effective_noise_multiplier(event: SampleLevelRound) -> float:
+    """``1 / mu``: the noise multiplier of the one Gaussian that dominates a sampled round."""
+    if not isinstance(event, SampleLevelRound):
+        raise ValueError(f"event must be a SampleLevelRound; got {event!r}")
+    return 1.0 / gdp_mu(event)
+
+
+def dominating_round(event: SampleLevelRound) -> GaussianRound:
+    """The task-level round with this round's dominating pair; an accounting device, never recorded.
+
+    ``accounting.sample_level_bound`` (module docstring) derives it: the Poisson-subsampled
+    Gaussian at ``1/mu`` for one stage, the two-stage Poisson mixture for two. Here, beside the
+    event, so that composition and the ledger can compose recorded sample-level rounds without
+    importing the calibration that imports them. Raises ValueError when ``1/mu`` lies outside the
+    accountant's ``NOISE_MULTIPLIER_RANGE``.
+    """
+    z = effective_noise_multiplier(event)
+    low, high = NOISE_MULTIPLIER_RANGE
+    if not low <= z <= high:
+        raise ValueError(
+            f"effective noise multiplier 1/mu must be in [{low:g}, {high:g}] (raise the noise or "
+            f"lower max_appearances / inner_steps); got {z!r}"
+        )
+    sampling = event.sampling
+    if sampling.participants_per_round == sampling.participants:
+        return GaussianRound(FlatPoissonScheme(sampling.example_rate), z)
+    scheme = TwoStagePoissonScheme(
+        sampling.participants, sampling.participants_per_round, sampling.example_rate
+    )
+    return GaussianRound(scheme, z)

@@ -47,41 +47,27 @@ from fedmeta.accounting.composition import (
     epsilon,
     pld_delta,
 )
-from fedmeta.accounting.pairs import NOISE_MULTIPLIER_RANGE
-from fedmeta.accounting.sample_level import SampleLevelRound, gdp_mu
-from fedmeta.accounting.schemes import FlatPoissonScheme, GaussianRound, TwoStagePoissonScheme
+from fedmeta.accounting.sample_level import (
+    SampleLevelRound,
+    dominating_round,
+    effective_noise_multiplier,
+)
+
+# Defined beside the event (sample_level.py) so that composition can lower a recorded round.
+__all__ = [
+    "calibrate_sample_level",
+    "dominating_round",
+    "effective_noise_multiplier",
+    "sample_level_delta",
+    "sample_level_epsilon",
+    "sample_level_max_rounds",
+]
 
 
 def _check_event(event: object) -> SampleLevelRound:
     if not isinstance(event, SampleLevelRound):
         raise ValueError(f"event must be a SampleLevelRound; got {event!r}")
     return event
-
-
-def effective_noise_multiplier(event: SampleLevelRound) -> float:
-    """``1 / mu``: the noise multiplier of the one Gaussian that dominates a sampled round."""
-    return 1.0 / gdp_mu(_check_event(event))
-
-
-def dominating_round(event: SampleLevelRound) -> GaussianRound:
-    """The task-level round with this round's dominating pair (module docstring); never recorded.
-
-    Raises ValueError when ``1/mu`` lies outside the accountant's ``NOISE_MULTIPLIER_RANGE``.
-    """
-    z = effective_noise_multiplier(event)
-    low, high = NOISE_MULTIPLIER_RANGE
-    if not low <= z <= high:
-        raise ValueError(
-            f"effective noise multiplier 1/mu must be in [{low:g}, {high:g}] (raise the noise or "
-            f"lower max_appearances / inner_steps); got {z!r}"
-        )
-    sampling = event.sampling
-    if sampling.participants_per_round == sampling.participants:
-        return GaussianRound(FlatPoissonScheme(sampling.example_rate), z)
-    scheme = TwoStagePoissonScheme(
-        sampling.participants, sampling.participants_per_round, sampling.example_rate
-    )
-    return GaussianRound(scheme, z)
 
 
 def sample_level_epsilon(

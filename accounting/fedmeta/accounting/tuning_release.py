@@ -29,8 +29,11 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from fedmeta.accounting.levels import check_one_level, lowered
 from fedmeta.accounting.pairs import round_components
 from fedmeta.accounting.rdp import RDP_ORDERS, rdp_curve
+from fedmeta.accounting.sample_level import KIND as SAMPLE_LEVEL_KIND
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.accounting.schemes import (
     NEIGHBOURING_RELATIONS,
     GaussianRound,
@@ -137,12 +140,14 @@ class TuningRelease:
                    data["description"])  # fmt: skip
 
 
-#: What a ledger record's event is: a Gaussian round or a tuning release.
-Recorded: TypeAlias = GaussianRound | TuningRelease
+#: What a ledger record's event is: a Gaussian round, a tuning release or a sample-level round.
+Recorded: TypeAlias = GaussianRound | TuningRelease | SampleLevelRound
 
 
 def recorded_from_dict(data: dict[str, Any]) -> Recorded:
-    """A recorded event from its JSON: a tuning release by its ``kind``, else a round."""
+    """A recorded event from its JSON: by its ``kind`` if it has one, else a task-level round."""
+    if isinstance(data, dict) and data.get("kind") == SAMPLE_LEVEL_KIND:
+        return SampleLevelRound.from_dict(data)
     if isinstance(data, dict) and "kind" in data:
         return TuningRelease.from_dict(data)
     return GaussianRound.from_dict(data)
@@ -169,14 +174,15 @@ def recorded_rdp(rounds: Sequence[tuple[Recorded, int]], unit: Unit) -> _Floats:
         relations.add(event.neighbouring)
         if isinstance(event, TuningRelease):
             curve = event.curve(unit)
-        elif isinstance(event, GaussianRound):
-            curve = np.asarray(rdp_curve(round_components(event, unit)))
+        elif isinstance(event, GaussianRound | SampleLevelRound):
+            curve = np.asarray(rdp_curve(round_components(lowered(event), unit)))
         else:
             raise ValueError(f"rounds entries must start with a round or release; got {event!r}")
         with np.errstate(invalid="ignore"):
             total = total + count * curve
     if len(relations) > 1:
         raise ValueError(f"neighbouring must be the same for all rounds; got {sorted(relations)}")
+    check_one_level(item[0] for item in rounds if item[1])
     return np.where(np.isnan(total), np.inf, total)
 
 
@@ -199,7 +205,8 @@ def release_epsilon(rounds: Sequence[tuple[Recorded, int]], delta: float, unit: 
 
 
 def release_affordable(
-    groups: Sequence[tuple[Recorded, int]], event: GaussianRound, epsilon_budget: float,
+    groups: Sequence[tuple[Recorded, int]], event: GaussianRound | SampleLevelRound,
+    epsilon_budget: float,
     delta: float, unit: Unit,
 ) -> int:  # fmt: skip
     """How many more rounds like ``event`` fit beside ``groups`` (RDP; gallop then bisect)."""

@@ -83,6 +83,7 @@ def _federation_report(
             "delta": ledger.delta,
             "unit": ledger.unit,
             "neighbouring": ledger.neighbouring,
+            "level": ledger.recorded_level(),  # task, sample (one example), or None: no spends
             "records": ledger.position(),
             "epsilon": ledger.epsilon(),
             "epsilon_rdp": ledger.epsilon(method="rdp"),
@@ -135,6 +136,11 @@ def _ledger_report(
     }
 
 
+def _level_text(federation: dict[str, Any]) -> str:
+    """What the epsilon protects: one example at sample level (issue 53), else the unit."""
+    return "example level" if federation["level"] == "sample" else f"{federation['unit']} level"
+
+
 def _print_ledger_report(report: dict[str, Any]) -> None:
     ident = (
         f"id {report['ledger_id']}, schema {report['schema_version']}, {report['mode']} runs only"
@@ -157,7 +163,7 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             part = f"{e['participant_level_note']} (valid but vacuous bound: {part})"
         print(
             f"federation {e['federation_id']}: {e['records']} spends, epsilon {e['epsilon']:.4f} "
-            f"(PLD, {e['unit']} level, most exposed participant, enforced) / "
+            f"(PLD, {_level_text(e)}, most exposed participant, enforced) / "
             f"{e['epsilon_rdp']:.4f} (RDP) of budget "
             f"{e['epsilon_budget']:g} at delta {e['delta']:g}; relation {e['neighbouring']}"
         )
@@ -171,7 +177,8 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             )
         for g in e["rounds"]:
             event = g["event"]  # a tuning release by its plan, not its curve (--json has it)
-            text = event["description"] if "kind" in event else json.dumps(event, sort_keys=True)
+            release = event.get("kind") == "tuning_release"
+            text = event["description"] if release else json.dumps(event, sort_keys=True)
             print(f"  {g['count']} x {text}")
         _print_participants(e["participants"])
         _print_public_data(e["public_data"])

@@ -1,5 +1,7 @@
 """``fedmeta privacy epsilon|calibrate|max-rounds|compare`` (and ``plan``, from privacy_plan.py).
 
+``--level sample`` (issue 53) hands epsilon, calibrate and max-rounds to privacy_sample.py.
+
 Human-readable tables by default, ``--json`` for machines. The commands import only
 ``accounting`` (no torch, no Flower), and that loads dp-accounting and scipy only when a command
 computes, so ``--help`` and a usage error answer at once.
@@ -13,6 +15,7 @@ from typing import Any
 
 from fedmeta.accounting.calibration import calibrate_noise_multiplier, max_rounds
 from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, epsilon, tombs2022_published_epsilon
+from fedmeta.accounting.levels import LEVELS
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
     NEIGHBOURING_RELATIONS,
@@ -34,12 +37,20 @@ from fedmeta.cli.arguments import (
     json_eps,
 )
 from fedmeta.cli.privacy_plan import BudgetDelta, ConfigWriter, add_plan_parser
+from fedmeta.cli.privacy_sample import (
+    SAMPLE_FLAGS,
+    add_sample_args,
+    check_level_flags,
+    sample_calibrate,
+    sample_epsilon,
+    sample_max_rounds,
+)
 
 PUBLISHED_LABEL = "as published, not a valid guarantee"
 
 
 def _add_scheme_args(
-    parser: argparse.ArgumentParser, *, noise: bool = True, rounds: bool = True
+    parser: argparse.ArgumentParser, *, noise: bool = True, rounds: bool = True, levels: bool = True
 ) -> None:
     group = parser.add_argument_group(
         "sampling scheme (two-stage unless a single-stage flag is given)"
@@ -67,8 +78,16 @@ def _add_scheme_args(
         type=int,
         help="cap on one participant's tasks per round (participant-level unit)",
     )
-    if noise:
-        parser.add_argument("--noise-multiplier", type=float, required=True, help="z (std / clip)")
+    if noise:  # at --level sample: --inner- and --outer-noise-multiplier (privacy_sample.py)
+        parser.add_argument("--noise-multiplier", type=float, required=not levels, help="z")
+    if levels:
+        parser.add_argument(
+            "--level",
+            choices=LEVELS,
+            default="task",
+            help="task (default): one task; sample: one example (issue 53)",
+        )
+        add_sample_args(parser, noise=noise)
     if rounds:
         parser.add_argument("--rounds", type=int, required=True, help="T, number of rounds")
     parser.add_argument(
@@ -157,9 +176,19 @@ def _event(args: argparse.Namespace, scheme: Scheme, z: float) -> GaussianRound:
     return GaussianRound(scheme, z, args.max_tasks_per_participant, args.neighbouring)
 
 
+def _task_level(args: argparse.Namespace, *, noise: bool = True) -> bool:
+    """Whether the command runs at task level; refuses flags of the other level."""
+    check_level_flags(args)
+    if args.level == "task" and noise and args.noise_multiplier is None:
+        raise UsageError("--noise-multiplier must be given (z, noise std / clip)")
+    return bool(args.level == "task")
+
+
 def _cmd_epsilon(args: argparse.Namespace) -> int:
-    scheme = _scheme_from_args(args)
     _check_rounds(args.rounds)
+    if not _task_level(args):
+        return sample_epsilon(args)
+    scheme = _scheme_from_args(args)
     event = _event(args, scheme, args.noise_multiplier)
     groups = [(event, args.rounds)]
     eps = epsilon(groups, args.delta, args.unit, "pld")
@@ -204,8 +233,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     args.target_epsilon = args.epsilon if args.epsilon is not None else args.old_epsilon
     if args.target_epsilon is None:
         raise UsageError("--epsilon (the target epsilon) is required")
-    scheme = _scheme_from_args(args)
     _check_rounds(args.rounds)
+    if not _task_level(args, noise=False):
+        return sample_calibrate(args)
+    scheme = _scheme_from_args(args)
     z = calibrate_noise_multiplier(
         scheme,
         args.rounds,
@@ -244,6 +275,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_max_rounds(args: argparse.Namespace) -> int:
+    if not _task_level(args):
+        return sample_max_rounds(args)
     scheme = _scheme_from_args(args)
     event = _event(args, scheme, args.noise_multiplier)
     rounds = max_rounds(event, args.epsilon, args.delta, args.unit)
@@ -406,20 +439,20 @@ def register(
 
     p = psub.add_parser("epsilon", help="epsilon after T rounds (PLD enforced, RDP cross-check)")
     _add_scheme_args(p)
-    p.set_defaults(func=handled("privacy epsilon", _cmd_epsilon))
+    p.set_defaults(func=handled("privacy epsilon", _cmd_epsilon, SAMPLE_FLAGS))
 
     p = psub.add_parser("calibrate", help="smallest noise multiplier meeting a target epsilon")
     _add_scheme_args(p, noise=False)
     add_epsilon_arg(p, "target epsilon", old="--target-epsilon")
-    p.set_defaults(func=handled("privacy calibrate", _cmd_calibrate))
+    p.set_defaults(func=handled("privacy calibrate", _cmd_calibrate, SAMPLE_FLAGS))
 
     p = psub.add_parser("max-rounds", help="largest T within an epsilon budget (exact under PLD)")
     _add_scheme_args(p, rounds=False)
     add_epsilon_arg(p, "epsilon budget")
-    p.set_defaults(func=handled("privacy max-rounds", _cmd_max_rounds))
+    p.set_defaults(func=handled("privacy max-rounds", _cmd_max_rounds, SAMPLE_FLAGS))
 
     p = psub.add_parser("compare", help="compare sampling designs at the same expected lot size")
-    _add_scheme_args(p)
+    _add_scheme_args(p, levels=False)
     p.set_defaults(func=handled("privacy compare", _cmd_compare))
 
     add_plan_parser(psub, config_writer, budget_delta)

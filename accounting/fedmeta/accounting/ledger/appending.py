@@ -9,6 +9,10 @@ refusals) composes it with the rounds before and after it: by RDP wherever a gro
 a release (composition.py dispatches), by PLD elsewhere, as before. A ledger written before
 releases existed needs no migration (no table or column is added); code that predates releases
 refuses a ledger holding one (``unreadable event``) rather than composing without it.
+
+A sample-level round (accounting/sample_level.py) is recorded by ``BudgetLedger.spend`` like a
+task-level round, with its own ``kind``. ``_check_level`` keeps one privacy level per budget
+(accounting/levels.py says why levels never compose; docs/ledger.md, "Sample-level rounds").
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from fedmeta.accounting.ledger.records import (
     BudgetExhausted,
     LedgerError,
     LedgerReadOnly,
+    LevelMismatch,
     SpendRecord,
 )
 from fedmeta.accounting.ledger.storage import classify_error, immediate_transaction
+from fedmeta.accounting.levels import Level, level_of
 from fedmeta.accounting.schemes import Unit
 from fedmeta.accounting.tuning_release import Recorded, TuningRelease
 
@@ -86,6 +92,46 @@ class LedgerAppend(LedgerHistory):
         self._exposure.add(record.event, record.cohort)
         return record
 
+    # ---------------------------------------------------------------------------------- levels
+
+    def recorded_level(self) -> Level | None:
+        """The privacy level of the data's spends (this budget's and carried), None before any.
+
+        Each record's event says its level (a sample-level round carries its ``kind``) and the
+        hash chain covers it, so the level is recorded with the budget and read back, never
+        stored apart from the records it describes. ``_check_level`` keeps it to one.
+        """
+        events = [r.event for r in self._records] + list(self._carried)
+        levels = sorted({level_of(e) for e in events})
+        if len(levels) > 1:  # only a ledger written by hand; composition would refuse it too
+            raise LedgerError(f"federation {self.federation_id!r} records spends of both levels")
+        return levels[0] if levels else None
+
+    def _check_level(self, event: Recorded) -> None:
+        """Refuse ``event`` if its level differs from the data's (levels.py says why).
+
+        Called before the write lock and again under it after the catch-up (another process may
+        have recorded the first spend of the other level meanwhile): nothing is written.
+        """
+        recorded, requested = self.recorded_level(), level_of(event)
+        if requested == "sample" and self.unit != "task":
+            raise LedgerError(
+                f"unit must be 'task' for sample-level rounds (their bound is per example, read at "
+                f"the accountant's per-record unit); federation {self.federation_id!r} is "
+                f"{self.unit!r}; nothing was recorded"
+            )
+        if recorded is None or recorded == requested:
+            return
+        raise LevelMismatch(
+            f"ledger {self.path}: federation {self.federation_id!r} records {recorded}-level "
+            f"spends and this is a {requested}-level spend; the two guarantees protect different "
+            "neighbours (one task, one example) and never compose, so spend at "
+            f"{recorded} level or start a separate budget with `fedmeta ledger new-budget --db "
+            f"{self.path} --federation {self.federation_id} --reason TEXT`; nothing was recorded",
+            recorded=recorded,
+            requested=requested,
+        )
+
     # ------------------------------------------------------------------------- tuning releases
 
     def epsilon_after_release(self, release: TuningRelease, unit: Unit | None = None) -> float:
@@ -120,10 +166,12 @@ class LedgerAppend(LedgerHistory):
                 f"neighbouring must match the federation's: {self.federation_id!r} composes "
                 f"{self.neighbouring!r} spends, this release is {release.neighbouring!r}"
             )
+        self._check_level(release)
         event_json = canonical_json(release.to_dict())
         try:
             with immediate_transaction(self._conn):
                 self._catch_up()
+                self._check_level(release)  # rolled back: nothing written
                 after = self.epsilon_after_release(release)
                 if after > self.epsilon_budget:
                     raise self._release_exhausted(after)  # rolled back: nothing written

@@ -54,6 +54,7 @@ from fedmeta.accounting.ledger.storage import (
     immediate_transaction,
     read_transaction,
 )
+from fedmeta.accounting.levels import AnyRound, check_round
 from fedmeta.accounting.schemes import (
     GaussianRound,
     Neighbouring,
@@ -64,7 +65,7 @@ from fedmeta.accounting.schemes import (
 from fedmeta.accounting.tuning_release import Recorded
 
 
-def _base(counts: Mapping[Recorded, int], event: GaussianRound) -> tuple[Any, ...]:
+def _base(counts: Mapping[Recorded, int], event: AnyRound) -> tuple[Any, ...]:
     """The recorded rounds other than ``event``: what its affordable total depends on."""
     return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
 
@@ -333,7 +334,7 @@ class BudgetLedger(LedgerAppend):
 
     # ---------------------------------------------------------------------------------- budget
 
-    def _max_total(self, base: tuple[Any, ...], event: GaussianRound) -> int:
+    def _max_total(self, base: tuple[Any, ...], event: AnyRound) -> int:
         """Largest total count of ``event`` affordable beside ``base`` (cached; a PLD search)."""
         key = (base, event)
         if key not in self._totals:
@@ -342,7 +343,7 @@ class BudgetLedger(LedgerAppend):
             )
         return self._totals[key]
 
-    def _checks(self, event: GaussianRound) -> list[tuple[tuple[Any, ...], int]]:
+    def _checks(self, event: AnyRound) -> list[tuple[tuple[Any, ...], int]]:
         """Per most exposed group of the cohort: (its rounds but ``event``, its ``event`` count).
 
         Only maximal groups matter (participants.py: a subset composes to less).
@@ -354,26 +355,25 @@ class BudgetLedger(LedgerAppend):
             out.append((_base(counts, event), counts.get(event, 0)))
         return out
 
-    def rounds_affordable(self, event: GaussianRound) -> int:
+    def rounds_affordable(self, event: AnyRound) -> int:
         """How many more rounds like ``event`` the budget allows (exact under PLD).
 
         The minimum over the participants the next rounds may sample: a round is refused when it
-        would take any of them over the budget.
+        would take any of them over the budget. ``LevelMismatch`` for a round of another level.
         """
-        if not isinstance(event, GaussianRound):
-            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        check_round(event)
         self._catch_up()
+        self._check_level(event)
         left = [self._max_total(base, event) - count for base, count in self._checks(event)]
         return max(0, min(left))
 
-    def would_exceed(self, event: GaussianRound) -> bool:
+    def would_exceed(self, event: AnyRound) -> bool:
         """Dry run: return whether spending ``event`` now would take epsilon above the budget."""
         return self.rounds_affordable(event) < 1
 
-    def _check_spend(self, event: GaussianRound, run_id: str, round_index: int) -> None:
+    def _check_spend(self, event: AnyRound, run_id: str, round_index: int) -> None:
         self._refuse_readonly("spending")
-        if not isinstance(event, GaussianRound):
-            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        check_round(event)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"run_id must be a non-empty string; got {run_id!r}")
         if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
@@ -385,7 +385,7 @@ class BudgetLedger(LedgerAppend):
                 "composition never mixes relations"
             )
 
-    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+    def spend(self, event: AnyRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round, or raise ``BudgetExhausted`` having recorded nothing.
 
         Call before releasing the noisy update: when this returns, the record is durable and the
@@ -396,6 +396,7 @@ class BudgetLedger(LedgerAppend):
         event_json = canonical_json(event.to_dict())
         for _ in range(SPEND_ATTEMPTS):
             self._catch_up()
+            self._check_level(event)
             checks = self._checks(event)
             totals = [self._max_total(base, event) for base, _ in checks]  # outside the lock
             outcome = self._append_or_explain(
@@ -410,7 +411,7 @@ class BudgetLedger(LedgerAppend):
             "other processes kept recording other kinds of round meanwhile; nothing was recorded"
         )
 
-    def _exhausted(self, event: GaussianRound) -> BudgetExhausted:
+    def _exhausted(self, event: AnyRound) -> BudgetExhausted:
         after = max(
             epsilon([*base, (event, count + 1)], self.delta, self.unit)
             for base, count in self._checks(event)
@@ -426,7 +427,7 @@ class BudgetLedger(LedgerAppend):
 
     def _append_or_explain(
         self,
-        event: GaussianRound,
+        event: AnyRound,
         event_json: str,
         run_id: str,
         round_index: int,
@@ -456,7 +457,7 @@ class BudgetLedger(LedgerAppend):
 
     def _append(
         self,
-        event: GaussianRound,
+        event: AnyRound,
         event_json: str,
         run_id: str,
         round_index: int,
@@ -470,6 +471,7 @@ class BudgetLedger(LedgerAppend):
         """
         with immediate_transaction(self._conn):
             self._catch_up()
+            self._check_level(event)  # the first spend of the other level may just have landed
             now = self._checks(event)
             if [base for base, _ in now] != [base for base, _ in checks]:
                 return "changed"

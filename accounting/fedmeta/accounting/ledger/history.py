@@ -52,9 +52,9 @@ from fedmeta.accounting.ledger.storage import (
     read_transaction,
     stored_mode,
 )
+from fedmeta.accounting.levels import AnyRound
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
-    GaussianRound,
     Neighbouring,
     Unit,
 )
@@ -106,7 +106,7 @@ class LedgerHistory:
         self._resolved: dict[str, list[str]] = {}  # item set -> its data records (overlap.py)
         self._carried: Counter[Recorded] = Counter()  # rounds charged to every participant
         self._witness: Path | None = None  # an anchor outside the state directory (watch)
-        self._totals: dict[tuple[tuple[Any, ...], GaussianRound], int] = {}
+        self._totals: dict[tuple[tuple[Any, ...], AnyRound], int] = {}
         self._epsilons: dict[tuple[Multiset, Unit, Method], float] = {}
 
     @classmethod

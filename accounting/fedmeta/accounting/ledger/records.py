@@ -56,6 +56,18 @@ class BudgetExhausted(LedgerError):
         self.epsilon_budget = epsilon_budget
 
 
+class LevelMismatch(LedgerError):
+    """A spend of another privacy level than the data's recorded one; nothing was recorded.
+
+    ``recorded`` and ``requested`` are ``"task"`` or ``"sample"`` (accounting/levels.py).
+    """
+
+    def __init__(self, message: str, *, recorded: str, requested: str) -> None:
+        super().__init__(message)
+        self.recorded = recorded
+        self.requested = requested
+
+
 class LedgerUnreadable(LedgerError):
     """The ledger file cannot be read; ``reason`` is one of ``UNREADABLE_REASONS``."""
 
