@@ -23,9 +23,8 @@ from fedmeta.config_io import load_config
 from fedmeta.metalearning import evaluate
 from fedmeta.server import run as run_mod
 from fedmeta.server.outputs import format_summary
-from fedmeta.server.run import FederationError
 from fedmeta.server.selection import ModelSelection, checkpoint_released_params
-from fedmeta.server.startup import model_selection
+from fedmeta.server.startup import FederationError, model_selection
 from fedmeta.workload import build_workload
 
 from .fakes import fake_ledger, opener

@@ -22,7 +22,14 @@ from fedmeta.accounting import BudgetLedger, current_budget
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import budget_identity, ledger_participants
 from fedmeta.server.data_budget import adopt_data_budget, ledger_file
-from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan, build_plan, forecast
+from fedmeta.server.plan import (
+    BudgetForecast,
+    PrivatePlan,
+    RunPlan,
+    build_plan,
+    forecast,
+    private_requested,
+)
 from fedmeta.server.transport import Registered
 
 
@@ -56,7 +63,7 @@ def preview_budget(cfg: Config) -> BudgetPreview:
     """
     registered = configured_participants(cfg)
     counts = {r.participant_id: r.task_count for r in registered}
-    if not cfg.privacy.enabled:
+    if not private_requested(cfg.privacy):
         return BudgetPreview(cfg, build_plan(cfg, counts), None, recorded=False)
     path = ledger_file(cfg)
     cfg = adopt_data_budget(cfg, registered, path)

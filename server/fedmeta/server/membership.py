@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from fedmeta.config import Config
 from fedmeta.protocol import RegisterRequest
-from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE, suspending_failures
+from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE
 from fedmeta.server.transport import FAILURE_TIMEOUT, GridTransport, Registered
 
 log = logging.getLogger("fedmeta.server")
@@ -128,10 +128,15 @@ class Membership:
         """Participant id -> Flower node id, for the transport."""
         return {pid: m.node_id for pid, m in self.members.items()}
 
-    def record(self, sampled: Iterable[str], failures: Mapping[str, str]) -> None:
-        """Count each sampled participant's consecutive delivery failures; suspend at the limit."""
+    def record(
+        self, sampled: Iterable[str], failures: Mapping[str, str], suspending: frozenset[str]
+    ) -> None:
+        """Count each sampled participant's consecutive delivery failures; suspend at the limit.
+
+        ``suspending``: the failures that count, as the run's plan allows (a private run's are
+        ``releases.suspending_failures(True, ...)``: availability only).
+        """
         limit = self.cfg.federation.max_consecutive_failures
-        suspending = suspending_failures(self.cfg.privacy.enabled, SUSPENDING_FAILURES)
         for pid in sampled:
             if failures.get(pid) not in suspending:
                 self._failures[pid] = 0
