@@ -58,7 +58,8 @@ def _config_rebindings(path: Path) -> list[str]:
     for fn in ast.walk(ast.parse(path.read_text())):
         if not isinstance(fn, ast.FunctionDef):
             continue
-        params = {a.arg for a in fn.args.args + fn.args.kwonlyargs
+        arguments = fn.args.args + fn.args.kwonlyargs
+        params = {a.arg for a in arguments
                   if isinstance(a.annotation, ast.Name) and a.annotation.id == "Config"}  # fmt: skip
         for node in ast.walk(fn):
             targets = node.targets if isinstance(node, ast.Assign) else []
