@@ -58,9 +58,8 @@ def _config_rebindings(path: Path) -> list[str]:
     for fn in ast.walk(ast.parse(path.read_text())):
         if not isinstance(fn, ast.FunctionDef):
             continue
-        arguments = fn.args.args + fn.args.kwonlyargs
-        params = {a.arg for a in arguments
-                  if isinstance(a.annotation, ast.Name) and a.annotation.id == "Config"}  # fmt: skip
+        typed = [(a.arg, a.annotation) for a in fn.args.args + fn.args.kwonlyargs]
+        params = {name for name, kind in typed if isinstance(kind, ast.Name) and kind.id == "Config"}
         for node in ast.walk(fn):
             targets = node.targets if isinstance(node, ast.Assign) else []
             names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
