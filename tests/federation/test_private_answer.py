@@ -59,7 +59,7 @@ def _config_rebindings(path: Path) -> list[str]:
         if not isinstance(fn, ast.FunctionDef):
             continue
         typed = [(a.arg, a.annotation) for a in fn.args.args + fn.args.kwonlyargs]
-        params = {name for name, kind in typed if isinstance(kind, ast.Name) and kind.id == "Config"}
+        params = {n for n, kind in typed if isinstance(kind, ast.Name) and kind.id == "Config"}
         for node in ast.walk(fn):
             targets = node.targets if isinstance(node, ast.Assign) else []
             names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
