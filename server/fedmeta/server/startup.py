@@ -27,7 +27,7 @@ from fedmeta.accounting import (
 from fedmeta.accounting.ledger import ensure_directory
 from fedmeta.checkpoint import CHECKPOINT_NAME, Checkpoint, KeptModel, load_checkpoint
 from fedmeta.client_config import client_config
-from fedmeta.config import Config
+from fedmeta.config import Config, TrainingConfig
 from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.server.budget_keys import (
     budget_identity,
@@ -43,7 +43,7 @@ from fedmeta.server.data_budget import (
     other_budget_hint,
 )
 from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
-from fedmeta.server.membership import SUSPENDING_FAILURES, Membership
+from fedmeta.server.membership import SUSPENDING_FAILURES, Membership, MembershipRules
 from fedmeta.server.plan import (
     BudgetForecast,
     PrivatePlan,
@@ -196,15 +196,15 @@ def _no_round_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger) -> str:
 def register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
     """The run's membership once enough participants registered (fedmeta.server.membership)."""
     request = RegisterRequest(run_id, client_config(cfg).model_dump_json())  # a participant's part
-    membership = Membership(cfg, transport, request)
+    rules = MembershipRules.of(cfg)
+    membership = Membership(rules, transport, request)
     membership.start()
-    want = cfg.federation.min_participants or cfg.n1
-    if len(membership.members) < want:
+    if len(membership.members) < rules.want:
         refused = f" (refused: {membership.refused})" if membership.refused else ""
         raise RegistrationError(
             f"{len(membership.members)} participants registered within "
             f"federation.register_timeout_s={cfg.federation.register_timeout_s:g}; the run needs "
-            f">= {want} (federation.min_participants){refused}"
+            f">= {rules.want} (federation.min_participants){refused}"
         )
     return membership
 
@@ -277,7 +277,7 @@ def initial_state(
     if ckpt is None:
         fresh = TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan, workload))
         return fresh, [], 0
-    _check_same_subset(ckpt.config, cfg)
+    _check_same_subset(ckpt.config.training, cfg.training)
     state = TrainingState(ckpt.params, **_optimizer_args(cfg, plan, workload),
                           optimizer_state=dict(ckpt.optimizer))  # fmt: skip
     adaptive = None if plan.privacy is None else plan.privacy.adaptive
@@ -301,13 +301,13 @@ def initial_state(
     return state, outcomes, next_round
 
 
-def _check_same_subset(saved_cfg: Config, cfg: Config) -> None:
+def _check_same_subset(recorded: TrainingConfig, given: TrainingConfig) -> None:
     """Refuse to resume with other trained parameters: the optimizer's state is for the old ones."""
-    saved = saved_cfg.training.trained_parameters
-    if saved != cfg.training.trained_parameters:
+    saved = recorded.trained_parameters
+    if saved != given.trained_parameters:
         raise FederationError(
             f"the checkpoint trained training.trained_parameters = {saved!r}, this configuration "
-            f"says {cfg.training.trained_parameters!r}: resume with {saved!r}, or start a new run "
+            f"says {given.trained_parameters!r}: resume with {saved!r}, or start a new run "
             "with --out"
         )
 
