@@ -240,6 +240,35 @@ def test_the_commands_turn_a_damaged_checkpoint_into_exit_2(
     state = _plain(tmp_path)
     del state["outcomes"]
     torch.save(state, tmp_path / CHECKPOINT_NAME)
-    assert cli_main(["evaluate", "--checkpoint", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "damaged format-3 checkpoint (missing 'outcomes')" in err
+    for command in (["evaluate", "--checkpoint", str(tmp_path)],
+                    ["simulate", "--resume", "--out", str(tmp_path)]):  # fmt: skip
+        assert cli_main(command) == 2, command
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "damaged format-3 checkpoint (missing 'outcomes')" in err
+        assert str(tmp_path / CHECKPOINT_NAME) in err
+
+
+@pytest.mark.integration
+def test_deploy_status_counts_from_the_typed_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fedmeta deploy status`` of an unfinished run: spent from the ledger the checkpoint binds,
+    applied from the checkpoint's next round (cli/fedmeta/cli/deploy_status.py)."""
+    from fedmeta.cli.deploy_status import run_progress
+    from fedmeta.server.app import execute
+    from fedmeta.simulation.local_grid import InProcessGrid
+
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))
+    out = tmp_path / "run"
+    cfg = small("rounds=3", "privacy.epsilon_budget=1000",
+                f"privacy.ledger_path={tmp_path / 'ledger.sqlite'}")  # fmt: skip
+    execute(cfg, InProcessGrid(cfg.federation.participants), out_dir=out, echo=False)
+    (out / "summary.json").unlink()  # as if the run had not finished
+    progress = run_progress(str(out), None)
+    assert (progress.spent, progress.applied, progress.lost) == (3, 3, [])
+    assert progress.source == f"ledger {tmp_path / 'ledger.sqlite'} and checkpoint.pt"
+    # The update of rounds 2 and 3 lost (the checkpoint from after round 1), and format 2.
+    state = torch.load(out / CHECKPOINT_NAME, weights_only=True)
+    torch.save(_format_2({**state, "next_round": 1}, earliest=False), out / CHECKPOINT_NAME)
+    progress = run_progress(str(out), None)
+    assert (progress.spent, progress.applied, progress.lost) == (3, 1, [2, 3])
