@@ -70,9 +70,8 @@ def run_progress(out: str, ledger_path: str | None) -> Progress:
 def _from_checkpoint(progress: Progress, directory: Path, ledger_path: str | None) -> None:
     """Spent from the ledger's records of the checkpoint's run; applied = spent before its end.
 
-    The same rule as a resume (server/fedmeta/server/run.py ``_initial_state``): ledger rounds at or
-    after the
-    checkpoint's ``next_round`` were spent but their update is lost.
+    The same rule as a resume (server/fedmeta/server/startup.py ``initial_state``): ledger rounds
+    at or after the checkpoint's ``next_round`` were spent but their update is lost.
     """
     from fedmeta.checkpoint import CHECKPOINT_NAME, read_checkpoint  # torch: only when unfinished
 
