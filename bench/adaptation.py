@@ -72,22 +72,20 @@ def ablate(run_dir: Path, n_tasks: int) -> dict[str, Any]:
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
-    from fedmeta.config_io import config_from_dict
     from fedmeta.metalearning import evaluate
-    from fedmeta.server.selection import checkpoint_released_params
     from fedmeta.workload import build_model, held_out_tasks
 
     state = read_checkpoint(run_dir)
-    cfg = config_from_dict(state["config"])
+    cfg = state.config
     if cfg.training.meta_sgd:  # the curvature test below assumes one inner rate for every task
         raise SystemExit(f"{run_dir}: a Meta-SGD run (training.meta_sgd) learns its inner rates; "
                          "this ablation needs one fixed inner_lr")  # fmt: skip
     model = build_model(cfg)
-    flat = checkpoint_released_params(state).to(torch.float32)  # the model the run tested
+    flat = state.released_params().to(torch.float32)  # the model the run tested
     base = inner_kwargs(cfg.training, evaluation=True)
     tasks = held_out_tasks(cfg, "test", n_tasks)
     inner = {k: base[k] for k in ("inner_steps", "inner_lr")}
-    rec: dict[str, Any] = {"run_dir": str(run_dir), "private": bool(state.get("private")),
+    rec: dict[str, Any] = {"run_dir": str(run_dir), "private": state.private,
                            "tasks": n_tasks, "inner": inner}  # fmt: skip
     for name, guards in VARIANTS.items():
         r = evaluate(model, flat, tasks, device="cpu", **{**base, **guards})

@@ -95,9 +95,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     """Many rounds: memory stays flat, ledger, exporter and checkpoint stay consistent."""
     import sqlite3
 
-    import torch
-
     from fedmeta.accounting import BudgetLedger
+    from fedmeta.checkpoint import read_checkpoint
 
     ledger = Path(tempfile.mkdtemp(prefix="fedmeta-soak-")) / "ledger.sqlite"
     cfg = _config(args, 20, args.rounds, [
@@ -107,17 +106,17 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock(every=args.every)
     out = ledger.parent / "run"
     result = _run(cfg, out, clock)
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
+    ckpt = read_checkpoint(out)
     spends = sqlite3.connect(ledger).execute("SELECT count(*) FROM spends").fetchone()[0]
     fed = result.summary["federation_id"]
     with BudgetLedger.open_readonly(ledger, fed) as view:  # what the exporter reads
         exporter_eps = view.epsilon()
     return {
         "bench": "soak", "rounds": result.summary["rounds_completed"], "ledger_spends": spends,
-        "checkpoint_next_round": int(ckpt["next_round"]),
-        "checkpoint_outcomes": len(ckpt["outcomes"]),
+        "checkpoint_next_round": ckpt.next_round,
+        "checkpoint_outcomes": len(ckpt.outcomes),
         "summary_epsilon": result.summary["epsilon_spent"], "exporter_epsilon": exporter_eps,
-        "consistent": spends == result.summary["rounds_completed"] == int(ckpt["next_round"])
+        "consistent": spends == result.summary["rounds_completed"] == ckpt.next_round
         and abs(exporter_eps - result.summary["epsilon_spent"]) < 1e-9,
         "rss_mib_by_round": clock.memory,
         "seconds_per_round_median": round(

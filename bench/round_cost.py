@@ -157,7 +157,7 @@ def _pipeline(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path
     from fedmeta.accounting import BudgetLedger, SystemRandomSource, TwoStageSampler
     from fedmeta.client_config import client_config
     from fedmeta.server.plan import build_plan
-    from fedmeta.server.release_strategy import private_strategy
+    from fedmeta.server.release_strategy import ReleasedRun, private_strategy
     from fedmeta.server.round import RoundContext, RoundSetup
     from fedmeta.server.transport import GridTransport
     from fedmeta.simulation.local_grid import InProcessGrid
@@ -184,8 +184,8 @@ def _pipeline(cfg: Any, args: argparse.Namespace, table: np.ndarray, ledger_path
         config_json=client_config(cfg).model_dump_json(), dim=args.dimension,
         reply_format="per_task", tolerance=cfg.privacy.clip_tolerance, diagnostics=False,
     )  # fmt: skip
-    strategy = private_strategy(plan.privacy, ledger, ("round-cost", args.dimension,
-                                plan.normaliser), None, lambda r: False)  # fmt: skip
+    released = ReleasedRun("round-cost", args.dimension, plan.normaliser)
+    strategy = private_strategy(plan.privacy, ledger, released, None, lambda r: False)
 
     def setup(index: int, clip: float | None) -> Any:
         sampler = TwoStageSampler(plan.scheme, SystemRandomSource())

@@ -120,18 +120,25 @@ def test_metrics_url_is_printed_and_a_busy_port_is_one_line(
 
 @pytest.mark.unit
 def test_evaluate_reports_the_guarantee_of_the_checkpoint() -> None:
+    import torch
+
+    from fedmeta.checkpoint import Checkpoint
     from fedmeta.cli.evaluate import privacy_of
     from fedmeta.config import Config
 
     cfg = Config()
-    rounds = [{"round": 10, "epsilon_task": 2.0, "epsilon_participant": None},
-              {"round": 11, "epsilon_task": None}]  # fmt: skip
-    got = privacy_of({"private": True, "outcomes": rounds}, cfg)
+    rounds = ({"round": 10, "epsilon_task": 2.0, "epsilon_participant": None},
+              {"round": 11, "epsilon_task": None})  # fmt: skip
+
+    def saved(private: bool, config: Config) -> Checkpoint:
+        return Checkpoint("r", "f", torch.zeros(2), {}, 11, config, private, outcomes=rounds)
+
+    got = privacy_of(saved(True, cfg), cfg)
     assert got == {"epsilon": 2.0, "epsilon_participant": None, "epsilon_at_round": 10,
                    "delta": 1e-5, "neighbouring": "add_remove", "experiment": None}  # fmt: skip
-    assert privacy_of({"private": False}, cfg)["epsilon"] is None
+    assert privacy_of(saved(False, cfg), cfg)["epsilon"] is None
     marked = Config.model_validate({"privacy": {"experiment": "sweep-4"}})
-    assert privacy_of({"private": False}, marked)["experiment"] == "sweep-4"
+    assert privacy_of(saved(False, marked), marked)["experiment"] == "sweep-4"
 
 
 @pytest.mark.unit

@@ -451,7 +451,7 @@ def _released_failures(fed: LocalFederation, run: str) -> int:
 
     ckpt = load_checkpoint(fed.work / "runs" / run)
     assert ckpt is not None
-    done = [o for o in ckpt["outcomes"] if o["status"] == "completed"]
+    done = [o for o in ckpt.outcomes if o["status"] == "completed"]
     for o in done:
         assert set(o["failures"]) <= {"node_unavailable"}, o
         assert o["participants_replied"] + o["participants_failed"] == o["participants_sampled"]

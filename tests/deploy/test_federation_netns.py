@@ -128,7 +128,7 @@ def _check_rounds(out: Path, summary: dict[str, Any]) -> None:
 
     ckpt = load_checkpoint(out)
     assert ckpt is not None
-    outcomes = [o for o in ckpt["outcomes"] if o["status"] == "completed"]
+    outcomes = [o for o in ckpt.outcomes if o["status"] == "completed"]
     assert len(outcomes) == summary["rounds_completed"]
     failures = 0
     for o in outcomes:

@@ -15,6 +15,7 @@ from scipy import stats
 
 from fedmeta.accounting import GaussianRound, TwoStagePoissonScheme
 from fedmeta.checkpoint import (
+    Checkpoint,
     CheckpointError,
     atomic_write_bytes,
     load_checkpoint,
@@ -196,10 +197,12 @@ def test_noised_sum_refuses_a_bad_clip() -> None:
 
 def test_checkpoint_round_trip_and_atomic_writes(tmp_path: Path) -> None:
     assert load_checkpoint(tmp_path) is None
-    save_checkpoint(tmp_path, {"params": torch.arange(3.0), "next_round": 4, "rows": [{"a": 1}]})
+    saved = Checkpoint("r", "non-private", torch.arange(3.0), {}, 4, Config(), False,
+                       outcomes=({"a": 1},))  # fmt: skip
+    save_checkpoint(tmp_path, saved)
     state = load_checkpoint(tmp_path)
-    assert state is not None and state["next_round"] == 4 and state["rows"] == [{"a": 1}]
-    assert torch.equal(state["params"], torch.arange(3.0))
+    assert state is not None and state.next_round == 4 and state.outcomes == ({"a": 1},)
+    assert torch.equal(state.params, torch.arange(3.0))
     atomic_write_bytes(tmp_path / "x.bin", b"abc")
     assert (tmp_path / "x.bin").read_bytes() == b"abc"
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
@@ -252,7 +255,7 @@ def test_many_random_files_are_each_one_line(tmp_path: Path) -> None:
 
 def test_a_checkpoint_of_another_format_says_so(tmp_path: Path) -> None:
     torch.save({"format_version": 1, "params": torch.zeros(2)}, tmp_path / "checkpoint.pt")
-    with pytest.raises(CheckpointError, match="format 1, this fedmeta reads format 2"):
+    with pytest.raises(CheckpointError, match="format 1, this fedmeta reads formats 2, 3"):
         load_checkpoint(tmp_path)
 
 

@@ -111,7 +111,7 @@ def test_a_checkpointed_config_reads_back_strictly() -> None:
 def test_a_run_that_would_complete_no_round_refuses_before_it_starts(
     tmp_path: Path, extra: list[str], budget: float
 ) -> None:
-    from fedmeta.server.run import NoRoundAffordable
+    from fedmeta.server.startup import NoRoundAffordable
 
     from .fakes import fake_ledger
     from .test_round import run, small

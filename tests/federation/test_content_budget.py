@@ -33,7 +33,7 @@ from fedmeta.config import Config
 from fedmeta.config_io import load_config
 from fedmeta.protocol import RegisterRequest
 from fedmeta.server.budget_keys import CONTENT_LABEL
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 
 EVENT = GaussianRound(FlatPoissonScheme(0.05), 1.0)

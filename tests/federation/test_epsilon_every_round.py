@@ -21,7 +21,7 @@ from fedmeta.server.app import execute
 from fedmeta.server.epsilon_curve import EpsilonCurve, RoundEpsilons
 from fedmeta.server.progress import ProgressBar
 from fedmeta.server.report import RoundOutcome, RunStarted
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .test_round import SMALL

@@ -21,7 +21,7 @@ from fedmeta.accounting import (
 from fedmeta.cli import main
 from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
-from fedmeta.server.run import FederationError
+from fedmeta.server.startup import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .test_round import SMALL

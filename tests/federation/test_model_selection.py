@@ -18,14 +18,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedmeta.adaptation import inner_kwargs
+from fedmeta.checkpoint import read_checkpoint
 from fedmeta.config import ConfigError
 from fedmeta.config_io import load_config
 from fedmeta.metalearning import evaluate
 from fedmeta.server import run as run_mod
 from fedmeta.server.outputs import format_summary
-from fedmeta.server.run import FederationError
-from fedmeta.server.selection import ModelSelection, checkpoint_released_params
-from fedmeta.server.startup import model_selection
+from fedmeta.server.selection import ModelSelection
+from fedmeta.server.startup import FederationError, model_selection
 from fedmeta.workload import build_workload
 
 from .fakes import fake_ledger, opener
@@ -67,7 +67,6 @@ def test_last_keeps_nothing_and_releases_the_last_model() -> None:
     sel.offer(0, 0.9, torch.ones(2))
     assert sel.to_checkpoint() is None and torch.equal(sel.released(torch.zeros(2)), torch.zeros(2))
     assert sel.summary(100, 7) == {"rule": "last", "round": 7}
-    assert torch.equal(checkpoint_released_params({"params": torch.zeros(2)}), torch.zeros(2))
 
 
 def _scripted_validation(monkeypatch: pytest.MonkeyPatch, values: list[float]) -> None:
@@ -94,10 +93,10 @@ def test_the_tested_model_is_the_best_validated_round(
     upto2 = run(small(*BEST[1:], "rounds=2"), tmp_path / "two", fake_ledger(100.0, 0.1))
     assert upto2.summary["model_selection"] == {"rule": "last", "round": 2}
     assert best["final_metric"] == upto2.summary["final_metric"]
-    state = torch.load(tmp_path / "best" / "checkpoint.pt", weights_only=True)
-    two = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)
-    assert torch.equal(checkpoint_released_params(state), two["params"])
-    assert not torch.equal(state["params"], two["params"])  # the last model is kept to resume
+    state, two = read_checkpoint(tmp_path / "best"), read_checkpoint(tmp_path / "two")
+    assert torch.equal(state.released_params(), two.released_params())
+    assert torch.equal(two.released_params(), two.params)  # "last": its own last model
+    assert not torch.equal(state.params, two.params)  # the last model is kept to resume
 
 
 @pytest.mark.integration

@@ -31,7 +31,7 @@ from fedmeta.config import Config
 from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
 from fedmeta.server.budget_keys import budget_identity, ledger_participants, participant_identity
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
 from fedmeta.workload import data_fingerprint

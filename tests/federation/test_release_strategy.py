@@ -27,6 +27,7 @@ from fedmeta.server.release_strategy import (
     MeanStrategy,
     PrivateRound,
     PrivateStrategy,
+    ReleasedRun,
     choose_release,
 )
 
@@ -57,7 +58,7 @@ def test_the_release_is_chosen_once_from_the_plan() -> None:
     cfg = load_config(None, [*BASE, "privacy.noise_multiplier=1.0"])
     plan = build_plan(cfg, COUNTS)
     ledger = LinearLedger(epsilon_budget=10.0, eps_per_round=0.1, delta=cfg.privacy.delta)
-    chosen = choose_release(plan, ledger, ("run", 3, plan.normaliser), None, _never)
+    chosen = choose_release(plan, ledger, ReleasedRun("run", 3, plan.normaliser), None, _never)
     try:
         assert isinstance(chosen, PrivateStrategy)
         scheme = TwoStagePoissonScheme(3, 2, 0.25)  # a round's population: the event follows it
@@ -69,11 +70,11 @@ def test_the_release_is_chosen_once_from_the_plan() -> None:
     finally:
         chosen.close()
     public = build_plan(load_config(None, [*BASE, "privacy.enabled=false"]), COUNTS)
-    mean = choose_release(public, None, ("run", 3, public.normaliser), None, _never)
+    mean = choose_release(public, None, ReleasedRun("run", 3, public.normaliser), None, _never)
     assert isinstance(mean, MeanStrategy) and mean.epsilons() == {}
     assert isinstance(mean.for_round(public.scheme, 0, None), MeanRound)
     with pytest.raises(ValueError, match="ledger"):
-        choose_release(plan, None, ("run", 3, plan.normaliser), None, _never)
+        choose_release(plan, None, ReleasedRun("run", 3, plan.normaliser), None, _never)
 
 
 @pytest.mark.unit

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fedmeta.server.report import RoundOutcome
-from fedmeta.server.run import FederationError
 from fedmeta.server.rundir import LOCK_NAME, RunDirectoryBusy, exclusive_run_directory
+from fedmeta.server.startup import FederationError
 
 from .fakes import fake_ledger
 from .test_round import Recorder, run, small

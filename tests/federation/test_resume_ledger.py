@@ -13,7 +13,7 @@ import torch
 
 from fedmeta.config import Config
 from fedmeta.server.app import execute
-from fedmeta.server.run import FederationError
+from fedmeta.server.startup import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .test_round import small

@@ -21,7 +21,7 @@ from fedmeta.server import release_strategy as release_mod
 from fedmeta.server import round as round_mod
 from fedmeta.server.app import execute
 from fedmeta.server.report import RoundOutcome, RunFinished, RunStarted
-from fedmeta.server.run import FederationError
+from fedmeta.server.startup import FederationError
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .fakes import LinearLedger, fake_ledger, opener

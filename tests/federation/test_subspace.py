@@ -213,4 +213,4 @@ def test_a_run_in_a_subspace_steps_inside_it_and_says_so(
 def _params(run_dir: Path) -> torch.Tensor:
     ckpt = load_checkpoint(run_dir)
     assert ckpt is not None
-    return torch.as_tensor(ckpt["params"])
+    return ckpt.params

@@ -22,7 +22,7 @@ from fedmeta.config_io import load_config
 from fedmeta.metalearning import ConvNet4, SinusoidMLP, param_spec, trained_coordinates
 from fedmeta.protocol import GradientRequest
 from fedmeta.server.outputs import format_summary
-from fedmeta.server.run import FederationError
+from fedmeta.server.startup import FederationError
 from fedmeta.workload import build_model, initial_params
 
 from .fakes import fake_ledger, opener

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_metalearning_oneshot_runs import _write_runs, _zip
 
-from fedmeta.checkpoint import save_checkpoint
+from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.cli.evaluate import main
 from fedmeta.config_io import load_config
 from fedmeta.workload import build_model, initial_params
@@ -40,8 +40,7 @@ def _checkpoint(tmp_path: Path, ways: int, name: str = "omniglot") -> Path:
     cfg = load_config(None, sets)
     run = tmp_path / f"run-{name}-{ways}"
     params = initial_params(cfg, build_model(cfg))
-    save_checkpoint(run, {"config": cfg.to_dict(), "params": params, "next_round": 7,
-                          "private": True})  # fmt: skip
+    save_checkpoint(run, Checkpoint("r", "f", params, {}, 7, cfg, True))
     return run
 
 
@@ -108,8 +107,8 @@ def test_the_output_carries_the_summarys_marks(tmp_path: Path) -> None:
             "privacy.experiment=demo"]  # fmt: skip
     cfg = load_config(None, sets)
     run = tmp_path / "run-public"
-    save_checkpoint(run, {"config": cfg.to_dict(), "next_round": 3, "private": False,
-                          "params": initial_params(cfg, build_model(cfg))})  # fmt: skip
+    params = initial_params(cfg, build_model(cfg))
+    save_checkpoint(run, Checkpoint("r", "non-private", params, {}, 3, cfg, False))
     out = main(_args(run, tasks=2))
     assert out["marks"] == ["PUBLIC WARM START", "EXPERIMENT demo", "NON-PRIVATE"]
     assert out["public_warm_start"]["classes"] == 6

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_metalearning_oneshot_runs import _png, _write_run
 
-from fedmeta.checkpoint import save_checkpoint
+from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.cli.evaluate import _table, main
 from fedmeta.config_io import load_config
 from fedmeta.workload import build_model, initial_params
@@ -52,8 +52,8 @@ def _checkpoint(tmp_path: Path, data: Path, split: str) -> Path:
         "sampling.participants_per_round=1", "training.eval_inner_steps=1",
     ])  # fmt: skip
     run = tmp_path / f"run-{split}"
-    save_checkpoint(run, {"config": cfg.to_dict(), "params": initial_params(cfg, build_model(cfg)),
-                          "next_round": 3, "private": False})  # fmt: skip
+    params = initial_params(cfg, build_model(cfg))
+    save_checkpoint(run, Checkpoint("r", "non-private", params, {}, 3, cfg, False))
     return run
 
 
@@ -83,8 +83,8 @@ def test_the_official_runs_seen_in_training_are_flagged_and_scored_apart(tmp_pat
 def test_an_unknown_training_set_is_null_never_zero(tmp_path: Path) -> None:
     cfg = load_config(None, ["dataset.tasks_per_participant=2"])  # the sinusoid: no items
     run = tmp_path / "run"
-    save_checkpoint(run, {"config": cfg.to_dict(), "params": initial_params(cfg, build_model(cfg)),
-                          "next_round": 1, "private": False})  # fmt: skip
+    params = initial_params(cfg, build_model(cfg))
+    save_checkpoint(run, Checkpoint("r", "non-private", params, {}, 1, cfg, False))
     out = main(_args(run, None))
     assert out["seen_fraction"] is None and out["held_out"] is None
     assert "\n" not in out["seen_note"] and "seen_fraction unknown" in out["seen_note"]

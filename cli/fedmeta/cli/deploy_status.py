@@ -70,25 +70,22 @@ def run_progress(out: str, ledger_path: str | None) -> Progress:
 def _from_checkpoint(progress: Progress, directory: Path, ledger_path: str | None) -> None:
     """Spent from the ledger's records of the checkpoint's run; applied = spent before its end.
 
-    The same rule as a resume (server/fedmeta/server/run.py ``_initial_state``): ledger rounds at or
-    after the
-    checkpoint's ``next_round`` were spent but their update is lost.
+    The same rule as a resume (server/fedmeta/server/startup.py ``initial_state``): ledger rounds
+    at or after the checkpoint's ``next_round`` were spent but their update is lost.
     """
-    from fedmeta.checkpoint import read_checkpoint  # torch: only after a run that did not finish
+    from fedmeta.checkpoint import CHECKPOINT_NAME, read_checkpoint  # torch: only when unfinished
 
-    ckpt = read_checkpoint(directory / "checkpoint.pt")
-    next_round = int(ckpt["next_round"])
-    earlier = [int(o["round"]) for o in ckpt.get("outcomes", [])
-               if o.get("status") == "lost_on_resume"]  # fmt: skip
-    bound = ckpt.get("ledger") or {}
-    path = bound.get("path") or ledger_path
+    ckpt = read_checkpoint(directory / CHECKPOINT_NAME)
+    next_round = ckpt.next_round
+    earlier = ckpt.rounds_lost_on_resume()
+    path = (ckpt.ledger.path if ckpt.ledger is not None else None) or ledger_path
     if not path or not Path(path).is_file():
         return
     from fedmeta.accounting import BudgetLedger
 
-    ledger = BudgetLedger.open_readonly(path, str(ckpt["federation_id"]))
+    ledger = BudgetLedger.open_readonly(path, ckpt.federation_id)
     try:
-        spends = sorted(r.round_index for r in ledger.records() if r.run_id == ckpt["run_id"])
+        spends = sorted(r.round_index for r in ledger.records() if r.run_id == ckpt.run_id)
     finally:
         ledger.close()
     progress.spent = len(spends)

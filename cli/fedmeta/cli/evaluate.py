@@ -21,9 +21,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedmeta import exitcodes
+
+if TYPE_CHECKING:  # torch and pydantic: loaded by the command, not by `fedmeta --help`
+    from fedmeta.checkpoint import Checkpoint
+    from fedmeta.config import Config
 
 
 def register(subparsers: Any) -> None:
@@ -62,18 +66,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     from fedmeta.adaptation import inner_kwargs
     from fedmeta.checkpoint import read_checkpoint
-    from fedmeta.config_io import config_from_dict
     from fedmeta.metalearning import evaluate
-    from fedmeta.server.selection import checkpoint_released_params
     from fedmeta.workload import build_workload
 
     if not 1 <= args.tasks <= 100_000:
         raise ValueError(f"--tasks must be in [1, 100000]; got {args.tasks}")
     state = read_checkpoint(args.checkpoint)
-    cfg = config_from_dict(state["config"])
+    cfg = state.config
     workload = build_workload(cfg)
     model = workload.model
-    params = checkpoint_released_params(state).to(torch.float32)  # the run's selected model
+    params = state.released_params().to(torch.float32)  # the run's selected model
     inner = inner_kwargs(cfg.training, evaluation=True)
     if args.inner_steps is not None:
         inner["inner_steps"] = args.inner_steps
@@ -83,8 +85,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         **inner)  # fmt: skip
     result: dict[str, Any] = {
         "checkpoint": str(args.checkpoint),
-        "private": bool(state.get("private")),
-        "rounds": int(state.get("next_round", 0)),
+        "private": state.private,
+        "rounds": state.next_round,
         "metric": held_out.metric,
         "mean": held_out.mean,
         "ci95": [held_out.ci95_low, held_out.ci95_high],
@@ -130,29 +132,29 @@ def _seen(
     return seen.combined(parts, groups, trained)
 
 
-def privacy_of(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+def privacy_of(state: Checkpoint, cfg: Config) -> dict[str, Any]:
     """The guarantee the checkpointed model was released under: epsilon, delta, the relation.
 
     Epsilon is the latest the run recorded (its rounds' records in the checkpoint), at the task
     level (enforced) and the participant level (reported); a non-private model has none.
     """
     experiment = cfg.privacy.experiment  # an experiment's model says so wherever it goes
-    if not state.get("private"):
+    if not state.private:
         return {"epsilon": None, "epsilon_participant": None, "delta": None, "neighbouring": None,
                 "experiment": experiment}  # fmt: skip
-    reported = [o for o in state.get("outcomes", []) if o.get("epsilon_task") is not None]
-    last = reported[-1] if reported else {}
+    last = state.last_epsilon()
     return {
-        "epsilon": _implemented_epsilon(state, last.get("epsilon_task"), cfg.privacy.delta),
-        "epsilon_participant": last.get("epsilon_participant"),
-        "epsilon_at_round": last.get("round"),
+        "epsilon": None if last is None else _implemented_epsilon(state, last.epsilon_task,
+                                                                  cfg.privacy.delta),
+        "epsilon_participant": None if last is None else last.epsilon_participant,
+        "epsilon_at_round": None if last is None else last.round,
         "delta": cfg.privacy.delta,
         "neighbouring": cfg.privacy.neighbouring,
         "experiment": experiment,
     }
 
 
-def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
+def marks_of(state: Checkpoint, cfg: Config, workload: Any) -> dict[str, Any]:
     """The summary's marks for this model (PUBLIC / EXPERIMENT / NON-PRIVATE) and its public data.
 
     The same marks as the run's summary.json and plots (server/fedmeta/server/outputs.py).
@@ -162,7 +164,7 @@ def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
     public = workload.public_summary() if cfg.public.warm_start else None
     return {
         "marks": marks(
-            private=bool(state.get("private")),
+            private=state.private,
             experiment=cfg.privacy.experiment,
             public=public is not None,
         ),
@@ -170,7 +172,7 @@ def marks_of(state: dict[str, Any], cfg: Any, workload: Any) -> dict[str, Any]:
     }
 
 
-def _implemented_epsilon(state: dict[str, Any], eps: float | None, delta: float) -> float | None:
+def _implemented_epsilon(state: Checkpoint, eps: float, delta: float) -> float:
     """The implemented guarantee, as the summary and the exporter report it (issue 39, item 6).
 
     The accountant's epsilon with the release's floating-point residual folded in over every
@@ -179,11 +181,10 @@ def _implemented_epsilon(state: dict[str, Any], eps: float | None, delta: float)
     """
     from fedmeta.server.outputs import implemented_guarantee
 
-    per_round = state.get("released_coordinates")
-    ledger = state.get("ledger") or {}
-    if eps is None or not isinstance(per_round, int) or "position" not in ledger:
+    released = state.released_values()
+    if released is None:
         return eps
-    return implemented_guarantee(float(eps), delta, per_round * int(ledger["position"]))[0]
+    return implemented_guarantee(eps, delta, released)[0]
 
 
 def _official_runs(

@@ -148,7 +148,7 @@ def run_trial(cfg: Any, out: Path, candidate: Any, delta: float) -> tuple[float 
     from fedmeta.capacity import check_round_fits
     from fedmeta.cli.tune import validation_score
     from fedmeta.server.app import execute
-    from fedmeta.server.run import NoRoundAffordable
+    from fedmeta.server.startup import NoRoundAffordable
     from fedmeta.simulation.batched import BatchedGrid
     from fedmeta.workload import check_data
 

@@ -100,12 +100,11 @@ def execute(
         workload=workload,
         test_when_interrupted=test_when_interrupted,
     )
-    diagnostics = not cfg.privacy.enabled or cfg.metrics.private_diagnostics
     # A run stopped to end quickly leaves its plots, like its test evaluation, to the resumed run's
     # end: drawing them takes seconds (matplotlib), and they would stop at the interruption.
     stopped = result.summary["stopped_reason"] == "interrupted" and not test_when_interrupted
     plots = cfg.output.plots and not stopped
-    written = write_all(out, result.summary, result.outcomes, diagnostics=diagnostics,
+    written = write_all(out, result.summary, result.outcomes, diagnostics=result.diagnostics,
                         plots=plots)  # fmt: skip
     if (out / CHECKPOINT_NAME).exists():
         written.append(CHECKPOINT_NAME)

@@ -28,7 +28,14 @@ from fedmeta.server.budget_keys import (
     ledger_participants,
 )
 from fedmeta.server.data_budget import adopt_data_budget, ledger_file
-from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan, build_plan, forecast
+from fedmeta.server.plan import (
+    BudgetForecast,
+    PrivatePlan,
+    RunPlan,
+    build_plan,
+    forecast,
+    private_requested,
+)
 from fedmeta.server.transport import Registered
 
 
@@ -65,7 +72,7 @@ def preview_budget(cfg: Config, registered: Sequence[Registered] | None = None) 
     """
     registered = list(registered) if registered is not None else configured_participants(cfg)
     counts = {r.participant_id: r.task_count for r in registered}
-    if not cfg.privacy.enabled:
+    if not private_requested(cfg.privacy):
         return BudgetPreview(cfg, build_plan(cfg, counts), None, recorded=False)
     path = ledger_file(cfg)
     cfg = adopt_data_budget(cfg, registered, path)

@@ -54,10 +54,9 @@ def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path)
     ``path``: the ledger the run spends from (on resume, the one its checkpoint recorded). A
     read-only look (nothing is created): data with no budget yet keeps the configuration's
     values, which the run's first spend records. A value left unset takes the recorded one; a
-    value set to anything else is refused (``BudgetMismatch``, one line with the fix).
+    value set to anything else is refused (``BudgetMismatch``, one line with the fix). Only for
+    a run the plan will make private (``plan.private_requested``): its callers ask.
     """
-    if not cfg.privacy.enabled:
-        return cfg
     check_experiment_data(cfg, registered)
     terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
     if terms is None or terms.epsilon_budget is None or terms.delta is None:

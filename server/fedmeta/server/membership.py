@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from fedmeta.config import Config
 from fedmeta.protocol import RegisterRequest
-from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE, suspending_failures
+from fedmeta.server.releases import FAILURE_NODE_UNAVAILABLE
 from fedmeta.server.transport import FAILURE_TIMEOUT, GridTransport, Registered
 
 log = logging.getLogger("fedmeta.server")
@@ -47,11 +47,30 @@ SUSPENDING_FAILURES = frozenset({FAILURE_TIMEOUT, FAILURE_NODE_UNAVAILABLE})
 FINAL_REFUSALS = frozenset({REFUSED_UNBOUND, REFUSED_WRONG_KEY, REFUSED_TOO_FEW_TASKS})
 
 
+@dataclass(frozen=True)
+class MembershipRules:
+    """What membership needs of the configuration (``federation.*`` and the task minimum)."""
+
+    want: int  # participants to wait for: ``federation.min_participants``, else n1
+    register_timeout_s: float
+    node_keys: Mapping[str, str]  # participant id -> key fingerprint; empty: nodes name themselves
+    max_consecutive_failures: int
+    min_tasks: int | None  # the fewest tasks a participant may hold (fixed stage 2), else None
+
+    @classmethod
+    def of(cls, cfg: Config) -> MembershipRules:
+        """The rules ``cfg`` sets."""
+        fed = cfg.federation
+        fixed = cfg.sampling.stage2 == "fixed"
+        return cls(fed.min_participants or cfg.n1, fed.register_timeout_s, dict(fed.node_keys),
+                   fed.max_consecutive_failures, cfg.min_tasks if fixed else None)  # fmt: skip
+
+
 @dataclass
 class Membership:
     """The registered participants of a run and which of them a round may sample."""
 
-    cfg: Config
+    rules: MembershipRules
     transport: GridTransport
     request: RegisterRequest
     members: dict[str, Registered] = field(default_factory=dict)
@@ -65,11 +84,10 @@ class Membership:
 
     def start(self) -> None:
         """Register until ``min_participants`` are in or the registration timeout passes."""
-        want = self.cfg.federation.min_participants or self.cfg.n1
-        deadline = time.monotonic() + self.cfg.federation.register_timeout_s
+        deadline = time.monotonic() + self.rules.register_timeout_s
         while True:
             self.refresh()
-            if len(self.members) >= want or time.monotonic() >= deadline:
+            if len(self.members) >= self.rules.want or time.monotonic() >= deadline:
                 return
             time.sleep(0.2)
 
@@ -92,7 +110,7 @@ class Membership:
         self._failures.pop(pid, None)
 
     def _admit(self, registrations: Iterable[Registered]) -> None:
-        bound = {key: pid for pid, key in self.cfg.federation.node_keys.items()}
+        bound = {key: pid for pid, key in self.rules.node_keys.items()}
         for reg in registrations:
             reason = self._refusal(reg, bound)
             if reason is not None:
@@ -114,7 +132,7 @@ class Membership:
                 return REFUSED_WRONG_KEY
         if reg.participant_id in self.members:
             return REFUSED_DUPLICATE
-        if self.cfg.sampling.stage2 == "fixed" and reg.task_count < self.cfg.min_tasks:
+        if self.rules.min_tasks is not None and reg.task_count < self.rules.min_tasks:
             return REFUSED_TOO_FEW_TASKS
         return None
 
@@ -128,10 +146,15 @@ class Membership:
         """Participant id -> Flower node id, for the transport."""
         return {pid: m.node_id for pid, m in self.members.items()}
 
-    def record(self, sampled: Iterable[str], failures: Mapping[str, str]) -> None:
-        """Count each sampled participant's consecutive delivery failures; suspend at the limit."""
-        limit = self.cfg.federation.max_consecutive_failures
-        suspending = suspending_failures(self.cfg.privacy.enabled, SUSPENDING_FAILURES)
+    def record(
+        self, sampled: Iterable[str], failures: Mapping[str, str], suspending: frozenset[str]
+    ) -> None:
+        """Count each sampled participant's consecutive delivery failures; suspend at the limit.
+
+        ``suspending``: the failures that count, as the run's plan allows (a private run's are
+        ``releases.suspending_failures(True, ...)``: availability only).
+        """
+        limit = self.rules.max_consecutive_failures
         for pid in sampled:
             if failures.get(pid) not in suspending:
                 self._failures[pid] = 0

@@ -40,6 +40,7 @@ from fedmeta.accounting.composition import Method
 from fedmeta.accounting.schemes import Neighbouring, Unit
 from fedmeta.accounting.tuning_release import Recorded
 from fedmeta.config import Config, ConfigError
+from fedmeta.config_privacy import PrivacyConfig
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
 
@@ -148,6 +149,16 @@ def normaliser(cfg: Config) -> float:
     return n1 * cfg.sampling.task_rate * cfg.dataset.tasks_per_participant
 
 
+def private_requested(privacy: PrivacyConfig) -> bool:
+    """Whether a plan built from this configuration is private: the plan's answer before it exists.
+
+    Start-up asks it to decide whether to look up the data's budget before planning; once there
+    is a plan, ``RunPlan.private`` is the one answer (no other server module reads the flag,
+    ``tests/federation/test_private_answer.py``).
+    """
+    return privacy.enabled
+
+
 def build_plan(
     cfg: Config, task_counts: Mapping[str, int], *, noise_multiplier: float | None = None
 ) -> RunPlan:
@@ -155,7 +166,7 @@ def build_plan(
     scheme = build_scheme(cfg, task_counts)
     norm = normaliser(cfg)
     plan = RunPlan(cfg.privacy.neighbouring, scheme, norm, cfg.rounds)
-    if not cfg.privacy.enabled:
+    if not private_requested(cfg.privacy):
         return plan
     return replace(plan, privacy=_private_plan(cfg, scheme, norm, noise_multiplier))
 

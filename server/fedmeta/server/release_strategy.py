@@ -265,20 +265,28 @@ class PrivateStrategy:
             self.curve.close()
 
 
+@dataclass(frozen=True)
+class ReleasedRun:
+    """What a release needs of its run: the run id, the released dimension, the normaliser."""
+
+    run_id: str
+    dim: int
+    normaliser: float
+
+
 def choose_release(
     plan: RunPlan,
     ledger: Ledger | None,
-    run: tuple[str, int, float],
+    run: ReleasedRun,
     seed: int | None,
     reports: Callable[[int], bool],
 ) -> ReleaseStrategy:
     """The run's release, chosen once from its plan: private exactly when the plan is.
 
-    ``run`` is (run id, released dimension, normaliser). A private plan without a ledger is
-    refused rather than released without noise.
+    A private plan without a ledger is refused rather than released without noise.
     """
     if plan.privacy is None:
-        return MeanStrategy(run[1])
+        return MeanStrategy(run.dim)
     if ledger is None:
         raise ValueError("a private run needs the ledger of its data's budget; none was opened")
     return private_strategy(plan.privacy, ledger, run, seed, reports)
@@ -287,18 +295,18 @@ def choose_release(
 def private_strategy(
     plan: PrivatePlan,
     ledger: Ledger,
-    run: tuple[str, int, float],
+    run: ReleasedRun,
     seed: int | None,
     reports: Callable[[int], bool],
 ) -> PrivateStrategy:
-    """A private run's strategy: ``run`` is (run id, released dimension, normaliser).
+    """A private run's strategy for ``run``.
 
     ``seed`` (``privacy.insecure_test_seed``): every round's noise from (seed, round); None: one
     CSPRNG source for the whole run. ``reports(round)``: whether that round's record has epsilon.
     """
-    run_id, dim, norm = run
     noise = _noise(seed)
-    return PrivateStrategy(plan, ledger, run_id, dim, norm, noise, RoundEpsilons(reports))
+    return PrivateStrategy(plan, ledger, run.run_id, run.dim, run.normaliser, noise,
+                           RoundEpsilons(reports))  # fmt: skip
 
 
 def _noise(seed: int | None) -> Callable[[int], NoiseSource]:

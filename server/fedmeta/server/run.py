@@ -42,13 +42,13 @@ from typing import Any
 import torch
 
 from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource, TwoStageSampler
-from fedmeta.checkpoint import save_checkpoint
+from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import use_round_cohort
 from fedmeta.server.data_budget import EvaluationDataPrivate, check_evaluation_data, ledger_file
 from fedmeta.server.membership import Membership
-from fedmeta.server.plan import BudgetForecast, RunPlan
-from fedmeta.server.release_strategy import ReleaseStrategy, choose_release
+from fedmeta.server.plan import BudgetForecast, RunPlan, private_requested
+from fedmeta.server.release_strategy import ReleasedRun, ReleaseStrategy, choose_release
 from fedmeta.server.report import Observers, RoundOutcome, RunFinished, RunObserver, RunStarted
 from fedmeta.server.round import (
     STOP_BUDGET,
@@ -65,12 +65,11 @@ from fedmeta.server.starting import StartingModel, source_of
 from fedmeta.server.startup import (
     FederationError,
     LedgerOpener,
-    NoRoundAffordable,
-    PlanError,
+    RunIds,
+    RunPosition,
     forecast_run,
     initial_state,
     model_selection,
-    open_budget,
     plan_and_budget,
     refuse_to_overwrite_run,
     register,
@@ -83,18 +82,6 @@ from fedmeta.workload import HeldOut, Workload, build_workload
 
 log = logging.getLogger("fedmeta.server")
 
-#: Re-exported: callers name the run's refusals and its start-up helpers from this module.
-__all__ = [
-    "FederationError",
-    "NoRoundAffordable",
-    "PlanError",
-    "RunResult",
-    "open_budget",
-    "refuse_to_overwrite_run",
-    "run_federation",
-    "run_spends",
-]
-
 STOP_INTERRUPTED = "interrupted"
 STOP_NO_PARTICIPANTS = "no_participants"
 
@@ -106,6 +93,9 @@ class RunResult:
     summary: dict[str, Any]
     outcomes: list[RoundOutcome]
     out_dir: Path
+    #: Whether the run's private diagnostics may be written: decided from its plan at start-up
+    #: (``RoundContext.diagnostics``), never from the caller's configuration.
+    diagnostics: bool
     rounds_run: int = 0  # by this invocation (a resumed run counts only its own)
 
 
@@ -149,10 +139,12 @@ class RunContext:
 
     @property
     def run_id(self) -> str:
+        """The run's id (kept across resumes)."""
         return self.rounds.run_id
 
     @property
     def federation_id(self) -> str:
+        """The budget's federation id in the ledger (``non-private`` without one)."""
         return self.rounds.federation_id
 
 
@@ -226,38 +218,48 @@ def _run(run: _Run, announce: Callable[[str], None]) -> RunResult:
     return result
 
 
-def _start(cfg: Config, transport: GridTransport, options: RunOptions) -> _Run:
-    """Register, plan, open the budget and restore or create the state: the run's context."""
+def _start(given: Config, transport: GridTransport, options: RunOptions) -> _Run:
+    """Register, plan, open the budget and restore or create the state: the run's context.
+
+    ``given`` is the caller's configuration; from the plan on, the run uses ``budgeted.cfg`` (with
+    the data's recorded budget) and asks ``plan.private`` whether it is private.
+    """
     ckpt = refuse_to_overwrite_run(options.out, options.resume)
-    run_id = str(ckpt["run_id"]) if ckpt else uuid.uuid4().hex[:12]
-    membership = register(cfg, transport, run_id)
+    run_id = ckpt.run_id if ckpt else uuid.uuid4().hex[:12]
+    membership = register(given, transport, run_id)
     registered = tuple(membership.members.values())
-    wl = options.workload or build_workload(cfg)  # the data, whatever the budget's terms
-    if cfg.privacy.enabled and options.open_ledger is None:  # before this run records its data
-        try:  # held-out metrics are released: never on earlier participants' items (issue 52)
-            check_evaluation_data(cfg, wl, ledger_file(cfg))
+    wl = options.workload or build_workload(given)  # the data, whatever the budget's terms
+    # Held-out metrics are released: never on items a budget records as participants' (issue 52).
+    # Checked when a run starts, before it records its own data; a resumed run was checked then
+    # (its own participants' items are in the ledger now, and may be its test items: issue 42).
+    if ckpt is None and private_requested(given.privacy) and options.open_ledger is None:
+        try:
+            check_evaluation_data(given, wl, ledger_file(given))
         except EvaluationDataPrivate as error:
             raise FederationError(str(error)) from None
-    cfg, plan, ledger = plan_and_budget(cfg, options.open_ledger, ckpt, membership)
+    budgeted = plan_and_budget(given, options.open_ledger, ckpt, membership)
+    cfg, plan, ledger = budgeted.cfg, budgeted.plan, budgeted.ledger
     federation_id = ledger.federation_id if ledger is not None else "non-private"
-    selection = model_selection(cfg, wl, ckpt)
+    selection = model_selection(cfg, wl, None if ckpt is None else ckpt.selection)
     state, outcomes, next_round = initial_state(cfg, plan, ckpt, ledger, run_id, wl)
     public = wl.public_data_use()
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
-    predicted = forecast_run(cfg, plan, ledger, (run_id, next_round), fresh=ckpt is None)
+    predicted = forecast_run(cfg, plan, ledger, RunPosition(run_id, next_round), fresh=ckpt is None)
     dim = int(state.trained.numel())
     try:
         subspace = public_subspace(cfg, wl)
     except ValueError as error:
         raise FederationError(str(error)) from None
-    rounds = round_context(cfg, (run_id, federation_id), plan, membership, dim, options.stop)
+    ids = RunIds(run_id, federation_id)
+    rounds = round_context(cfg, ids, plan, membership, dim, options.stop)
+    release = _release(cfg, plan, ledger, ReleasedRun(run_id, dim, plan.normaliser))
     context = RunContext(
         cfg, options.out, plan, registered, membership, wl, Observers(options.observers),
-        predicted, ledger, _release(cfg, plan, ledger, (run_id, dim)), rounds,
-        options.test_when_interrupted, ckpt is not None, subspace,
+        predicted, ledger, release, rounds, options.test_when_interrupted, ckpt is not None,
+        subspace,
     )  # fmt: skip
-    starting = StartingModel.from_dict((ckpt or {}).get("starting_model"))
+    starting = StartingModel.from_dict(None if ckpt is None else ckpt.starting_model)
     return _Run(context, state, outcomes, next_round, selection, starting)
 
 
@@ -319,12 +321,11 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
 
 
 def _release(
-    cfg: Config, plan: RunPlan, ledger: Ledger | None, run: tuple[str, int]
+    cfg: Config, plan: RunPlan, ledger: Ledger | None, run: ReleasedRun
 ) -> ReleaseStrategy:
-    """The run's release strategy, chosen once; ``run`` is (run id, released dimension)."""
+    """The run's release strategy, chosen once from the plan."""
     reports = lambda r: _reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
-    return choose_release(plan, ledger, (*run, plan.normaliser), cfg.privacy.insecure_test_seed,
-                          reports)  # fmt: skip
+    return choose_release(plan, ledger, run, cfg.privacy.insecure_test_seed, reports)
 
 
 def _reports_epsilon(cfg: Config, r: int) -> bool:
@@ -394,27 +395,24 @@ def _checkpoint(run: _Run) -> None:
 
     ctx = run.context
     ledger, privacy = ctx.ledger, ctx.plan.privacy
-    save_checkpoint(
-        ctx.out,
-        {
-            "run_id": ctx.run_id,
-            "federation_id": ctx.federation_id,
-            "params": run.state.params.detach().clone(),
-            "optimizer": run.state.optimizer.state_dict(),
-            "next_round": run.next_round,
-            "config": ctx.cfg.to_dict(),
-            "noise_multiplier": None if privacy is None else privacy.noise_multiplier,
-            "noise_calibrated": privacy is not None and privacy.noise_calibrated,
-            "clip": run.state.clip,  # adaptive clipping's next bound (None: fixed)
-            "outcomes": [o.to_dict() for o in run.outcomes],
-            "private": ctx.plan.private,
-            "ledger": None if ledger is None else ledger.checkpoint().to_dict(),
-            "witness": ledger_anchor(ledger),
-            "released_coordinates": _coordinates(ctx),  # the implemented guarantee's count
-            "selection": run.selection.to_checkpoint(),
-            "starting_model": None if run.starting is None else run.starting.to_dict(),
-        },
-    )
+    save_checkpoint(ctx.out, Checkpoint(
+        run_id=ctx.run_id,
+        federation_id=ctx.federation_id,
+        params=run.state.params.detach().clone(),
+        optimizer=run.state.optimizer.state_dict(),
+        next_round=run.next_round,
+        config=ctx.cfg,
+        private=ctx.plan.private,
+        noise_multiplier=None if privacy is None else privacy.noise_multiplier,
+        noise_calibrated=privacy is not None and privacy.noise_calibrated,
+        clip=run.state.clip,  # adaptive clipping's next bound (None: fixed)
+        outcomes=tuple(o.to_dict() for o in run.outcomes),
+        ledger=None if ledger is None else ledger.checkpoint(),
+        witness=ledger_anchor(ledger),
+        released_coordinates=_coordinates(ctx),  # the implemented guarantee's count
+        selection=run.selection.to_checkpoint(),
+        starting_model=None if run.starting is None else run.starting.to_dict(),
+    ))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- the end
@@ -475,7 +473,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
         run.selection.summary(ctx.cfg.dataset.validation_tasks, run.next_round))  # fmt: skip
     scores = FinalScores(final, starting, model_start, run.starting, _seen(run, final))
     summary = build_summary(facts, end, scores)
-    return RunResult(summary, run.outcomes, ctx.out)
+    return RunResult(summary, run.outcomes, ctx.out, ctx.rounds.diagnostics)
 
 
 def _seen(run: _Run, final: Any) -> dict[str, Any]:

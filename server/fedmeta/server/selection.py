@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import torch
 
+from fedmeta.checkpoint import KeptModel
+
 Rule = Literal["last", "best_validation"]
 
 
@@ -58,22 +60,19 @@ class ModelSelection:
         """The model the run tests and releases as its result."""
         return self.params if self.keeps_best and self.params is not None else last
 
-    def to_checkpoint(self) -> dict[str, Any] | None:
+    def to_checkpoint(self) -> KeptModel | None:
         """The kept model and its round, for the checkpoint (None: nothing kept)."""
         if not self.keeps_best or self.params is None:
             return None
-        return {"rule": self.rule, "round": self.round, "validation_metric": self.metric,
-                "start_validation_metric": self.start_metric, "params": self.params}  # fmt: skip
+        return KeptModel(self.rule, self.round, self.metric, self.start_metric, self.params)
 
-    def restore(self, saved: dict[str, Any] | None) -> None:
+    def restore(self, saved: KeptModel | None) -> None:
         """Take the kept model back from a checkpoint (a resumed run goes on comparing)."""
         if saved is None or not self.keeps_best:
             return
-        self.round = int(saved["round"])
-        self.metric = float(saved["validation_metric"])
-        self.params = saved["params"].detach().clone()
-        start = saved.get("start_validation_metric")
-        self.start_metric = None if start is None else float(start)
+        self.round, self.metric = saved.round, saved.validation_metric
+        self.params = saved.params.detach().clone()
+        self.start_metric = saved.start_validation_metric
 
     def summary(self, validation_tasks: int, last_round: int) -> dict[str, Any]:
         """``summary.json``'s ``model_selection``: what was tested, and why."""
@@ -88,13 +87,3 @@ class ModelSelection:
             "note": "the tested model is the best on server-held validation classes among the "
             "starting model (round 0) and the validated rounds; no participant owns those classes",
         }
-
-
-def checkpoint_released_params(state: dict[str, Any]) -> torch.Tensor:
-    """The model a checkpoint's run released: its selected one, else its last."""
-    selected = state.get("selection")
-    if isinstance(selected, dict) and isinstance(selected.get("params"), torch.Tensor):
-        kept: torch.Tensor = selected["params"]
-        return kept
-    last: torch.Tensor = state["params"]
-    return last

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,9 @@ from fedmeta.accounting import (
     resolve_federation,
 )
 from fedmeta.accounting.ledger import ensure_directory
-from fedmeta.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from fedmeta.checkpoint import CHECKPOINT_NAME, Checkpoint, KeptModel, load_checkpoint
 from fedmeta.client_config import client_config
-from fedmeta.config import Config
+from fedmeta.config import Config, TrainingConfig
 from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.server.budget_keys import (
     budget_identity,
@@ -42,15 +43,17 @@ from fedmeta.server.data_budget import (
     other_budget_hint,
 )
 from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
-from fedmeta.server.membership import Membership
+from fedmeta.server.membership import SUSPENDING_FAILURES, Membership, MembershipRules
 from fedmeta.server.plan import (
     BudgetForecast,
     PrivatePlan,
     RunPlan,
     build_plan,
     forecast,
+    private_requested,
     reported_epsilon,
 )
+from fedmeta.server.releases import suspending_failures
 from fedmeta.server.report import STATUS_LOST_ON_RESUME, RoundOutcome
 from fedmeta.server.round import Exchange, RoundContext, TrainingState
 from fedmeta.server.selection import ModelSelection
@@ -75,7 +78,7 @@ class NoRoundAffordable(RuntimeError):
     """A fresh private run whose budget affords no round: refused before anything is written."""
 
 
-def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> dict[str, Any] | None:
+def refuse_to_overwrite_run(out_dir: Path, resume: bool) -> Checkpoint | None:
     """The checkpoint to resume from (or None for a fresh run), refusing what would lose a run."""
     existing = Path(out_dir) / CHECKPOINT_NAME
     if not resume and existing.is_file():
@@ -126,9 +129,8 @@ def run_spends(ledger: Ledger, run_id: str) -> list[int]:
     return sorted(r.round_index for r in ledger.records() if r.run_id == run_id)
 
 
-def model_selection(cfg: Config, workload: Workload, ckpt: Mapping[str, Any] | None
-                     ) -> ModelSelection:  # fmt: skip
-    """The run's model selection (server/fedmeta/server/selection.py), restored on resume."""
+def model_selection(cfg: Config, workload: Workload, kept: KeptModel | None) -> ModelSelection:
+    """The run's model selection (server/fedmeta/server/selection.py); ``kept``: a resume's."""
     rule = cfg.training.model_selection
     if rule == "best_validation" and workload.validation_is_test:
         raise FederationError(
@@ -138,19 +140,18 @@ def model_selection(cfg: Config, workload: Workload, ckpt: Mapping[str, Any] | N
             "('evaluation' or 'dpmaml') or training.model_selection = 'last'"
         )
     selection = ModelSelection(rule, workload.higher_is_better)
-    selection.restore((ckpt or {}).get("selection"))
+    selection.restore(kept)
     return selection
 
 
-def with_recorded_ledger(cfg: Config, ckpt: Mapping[str, Any] | None, *, check: bool) -> Config:
+def with_recorded_ledger(cfg: Config, recorded: LedgerCheckpoint | None, *, check: bool) -> Config:
     """The configuration to open the ledger with: on resume, the ledger the run recorded.
 
     A run records its ledger's absolute path before its first spend; resuming from another
     directory with a relative ``privacy.ledger_path`` would otherwise open (and create) another
     file. A recorded ledger that is gone is refused before anything is created.
     """
-    recorded = (ckpt or {}).get("ledger") or {}
-    path = recorded.get("path")
+    path = None if recorded is None else recorded.path
     if not path:
         return cfg
     if check and not Path(path).is_file():
@@ -195,45 +196,55 @@ def _no_round_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger) -> str:
 def register(cfg: Config, transport: GridTransport, run_id: str) -> Membership:
     """The run's membership once enough participants registered (fedmeta.server.membership)."""
     request = RegisterRequest(run_id, client_config(cfg).model_dump_json())  # a participant's part
-    membership = Membership(cfg, transport, request)
+    rules = MembershipRules.of(cfg)
+    membership = Membership(rules, transport, request)
     membership.start()
-    want = cfg.federation.min_participants or cfg.n1
-    if len(membership.members) < want:
+    if len(membership.members) < rules.want:
         refused = f" (refused: {membership.refused})" if membership.refused else ""
         raise RegistrationError(
             f"{len(membership.members)} participants registered within "
             f"federation.register_timeout_s={cfg.federation.register_timeout_s:g}; the run needs "
-            f">= {want} (federation.min_participants){refused}"
+            f">= {rules.want} (federation.min_participants){refused}"
         )
     return membership
 
 
+@dataclass(frozen=True)
+class RunIds:
+    """A run's id and its budget's federation id (``non-private`` without a ledger)."""
+
+    run_id: str
+    federation_id: str
+
+
 def round_context(
     cfg: Config,
-    ids: tuple[str, str],
+    ids: RunIds,
     plan: RunPlan,
     membership: Membership,
     dim: int,
     stop: threading.Event,
 ) -> RoundContext:
-    """What every round shares: ``ids`` (run id, federation id), the exchange, ``stop``.
+    """What every round shares: the run's ids, the exchange, ``stop``; private as the plan is.
 
     ``stop`` is the run's one stop request: the round reads it before its spend, and the exchange
-    hands it to the transport, whose wait for replies ends at once when it is set.
+    hands it to the transport, whose wait for replies ends at once when it is set. Suspension
+    counts the failures a private run may count (server/fedmeta/server/releases.py).
     """
     if cfg.privacy.insecure_test_seed is not None:
         log.warning("INSECURE: noise and sampling use insecure_test_seed (tests only, not private)")
 
+    suspending = suspending_failures(plan.private, SUSPENDING_FAILURES)
+
     def exchange(requests: Mapping[str, GradientRequest]) -> Exchange:
         result = membership.transport.exchange(requests, membership.nodes(), stop=stop)
         failed = {pid: d.failure for pid, d in result.deliveries.items() if d.failure}
-        membership.record(requests, failed)
+        membership.record(requests, failed, suspending)
         return result
 
-    run_id, federation_id = ids
     return RoundContext(
-        run_id=run_id,
-        federation_id=federation_id,
+        run_id=ids.run_id,
+        federation_id=ids.federation_id,
         transport=exchange,
         config_json=client_config(cfg).model_dump_json(),
         dim=dim,
@@ -257,7 +268,7 @@ def _optimizer_args(cfg: Config, plan: RunPlan, workload: Workload) -> dict[str,
 def initial_state(
     cfg: Config,
     plan: RunPlan,
-    ckpt: dict[str, Any] | None,
+    ckpt: Checkpoint | None,
     ledger: Ledger | None,
     run_id: str,
     workload: Workload,
@@ -266,19 +277,19 @@ def initial_state(
     if ckpt is None:
         fresh = TrainingState(workload.initial_params(), **_optimizer_args(cfg, plan, workload))
         return fresh, [], 0
-    _check_same_subset(ckpt, cfg)
-    state = TrainingState(ckpt["params"], **_optimizer_args(cfg, plan, workload),
-                          optimizer_state=ckpt["optimizer"])  # fmt: skip
+    _check_same_subset(ckpt.config.training, cfg.training)
+    state = TrainingState(ckpt.params, **_optimizer_args(cfg, plan, workload),
+                          optimizer_state=dict(ckpt.optimizer))  # fmt: skip
     adaptive = None if plan.privacy is None else plan.privacy.adaptive
-    if adaptive is not None and ckpt.get("clip") is not None:
-        state.clip = float(ckpt["clip"])  # adaptive clipping's bound for the next round
+    if adaptive is not None and ckpt.clip is not None:
+        state.clip = ckpt.clip  # adaptive clipping's bound for the next round
         state.set_noise_variance((adaptive.gradient_noise_multiplier * state.clip
                                   / plan.normaliser) ** 2)  # fmt: skip
-    outcomes = [RoundOutcome.from_dict(o) for o in ckpt.get("outcomes", [])]
-    next_round = int(ckpt["next_round"])
+    outcomes = [RoundOutcome.from_dict(o) for o in ckpt.outcomes]
+    next_round = ckpt.next_round
     if ledger is None:
         return state, outcomes, next_round
-    _check_ledger_binding(ckpt, ledger)
+    _check_ledger_binding(ckpt.ledger, ledger)
     lost = [i for i in run_spends(ledger, run_id) if i >= next_round]
     if lost:
         log.warning("resume: rounds %s were spent but their update was not checkpointed; they "
@@ -290,28 +301,26 @@ def initial_state(
     return state, outcomes, next_round
 
 
-def _check_same_subset(ckpt: Mapping[str, Any], cfg: Config) -> None:
+def _check_same_subset(recorded: TrainingConfig, given: TrainingConfig) -> None:
     """Refuse to resume with other trained parameters: the optimizer's state is for the old ones."""
-    saved = ckpt.get("config", {}).get("training", {}).get("trained_parameters", "all")
-    if saved != cfg.training.trained_parameters:
+    saved = recorded.trained_parameters
+    if saved != given.trained_parameters:
         raise FederationError(
             f"the checkpoint trained training.trained_parameters = {saved!r}, this configuration "
-            f"says {cfg.training.trained_parameters!r}: resume with {saved!r}, or start a new run "
+            f"says {given.trained_parameters!r}: resume with {saved!r}, or start a new run "
             "with --out"
         )
 
 
-def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: Ledger) -> None:
+def _check_ledger_binding(saved: LedgerCheckpoint | None, ledger: Ledger) -> None:
     """Refuse a ledger that is not the one the run spent from, or that lost records since.
 
     The run recorded the ledger's identity, path, position and last record before its first spend
     and in every checkpoint; a resume that opened another, emptier or diverged ledger (a relative
     path from another directory, a restored backup, a copy without its journal) stops here.
     """
-    bound = ckpt.get("ledger")
-    if bound is None:
+    if saved is None:
         raise FederationError("the checkpoint records no ledger: it is not a private run's")
-    saved = LedgerCheckpoint.from_dict(bound)
     if Path(saved.path) != Path(ledger.path) and saved.ledger_id != ledger.ledger_id:
         raise FederationError(
             f"the run spent from the ledger {saved.path} but this resume opened {ledger.path}; "
@@ -320,41 +329,64 @@ def _check_ledger_binding(ckpt: Mapping[str, Any], ledger: Ledger) -> None:
     ledger.check_resume(saved)
 
 
+@dataclass(frozen=True)
+class Budgeted:
+    """A run's start-up answer: the configuration with its data's budget, the plan, the ledger.
+
+    ``cfg`` is the caller's configuration with the data's recorded budget adopted
+    (server/fedmeta/server/data_budget.py); from here on the plan, not ``cfg.privacy``, says
+    whether the run is private (``plan.private``).
+    """
+
+    cfg: Config
+    plan: RunPlan
+    ledger: Ledger | None  # None: a non-private run
+
+
 def plan_and_budget(
-    cfg: Config, open_ledger: LedgerOpener | None, ckpt: Mapping[str, Any] | None,
+    given: Config, open_ledger: LedgerOpener | None, ckpt: Checkpoint | None,
     membership: Membership,
-) -> tuple[Config, RunPlan, Ledger | None]:  # fmt: skip
+) -> Budgeted:  # fmt: skip
     """The configuration with the data's budget, the plan, and the ledger (opened if private)."""
     registered = list(membership.members.values())
-    z = float(ckpt["noise_multiplier"]) if ckpt and ckpt.get("noise_multiplier") else None
+    z = (ckpt.noise_multiplier or None) if ckpt else None  # a resumed run keeps its z
+    binding = None if ckpt is None else ckpt.ledger
     recorded = open_ledger is None  # fedmeta's ledger, where the data's budget is recorded
-    opened_with = with_recorded_ledger(cfg, ckpt, check=recorded)
-    if recorded:  # the data's recorded budget, not the run's configuration
+    opened_with = with_recorded_ledger(given, binding, check=recorded)
+    budgeted = given
+    if recorded and private_requested(given.privacy):  # the data's budget, not the run's config
         try:
-            cfg = adopt_data_budget(cfg, registered, ledger_file(opened_with))
+            budgeted = adopt_data_budget(given, registered, ledger_file(opened_with))
         except BudgetMismatch as error:
             raise FederationError(str(error)) from None
-        opened_with = with_recorded_ledger(cfg, ckpt, check=False)
+        opened_with = with_recorded_ledger(budgeted, binding, check=False)
     try:
-        plan = build_plan(cfg, membership.eligible(), noise_multiplier=z)
+        plan = build_plan(budgeted, membership.eligible(), noise_multiplier=z)
     except ValueError as error:  # e.g. a target epsilon no noise multiplier in range reaches
         raise PlanError(f"cannot plan the private run: {error}") from None
     ledger = (open_ledger or open_budget)(opened_with, registered) if plan.private else None
-    return cfg, plan, ledger
+    return Budgeted(budgeted, plan, ledger)
+
+
+@dataclass(frozen=True)
+class RunPosition:
+    """Where a run stands at start-up: its id and the next round (0-based) it runs."""
+
+    run_id: str
+    next_round: int
 
 
 def forecast_run(
-    cfg: Config, plan: RunPlan, ledger: Ledger | None, progress: tuple[str, int], *, fresh: bool
+    cfg: Config, plan: RunPlan, ledger: Ledger | None, position: RunPosition, *, fresh: bool
 ) -> BudgetForecast | None:
     """What the rest of the run costs (None: non-private); a fresh run refused if nothing fits.
 
-    ``progress``: (run id, next round); the ledger's spends of this run count as done.
+    The ledger's spends of this run count as done, as do the rounds before ``position``'s next.
     """
     if plan.privacy is None or ledger is None:
         return None
-    run_id, next_round = progress
-    spent = len(run_spends(ledger, run_id))
-    predicted = forecast(plan.privacy, ledger, cfg.rounds - max(spent, next_round))
+    spent = len(run_spends(ledger, position.run_id))
+    predicted = forecast(plan.privacy, ledger, cfg.rounds - max(spent, position.next_round))
     if fresh:
         check_target_fits(cfg, plan.privacy, ledger, predicted)
     return predicted

@@ -60,10 +60,11 @@ def registered_as_run(cfg: Any) -> list[Any]:
     from fedmeta.protocol import RegisterRequest
     from fedmeta.server.budget_keys import CONTENT_IDENTITY, budget_identity
     from fedmeta.server.budget_preview import configured_participants
+    from fedmeta.server.plan import private_requested
     from fedmeta.server.transport import Registered
 
     configured = configured_participants(cfg)
-    if not cfg.privacy.enabled or budget_identity(cfg) != CONTENT_IDENTITY:
+    if not private_requested(cfg.privacy) or budget_identity(cfg) != CONTENT_IDENTITY:
         return configured
     request = RegisterRequest("dry-run", client_config(cfg).model_dump_json())
     return [Registered(r.participant_id, r.node_id, r.task_count,
@@ -81,8 +82,9 @@ def check_ledger_as_run(cfg: Any, registered: list[Any]) -> None:
     from fedmeta.accounting.ledger import check_rollback
     from fedmeta.server.data_budget import ledger_file
     from fedmeta.server.ledger_witness import refuse_second_ledger, witness_file
+    from fedmeta.server.plan import private_requested
 
-    if not cfg.privacy.enabled:
+    if not private_requested(cfg.privacy):
         return
     path = ledger_file(cfg)
     refuse_second_ledger(cfg, path, registered, writing=False)

@@ -226,8 +226,8 @@ def _report_run_failure(error: Exception) -> int:
     from fedmeta.metalearning import DataError
     from fedmeta.server.progress import TensorBoardError
     from fedmeta.server.round import TrainingDiverged
-    from fedmeta.server.run import FederationError, NoRoundAffordable, PlanError
     from fedmeta.server.rundir import RunDirectoryBusy
+    from fedmeta.server.startup import FederationError, NoRoundAffordable, PlanError
     from fedmeta.server.transport import RegistrationError
 
     if isinstance(error, BrokenPipeError):
@@ -305,17 +305,17 @@ def _resume_config(args: argparse.Namespace) -> Any:
     """
     from fedmeta.config import ConfigError
     from fedmeta.config_io import apply_overrides, config_from_dict, load_config
+    from fedmeta.server.startup import refuse_to_overwrite_run
 
     given = load_config(args.config, args.overrides)
     out = Path(args.out or given.output.dir)
-    from fedmeta.server.run import refuse_to_overwrite_run
-
     ckpt = refuse_to_overwrite_run(out, resume=True)
     assert ckpt is not None
-    resumed = config_from_dict(apply_overrides(ckpt["config"], args.overrides))
-    changed = _differences(ckpt["config"], given.to_dict()) if args.config else []
+    recorded = ckpt.config.to_dict()
+    resumed = config_from_dict(apply_overrides(recorded, args.overrides))
+    changed = _differences(recorded, given.to_dict()) if args.config else []
     # An override counts when it changes a value (``--experiment NAME`` names the same ledger).
-    changed += _differences(config_from_dict(ckpt["config"]).to_dict(), resumed.to_dict())
+    changed += _differences(recorded, resumed.to_dict())
     refused = sorted({k for k in changed if not k.startswith(RESUMABLE_KEYS)})
     if refused:
         raise ConfigError(
@@ -353,8 +353,8 @@ def main(
     for k, v in _QUIET_ENV.items():
         os.environ.setdefault(k, v)
     from fedmeta.config import Config, ConfigError
-    from fedmeta.server.run import refuse_to_overwrite_run
     from fedmeta.server.rundir import exclusive_run_directory
+    from fedmeta.server.startup import refuse_to_overwrite_run
     from fedmeta.workload import check_data
 
     cfg = config if config is not None else Config()
@@ -391,9 +391,10 @@ def _check_budget_before_data(cfg: Any) -> None:
     """
     from fedmeta.server.budget_preview import preview_budget, previewable
     from fedmeta.server.data_budget import BudgetMismatch
-    from fedmeta.server.run import FederationError, NoRoundAffordable
+    from fedmeta.server.plan import private_requested
+    from fedmeta.server.startup import FederationError, NoRoundAffordable
 
-    if not cfg.privacy.enabled or not previewable(cfg):
+    if not private_requested(cfg.privacy) or not previewable(cfg):
         return
     try:
         preview = preview_budget(cfg)
