@@ -30,7 +30,7 @@ from fedmeta.config import Config
 from fedmeta.config_io import load_config
 from fedmeta.metalearning import load_image_folder
 from fedmeta.protocol import RegisterRequest
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 from fedmeta.workload import build_workload
 

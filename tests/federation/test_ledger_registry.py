@@ -25,7 +25,7 @@ from fedmeta.protocol import RegisterRequest
 from fedmeta.server import ledger_registry
 from fedmeta.server.ledger_registry import REGISTRY_ENV, RegistryUnusable, registry_file
 from fedmeta.server.ledger_witness import LedgerElsewhere
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 
 from .test_content_budget import _drawings

@@ -39,7 +39,7 @@ from fedmeta.protocol import RegisterRequest
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.live import PrometheusRunObserver
 from fedmeta.server.outputs import format_summary
-from fedmeta.server.run import open_budget
+from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
 

@@ -24,10 +24,12 @@ from fedmeta.accounting import (
     LedgerMode,
     resolve_federation,
 )
-from fedmeta.accounting.ledger import ensure_directory
+from fedmeta.accounting.ledger import EpsilonCache, ensure_directory
 from fedmeta.checkpoint import CHECKPOINT_NAME, Checkpoint, KeptModel, load_checkpoint
 from fedmeta.client_config import client_config
-from fedmeta.config import Config, TrainingConfig
+from fedmeta.config import Config
+from fedmeta.config_training import TrainingConfig
+from fedmeta.paths import epsilon_cache_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
 from fedmeta.server.budget_keys import (
     budget_identity,
@@ -115,6 +117,9 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
         neighbouring=cfg.privacy.neighbouring, mode=mode,
     )  # fmt: skip
+    # Keep what the run composes for `fedmeta ledger show` (issue 54: a show after a run reads
+    # it instead of composing again); never read here: the run's checks compose from the records.
+    ledger.keep_epsilons(EpsilonCache(epsilon_cache_path(), read=False))
     try:
         watch_ledger(ledger, cfg)  # refused if behind its witness outside the state directory
         ledger.use_cohort(ledger_participants(cfg, members, members))
