@@ -272,8 +272,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         except OSError:
             driver = None
     try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
+        git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
     return {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",

@@ -135,3 +135,20 @@ def test_configuration_key_is_validated_and_sent() -> None:
     assert client_config(cfg).training.precision == "bf16"
     assert adaptation_summary(cfg.training)["precision"] == "bf16"
     assert load_config(None, []).training.precision == "fp32"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_cuda_rows_are_float32_clipped_and_near_fp32(precision: str) -> None:
+    """On CUDA (vmap, cuDNN): float32 rows within the clip; the query pass points like fp32."""
+    model, tasks = ml.ConvNet4(5), _image_tasks(8, 5, seed=11)
+    clip = 1e-3
+    rows, norms = ml.per_task_clipped_grads(
+        model, None, tasks, inner_steps=5, inner_lr=0.1, clip=clip, device="cuda",
+        precision=precision,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert rows.dtype == norms.dtype == torch.float32 and rows.device.type == "cuda"
+    _assert_within_clip(rows, clip)
+    ref = _grads(model, tasks, "fp32", device="cuda", inner_steps=0)
+    fast = _grads(model, tasks, precision, device="cuda", inner_steps=0)
+    assert float(torch.nn.functional.cosine_similarity(fast, ref, dim=1).min()) >= 0.98

@@ -244,11 +244,10 @@ def deterministic_algorithms(device: torch.device, on: bool = True) -> Iterator[
 
 def effective_precision(precision: str, device: torch.device) -> Precision:
     """The arithmetic that ``precision`` gives on ``device``: TF32 exists on CUDA only."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    if precision == "tf32" and device.type != "cuda":
-        return "fp32"
-    return precision  # type: ignore[return-value]
+    for known in PRECISIONS:
+        if precision == known:
+            return "fp32" if known == "tf32" and device.type != "cuda" else known
+    raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
 
 
 @contextlib.contextmanager
