@@ -459,16 +459,13 @@ def per_task_clipped_grads(
         first_order: FOMAML (no differentiation through the inner steps).
         clip: L2 bound C on each task's whole flattened gradient (``math.inf``: no clipping).
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ...
-        chunk_size: tasks computed at once; bounds memory. Default: 32 for CPU vmap; on CUDA as
-            many as fit in half the free GPU memory by a conservative estimate (at most 512).
+        chunk_size: tasks computed at once (bounds memory); None: ``execution.default_chunk``.
         method: ``"auto"``, ``"vmap"`` or ``"loop"`` (see module docstring).
         nonfinite: ``"raise"`` or ``"zero"`` for a task whose gradient is NaN/inf.
         deterministic: on CUDA, cuDNN's deterministic mode (bitwise-repeatable results).
         coordinates: the rows hold (and C bounds) only these flat positions (``trained_coordinates``
             of :mod:`~metalearning.models`); None: all. Inner loops adapt every parameter.
-        precision: ``"fp32"``, ``"tf32"`` or ``"bf16"``: the inner loop's and the query pass's
-            arithmetic (:func:`~metalearning.execution.compute_precision`); each task's gradient
-            is cast to the params' dtype before its norm and clip.
+        precision: the passes' arithmetic (``execution.compute_precision``); never the clip's.
 
     Returns:
         ``(clipped [n_tasks, dim], pre_clip_norms [n_tasks])`` on ``device`` in the params' dtype,
