@@ -235,6 +235,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tasks = args.participants * args.rows
     return {"gradient_s": round(gradient_s, 4), "overhead_s": round(overhead_s, 4),
             "round_s": round(gradient_s + overhead_s, 4),
+            "round_over_gradient": round((gradient_s + overhead_s) / gradient_s, 3),
             "task_gradients_per_s": round(tasks / (gradient_s + overhead_s), 2),
             "gradient_only_per_s": round(tasks / gradient_s, 2), "peak_gib": round(peak, 3),
             "path": path, "precision_ran": effective_precision(args.precision, device)}  # fmt: skip

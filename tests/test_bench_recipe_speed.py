@@ -82,6 +82,7 @@ def test_record_on_the_cpu(tmp_path: Path, precision: str) -> None:
     assert rec["way"] == 5 and rec["order"] == "second" and rec["seeds"] == 1
     assert rec["task_gradients_per_s"] > 0 and rec["round_s"] > rec["gradient_s"] > 0
     assert 0 < rec["task_gradients_per_s"] < rec["gradient_only_per_s"]
+    assert rec["round_over_gradient"] == pytest.approx(rec["round_s"] / rec["gradient_s"], rel=1e-2)
     assert rec["peak_gib"] > 0 and rec["achieved_tflops"] > 0
 
 
