@@ -57,4 +57,6 @@ def adaptation_summary(cfg: TrainingConfig) -> dict[str, Any]:
         "step_check": cfg.inner_step_check,
         # Meta-SGD: the rates are learned per coordinate; train_lr/eval_lr are where they started.
         "learned_inner_rates": cfg.meta_sgd,
+        # Which arithmetic the participants' gradients ran in (the clip is float32 in each).
+        "precision": cfg.precision,
     }

@@ -69,6 +69,7 @@ class ClientTrainingConfig(Section):
         TrainingConfig, "trained_parameters"
     )
     chunk_size: int | None = _server_field(TrainingConfig, "chunk_size")
+    precision: Literal["fp32", "tf32", "bf16"] = _server_field(TrainingConfig, "precision")
 
 
 class ClientFederationConfig(Section):

@@ -102,6 +102,14 @@ class TrainingConfig(Section):
     )
     checkpoint_every: int = Field(25, ge=1, le=1_000_000, description="checkpoint every k rounds")
     chunk_size: int | None = Field(None, ge=1, le=100_000)
+    # fp32: what every recorded result ran. bf16/tf32: issue 51's speed levers, each to be
+    # measured for accuracy against fp32 (docs/benchmarks.md, "DP-MAML's recipe at speed").
+    precision: Literal["fp32", "tf32", "bf16"] = Field(
+        "fp32",
+        description="arithmetic of the participants' inner loop and query pass: fp32, tf32 (CUDA "
+        "matrix products; fp32 elsewhere) or bf16 (autocast); each task's gradient is cast to "
+        "float32 before its norm and clip",
+    )
 
     @model_validator(mode="after")
     def _learned_rates_are_usable(self) -> TrainingConfig:

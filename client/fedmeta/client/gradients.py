@@ -146,6 +146,7 @@ def device_clipped_rows(
         chunk_size=cfg.training.chunk_size,
         nonfinite="zero",
         coordinates=wl.trained_coordinates,
+        precision=cfg.training.precision,
     )
     return grads.detach().to(torch.float32), norms.detach()
 

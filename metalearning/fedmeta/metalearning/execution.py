@@ -27,6 +27,10 @@ Params = dict[str, Tensor]
 #: How per-task gradients are batched: ``auto`` picks ``vmap`` or ``loop`` (module docstring).
 GradientMethod: TypeAlias = Literal["auto", "vmap", "loop"]
 
+#: The arithmetic of the inner loop and the query pass (:func:`compute_precision`).
+Precision: TypeAlias = Literal["fp32", "tf32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "bf16")
+
 
 # Serialises the start-up of worker pools (see one_thread_workers).
 _WORKER_START_LOCK = threading.Lock()
@@ -234,5 +238,45 @@ def deterministic_algorithms(device: torch.device, on: bool = True) -> Iterator[
     if device.type == "cuda" and on:
         with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
             yield
+    else:
+        yield
+
+
+def effective_precision(precision: str, device: torch.device) -> Precision:
+    """The arithmetic that ``precision`` gives on ``device``: TF32 exists on CUDA only."""
+    for known in PRECISIONS:
+        if precision == known:
+            return "fp32" if known == "tf32" and device.type != "cuda" else known
+    raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+
+
+@contextlib.contextmanager
+def compute_precision(device: torch.device, precision: Precision) -> Iterator[None]:
+    """The arithmetic of the passes run inside: a task's inner loop and its query pass.
+
+    * ``fp32``: torch's defaults, unchanged (on CUDA torch lets cuDNN's convolutions use TF32:
+      ``torch.backends.cudnn.allow_tf32`` is True by default, and ``deterministic_algorithms``
+      keeps it; matrix products stay float32);
+    * ``tf32``: on CUDA the matrix products (the linear head) too; elsewhere float32;
+    * ``bf16``: ``torch.autocast`` to bfloat16: convolutions and matrix products take bfloat16
+      operands and accumulate in float32; the losses, softmax and norms run in float32
+      (autocast's float32 list), and every gradient with respect to a float32 parameter comes
+      back float32.
+
+    Autocast is thread-local: a worker thread enters its own (maml.py does, per task). The
+    clip is never computed in here: callers cast each task's gradient to the parameters' dtype
+    (float32 or better) before its norm.
+    """
+    chosen = effective_precision(precision, device)
+    if chosen == "bf16":
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    elif chosen == "tf32":
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
     else:
         yield

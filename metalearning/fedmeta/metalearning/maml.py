@@ -39,7 +39,9 @@ from fedmeta.metalearning.execution import (
     Forward,
     GradientMethod,
     Params,
+    Precision,
     as_params,
+    compute_precision,
     default_chunk,
     deterministic_algorithms,
     loop_forward,
@@ -329,9 +331,15 @@ def _chunk_gradient_fn(
     meth: str,
     inner: InnerLoop,
     first_order: bool,
+    precision: Precision = "fp32",
 ) -> Callable[[Task, ThreadPoolExecutor | None], Tensor]:
-    """``chunk_grads(batch, pool)``: a chunk's per-task gradients, by ``vmap`` or a task loop."""
+    """``chunk_grads(batch, pool)``: a chunk's per-task gradients, by ``vmap`` or a task loop.
+
+    The passes run in ``precision`` (entered per task: autocast is thread-local); the rows come
+    back in the parameters' dtype, so the clip's norm is never taken in bfloat16.
+    """
     loss_fn = loss_function(model)
+    dtype = next(iter(p.values())).dtype
     if meth == "vmap":
         batched = torch.func.vmap(
             _make_func_grad(model, loss_fn, inner, first_order),
@@ -339,13 +347,17 @@ def _chunk_gradient_fn(
         )
 
         def vmapped(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
-            return batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
+            with compute_precision(dev, precision):
+                g = batched(p, b.support_x, b.support_y, b.query_x, b.query_y)
+            return g.to(dtype)
 
         return vmapped
     forward = loop_forward(model, dev)
 
     def one_task(b: Task, i: int) -> Tensor:
-        return _task_grad_autograd(forward, loss_fn, p, b.task(i), inner, first_order)
+        with compute_precision(dev, precision):
+            g = _task_grad_autograd(forward, loss_fn, p, b.task(i), inner, first_order)
+        return g.to(dtype)
 
     def looped(b: Task, pool: ThreadPoolExecutor | None) -> Tensor:
         ids = range(b.support_x.shape[0])
@@ -373,6 +385,7 @@ def per_task_grads(
     inner_grad_clip: float = math.inf,
     step_check: bool = False,
     coordinates: Tensor | None = None,
+    precision: Precision = "fp32",
 ) -> Tensor:
     """Unclipped per-task MAML query gradients, ``[n_tasks, dim]`` on ``device``.
 
@@ -398,7 +411,7 @@ def per_task_grads(
     if out is None:
         out = torch.empty((n, dim), dtype=dtype, device=dev)
     workers = task_threads(model, dev, n) if meth == "loop" else 1
-    chunk_grads = _chunk_gradient_fn(model, p, dev, meth, inner, first_order)
+    chunk_grads = _chunk_gradient_fn(model, p, dev, meth, inner, first_order, precision)
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(one_thread_workers(workers)) if workers > 1 else None
         stack.enter_context(deterministic_algorithms(dev, deterministic))
@@ -429,6 +442,7 @@ def per_task_clipped_grads(
     inner_grad_clip: float = math.inf,
     step_check: bool = False,
     coordinates: Tensor | None = None,
+    precision: Precision = "fp32",
 ) -> tuple[Tensor, Tensor]:
     """Clipped per-task MAML query gradients and their pre-clip L2 norms.
 
@@ -445,13 +459,13 @@ def per_task_clipped_grads(
         first_order: FOMAML (no differentiation through the inner steps).
         clip: L2 bound C on each task's whole flattened gradient (``math.inf``: no clipping).
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ...
-        chunk_size: tasks computed at once; bounds memory. Default: 32 for CPU vmap; on CUDA as
-            many as fit in half the free GPU memory by a conservative estimate (at most 512).
+        chunk_size: tasks computed at once (bounds memory); None: ``execution.default_chunk``.
         method: ``"auto"``, ``"vmap"`` or ``"loop"`` (see module docstring).
         nonfinite: ``"raise"`` or ``"zero"`` for a task whose gradient is NaN/inf.
         deterministic: on CUDA, cuDNN's deterministic mode (bitwise-repeatable results).
         coordinates: the rows hold (and C bounds) only these flat positions (``trained_coordinates``
             of :mod:`~metalearning.models`); None: all. Inner loops adapt every parameter.
+        precision: the passes' arithmetic (``execution.compute_precision``); never the clip's.
 
     Returns:
         ``(clipped [n_tasks, dim], pre_clip_norms [n_tasks])`` on ``device`` in the params' dtype,
@@ -468,7 +482,7 @@ def per_task_clipped_grads(
         model, params, tasks, inner_steps=inner_steps, inner_lr=inner_lr,
         first_order=first_order, device=device, chunk_size=chunk_size, method=method,
         on_chunk=clip_chunk, deterministic=deterministic, inner_grad_clip=inner_grad_clip,
-        step_check=step_check, coordinates=coordinates,
+        step_check=step_check, coordinates=coordinates, precision=precision,
     )  # fmt: skip
     return clipped, torch.cat(norms_holder) if norms_holder else clipped.new_zeros(0)
 

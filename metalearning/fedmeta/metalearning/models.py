@@ -236,6 +236,10 @@ class _ConvBlock(nn.Module):
         self._groups = groups
 
     def normalise(self, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        # Under bfloat16 autocast (maml.compute_precision) the convolution answers in bfloat16:
+        # the statistics are taken in the parameters' dtype (vmap's batch-norm backward also
+        # refuses a bfloat16 input with float32 weights). A no-op in float32.
+        x = x.to(weight.dtype)
         if self._norm == "batch":
             # Transductive batch statistics of this call's batch (one task's support or query set);
             # no running statistics exist, so nothing is shared between tasks.
