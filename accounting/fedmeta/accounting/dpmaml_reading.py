@@ -14,8 +14,9 @@ Two numbers, both labelled:
 * ``dpmaml_moments_epsilon``: the paper's formula. Abadi et al. (2016), Lemma 3, leading term
   ``alpha(lambda) <= q^2 lambda (lambda + 1) / ((1 - q) z^2)`` per update (their equation 7, the
   ``O(q^3 lambda^3 / z^3)`` term dropped as the paper drops it: this errs LOW), composed over ``T``
-  updates (equation 8) and converted by Abadi et al.'s Theorem 2 tail bound, over the integer
-  moments the lemma allows, ``1 <= lambda <= z^2 ln(1 / (q z))`` (needs ``z >= 1``,
+  updates (equation 8) and converted by the moments accountant's tail bound (Abadi et al.,
+  ``delta = min_lambda exp(alpha(lambda) - lambda epsilon)``), over the integer moments the lemma
+  allows, ``1 <= lambda <= z^2 ln(1 / (q z))`` (needs ``z >= 1``,
   ``q < 1/(16 z)``).
 * ``dpmaml_per_update_epsilon``: the same per-update event computed exactly (pessimistic PLD,
   ``accounting.composition``): a Poisson-subsampled Gaussian at the task rate. A valid *task-level*

@@ -6,9 +6,10 @@ protects one example of one participant (add/remove one example). The two relati
 nested: a task is a group of examples (its support and query sets), and one example is in many
 tasks (up to 276 per round in fedmeta's Omniglot configurations, docs/results.md). Converting one
 guarantee into the other costs group privacy over that many neighbours, ``k``: epsilon becomes
-``k epsilon`` (Dwork and Roth 2014, Theorem 2.2, pure DP) and delta ``sum_{i<k} e^{i epsilon}
-delta <= k e^{(k-1) epsilon} delta`` (chaining the definition k times; Vadhan 2017, "The
-complexity of differential privacy", Lemma 2.2, states the looser ``k e^{k epsilon} delta``),
+``k epsilon`` (group privacy for pure DP, Dwork and Roth 2014, "The algorithmic foundations of
+differential privacy") and delta ``sum_{i<k} e^{i epsilon} delta <= k e^{(k-1) epsilon} delta``
+(chaining the definition k times; the group-privacy lemma of Vadhan 2017, "The complexity of
+differential privacy", states the looser ``k e^{k epsilon} delta``),
 which leaves nothing of either budget. So a composition never mixes levels (``check_one_level``,
 as composition.py never mixes neighbouring relations) and the ledger refuses a spend whose level
 differs from the level its data already recorded (ledger/appending.py, docs/ledger.md).

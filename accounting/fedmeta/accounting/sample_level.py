@@ -26,11 +26,13 @@ Algorithm 2 with a cap on appearances:
 
 Conditional on x being sampled, the round is an adaptive composition of Gaussian mechanisms: the
 Gaussian mechanism with sensitivity ``s`` and noise ``sigma`` is ``s/sigma``-GDP (Dong, Roth, Su
-2022, "Gaussian differential privacy", Theorem 2.7) and ``mu^2`` adds under adaptive composition
-(their Corollary 3.3, from Theorem 3.2), so the round is ``mu``-GDP with ``gdp_mu``'s ``mu``: no
-approximation. Over the round's own randomness (which split of appearances x gets) the pair is a
-mixture with the same weights under both datasets, bounded by the worst split (joint convexity of
-the hockey-stick divergence). ``accounting.sample_level_bound`` adds the amplification by sampling.
+2022, "Gaussian differential privacy", Theorem 2.7; numbers as in arXiv:1905.02383, the JRSS-B
+version may number differently) and ``mu^2`` adds under adaptive composition (their Corollary 3.3,
+a consequence of their composition theorem for trade-off functions), so the round is ``mu``-GDP
+with ``gdp_mu``'s ``mu``: no approximation. Over the round's own randomness (which split of
+appearances x gets) the pair is a mixture with the same weights under both datasets, bounded by
+the worst split (joint convexity of the hockey-stick divergence). ``accounting.sample_level_bound``
+adds the amplification by sampling.
 
 Nothing here imports dp-accounting, torch or flwr: the event is a small frozen validated value,
 as ``accounting.schemes`` (errors read ``"<field> must be ...; got <value>"``).
@@ -209,10 +211,11 @@ class SampleLevelRound:
 def split_mu_squared(event: SampleLevelRound, support: int, query: int) -> float:
     """``mu^2`` of the round when x fills ``support`` support slots and ``query`` query slots.
 
-    Dong, Roth, Su (2022), Theorem 2.7 and Corollary 3.3: ``support * K`` inner Gaussian steps at
-    ``1/z_in`` each (x is in ``support`` different tasks' support sets, one step's sum each) and one
-    outer Gaussian whose sensitivity is ``query * C_out`` (first order) or
-    ``(query + 2 query_cap support) C_out`` (second order). Exact for the Gaussian releases.
+    Dong, Roth, Su (2022; arXiv:1905.02383 numbering), Theorem 2.7 and Corollary 3.3:
+    ``support * K`` inner Gaussian steps at ``1/z_in`` each (x is in ``support`` different tasks'
+    support sets, one step's sum each) and one outer Gaussian whose sensitivity is
+    ``query * C_out`` (first order) or ``(query + 2 query_cap support) C_out`` (second order).
+    Exact for the Gaussian releases.
     """
     _check_int("support", support, minimum=0)
     _check_int("query", query, minimum=0)

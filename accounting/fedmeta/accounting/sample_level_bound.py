@@ -2,15 +2,18 @@
 
 Per round (``accounting.sample_level``): conditional on the example x being sampled, the round is
 ``mu``-GDP, i.e. dominated, for every order of the hockey-stick divergence, by the Gaussian pair
-``(N(mu, 1), N(0, 1))`` (Dong, Roth, Su 2022, Proposition 2.12 / Corollary 2.13: ``mu``-GDP is
-exactly the hockey-stick curve of that pair at every epsilon, negative ones included).
+``(N(mu, 1), N(0, 1))`` (Dong, Roth, Su 2022, numbers as in arXiv:1905.02383: Proposition 2.12,
+the primal-dual conversion, and Corollary 2.13, its closed form for ``mu``-GDP: ``mu``-GDP is
+exactly the hockey-stick curve of that pair at every epsilon, negative ones included, the pair
+being symmetric).
 
 Amplification, single stage (``participants_per_round == participants``): x is included
 independently of every other example with probability ``q = example_rate``, so the round is
 dominated by the Poisson-subsampled pair of that Gaussian: remove ``((1-q) N(0,1) + q N(mu,1),
 N(0,1))``, add the mirror (Zhu, Dong, Wang 2022, "Optimal accounting of differential privacy via
-characteristic function", Poisson subsampling of a dominating pair, Theorem 11; composable by
-product over rounds, their Theorem 10). That is dp-accounting's ``PoissonSampledDpEvent(q,
+characteristic function", their result on Poisson subsampling of a dominating pair; composable by
+product over rounds, their Theorem 10, adaptive composition of dominating pairs, in the numbering
+of arXiv:2106.08567). That is dp-accounting's ``PoissonSampledDpEvent(q,
 GaussianDpEvent(1/mu))``: the Poisson-subsampled Gaussian at noise multiplier ``1/mu``.
 
 Two stages (``n1`` of ``P`` participants, then Poisson examples): the task-level argument of
@@ -21,7 +24,8 @@ sampled" (loss 0) gives the mixture ``(1 - q1) [no loss] + q1 PG(q2, 1/mu)``. Gi
 participant is sampled, x's coin is independent of every other example's, its siblings included,
 which is all Poisson amplification needs; the siblings do reveal whether the participant was
 sampled, which is why ``q1`` only weights the mixture and is not multiplied into the rate (Tombs et
-al. 2022, Theorem 3, would use ``q1 q2``: not valid, privacy-accounting note section 1).
+al. 2022, Theorem 3, would use ``q1 q2``: not valid, docs/privacy.md, "Tombs et al. (2022),
+Theorem 3, is not a valid bound for two-stage sampling").
 Tight for the pair; the only slack is in ``mu``, the worst split and worst gradients for x.
 
 Hence one sample-level round has exactly the dominating pair of the task-level
@@ -30,9 +34,9 @@ single stage): ``dominating_round``. Epsilon, delta, the round count and calibra
 task-level accountant on it (pessimistic PLD, with the RDP bound of the same pair as the
 cross-check, ``accounting.composition``): every approximation there errs towards a larger
 epsilon. The RDP of the pair bounds the real round's RDP because a pair that dominates at every
-hockey-stick order is a Blackwell garbling (Dong, Roth, Su 2022, Theorem 2.10), and Renyi
-divergences obey data processing. That round is an accounting device only: the ledger records the
-``SampleLevelRound`` itself, never the task-level stand-in.
+hockey-stick order is a Blackwell garbling (Blackwell's theorem, as Dong, Roth, Su 2022 state it
+for trade-off functions), and Renyi divergences obey data processing. That round is an accounting
+device only: the ledger records the ``SampleLevelRound`` itself, never the task-level stand-in.
 """
 
 from __future__ import annotations
