@@ -49,9 +49,8 @@ from fedmeta.cli.privacy_sample import (
 PUBLISHED_LABEL = "as published, not a valid guarantee"
 
 
-def _add_scheme_args(
-    parser: argparse.ArgumentParser, *, noise: bool = True, rounds: bool = True, levels: bool = True
-) -> None:
+def _add_sampling_group(parser: argparse.ArgumentParser) -> None:
+    """The sampling scheme's flags: two-stage, or single-stage where one of its flags is given."""
     group = parser.add_argument_group(
         "sampling scheme (two-stage unless a single-stage flag is given)"
     )
@@ -78,6 +77,12 @@ def _add_scheme_args(
         type=int,
         help="cap on one participant's tasks per round (participant-level unit)",
     )
+
+
+def _add_scheme_args(
+    parser: argparse.ArgumentParser, *, noise: bool = True, rounds: bool = True, levels: bool = True
+) -> None:
+    _add_sampling_group(parser)
     if noise:  # at --level sample: --inner- and --outer-noise-multiplier (privacy_sample.py)
         parser.add_argument("--noise-multiplier", type=float, required=not levels, help="z")
     if levels:
