@@ -168,3 +168,21 @@ def test_ledger_show_of_kept_epsilons_loads_no_composition(
     names = loaded(argv, tmp_path)
     heavy = sorted(n for n in names if n.split(".")[0] in HEAVY)
     assert not heavy, heavy
+
+
+@pytest.mark.e2e
+def test_the_first_ledger_show_after_a_run_loads_no_composition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private run keeps what ``ledger show`` prints (server/.../startup.py,
+    keep_ledger_figures), so the operator's first show after it composes nothing (issue 54)."""
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    run = subprocess.run(
+        [sys.executable, "-m", "fedmeta.cli", "simulate", "--set", "rounds=3", "--out",
+         str(tmp_path / "run"), "--set", "dataset.test_tasks=20"],
+        capture_output=True, text=True, cwd=tmp_path, check=False, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    names = loaded(["ledger", "show", "--participants"], tmp_path)
+    heavy = sorted(n for n in names if n.split(".")[0] in HEAVY)
+    assert not heavy, heavy
