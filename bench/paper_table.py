@@ -178,15 +178,20 @@ def epsilons(cfg: Any, z: float | None, rounds: int) -> dict[str, float | None]:
     return {"epsilon_thm3": published, "epsilon_moments": moments}
 
 
-def run_and_record(key: tuple[str, int, str, bool], index: int, data: Path, records: Path,
-                   stop: threading.Event) -> dict[str, Any]:  # fmt: skip
+def run_and_record(
+    key: tuple[str, int, str, bool],
+    index: int,
+    data: Path,
+    folders: tuple[Path, Path],
+    stop: threading.Event,
+) -> dict[str, Any]:
     """One run of a row, its record written atomically under RECORDS; the record."""
     from fedmeta.config_io import load_config
 
     scale_name, way, row, first_order = key
     sets = [*row_sets(SCALES[scale_name], row, first_order), f"dataset.path={data}"]
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    keep = (REPO / "runs" / "paper-table").resolve()  # each run's directory (runs/: not committed)
+    records, keep = folders  # the records' folder, and where each run's directory is kept
     keep.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"paper-{way}-{row}-", dir=keep))
     # Omniglot is public: each run is an experiment with a ledger of its own, in a state directory
@@ -270,7 +275,8 @@ def run_rows(args: argparse.Namespace) -> int:
                 for index in range(have + 1, args.runs + 1):
                     if stop.is_set():
                         return 130
-                    rec = run_and_record(key, index, Path(data).resolve(), args.records, stop)
+                    folders = (args.records, args.keep.resolve())
+                    rec = run_and_record(key, index, Path(data).resolve(), folders, stop)
                     pack(args.pack, rec)
                     print(json.dumps({k: rec[k] for k in ("scale", "way", "row", "run",
                           "test_accuracy", "epsilon_valid", "wall_s")}), flush=True)  # fmt: skip
@@ -457,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--unpack", type=Path, nargs="+", help="file packed records under --records")
     ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
+    ap.add_argument("--keep", type=Path, default=REPO / "runs" / "paper-table",
+                    help="where each run's directory is kept (runs/ is not committed)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.run:
         return run_rows(args)
