@@ -348,7 +348,7 @@ def summarise(recs: list[dict[str, Any]], key: tuple[str, int, str, bool]) -> di
         "epsilon_thm3": first("epsilon_thm3"), "epsilon_moments": first("epsilon_moments"),
         "device": sorted({r["device"] for r in runs}), "test_tasks_digest": tasks,
         "same_test_tasks_as_a": bool(base) and tasks == [base[0]["test_tasks_digest"]],
-        "paper": PAPER.get((key[1], key[2])), "command": command(key),
+        "paper": PAPER.get((key[1], key[2])) if key[0] == "gpu" else None, "command": command(key),
     }  # fmt: skip
 
 
@@ -403,9 +403,22 @@ def sinusoid_line() -> str:
     )
 
 
-def generated(recs: list[dict[str, Any]]) -> str:
-    body = markdown(table_rows(recs, ["gpu", "cpu"]))
-    return f"{START}\n{body}\n\n{sinusoid_line()}\n{END}"
+def generated(recs: list[dict[str, Any]], short: bool) -> str:
+    """The section between the markers: every row, or (``short``, the README's) the measured ones
+    and a count of the rest."""
+    rows = table_rows(recs, ["gpu", "cpu"])
+    if not short:
+        return f"{START}\n{markdown(rows)}\n\n{sinusoid_line()}\n{END}"
+    left = [f"{r['scale']} {r['way']}-way ({r['row']})" for r in rows if not r["runs"]]
+    rest = (f"Unmeasured, each with its command in [docs/results.md](docs/results.md): "
+            f"{', '.join(left)}.") if left else ""  # fmt: skip
+    body = markdown([r for r in rows if r["runs"]]) if len(left) < len(rows) else ""
+    return "\n".join(x for x in (START, body, rest, "", sinusoid_line(), END) if x is not None)
+
+
+def updated(doc: Path, recs: list[dict[str, Any]]) -> str:
+    """``doc``'s text with the generated section (the README's short one) in place."""
+    return replace_section(doc.read_text(), generated(recs, short=doc.name == "README.md"), doc)
 
 
 def replace_section(text: str, section: str, path: Path) -> str:
@@ -438,7 +451,8 @@ def plot(recs: list[dict[str, Any]], png: Path) -> None:
         ax.set_title(f"Omniglot {way}-way 1-shot")
         ax.set_xlabel("valid task-level epsilon (delta 1e-6)")
         ax.set_ylabel("test accuracy % (range over runs)")
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -476,11 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in table_rows(recs, ["gpu", "cpu"]):
             print(json.dumps(row))
         return 0
-    section = generated(recs)
     if args.check:
-        stale = [
-            p.name for p in DOCS if replace_section(p.read_text(), section, p) != p.read_text()
-        ]
+        stale = [p.name for p in DOCS if updated(p, recs) != p.read_text()]
         if stale:
             print(f"paper_table: the table in {', '.join(stale)} is not what the records give: "
                   "run python bench/paper_table.py --write", file=sys.stderr)  # fmt: skip
@@ -488,10 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.write:
         for p in DOCS:
-            p.write_text(replace_section(p.read_text(), section, p))
+            p.write_text(updated(p, recs))
         plot(recs, REPO / "docs" / "img" / "paper-table.png")
         return 0
-    print(section)
+    print(generated(recs, short=False))
     return 0
 
 
