@@ -19,7 +19,7 @@ warm start (Omniglot's background alphabets, so the evaluation split: other test
 table says), Adam 0.001; it was not chosen on validation tasks and is labelled so.
 
 Scales: ``gpu`` is the configuration as written (DP-MAML's scale); ``cpu`` a stated CPU scale of its
-own rows (500 tasks a participant, expected lot 40, 30 rounds, 200 test tasks); ``tiny`` the default
+own rows (500 tasks a participant, expected lot 20, 15 rounds, 100 test tasks); ``tiny`` the default
 suite's seconds-long check of the machinery (its records are never committed).
 
 ``--run`` is resumable: a row that already has ``--runs`` whole runs is skipped. Each run is
@@ -81,9 +81,10 @@ class Scale:
 
 SCALES = {
     "gpu": Scale("GPU (DP-MAML's scale)", (), 1600, 250, 2000),
-    "cpu": Scale("CPU scale (2 cores): 500 tasks a participant, lot 40, 30 rounds, 200 test tasks",
-                 ("dataset.tasks_per_participant=500", "rounds=30", "dataset.validation_tasks=50",
-                  "dataset.test_tasks=200", "training.eval_every=10"), 40, 30, 100),
+    "cpu": Scale("CPU scale (a shared 2-core VM, one thread a run): 500 tasks a participant, "
+                 "expected lot 20, 15 rounds, 20 validation and 100 test tasks",
+                 ("dataset.tasks_per_participant=500", "rounds=15", "dataset.validation_tasks=20",
+                  "dataset.test_tasks=100", "training.eval_every=5"), 20, 15, 50),
     "tiny": Scale("tiny (the test suite's)", ("dataset.tasks_per_participant=50", "rounds=2",
                   "dataset.validation_tasks=4", "dataset.test_tasks=10", "training.eval_every=2",
                   "training.inner_steps=1", "training.eval_inner_steps=1"), 20, 2, 2),
