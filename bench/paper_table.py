@@ -143,7 +143,7 @@ def digests(cfg: Any) -> dict[str, str | None]:
     from fedmeta.workload import build_workload
 
     tree = cfg.to_dict()
-    tree["dataset"].pop("path"), tree["privacy"].pop("ledger_path"), tree.pop("output")
+    del tree["dataset"]["path"], tree["privacy"]["ledger_path"], tree["output"]
     workload = build_workload(cfg)
     test = workload.held_out("test", cfg.dataset.test_tasks)
     warm = workload.initial_params if workload.warm_start is not None else None
@@ -334,6 +334,8 @@ def summarise(recs: list[dict[str, Any]], key: tuple[str, int, str, bool]) -> di
     acc = [100 * r["test_accuracy"] for r in runs]
     base = whole_runs(recs, (key[0], key[1], "a", False))
     tasks = sorted({r["test_tasks_digest"] for r in runs})
+    start = "public warm start" if any(r["warm_start_digest"] for r in runs) else "untrained"
+    start_accuracy = statistics.fmean(100 * r["starting_accuracy"] for r in runs) if runs else None
 
     def first(field: str) -> Any:
         found = [r[field] for r in runs if r.get(field) is not None]
@@ -343,8 +345,8 @@ def summarise(recs: list[dict[str, Any]], key: tuple[str, int, str, bool]) -> di
         "scale": key[0], "way": key[1], "row": key[2], "first_order": key[3], "runs": len(runs),
         "mean": statistics.fmean(acc) if acc else None, "min": min(acc, default=None),
         "max": max(acc, default=None), "ci95": interval(acc),
-        "untrained": 100 * statistics.fmean(r["starting_accuracy"] for r in runs) if runs else None,
-        "start": "public warm start" if any(r["warm_start_digest"] for r in runs) else "untrained",
+        "start": start, "start_accuracy": start_accuracy,
+        "untrained": start_accuracy if start == "untrained" else None,
         "epsilon_valid": first("epsilon_valid"), "delta": first("delta") if key[2] != "a" else None,
         "epsilon_thm3": first("epsilon_thm3"), "epsilon_moments": first("epsilon_moments"),
         "device": sorted({r["device"] for r in runs}), "test_tasks_digest": tasks,
@@ -376,10 +378,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         eps = ["-" if r["row"] == "a" else f"{_num(r['epsilon_valid'], '.2f')} "
                f"(delta {r['delta']:g})", _num(r["epsilon_thm3"], ".2f"),
                _num(r["epsilon_moments"], ".2f")]  # fmt: skip
+        start = f"{r['start']} ({r['start_accuracy']:.1f})"
         lines.append(f"| {r['scale']} | {r['way']} | {name} | {r['runs']} | {r['mean']:.1f} | "
-                     f"{r['min']:.1f}-{r['max']:.1f} | {ci} | {r['start']} ({r['untrained']:.1f}) "
-                     "| "
-                     f"{' | '.join(eps)} | {r['paper'] or '-'} |")  # fmt: skip
+                     f"{r['min']:.1f}-{r['max']:.1f} | {ci} | {start} | {' | '.join(eps)} | "
+                     f"{r['paper'] or '-'} |")  # fmt: skip
     devices = sorted({d for r in rows for d in r["device"]})
     scales = sorted({r["scale"] for r in rows}, key=list(SCALES).index)
     notes = [
