@@ -157,3 +157,25 @@ def test_tiny_scale_records_packs_resumes_unpacks(tmp_path: Path, shared_omniglo
     ]
     assert subprocess.run(unpack, capture_output=True, text=True, timeout=300).returncode == 0
     assert [p.name for p in (tmp_path / "b").iterdir()] == [path.name]
+
+
+@pytest.mark.integration
+def test_a_recorded_rows_test_tasks_are_the_ones_its_configuration_gives_today(
+    shared_omniglot: Path,
+) -> None:
+    # Issue 50: the same configuration gives the same test tasks in every version. The committed
+    # records pin the digests; the CPU scale's configuration rebuilt now must give them again.
+    from fedmeta.config_io import load_config
+
+    pt = _table()
+    recs = [r for r in pt.load_records() if r["scale"] == "cpu" and r["row"] in "abc"]
+    if not recs:
+        pytest.skip("no CPU-scale record of rows (a)-(c) committed")
+    rec = recs[0]
+    sets = [*pt.row_sets(pt.SCALES["cpu"], rec["row"], rec["first_order"]),
+            f"dataset.path={shared_omniglot}"]  # fmt: skip
+    digests = pt.digests(load_config(pt.config_of(rec["way"]), sets))
+    assert digests["test_tasks_digest"] == rec["test_tasks_digest"]
+    assert {r["test_tasks_digest"] for r in recs if r["way"] == rec["way"]} == {
+        rec["test_tasks_digest"]
+    }
