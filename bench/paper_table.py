@@ -446,6 +446,7 @@ def plot(recs: list[dict[str, Any]], png: Path) -> None:
                     continue
                 if r["row"] == "a":
                     ax.axhline(r["mean"], ls="--", c="grey", label=f"{scale} (a) non-private")
+                    ax.axhline(r["start_accuracy"], ls=":", c="black", label=f"{scale} untrained")
                     continue
                 err = [[r["mean"] - r["min"]], [r["max"] - r["mean"]]]
                 ax.errorbar([r["epsilon_valid"]], [r["mean"]], yerr=err, marker=marker, capsize=3,
@@ -456,6 +457,8 @@ def plot(recs: list[dict[str, Any]], png: Path) -> None:
         ax.set_ylabel("test accuracy % (range over runs)")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "no runs recorded", transform=ax.transAxes, ha="center")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
