@@ -165,6 +165,17 @@ def test_readme_commands_are_found() -> None:
         assert "--experiment" in c.words and c.status == 0, c.line
 
 
+def test_readme_is_short_and_its_results_are_the_generated_table() -> None:
+    # Issue 54: the commands, what fedmeta does, the results table and links; the long form lives
+    # in docs/usage.md. The table between the markers is bench/paper_table.py's (its --check, run by
+    # tests/test_paper_table.py, says whether it is what the records give).
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 200, len(text.splitlines())
+    results = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    assert "<!-- paper-table:start" in results and "<!-- paper-table:end -->" in results
+    assert "(docs/results.md)" in results and (REPO / "docs" / "usage.md").is_file()
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(3600)  # about 2 minutes on 2 idle cores; a loaded machine takes many times it
 def test_readme_commands_run_in_order_short(tmp_path: Path) -> None:

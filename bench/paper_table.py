@@ -1,0 +1,516 @@
+"""DP-MAML's table (issue 50), generated from one JSON record a run under results/paper-table/.
+
+    python bench/paper_table.py                 # the table, Markdown, from the committed records
+    python bench/paper_table.py --json          # one JSON object a row
+    python bench/paper_table.py --check         # exit 1 when README.md / docs/results.md differ
+    python bench/paper_table.py --write         # write the table there (between its markers), plot
+    OMNIGLOT_DIR=/path/to/omniglot python bench/paper_table.py --run --scale gpu --pack "$OUT"
+    OMNIGLOT_DIR=/path/to/omniglot nice python bench/paper_table.py --run --scale cpu --ways 5 \
+        --rows a c --runs 3
+    python bench/paper_table.py --unpack PACK.jsonl   # a device window's records into results/
+
+Rows, for 5-way and 20-way 1-shot Omniglot, all from ``configs/dpmaml-omniglot-{5,20}way.toml``
+(DP-MAML's recipe): (a) non-private; (b) DP-MAML's noise, z = 1 on fixed lots (1,600 at the GPU
+scale) for the scale's rounds (250), reported with three epsilons: the moments-accountant reading
+DP-MAML used (RDP of Poisson sampling at q = lot / tasks), Tombs et al. 2022 Theorem 3 as published
+(NOT valid), and the valid one the ledger enforced; (c) the recipe calibrated to a valid
+(1.5, 1e-6); (d) a candidate design at a valid (1.5, 1e-6): the recipe from a declared public
+warm start (Omniglot's background alphabets, so the evaluation split: other test tasks, which the
+table says), Adam 0.001; it was not chosen on validation tasks and is labelled so.
+
+Scales: ``gpu`` is the configuration as written (DP-MAML's scale); ``cpu`` a stated CPU scale of its
+own rows (500 tasks a participant, expected lot 20, 15 rounds, 100 test tasks); ``tiny`` the default
+suite's seconds-long check of the machinery (its records are never committed).
+
+``--run`` is resumable: a row that already has ``--runs`` whole runs is skipped. Each run is
+recorded atomically (written to a temporary file, then renamed) as soon as it ends, and appended to
+``--pack DIR``'s ``paper-table-records.jsonl`` (default ``$OUT`` when set), the one file a device
+window brings back; ``--unpack`` files those records here. A first SIGINT/SIGTERM stops the run in
+progress as bench/results.py does: it is recorded as interrupted (never counted) and no run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import results  # noqa: E402  (bench/results.py: run_one, provenance, machine; it drops bench/ again)
+
+RECORDS = REPO / "results" / "paper-table"
+FORMAT = "fedmeta-paper-table-record-v1"
+PACK_NAME = "paper-table-records.jsonl"
+DOCS = (REPO / "README.md", REPO / "docs" / "results.md")
+START, END = "<!-- paper-table:start (bench/paper_table.py --write) -->", "<!-- paper-table:end -->"
+WAYS = (5, 20)
+ROWS = ("a", "b", "c", "d")
+#: DP-MAML's Table 3 (MAML's column for (a), DP-MAML's at its claimed (1.5, 1e-6) for (b)).
+PAPER = {(5, "a"): "99.5", (20, "a"): "96.4", (5, "b"): "93.9", (20, "b"): "88.0"}
+WHAT = {
+    "a": "non-private, the recipe",
+    "b": "DP-MAML's noise: z = 1, fixed lots",
+    "c": "the recipe at a valid (1.5, 1e-6)",
+    "d": "candidate: public warm start, Adam 0.001, (1.5, 1e-6); not chosen on validation",
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One scale: overrides on the recipe, and the expected lot and rounds they give."""
+
+    label: str
+    sets: tuple[str, ...]
+    lot: int  # expected tasks a round (row b: exactly, lot / 20 per participant)
+    rounds: int
+    warm_steps: int  # row d's public pre-training steps
+
+
+SCALES = {
+    "gpu": Scale("GPU (DP-MAML's scale)", (), 1600, 250, 2000),
+    "cpu": Scale("CPU scale (a shared 2-core VM, one thread a run): 500 tasks a participant, "
+                 "expected lot 20, 15 rounds, 20 validation and 100 test tasks",
+                 ("dataset.tasks_per_participant=500", "rounds=15", "dataset.validation_tasks=20",
+                  "dataset.test_tasks=100", "training.eval_every=5"), 20, 15, 50),
+    "tiny": Scale("tiny (the test suite's)", ("dataset.tasks_per_participant=50", "rounds=2",
+                  "dataset.validation_tasks=4", "dataset.test_tasks=10", "training.eval_every=2",
+                  "training.inner_steps=1", "training.eval_inner_steps=1"), 20, 2, 2),
+}  # fmt: skip
+
+
+def config_of(way: int) -> Path:
+    return REPO / "configs" / f"dpmaml-omniglot-{way}way.toml"
+
+
+def row_sets(scale: Scale, row: str, first_order: bool) -> list[str]:
+    """The overrides of one row at one scale (the data's path comes last, apart)."""
+    sets = [*scale.sets, "sampling.task_rate=" + f"{scale.lot / (20 * _tasks(scale)):g}"]
+    if row == "a":
+        sets.append("privacy.enabled=false")
+    elif row == "b":  # fixed lots of exactly `lot`; a budget wide enough for z = 1 to run them all
+        sets += ["sampling.stage2=fixed", f"sampling.tasks_per_round={max(1, scale.lot // 20)}",
+                 "privacy.noise_multiplier=1.0", "privacy.epsilon_budget=100"]  # fmt: skip
+    elif row == "d":
+        sets += ["dataset.split=evaluation", "public.warm_start=true", "training.meta_lr=0.001",
+                 f"public.steps={scale.warm_steps}"]  # fmt: skip
+    return [*sets, "training.first_order=true"] if first_order else sets
+
+
+def _tasks(scale: Scale) -> int:
+    found = [s.split("=")[1] for s in scale.sets if s.startswith("dataset.tasks_per_participant=")]
+    return int(found[0]) if found else 20_000
+
+
+# --- one run -------------------------------------------------------------------------------------
+
+
+def commit() -> str:
+    """This checkout's commit (``+dirty``: uncommitted changes); without git, $FEDMETA_COMMIT."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True,
+                               check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FEDMETA_COMMIT", "unknown")
+    return head + ("+dirty" if dirty else "")
+
+
+def _digest(parts: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h.hexdigest()
+
+
+def digests(cfg: Any) -> dict[str, str | None]:
+    """The configuration's digest (where the data lies and where outputs go left out), and the
+    digests of the test tasks and of the starting model when it is a public warm start."""
+    from fedmeta.workload import build_workload
+
+    tree = cfg.to_dict()
+    del tree["dataset"]["path"], tree["privacy"]["ledger_path"], tree["output"]
+    workload = build_workload(cfg)
+    test = workload.held_out("test", cfg.dataset.test_tasks)
+    warm = workload.initial_params if workload.warm_start is not None else None
+    return {
+        "config_digest": _digest([json.dumps(tree, sort_keys=True).encode()]),
+        "test_tasks_digest": _digest([t.contiguous().numpy().tobytes() for t in test]),
+        "warm_start_digest": None if warm is None else _digest([warm.numpy().tobytes()]),
+    }
+
+
+def epsilons(cfg: Any, z: float | None, rounds: int) -> dict[str, float | None]:
+    """Theorem 3 as published and DP-MAML's moments-accountant reading, for the run's sampler."""
+    from fedmeta.accounting import (
+        FlatPoissonScheme,
+        GaussianRound,
+        TwoStageFixedScheme,
+        TwoStagePoissonScheme,
+        epsilon,
+        tombs2022_published_epsilon,
+    )
+
+    if z is None or not cfg.privacy.enabled or rounds == 0:
+        return {"epsilon_thm3": None, "epsilon_moments": None}
+    p, s = cfg.federation.participants, cfg.sampling
+    scheme: Any = (TwoStagePoissonScheme(p, cfg.n1, s.task_rate) if s.stage2 == "poisson" else
+                   TwoStageFixedScheme(p, cfg.n1, s.tasks_per_round, cfg.min_tasks))  # fmt: skip
+    rate = scheme.largest_inclusion_probability  # DP-MAML's q = L / N_train
+    # Abadi et al.'s moments accountant is an RDP bound for Poisson sampling at q: DP-MAML applied
+    # it to its lots whatever their sampling; dp-accounting's RDP is the same bound on finer orders.
+    moments = epsilon([(GaussianRound(FlatPoissonScheme(rate), z), rounds)], cfg.privacy.delta,
+                      "task", "rdp")  # fmt: skip
+    published = tombs2022_published_epsilon(GaussianRound(scheme, z), rounds, cfg.privacy.delta)
+    return {"epsilon_thm3": published, "epsilon_moments": moments}
+
+
+def run_and_record(
+    key: tuple[str, int, str, bool],
+    index: int,
+    data: Path,
+    folders: tuple[Path, Path],
+    stop: threading.Event,
+) -> dict[str, Any]:
+    """One run of a row, its record written atomically under RECORDS; the record."""
+    from fedmeta.config_io import load_config
+
+    scale_name, way, row, first_order = key
+    sets = [*row_sets(SCALES[scale_name], row, first_order), f"dataset.path={data}"]
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    records, keep = folders  # the records' folder, and where each run's directory is kept
+    keep.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"paper-{way}-{row}-", dir=keep))
+    # Omniglot is public: each run is an experiment with a ledger of its own, in a state directory
+    # of its own, so repeated runs never compose, and it reports what its test tasks had seen.
+    os.environ["FEDMETA_STATE_DIR"] = str(work / "state")
+    sets.append(f"privacy.experiment=dpmaml-{way}way-{row}")
+    out = results.run_one(config_of(way), sets, work, stop)
+    cfg = load_config(config_of(way), sets)
+    rec = {
+        "format": FORMAT, "scale": scale_name, "way": way, "row": row, "first_order": first_order,
+        "run": index, "commit": commit(), "device": results.machine_description(),
+        "started": started, "ended": datetime.now(UTC).isoformat(timespec="seconds"),
+        "test_accuracy": out["final_metric"], "test_accuracy_ci95": out["final_metric_ci95"],
+        "starting_accuracy": out["starting_metric"], "epsilon_valid": out["epsilon_spent"],
+        **epsilons(cfg, out["noise_multiplier"], out["rounds_completed"] or 0),
+        **digests(cfg), "run_dir": work.name, **out,
+        **results.provenance("paper-table", config_of(way), results.machine_description()),
+    }  # fmt: skip
+    write_atomically(records / record_name(rec), rec)
+    return rec
+
+
+def record_name(rec: dict[str, Any]) -> str:
+    variant = "-first-order" if rec["first_order"] else ""
+    cut = "-interrupted" if rec.get("stopped_reason") == "interrupted" else ""
+    stamp = rec["started"].replace(":", "").replace("+0000", "Z")
+    return f"{rec['scale']}-{rec['way']}way-{rec['row']}{variant}-{stamp}-{rec['run']}{cut}.json"
+
+
+def write_atomically(path: Path, rec: dict[str, Any]) -> None:
+    """The record whole or not at all: a temporary file in the same folder, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as sink:
+        sink.write(json.dumps(rec, indent=1, sort_keys=True) + "\n")
+        sink.flush()
+        os.fsync(sink.fileno())
+    os.replace(tmp, path)
+
+
+def pack(pack_dir: Path | None, rec: dict[str, Any]) -> None:
+    """Append ``rec`` to the window's one file, as one line, at once."""
+    if pack_dir is None:
+        return
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    with (pack_dir / PACK_NAME).open("a") as sink:
+        sink.write(json.dumps(rec, sort_keys=True) + "\n")
+        sink.flush()
+        os.fsync(sink.fileno())
+
+
+def unpack(pack_files: list[Path], records: Path) -> int:
+    """File a window's records under RECORDS (one file each; one already there is kept)."""
+    added = 0
+    for path in pack_files:
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a killed window: that run is lost
+                continue
+            if rec.get("format") == FORMAT and not (records / record_name(rec)).exists():
+                write_atomically(records / record_name(rec), rec)
+                added += 1
+    return added
+
+
+def run_rows(args: argparse.Namespace) -> int:
+    """Run what each asked row still lacks; skip rows that have their runs."""
+    data = os.environ.get("OMNIGLOT_DIR")
+    if not data or not Path(data).is_dir():
+        print("paper_table: set OMNIGLOT_DIR to the Omniglot folder (images_background.npz ...)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    stop = threading.Event()
+    restore = results._stop_on_signals(stop)
+    try:
+        for way in args.ways:
+            for row in args.rows:
+                key = (args.scale, way, row, args.first_order)
+                have = len(whole_runs(load_records(args.records), key))
+                for index in range(have + 1, args.runs + 1):
+                    if stop.is_set():
+                        return 130
+                    folders = (args.records, args.keep.resolve())
+                    rec = run_and_record(key, index, Path(data).resolve(), folders, stop)
+                    pack(args.pack, rec)
+                    print(json.dumps({k: rec[k] for k in ("scale", "way", "row", "run",
+                          "test_accuracy", "epsilon_valid", "wall_s")}), flush=True)  # fmt: skip
+    finally:
+        restore()
+    return 0
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+def load_records(where: Path = RECORDS) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(where.glob("*.json"))]
+
+
+def whole_runs(recs: list[dict[str, Any]], key: tuple[str, int, str, bool]) -> list[dict[str, Any]]:
+    return [r for r in recs if (r["scale"], r["way"], r["row"], r["first_order"]) == key
+            and r.get("stopped_reason") != "interrupted"]  # fmt: skip
+
+
+def interval(values: list[float]) -> list[float] | None:
+    """95% Student-t interval of the mean over runs (None below 2 runs)."""
+    from scipy import stats
+
+    if len(values) < 2:
+        return None
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return [statistics.fmean(values) - half, statistics.fmean(values) + half]
+
+
+def command(key: tuple[str, int, str, bool]) -> str:
+    scale, way, row, first_order = key
+    nice = "nice " if scale == "cpu" else ""
+    variant = " --first-order" if first_order else ""
+    return (f"OMNIGLOT_DIR=/path/to/omniglot {nice}python bench/paper_table.py --run --scale "
+            f"{scale} --ways {way} --rows {row} --runs 3{variant}")  # fmt: skip
+
+
+def table_rows(recs: list[dict[str, Any]], scales: list[str]) -> list[dict[str, Any]]:
+    """One row per (scale, way, row, first order), measured or not."""
+    keys = {(s, w, r, False) for s in scales for w in WAYS for r in ROWS}
+    keys |= {
+        (r["scale"], r["way"], r["row"], r["first_order"]) for r in recs if r["scale"] in scales
+    }
+    return [summarise(recs, key) for key in sorted(keys, key=_order)]
+
+
+def _order(key: tuple[str, int, str, bool]) -> tuple[int, int, str, bool]:
+    return (list(SCALES).index(key[0]), key[1], key[2], key[3])
+
+
+def summarise(recs: list[dict[str, Any]], key: tuple[str, int, str, bool]) -> dict[str, Any]:
+    runs = whole_runs(recs, key)
+    acc = [100 * r["test_accuracy"] for r in runs]
+    base = whole_runs(recs, (key[0], key[1], "a", False))
+    tasks = sorted({r["test_tasks_digest"] for r in runs})
+    start = "public warm start" if any(r["warm_start_digest"] for r in runs) else "untrained"
+    start_accuracy = statistics.fmean(100 * r["starting_accuracy"] for r in runs) if runs else None
+
+    def first(field: str) -> Any:
+        found = [r[field] for r in runs if r.get(field) is not None]
+        return max(found) if found else None
+
+    return {
+        "scale": key[0], "way": key[1], "row": key[2], "first_order": key[3], "runs": len(runs),
+        "mean": statistics.fmean(acc) if acc else None, "min": min(acc, default=None),
+        "max": max(acc, default=None), "ci95": interval(acc),
+        "start": start, "start_accuracy": start_accuracy,
+        "untrained": start_accuracy if start == "untrained" else None,
+        "epsilon_valid": first("epsilon_valid"), "delta": first("delta") if key[2] != "a" else None,
+        "epsilon_thm3": first("epsilon_thm3"), "epsilon_moments": first("epsilon_moments"),
+        "device": sorted({r["device"] for r in runs}), "test_tasks_digest": tasks,
+        "same_test_tasks_as_a": bool(base) and tasks == [base[0]["test_tasks_digest"]],
+        "paper": PAPER.get((key[1], key[2])) if key[0] == "gpu" else None, "command": command(key),
+    }  # fmt: skip
+
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| scale | way | row | runs | accuracy % (mean) | range | 95% CI over runs | start "
+        "(its accuracy) | eps valid | eps Thm 3 (not valid) | eps moments (DP-MAML's reading) "
+        "| DP-MAML reports |\n|" + "---|" * 12
+    )
+    lines = [head]
+    for r in rows:
+        name = f"({r['row']}) {WHAT[r['row']]}" + (", first order" if r["first_order"] else "")
+        if r["row"] != "a" and r["runs"] and not r["same_test_tasks_as_a"]:
+            name += ", other test tasks than (a)"
+        if not r["runs"]:
+            lines.append(f"| {r['scale']} | {r['way']} | {name} | 0 | unmeasured: `{r['command']}` "
+                         f"| | | | | | | {r['paper'] or '-'} |")  # fmt: skip
+            continue
+        ci = "-" if r["ci95"] is None else f"{r['ci95'][0]:.1f}-{r['ci95'][1]:.1f}"
+        eps = ["-" if r["row"] == "a" else f"{_num(r['epsilon_valid'], '.2f')} "
+               f"(delta {r['delta']:g})", _num(r["epsilon_thm3"], ".2f"),
+               _num(r["epsilon_moments"], ".2f")]  # fmt: skip
+        start = f"{r['start']} ({r['start_accuracy']:.1f})"
+        lines.append(f"| {r['scale']} | {r['way']} | {name} | {r['runs']} | {r['mean']:.1f} | "
+                     f"{r['min']:.1f}-{r['max']:.1f} | {ci} | {start} | {' | '.join(eps)} | "
+                     f"{r['paper'] or '-'} |")  # fmt: skip
+    devices = sorted({d for r in rows for d in r["device"]})
+    scales = sorted({r["scale"] for r in rows}, key=list(SCALES).index)
+    notes = [
+        f"Scales: {'; '.join(f'{s}: {SCALES[s].label}' for s in scales)}. Devices: "
+        f"{'; '.join(devices) or 'none yet'}. One JSON record a run in `results/paper-table/`."
+    ]
+    return "\n".join([*lines, "", *notes])
+
+
+def sinusoid_line() -> str:
+    """The default sinusoid job's row, from its existing records (bench/results.py summary)."""
+    rows = results.summarise([REPO / "results" / "sinusoid-current20.jsonl"])
+    parts = []
+    for r in sorted(rows, key=lambda r: (r["private"], -float(r["overrides"][0].split("=")[1])
+                                         if r["private"] else 0)):  # fmt: skip
+        name = r["overrides"][0].split("=")[1] if r["private"] else "non-private"
+        label = name if name == "non-private" else f"epsilon {float(name):g}"
+        parts.append(f"{label} {r['mean']:.3f} ({r['min']:.3f}-{r['max']:.3f}, {r['runs']} runs)")
+    return (
+        "Sinusoid, the default main job (`configs/sinusoid.toml`, test MSE after adaptation, "
+        "delta 1e-5, `results/sinusoid-current20.jsonl`): " + "; ".join(parts) + "."
+    )
+
+
+def generated(recs: list[dict[str, Any]], short: bool) -> str:
+    """The section between the markers: every row, or (``short``, the README's) the measured ones
+    and a count of the rest."""
+    rows = table_rows(recs, ["gpu", "cpu"])
+    if not short:
+        return f"{START}\n{markdown(rows)}\n\n{sinusoid_line()}\n{END}"
+    left = [f"{r['scale']} {r['way']}-way ({r['row']})" for r in rows if not r["runs"]]
+    rest = (f"Unmeasured, each with its command in [docs/results.md](docs/results.md): "
+            f"{', '.join(left)}.") if left else ""  # fmt: skip
+    body = markdown([r for r in rows if r["runs"]]) if len(left) < len(rows) else ""
+    return "\n".join(x for x in (START, body, rest, "", sinusoid_line(), END) if x is not None)
+
+
+def updated(doc: Path, recs: list[dict[str, Any]]) -> str:
+    """``doc``'s text with the generated section (the README's short one) in place."""
+    return replace_section(doc.read_text(), generated(recs, short=doc.name == "README.md"), doc)
+
+
+def replace_section(text: str, section: str, path: Path) -> str:
+    if START not in text or END not in text:
+        raise SystemExit(f"paper_table: {path} has no {START} ... {END} markers: add them")
+    before, rest = text.split(START, 1)
+    return before + section + rest.split(END, 1)[1]
+
+
+def plot(recs: list[dict[str, Any]], png: Path) -> None:
+    """Accuracy against the valid epsilon, a panel per way; non-private and start as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, way in zip(axes, WAYS, strict=True):
+        for scale, marker in (("gpu", "o"), ("cpu", "s")):
+            for r in table_rows(recs, [scale]):
+                if r["way"] != way or not r["runs"]:
+                    continue
+                if r["row"] == "a":
+                    ax.axhline(r["mean"], ls="--", c="grey", label=f"{scale} (a) non-private")
+                    ax.axhline(r["start_accuracy"], ls=":", c="black", label=f"{scale} untrained")
+                    continue
+                err = [[r["mean"] - r["min"]], [r["max"] - r["mean"]]]
+                ax.errorbar([r["epsilon_valid"]], [r["mean"]], yerr=err, marker=marker, capsize=3,
+                            label=f"{scale} ({r['row']})")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_title(f"Omniglot {way}-way 1-shot")
+        ax.set_xlabel("valid task-level epsilon (delta 1e-6)")
+        ax.set_ylabel("test accuracy % (range over runs)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+        else:
+            ax.text(0.5, 0.5, "no runs recorded", transform=ax.transAxes, ha="center")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="one JSON object a row")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the docs' table is stale")
+    ap.add_argument("--write", action="store_true", help="write the table into the docs, and plot")
+    ap.add_argument("--run", action="store_true", help="run the rows that lack runs")
+    ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
+    ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--runs", type=int, default=3, help="runs a row must have")
+    ap.add_argument("--first-order", action="store_true", help="the labelled first-order variant")
+    ap.add_argument(
+        "--pack",
+        type=Path,
+        default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+        help="append each record to DIR/" + PACK_NAME + " (default $OUT)",
+    )
+    ap.add_argument("--unpack", type=Path, nargs="+", help="file packed records under --records")
+    ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
+    ap.add_argument("--keep", type=Path, default=REPO / "runs" / "paper-table",
+                    help="where each run's directory is kept (runs/ is not committed)")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.run:
+        return run_rows(args)
+    if args.unpack:
+        print(f"paper_table: {unpack(args.unpack, args.records)} new records in {args.records}")
+        return 0
+    recs = load_records(args.records)
+    if args.json:
+        for row in table_rows(recs, ["gpu", "cpu"]):
+            print(json.dumps(row))
+        return 0
+    if args.check:
+        stale = [p.name for p in DOCS if updated(p, recs) != p.read_text()]
+        if stale:
+            print(f"paper_table: the table in {', '.join(stale)} is not what the records give: "
+                  "run python bench/paper_table.py --write", file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    if args.write:
+        for p in DOCS:
+            p.write_text(updated(p, recs))
+        plot(recs, REPO / "docs" / "img" / "paper-table.png")
+        return 0
+    print(generated(recs, short=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
