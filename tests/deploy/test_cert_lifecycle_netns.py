@@ -434,7 +434,7 @@ def _check_answered_after(fed: LocalFederation, spent: int, remaining: int) -> N
 
     ckpt = load_checkpoint(fed.work / "runs" / "run2")
     assert ckpt is not None
-    after = [o for o in ckpt["outcomes"] if o["round"] > spent + 1]
+    after = [o for o in ckpt.outcomes if o["round"] > spent + 1]
     assert after, f"no round of run 2 started after the revocation (it had spent {spent})"
     for o in after:
         assert o["participants_registered"] == remaining and o["participants_replied"] >= 1, o
