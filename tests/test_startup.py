@@ -174,8 +174,8 @@ def test_ledger_show_of_kept_epsilons_loads_no_composition(
 def test_the_first_ledger_show_after_a_run_loads_no_composition(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A private run keeps what ``ledger show`` prints (server/.../startup.py,
-    keep_ledger_figures), so the operator's first show after it composes nothing (issue 54)."""
+    """A private run keeps what ``ledger show`` prints (``Ledger.keep_figures`` at the run's end),
+    so the operator's first show after it composes nothing (issue 54)."""
     monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
     run = subprocess.run(
         [sys.executable, "-m", "fedmeta.cli", "simulate", "--set", "rounds=3", "--out",

@@ -149,6 +149,9 @@ class LinearLedger:
     def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
         """Public data spends nothing, and this fake keeps no declarations."""
 
+    def keep_figures(self) -> None:
+        """A linear epsilon is not composed: nothing to keep."""
+
     def close(self) -> None:
         """Nothing to release."""
         self._closed = True

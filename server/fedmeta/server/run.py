@@ -69,7 +69,6 @@ from fedmeta.server.startup import (
     RunPosition,
     forecast_run,
     initial_state,
-    keep_ledger_figures,
     model_selection,
     plan_and_budget,
     refuse_to_overwrite_run,
@@ -462,7 +461,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     eps = ctx.release.epsilons()  # {}: a non-private run
     completed = len(run_spends(ctx.ledger, ctx.run_id)) if ctx.ledger else run.next_round
     if ctx.ledger is not None:
-        keep_ledger_figures(ctx.ledger)
+        ctx.ledger.keep_figures()  # for the first `ledger show` after the run (issue 54)
     ci = None if final is None else (final.ci95_low, final.ci95_high)
     ctx.observers.run_finished(RunFinished(
         ctx.run_id, ctx.federation_id, completed, stopped, eps.get("epsilon_task"),

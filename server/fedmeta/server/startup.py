@@ -129,23 +129,6 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     return ledger
 
 
-def keep_ledger_figures(ledger: Ledger) -> None:
-    """Compose, at a run's end, what ``fedmeta ledger show`` prints.
-
-    PLD and RDP at task level, RDP at participant level: the first show after the run then reads
-    them from the epsilon cache (open_budget) instead of importing the composition libraries
-    (issue 54). Nothing is read from the cache here, and nothing of it is released.
-    """
-    if not isinstance(ledger, BudgetLedger):
-        return
-    ledger.epsilon()
-    ledger.epsilon(method="rdp")
-    try:
-        ledger.epsilon(unit="participant", method="rdp")
-    except ValueError:  # no participants, or no recorded cap: ledger show prints none either
-        pass
-
-
 def run_spends(ledger: Ledger, run_id: str) -> list[int]:
     """Round indices this run has spent, from the ledger (the source of truth)."""
     return sorted(r.round_index for r in ledger.records() if r.run_id == run_id)

@@ -217,6 +217,19 @@ class BudgetLedger(LedgerAppend):
         """
         self._epsilon_cache = cache
 
+    def keep_figures(self) -> None:
+        """Compose what ``fedmeta ledger show`` prints: PLD and RDP at task level, RDP per participant.
+
+        With ``keep_epsilons`` set, the first show after a run reads them from the cache instead of
+        importing the composition libraries (issue 54). Nothing is read from the cache here.
+        """
+        self.epsilon()
+        self.epsilon(method="rdp")
+        try:
+            self.epsilon(unit="participant", method="rdp")
+        except ValueError:  # no participants, or no recorded cap: ledger show prints none either
+            pass
+
     def _composed(self, counts: Multiset, unit: Unit, method: Method) -> float:
         """Epsilon of one participant's rounds (cached per distinct multiset)."""
         key = (counts, unit, method)

@@ -133,6 +133,10 @@ class Ledger(Protocol):
         """Declare, before the run's first spend, the public data it used (spends nothing)."""
         ...
 
+    def keep_figures(self) -> None:
+        """Compose, at a run's end, what ``fedmeta ledger show`` prints, to keep it (or nothing)."""
+        ...
+
     def close(self) -> None:
         """Release the ledger."""
         ...
