@@ -218,7 +218,7 @@ class BudgetLedger(LedgerAppend):
         self._epsilon_cache = cache
 
     def keep_figures(self) -> None:
-        """Compose what ``fedmeta ledger show`` prints: PLD and RDP at task level, RDP per participant.
+        """Compose what ``fedmeta ledger show`` prints: PLD and RDP by task, RDP by participant.
 
         With ``keep_epsilons`` set, the first show after a run reads them from the cache instead of
         importing the composition libraries (issue 54). Nothing is read from the cache here.
