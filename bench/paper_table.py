@@ -5,6 +5,7 @@
     python bench/paper_table.py --check         # exit 1 when README.md / docs/results.md differ
     python bench/paper_table.py --write         # write the table there (between its markers), plot
     OMNIGLOT_DIR=/path/to/omniglot python bench/paper_table.py --run --scale gpu --pack "$OUT"
+    OMNIGLOT_DIR=/path/to/omniglot python bench/paper_table.py --run --scale gpu --side-by-side 3
     OMNIGLOT_DIR=/path/to/omniglot nice python bench/paper_table.py --run --scale cpu --ways 5 \
         --rows a c --runs 3
     python bench/paper_table.py --unpack PACK.jsonl   # a device window's records into results/
@@ -27,6 +28,20 @@ recorded atomically (written to a temporary file, then renamed) as soon as it en
 ``--pack DIR``'s ``paper-table-records.jsonl`` (default ``$OUT`` when set), the one file a device
 window brings back; ``--unpack`` files those records here. A first SIGINT/SIGTERM stops the run in
 progress as bench/results.py does: it is recorded as interrupted (never counted) and no run starts.
+
+``--side-by-side N`` (issue 51) starts a row's missing runs N at a time, each a process of its own
+(this script's ``--run-one``) on the same device, as a batch: each run has its own directory, state
+directory and experiment ledger (a fresh budget, as one run after another has), and draws its own
+sampling and noise from the operating system (the public seed, and so the test tasks and the
+starting model, is the row's, as for runs one after another). A signal stops every run of the
+batch, each recorded as interrupted (bench/side_by_side.py). Each record says ``side_by_side``
+(how many ran together) and its ``batch``; when the batch ends its records are written again with
+its throughput: ``batch_wall_s`` (first start to last end), ``batch_runs_wall_sum_s`` (the runs'
+own ``wall_s`` summed), ``batch_whole_runs`` and ``batch_runs_per_hour``, and packed again
+(``--unpack`` files the later line). The table does not read these fields; ``--throughput`` prints
+runs an hour by device, row and N, with the speedup against one run at a time on the same device.
+
+    python bench/paper_table.py --throughput      # one JSON object per (device, row, N)
 """
 
 from __future__ import annotations
@@ -41,14 +56,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+# bench/side_by_side.py (the child processes of --side-by-side) first: results drops bench/ again.
+import side_by_side  # noqa: E402
+
+REPO = HERE.parent
 import results  # noqa: E402  (bench/results.py: run_one, provenance, machine; it drops bench/ again)
 
 RECORDS = REPO / "results" / "paper-table"
@@ -179,39 +199,49 @@ def epsilons(cfg: Any, z: float | None, rounds: int) -> dict[str, float | None]:
     return {"epsilon_thm3": published, "epsilon_moments": moments}
 
 
-def run_and_record(
-    key: tuple[str, int, str, bool],
-    index: int,
-    data: Path,
-    folders: tuple[Path, Path],
-    stop: threading.Event,
-) -> dict[str, Any]:
-    """One run of a row, its record written atomically under RECORDS; the record."""
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a row: which, where its record goes and where its directory is."""
+
+    key: tuple[str, int, str, bool]  # scale, way, row, first order
+    index: int
+    data: Path
+    records: Path
+    work: Path  # the run's own directory (state directory, ledger, outputs)
+
+
+def new_work(keep: Path, way: int, row: str) -> Path:
+    keep.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"paper-{way}-{row}-", dir=keep))
+
+
+def run_and_record(spec: RunSpec, stop: threading.Event, batch: dict[str, Any]) -> dict[str, Any]:
+    """One run of a row, its record (with ``batch``'s fields) written atomically; the record."""
     from fedmeta.config_io import load_config
 
-    scale_name, way, row, first_order = key
-    sets = [*row_sets(SCALES[scale_name], row, first_order), f"dataset.path={data}"]
+    scale_name, way, row, first_order = spec.key
+    sets = [*row_sets(SCALES[scale_name], row, first_order), f"dataset.path={spec.data}"]
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    records, keep = folders  # the records' folder, and where each run's directory is kept
-    keep.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"paper-{way}-{row}-", dir=keep))
     # Omniglot is public: each run is an experiment with a ledger of its own, in a state directory
-    # of its own, so repeated runs never compose, and it reports what its test tasks had seen.
-    os.environ["FEDMETA_STATE_DIR"] = str(work / "state")
+    # of its own, so repeated runs (one after another or side by side) never compose, and it
+    # reports what its test tasks had seen. An experiment's ledger is not a production ledger: it
+    # is neither entered in the registry of ledgers nor checked against it, so runs side by side on
+    # the same data do not refuse each other (server/fedmeta/server/ledger_witness.py).
+    os.environ["FEDMETA_STATE_DIR"] = str(spec.work / "state")
     sets.append(f"privacy.experiment=dpmaml-{way}way-{row}")
-    out = results.run_one(config_of(way), sets, work, stop)
+    out = results.run_one(config_of(way), sets, spec.work, stop)
     cfg = load_config(config_of(way), sets)
     rec = {
         "format": FORMAT, "scale": scale_name, "way": way, "row": row, "first_order": first_order,
-        "run": index, "commit": commit(), "device": results.machine_description(),
+        "run": spec.index, "commit": commit(), "device": results.machine_description(),
         "started": started, "ended": datetime.now(UTC).isoformat(timespec="seconds"),
         "test_accuracy": out["final_metric"], "test_accuracy_ci95": out["final_metric_ci95"],
         "starting_accuracy": out["starting_metric"], "epsilon_valid": out["epsilon_spent"],
         **epsilons(cfg, out["noise_multiplier"], out["rounds_completed"] or 0),
-        **digests(cfg), "run_dir": work.name, **out,
+        **digests(cfg), "run_dir": spec.work.name, **out, **batch,
         **results.provenance("paper-table", config_of(way), results.machine_description()),
     }  # fmt: skip
-    write_atomically(records / record_name(rec), rec)
+    write_atomically(spec.records / record_name(rec), rec)
     return rec
 
 
@@ -245,45 +275,204 @@ def pack(pack_dir: Path | None, rec: dict[str, Any]) -> None:
 
 
 def unpack(pack_files: list[Path], records: Path) -> int:
-    """File a window's records under RECORDS (one file each; one already there is kept)."""
-    added = 0
+    """File a window's records under RECORDS, one file each. A run packed twice (as it ended, then
+    with its batch's throughput) is filed as packed last; a record already here is kept unless the
+    packed one only adds fields to it."""
+    latest: dict[str, dict[str, Any]] = {}
     for path in pack_files:
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a killed window: that run is lost
                 continue
-            if rec.get("format") == FORMAT and not (records / record_name(rec)).exists():
-                write_atomically(records / record_name(rec), rec)
-                added += 1
+            if rec.get("format") == FORMAT:
+                latest[record_name(rec)] = rec
+    added = 0
+    for name, rec in latest.items():
+        here = records / name
+        if here.exists():
+            old = json.loads(here.read_text())
+            if old == rec or any(rec.get(k, object()) != v for k, v in old.items()):
+                continue
+        write_atomically(here, rec)
+        added += 1
     return added
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What every run of a ``--run`` shares: the data, where records, run directories and the pack
+    go, and how many runs start side by side."""
+
+    data: Path
+    records: Path
+    keep: Path
+    pack: Path | None
+    side_by_side: int
+
+
 def run_rows(args: argparse.Namespace) -> int:
-    """Run what each asked row still lacks; skip rows that have their runs."""
+    """Run what each asked row still lacks, ``--side-by-side`` at a time; skip rows that have
+    their runs. 130: stopped by a signal; 1: a run ended without a record."""
     data = os.environ.get("OMNIGLOT_DIR")
     if not data or not Path(data).is_dir():
         print("paper_table: set OMNIGLOT_DIR to the Omniglot folder (images_background.npz ...)",
               file=sys.stderr)  # fmt: skip
         return 2
+    plan = Plan(Path(data).resolve(), args.records, args.keep.resolve(), args.pack,
+                args.side_by_side)  # fmt: skip
     stop = threading.Event()
-    restore = results._stop_on_signals(stop)
+    children = side_by_side.Children(stop)
+    restore = (results._stop_on_signals(stop) if plan.side_by_side == 1
+               else side_by_side.forward_signals(stop, children))  # fmt: skip
     try:
         for way in args.ways:
             for row in args.rows:
                 key = (args.scale, way, row, args.first_order)
-                have = len(whole_runs(load_records(args.records), key))
-                for index in range(have + 1, args.runs + 1):
+                have = len(whole_runs(load_records(plan.records), key))
+                missing = list(range(have + 1, args.runs + 1))
+                for at in range(0, len(missing), plan.side_by_side):
                     if stop.is_set():
                         return 130
-                    folders = (args.records, args.keep.resolve())
-                    rec = run_and_record(key, index, Path(data).resolve(), folders, stop)
-                    pack(args.pack, rec)
-                    print(json.dumps({k: rec[k] for k in ("scale", "way", "row", "run",
-                          "test_accuracy", "epsilon_valid", "wall_s")}), flush=True)  # fmt: skip
+                    indices = missing[at : at + plan.side_by_side]
+                    if not run_batch(key, indices, plan, stop, children):
+                        return 130 if stop.is_set() else 1
     finally:
         restore()
+    return 130 if stop.is_set() else 0
+
+
+def run_batch(
+    key: tuple[str, int, str, bool],
+    indices: list[int],
+    plan: Plan,
+    stop: threading.Event,
+    children: side_by_side.Children,
+) -> bool:
+    """Runs ``indices`` of a row together (one: in this process, as before side by side existed),
+    each recorded as it ends, then again with the batch's throughput; whether all left a record."""
+    batch = {"side_by_side": len(indices), "batch": uuid.uuid4().hex[:12]}
+    t0 = time.perf_counter()
+    if plan.side_by_side == 1:
+        work = new_work(plan.keep, key[1], key[2])
+        recs = [run_and_record(RunSpec(key, indices[0], plan.data, plan.records, work), stop,
+                               batch)]  # fmt: skip
+    else:
+        recs = run_children(key, indices, plan, children, batch)
+        if len(recs) != len(indices):
+            return False
+    finish_batch(recs, time.perf_counter() - t0, plan)
+    return True
+
+
+def run_children(
+    key: tuple[str, int, str, bool],
+    indices: list[int],
+    plan: Plan,
+    children: side_by_side.Children,
+    batch: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Each of ``indices`` as a child process of this script (``--run-one``), all at once; the
+    records of those that left one, each packed and printed as it ends."""
+    scale, way, row, first_order = key
+    works = {}
+    for index in indices:
+        if children.stop.is_set():  # stopped before all started: those not started never run
+            break
+        work = new_work(plan.keep, way, row)
+        argv = [sys.executable, str(Path(__file__).resolve()), "--run-one", str(index),
+                "--work", str(work), "--batch", json.dumps(batch), "--scale", scale,
+                "--ways", str(way), "--rows", row, "--records", str(plan.records),
+                *(["--first-order"] if first_order else [])]  # fmt: skip
+        works[children.start(argv, work / "child.out", work / "child.err").pid] = (index, work)
+    recs: list[dict[str, Any]] = []
+
+    def ended(proc: subprocess.Popen[bytes]) -> None:
+        index, work = works[proc.pid]
+        lines = (work / "child.out").read_text().splitlines()
+        if proc.returncode != 0 or not lines:
+            err = (work / "child.err").read_text(errors="replace").strip().splitlines()
+            print(f"paper_table: run {index} of {scale} {way}-way ({row}) ended (exit "
+                  f"{proc.returncode}) without a record; its log: {work / 'child.err'}: "
+                  f"{err[-1] if err else ''}", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        recs.append(json.loads(lines[-1]))
+        pack(plan.pack, recs[-1])
+        _say(recs[-1])
+
+    children.wait(ended)
+    return recs
+
+
+def finish_batch(recs: list[dict[str, Any]], wall: float, plan: Plan) -> None:
+    """The batch's throughput into each of its records (rewritten atomically), then packed: runs
+    an hour of whole runs over the batch's wall, and the runs' own walls summed beside it (their
+    sum over the batch's wall is how far they overlapped)."""
+    whole = [r for r in recs if r.get("stopped_reason") != "interrupted"]
+    fields = {"batch_wall_s": round(wall, 1),
+              "batch_runs_wall_sum_s": round(sum(r["wall_s"] for r in recs), 1),
+              "batch_whole_runs": len(whole),
+              "batch_runs_per_hour": round(3600 * len(whole) / wall, 3)}  # fmt: skip
+    for rec in recs:
+        rec.update(fields)
+        write_atomically(plan.records / record_name(rec), rec)
+        pack(plan.pack, rec)
+        if plan.side_by_side == 1:
+            _say(rec)
+
+
+def _say(rec: dict[str, Any]) -> None:
+    print(json.dumps({k: rec[k] for k in ("scale", "way", "row", "run", "test_accuracy",
+                                          "epsilon_valid", "wall_s")}), flush=True)  # fmt: skip
+
+
+def run_child(args: argparse.Namespace) -> int:
+    """``--run-one``: one run in this process, a child of a ``--side-by-side`` batch; its record
+    on stdout. Its own handler stops it at a signal (recorded as interrupted), as a run alone."""
+    stop = threading.Event()
+    restore = results._stop_on_signals(stop)
+    side_by_side.ready_for_signals()
+    try:
+        key = (args.scale, args.ways[0], args.rows[0], args.first_order)
+        data = Path(os.environ["OMNIGLOT_DIR"]).resolve()
+        spec = RunSpec(key, args.run_one, data, args.records, args.work)
+        rec = run_and_record(spec, stop, json.loads(args.batch))
+    finally:
+        restore()
+    print(json.dumps(rec), flush=True)
     return 0
+
+
+def throughput(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs an hour by device, row and runs side by side, over batches whose runs all ended whole,
+    with ``speedup_vs_one``: against the same row on the same device one run at a time."""
+    batches: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        if r.get("batch_wall_s") is not None:
+            batches.setdefault(r["batch"], []).append(r)
+    groups: dict[tuple[Any, ...], list[list[dict[str, Any]]]] = {}
+    for runs in batches.values():
+        if len(runs) == runs[0]["side_by_side"] == runs[0]["batch_whole_runs"]:
+            r = runs[0]
+            key = (r["device"], r["scale"], r["way"], r["row"], r["first_order"], r["side_by_side"])
+            groups.setdefault(key, []).append(runs)
+    rows = []
+    for key, done in sorted(groups.items()):
+        wall = sum(runs[0]["batch_wall_s"] for runs in done)
+        runs = sum(len(runs) for runs in done)
+        rows.append({"device": key[0], "scale": key[1], "way": key[2], "row": key[3],
+                     "first_order": key[4], "side_by_side": key[5], "batches": len(done),
+                     "runs": runs, "runs_per_hour": round(3600 * runs / wall, 3),
+                     "mean_run_wall_s": round(statistics.fmean(
+                         r["wall_s"] for b in done for r in b), 1),
+                     "overlap": round(sum(b[0]["batch_runs_wall_sum_s"] for b in done) / wall,
+                                      3)})  # fmt: skip
+    alone = {tuple(r[k] for k in ("device", "scale", "way", "row", "first_order")): r
+             for r in rows if r["side_by_side"] == 1}  # fmt: skip
+    for r in rows:
+        one = alone.get(tuple(r[k] for k in ("device", "scale", "way", "row", "first_order")))
+        r["speedup_vs_one"] = round(r["runs_per_hour"] / one["runs_per_hour"], 3) if one else None
+    return rows
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -485,9 +674,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
     ap.add_argument("--keep", type=Path, default=REPO / "runs" / "paper-table",
                     help="where each run's directory is kept (runs/ is not committed)")  # fmt: skip
+    ap.add_argument("--side-by-side", type=int, default=1, metavar="N",
+                    help="--run: start a row's missing runs N at a time, each a process of its "
+                    "own on the same device (default 1: one after another, in this process)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="runs an hour by device, row and --side-by-side, from the records")
+    ap.add_argument("--run-one", type=int, help=argparse.SUPPRESS)  # a --side-by-side child
+    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--batch", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.side_by_side < 1:
+        ap.error(f"--side-by-side must be >= 1 (runs started together); got {args.side_by_side}")
+    if args.run_one is not None:
+        return run_child(args)
     if args.run:
         return run_rows(args)
+    if args.throughput:
+        for row in throughput(load_records(args.records)):
+            print(json.dumps(row))
+        return 0
     if args.unpack:
         print(f"paper_table: {unpack(args.unpack, args.records)} new records in {args.records}")
         return 0

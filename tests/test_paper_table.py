@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,84 @@ def test_a_recorded_rows_test_tasks_are_the_ones_its_configuration_gives_today(
     assert {r["test_tasks_digest"] for r in recs if r["way"] == rec["way"]} == {
         rec["test_tasks_digest"]
     }
+
+
+def _tiny_command(tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--run", "--scale", "tiny", "--ways", "5", "--rows", "b",
+            "--runs", "2", "--records", str(tmp_path / "rec"), "--pack", str(tmp_path / "out"),
+            "--keep", str(tmp_path / "runs"), *extra]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_side_by_side_runs_stop_together_and_resume_with_their_own_ledgers(
+    tmp_path: Path, shared_omniglot: Path
+) -> None:
+    # Issue 51: two runs of row (b) at once, each a process with its own state directory, ledger
+    # and noise. A SIGINT to the command stops both (each recorded as interrupted, neither
+    # counted); the same command again completes the row side by side; a third runs nothing.
+    import signal
+    import time
+
+    from fedmeta.accounting import BudgetLedger
+
+    env = {**os.environ, "OMNIGLOT_DIR": str(shared_omniglot),
+           "FEDMETA_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    env.pop("OUT", None)
+    args = _tiny_command(tmp_path, "--side-by-side", "2")
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("runs/*/child.err"))) < 2 and proc.poll() is None:
+        assert time.monotonic() < deadline, "the side-by-side runs did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err[-3000:]
+    cut = [json.loads(p.read_text()) for p in sorted((tmp_path / "rec").iterdir())]
+    assert len(cut) == 2 and all(r["stopped_reason"] == "interrupted" for r in cut), err[-3000:]
+    assert all(r["side_by_side"] == 2 and r["batch_whole_runs"] == 0 for r in cut)
+    assert not _table().whole_runs(cut, ("tiny", 5, "b", False))  # neither counted
+
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "rec").iterdir())]
+    whole = _table().whole_runs(recs, ("tiny", 5, "b", False))
+    assert sorted(r["run"] for r in whole) == [1, 2] and len(recs) == 4
+    one, two = whole
+    assert one.keys() == two.keys()  # records of equal shape
+    assert one["side_by_side"] == two["side_by_side"] == 2 and one["batch"] == two["batch"]
+    assert one["batch_whole_runs"] == 2 and one["batch_runs_per_hour"] > 0
+    assert one["batch_runs_wall_sum_s"] == pytest.approx(one["wall_s"] + two["wall_s"], abs=0.2)
+    # The public seed, so the test tasks, is the row's; everything private is each run's own.
+    assert one["test_tasks_digest"] == two["test_tasks_digest"]
+    assert one["run_dir"] != two["run_dir"]
+    ledgers = [tmp_path / "runs" / r["run_dir"] / "state" / "experiments" / "dpmaml-5way-b.sqlite"
+               for r in (one, two)]  # fmt: skip
+    assert len({BudgetLedger.describe(p).ledger_id for p in ledgers}) == 2
+    # Each a fresh budget: a ledger holds its own run's two rounds, and both spent the same epsilon
+    # (one run's), as runs one after another do.
+    for path, rec in zip(ledgers, (one, two), strict=True):
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            spends = conn.execute("SELECT count(*) FROM spends").fetchone()[0]
+        finally:
+            conn.close()
+        assert spends == rec["rounds_completed"] == 2
+    assert one["epsilon_valid"] == pytest.approx(two["epsilon_valid"])
+    # Their own noise: the adaptive clip follows a noisy count, so its released values differ.
+    clips = [(tmp_path / "runs" / r["run_dir"]).glob("run-*/rounds.csv") for r in (one, two)]
+    assert len({next(c).read_text().splitlines()[-1].split(",")[-1] for c in clips}) == 2
+
+    again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout == "", again.stdout[-2000:]
+    # The table does not depend on how the runs ran.
+    pt = _table()
+    bare = [{k: v for k, v in r.items() if not k.startswith(("batch", "side_by_side"))}
+            for r in recs]  # fmt: skip
+    assert pt.markdown(pt.table_rows(recs, ["tiny"])) == pt.markdown(pt.table_rows(bare, ["tiny"]))
+    # The pack holds each run as it ended and again with its batch's figures: the later is filed.
+    unpack = [sys.executable, str(SCRIPT), "--unpack", str(tmp_path / "out" / pt.PACK_NAME),
+              "--records", str(tmp_path / "filed")]  # fmt: skip
+    assert subprocess.run(unpack, capture_output=True, text=True, timeout=300).returncode == 0
+    filed = {p.name: json.loads(p.read_text()) for p in (tmp_path / "filed").iterdir()}
+    assert filed == {p.name: json.loads(p.read_text()) for p in (tmp_path / "rec").iterdir()}
