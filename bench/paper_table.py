@@ -452,7 +452,8 @@ def throughput(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             batches.setdefault(r["batch"], []).append(r)
     groups: dict[tuple[Any, ...], list[list[dict[str, Any]]]] = {}
     for runs in batches.values():
-        if len(runs) == runs[0]["side_by_side"] == runs[0]["batch_whole_runs"]:
+        whole = all(r.get("stopped_reason") != "interrupted" for r in runs)
+        if whole and len(runs) == runs[0]["side_by_side"]:
             r = runs[0]
             key = (r["device"], r["scale"], r["way"], r["row"], r["first_order"], r["side_by_side"])
             groups.setdefault(key, []).append(runs)

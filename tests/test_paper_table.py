@@ -80,6 +80,47 @@ def test_check_sees_a_table_that_differs_from_the_records(tmp_path: Path) -> Non
         pt.replace_section(doc.read_text(), "x", doc)
 
 
+def _batch(name: str, n: int, wall: float, run_wall: float, row: str = "a") -> list[Any]:
+    fields = {"side_by_side": n, "batch": name, "batch_wall_s": wall, "wall_s": run_wall,
+              "batch_runs_wall_sum_s": n * run_wall, "batch_whole_runs": n}  # fmt: skip
+    return [{**_record(row, i, 0.9), **fields} for i in range(1, n + 1)]
+
+
+@pytest.mark.unit
+def test_throughput_is_runs_an_hour_by_side_by_side_against_one_at_a_time() -> None:
+    pt = _table()
+    alone = _batch("x1", 1, 100.0, 100.0) + _batch("x2", 1, 100.0, 100.0)  # 36 runs an hour
+    three = _batch("y", 3, 120.0, 110.0)  # 90 runs an hour
+    cut = _batch("z", 3, 50.0, 50.0)
+    cut[0]["stopped_reason"] = "interrupted"  # a batch with a cut run is not a throughput
+    old = [_record("a", 9, 0.9)]  # before side by side: no batch figures, left out
+    rows = {r["side_by_side"]: r for r in pt.throughput(alone + three + cut + old)}
+    assert rows[1]["runs_per_hour"] == pytest.approx(36.0) and rows[1]["batches"] == 2
+    assert rows[3]["runs_per_hour"] == pytest.approx(90.0) and rows[3]["runs"] == 3
+    assert rows[3]["speedup_vs_one"] == pytest.approx(2.5) and rows[1]["speedup_vs_one"] == 1.0
+    assert rows[3]["overlap"] == pytest.approx(330 / 120, abs=1e-3)
+    # Another row or device is not "one at a time" for this one.
+    other = pt.throughput(_batch("w", 3, 120.0, 110.0, row="c") + alone)
+    assert next(r for r in other if r["row"] == "c")["speedup_vs_one"] is None
+
+
+@pytest.mark.unit
+def test_unpack_files_a_runs_later_line_and_keeps_a_conflicting_record(tmp_path: Path) -> None:
+    pt = _table()
+    first = {**_record("a", 1, 0.9), "format": pt.FORMAT, "side_by_side": 2}
+    later = {**first, "batch_wall_s": 10.0}
+    pack = tmp_path / "pack.jsonl"
+    pack.write_text(json.dumps(first) + "\n" + json.dumps(later) + "\n" + '{"cut')
+    assert pt.unpack([pack], tmp_path / "rec") == 1
+    (path,) = (tmp_path / "rec").iterdir()
+    assert json.loads(path.read_text()) == later
+    pt.write_atomically(path, first)  # filed before the batch ended: the later line completes it
+    assert pt.unpack([pack], tmp_path / "rec") == 1 and json.loads(path.read_text()) == later
+    pt.write_atomically(path, {**first, "test_accuracy": 0.5})  # another run's: kept
+    assert pt.unpack([pack], tmp_path / "rec") == 0
+    assert json.loads(path.read_text())["test_accuracy"] == 0.5
+
+
 @pytest.mark.integration
 def test_the_committed_tables_are_what_the_committed_records_give() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True,
