@@ -20,7 +20,9 @@
 # Needs python3 with torch there. fedmeta runs from this checkout's source roots; a missing
 # dependency is installed from the wheels in $WHEELS (default .device/wheels, carried with the
 # tree) into /tmp/site. bench/paper_table.py (the table's command) is called only through its
-# command line, and only when it exists and takes --pack; PAPER_TABLE_ARGS adds its arguments.
+# command line, with --side-by-side 3 (three runs of a row at once, issue 51), on the Omniglot npz
+# in $OMNIGLOT_DIR or .device/omniglot (carried); PAPER_TABLE_ARGS replaces its rows
+# (default: --ways 5 20 --rows a b c) and may add arguments (a later --side-by-side wins).
 set -u
 : "${OUT:?OUT must name the folder whose files come back}"
 cd "$(dirname "$0")/.." || exit 2
@@ -89,22 +91,36 @@ step 20way-bf16    90 speed --way 20 --tasks-per-call 48  --precision bf16
 step 5way-tf32     60 speed --way 5  --tasks-per-call 192 --precision tf32
 step 5way-bf16-384 60 speed --way 5  --tasks-per-call 384 --precision bf16
 
-# The table's rows with what is left (the other engineer's command, when it is there).
+# The table's rows with what is left, three runs of a row side by side on the GPU (issue 51): each
+# its own process, ledger, sampling and noise. Records go to $STATE/paper-table (a warm machine
+# keeps it; seeded with the committed ones, so rows that have their runs are skipped) and each into
+# $OUT/paper-table-records.jsonl as it ends (`python bench/paper_table.py --unpack` files them).
+# The Omniglot npz: $OMNIGLOT_DIR, else .device/omniglot (carried with the tree, like the wheels).
+TABLE_DATA=${OMNIGLOT_DIR:-.device/omniglot}
+TABLE_ARGS="--run --scale gpu --side-by-side 3 --records $STATE/paper-table --pack $OUT"
 if [ -n "${GPU_WINDOW_STEPS:-}" ]; then
     say "paper table: not asked for (GPU_WINDOW_STEPS)"
-elif [ -f bench/paper_table.py ] && $PY bench/paper_table.py --help 2>/dev/null | grep -q -- --pack; then
-    budget=$(($(left) - 15))
-    if [ "$budget" -ge 60 ] && [ -z "${GPU_WINDOW_DRY:-}" ]; then
-        say "paper table: up to ${budget}s"
-        # shellcheck disable=SC2086  # PAPER_TABLE_ARGS is a list of words
-        timeout -s INT -k 15 "$budget" $PY bench/paper_table.py --pack "$OUT" ${PAPER_TABLE_ARGS:-} \
-            >>"$LOG" 2>&1
+elif ! $PY bench/paper_table.py --help 2>/dev/null | grep -q -- --side-by-side; then
+    say "paper table: bench/paper_table.py with --side-by-side is not in this checkout; skipped"
+elif [ ! -f "$TABLE_DATA/images_background.npz" ]; then
+    say "paper table: no Omniglot npz in $TABLE_DATA (set OMNIGLOT_DIR or carry .device/omniglot); skipped"
+else
+    budget=$(($(left) - 30))
+    # shellcheck disable=SC2086  # TABLE_ARGS and PAPER_TABLE_ARGS are lists of words
+    set -- $PY bench/paper_table.py $TABLE_ARGS ${PAPER_TABLE_ARGS:---ways 5 20 --rows a b c}
+    if [ -n "${GPU_WINDOW_DRY:-}" ]; then
+        say "paper table: up to ${budget}s: OMNIGLOT_DIR=$TABLE_DATA $*"
+    elif [ "$budget" -ge 60 ]; then
+        mkdir -p "$STATE/paper-table"
+        cp -n results/paper-table/*.json "$STATE/paper-table/" 2>/dev/null
+        say "paper table: up to ${budget}s: $*"
+        # SIGINT: every run in progress stops and is recorded as interrupted (never counted);
+        # 30 s later a kill (the runs die with the command).
+        OMNIGLOT_DIR=$(cd "$TABLE_DATA" && pwd) timeout -s INT -k 30 "$budget" "$@" >>"$LOG" 2>&1
         say "paper table: exit $?"
     else
         say "paper table: ${budget}s left, not started"
     fi
-else
-    say "paper table: bench/paper_table.py with --pack is not in this checkout; skipped"
 fi
 
 # Pack every record (done now or before) into one file.

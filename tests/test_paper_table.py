@@ -302,3 +302,24 @@ def test_side_by_side_runs_stop_together_and_resume_with_their_own_ledgers(
     assert subprocess.run(unpack, capture_output=True, text=True, timeout=300).returncode == 0
     filed = {p.name: json.loads(p.read_text()) for p in (tmp_path / "filed").iterdir()}
     assert filed == {p.name: json.loads(p.read_text()) for p in (tmp_path / "rec").iterdir()}
+
+
+@pytest.mark.integration
+def test_the_gpu_window_runs_the_table_three_side_by_side(tmp_path: Path) -> None:
+    # bench/gpu_window.sh's dry run prints the table's command (issue 51: three runs of a row at
+    # once on the lent GPU); without the Omniglot npz it says so and skips the table.
+    env = {**os.environ, "GPU_WINDOW_DRY": "1", "OUT": str(tmp_path / "out"),
+           "GPU_WINDOW_STATE": str(tmp_path / "st"), "PYTHON": sys.executable}  # fmt: skip
+    data = tmp_path / "omniglot"
+    data.mkdir()
+    (data / "images_background.npz").touch()
+    script = ["bash", str(REPO / "bench" / "gpu_window.sh")]
+    done = subprocess.run(script, env={**env, "OMNIGLOT_DIR": str(data)}, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if "paper table:" in x]
+    assert "bench/paper_table.py --run --scale gpu --side-by-side 3" in line
+    assert f"--pack {tmp_path / 'out'}" in line and "--ways 5 20 --rows a b c" in line
+    empty = subprocess.run(script, env={**env, "OMNIGLOT_DIR": str(tmp_path / "none")},
+                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert "paper table: no Omniglot npz" in empty.stdout, empty.stdout
