@@ -42,6 +42,7 @@ own ``wall_s`` summed), ``batch_whole_runs`` and ``batch_runs_per_hour``, and pa
 runs an hour by device, row and N, with the speedup against one run at a time on the same device.
 
     python bench/paper_table.py --throughput      # one JSON object per (device, row, N)
+    python bench/paper_table.py --throughput results/paper-table runs/paper-table-alone
 """
 
 from __future__ import annotations
@@ -678,8 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-by-side", type=int, default=1, metavar="N",
                     help="--run: start a row's missing runs N at a time, each a process of its "
                     "own on the same device (default 1: one after another, in this process)")
-    ap.add_argument("--throughput", action="store_true",
-                    help="runs an hour by device, row and --side-by-side, from the records")
+    ap.add_argument("--throughput", type=Path, nargs="*", metavar="DIR",
+                    help="runs an hour by device, row and --side-by-side, from the records in "
+                    "DIR ... (default --records)")  # fmt: skip
     ap.add_argument("--run-one", type=int, help=argparse.SUPPRESS)  # a --side-by-side child
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--batch", help=argparse.SUPPRESS)
@@ -690,8 +692,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     if args.run:
         return run_rows(args)
-    if args.throughput:
-        for row in throughput(load_records(args.records)):
+    if args.throughput is not None:
+        folders = args.throughput or [args.records]
+        for row in throughput([r for f in folders for r in load_records(f)]):
             print(json.dumps(row))
         return 0
     if args.unpack:
