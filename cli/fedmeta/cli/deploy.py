@@ -45,7 +45,6 @@ from fedmeta.cli import (
     deploy_run,
     deploy_status,
 )
-from fedmeta.cli.deploy_flwr import add_connection_args
 
 
 def register(subparsers: Any) -> None:
@@ -61,4 +60,4 @@ def register(subparsers: Any) -> None:
     deploy_participant.register(sub)
     deploy_keys.register(sub)
     deploy_local.register(sub)
-    deploy_status.register(sub, add_connection_args)
+    deploy_status.register(sub)
