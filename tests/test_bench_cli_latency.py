@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,20 +10,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from tests.bench_scripts import bench_script
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "cli_latency.py"
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_cli_latency", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _record(commit: str, command: str, case: str | None, median: float, load: float,
@@ -47,7 +38,7 @@ def test_the_docs_tables_are_what_the_records_give() -> None:
 
 
 def test_check_sees_a_stale_table_and_write_mends_it(tmp_path: Path) -> None:
-    bench = _bench()
+    bench = bench_script("cli_latency")
     records = tmp_path / "records.jsonl"
     rows = [r for c in bench.COMPARISONS for commit in (c.before, c.after)
             for r in _records(bench, commit, 0.3, 1.0 if c.quiet else 12.0, "2026-11-28T23:00")]
@@ -66,7 +57,7 @@ def test_check_sees_a_stale_table_and_write_mends_it(tmp_path: Path) -> None:
 
 
 def test_a_table_takes_the_newest_record_of_its_machine_state_and_names_a_missing_one() -> None:
-    bench = _bench()
+    bench = bench_script("cli_latency")
     old = _records(bench, "abc1234", 0.9, 1.0, "2026-11-28T10:00")
     new = _records(bench, "abc1234", 0.4, 1.5, "2026-11-28T11:00")
     loaded = _records(bench, "abc1234", 5.0, 9.0, "2026-11-28T12:00")

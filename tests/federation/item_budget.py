@@ -2,8 +2,8 @@
 
 Shared by test_content_budget.py (issue 39) and test_item_identity.py (issue 52): a budget worth
 three rounds of ``EVENT`` (not four), a small configuration of two participants over the data at
-a path, what those participants' own ClientApp code registers (their item sets), and a run that
-spends the whole budget.
+a path, what those participants' own ClientApp code registers (their item sets; also
+test_overlap_release.py's), and a run that spends the whole budget.
 """
 
 from __future__ import annotations
