@@ -147,9 +147,6 @@ def test_a_split_that_makes_participants_items_held_out_is_refused(tmp_path: Pat
     diagnostics = budget_config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
                                 "metrics.private_diagnostics=true")  # fmt: skip
     check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
-    diagnostics = budget_config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
-                                "metrics.private_diagnostics=true")  # fmt: skip
-    check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
 
 
 def _looks(seed: int, n: int) -> np.ndarray:
