@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.bench_scripts import bench_script
 from torch.utils.flop_counter import FlopCounterMode
 
 import fedmeta.metalearning as ml
@@ -22,17 +21,9 @@ RECORD_KEYS = ("device", "driver", "torch", "way", "order", "inner_steps", "seed
                "task_gradients_per_s")  # fmt: skip
 
 
-def _bench() -> ModuleType:
-    path = REPO / "bench" / "recipe_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_recipe_speed", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _args(**kw: object) -> argparse.Namespace:
-    return _bench().parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    return bench_script("recipe_speed").parse_args(flags)
 
 
 @pytest.mark.unit
@@ -40,7 +31,7 @@ def _args(**kw: object) -> argparse.Namespace:
 def test_analytic_forward_and_backward_match_the_counter(
     way: int, hidden: int, images: int
 ) -> None:
-    bench = _bench()
+    bench = bench_script("recipe_speed")
     model = ml.ConvNet4(way, hidden=hidden)
     x = torch.rand(images, 1, 28, 28)
     with FlopCounterMode(display=False) as forward:
@@ -55,14 +46,14 @@ def test_analytic_forward_and_backward_match_the_counter(
 @pytest.mark.unit
 @pytest.mark.parametrize(("way", "queries", "steps"), [(5, 1, 0), (5, 1, 2), (20, 1, 1), (5, 3, 1)])
 def test_first_order_task_gradient_matches_the_counter(way: int, queries: int, steps: int) -> None:
-    bench = _bench()
+    bench = bench_script("recipe_speed")
     args = _args(way=way, queries=queries, inner_steps=steps, order="first")
     assert bench.counted_task_flops(args) == bench.analytic_task_flops(way, 64, 1, queries, steps)
 
 
 @pytest.mark.unit
 def test_second_order_costs_more_than_first() -> None:
-    bench = _bench()
+    bench = bench_script("recipe_speed")
     first = bench.counted_task_flops(_args(order="first", inner_steps=2))
     second = bench.counted_task_flops(_args(order="second", inner_steps=2))
     # The outer backward also runs back through both inner steps' backward passes.
@@ -75,7 +66,7 @@ def test_record_on_the_cpu(tmp_path: Path, precision: str) -> None:
     out = tmp_path / "speed.jsonl"
     argv = ["--device", "cpu", "--participants", "1", "--rows", "2", "--inner-steps", "1",
             "--repeat", "1", "--precision", precision, "--out", str(out)]  # fmt: skip
-    assert _bench().main(argv) == 0
+    assert bench_script("recipe_speed").main(argv) == 0
     rec = json.loads(out.read_text().strip())
     assert set(RECORD_KEYS) <= set(rec), set(RECORD_KEYS) - set(rec)
     assert rec["precision"] == rec["precision_ran"] == precision
@@ -92,7 +83,7 @@ def test_seeds_side_by_side_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "speed.jsonl"
     argv = ["--device", "cpu", "--participants", "1", "--rows", "1", "--inner-steps", "1",
             "--repeat", "1", "--seeds", "2", "--out", str(out)]  # fmt: skip
-    assert _bench().main(argv) == 0
+    assert bench_script("recipe_speed").main(argv) == 0
     rec = json.loads(out.read_text().strip())
     assert rec["seeds"] == 2 and len(rec["per_seed"]) == 2 and rec["speedup_vs_one"] > 0
     assert rec["task_gradients_per_s_together"] == pytest.approx(
@@ -104,7 +95,7 @@ def test_seeds_side_by_side_on_the_cpu(tmp_path: Path) -> None:
 def test_cuda_without_a_device_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert _bench().main(["--device", "cuda"]) == 2
+    assert bench_script("recipe_speed").main(["--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device cuda" in err[0]
 

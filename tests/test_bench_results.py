@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from tests.bench_scripts import bench_script
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _results() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_results", REPO / "bench" / "results.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_pass_rate_is_all_or_nothing_when_every_draw_agrees() -> None:
-    results = _results()
+    results = bench_script("results")
     base = [1.0, 0.9, 1.1, 1.0, 1.0, 0.95]
     assert results.subset_pass_rate(base, base[::-1], 6, (1.15, 1.4), draws=200) == 1.0
     doubled = [2 * v for v in base]
@@ -35,14 +25,14 @@ def test_pass_rate_counts_the_worst_run_target() -> None:
     # at most 1.125 (within 1.15), so a draw fails exactly when it holds the 1.5 run, which 4 of
     # every 5 draws of 4 do. The estimate over n draws has standard error sqrt(p(1-p)/n); the
     # tolerance is 6 of them.
-    results = _results()
+    results = bench_script("results")
     private, base, draws = [1.0, 1.0, 1.0, 1.0, 1.5], [1.0] * 5, 20_000
     rate = results.subset_pass_rate(private, base, 4, (1.15, 1.4), draws=draws)
     assert abs(rate - 0.2) <= 6 * math.sqrt(0.2 * 0.8 / draws)
 
 
 def test_ratio_interval_brackets_the_ratio_of_means_within_its_extremes() -> None:
-    results = _results()
+    results = bench_script("results")
     base = [0.20, 0.25, 0.30, 0.35, 0.40]
     private = [0.30, 0.33, 0.36, 0.40, 0.45]
     low, high = results.ratio_interval(private, base)
@@ -53,7 +43,7 @@ def test_ratio_interval_brackets_the_ratio_of_means_within_its_extremes() -> Non
 
 
 def test_interrupted_runs_are_their_own_group_and_never_a_baseline(tmp_path: Path) -> None:
-    results = _results()
+    results = bench_script("results")
     rec = {"experiment": "e", "epsilon_spent": None, "final_metric": 0.3, "rounds_completed": 200,
            "stopped_reason": "planned_rounds"}  # fmt: skip
     # The interrupted baseline comes first, so a summary that took the first non-private group as
@@ -80,7 +70,7 @@ def test_interrupted_runs_are_their_own_group_and_never_a_baseline(tmp_path: Pat
 
 
 def test_runs_of_the_same_data_read_from_different_places_group(tmp_path: Path) -> None:
-    results = _results()
+    results = bench_script("results")
     rec = {"experiment": "e", "epsilon_spent": 8.0, "rounds_completed": 120,
            "stopped_reason": "planned_rounds"}  # fmt: skip
     lines = [
@@ -100,7 +90,7 @@ def test_machine_description_names_the_accelerator(monkeypatch: pytest.MonkeyPat
     # from a CPU run. The description names the cores and the GPU, or says there is none.
     import torch
 
-    results = _results()
+    results = bench_script("results")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert results.machine_description().endswith(" cores, no GPU")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -111,7 +101,7 @@ def test_machine_description_names_the_accelerator(monkeypatch: pytest.MonkeyPat
 def test_a_run_made_by_simulate_is_recorded_like_the_others(tmp_path: Path, monkeypatch) -> None:
     # The paper scale runs as `fedmeta simulate --out DIR` and `--resume --out DIR` across calls;
     # `from-run` records it from its summary.json with the fields every other record has.
-    results = _results()
+    results = bench_script("results")
     run = tmp_path / "run"
     run.mkdir()
     summary = {k: None for k in results.SUMMARY_FIELDS}

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from tests.bench_scripts import bench_script
 
 pytestmark = pytest.mark.unit
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_subspace", REPO / "bench" / "subspace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_kept_is_one_in_the_gradients_span_and_zero_orthogonal_to_it() -> None:
-    kept = _bench()._kept
+    kept = bench_script("subspace")._kept
     gen = torch.Generator().manual_seed(0)
     grads = torch.zeros(50, 10, dtype=torch.float64)
     grads[:, :3] = 0.1 * torch.randn(50, 3, generator=gen, dtype=torch.float64) + 0.05

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from tests.bench_scripts import bench_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "paper_table.py"
-
-
-def _table() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_paper_table", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _record(row: str, run: int, accuracy: float, digest: str = "t1") -> dict[str, Any]:
@@ -41,7 +31,7 @@ def _record(row: str, run: int, accuracy: float, digest: str = "t1") -> dict[str
 
 @pytest.mark.unit
 def test_a_row_is_the_mean_range_and_t_interval_of_its_whole_runs() -> None:
-    pt = _table()
+    pt = bench_script("paper_table")
     recs = [_record("b", i, acc) for i, acc in enumerate([0.90, 0.92, 0.94], 1)]
     recs.append({**_record("b", 4, 0.10), "stopped_reason": "interrupted"})  # never counted
     recs += [_record("a", i, 0.99) for i in (1, 2, 3)]
@@ -59,7 +49,7 @@ def test_a_row_is_the_mean_range_and_t_interval_of_its_whole_runs() -> None:
 
 @pytest.mark.unit
 def test_rows_without_runs_say_unmeasured_with_their_command_and_other_tasks_are_named() -> None:
-    pt = _table()
+    pt = bench_script("paper_table")
     recs = [_record("a", 1, 0.99), _record("d", 1, 0.9, digest="evaluation-split")]
     text = pt.markdown(pt.table_rows(recs, ["gpu", "cpu"]))
     assert "unmeasured: `OMNIGLOT_DIR=/path/to/omniglot python bench/paper_table.py --run " \
@@ -70,7 +60,7 @@ def test_rows_without_runs_say_unmeasured_with_their_command_and_other_tasks_are
 
 @pytest.mark.unit
 def test_check_sees_a_table_that_differs_from_the_records(tmp_path: Path) -> None:
-    pt = _table()
+    pt = bench_script("paper_table")
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{pt.START}\nold table\n{pt.END}\nrest\n")
     new = pt.replace_section(doc.read_text(), f"{pt.START}\nnew\n{pt.END}", doc)
@@ -209,7 +199,7 @@ def test_a_recorded_rows_test_tasks_are_the_ones_its_configuration_gives_today(
     # records pin the digests; the CPU scale's configuration rebuilt now must give them again.
     from fedmeta.config_io import load_config
 
-    pt = _table()
+    pt = bench_script("paper_table")
     recs = [r for r in pt.load_records() if r["scale"] == "cpu" and r["row"] in "abc"]
     if not recs:
         pytest.skip("no CPU-scale record of rows (a)-(c) committed")

@@ -133,12 +133,12 @@ def test_evaluate_reports_the_guarantee_of_the_checkpoint() -> None:
     def saved(private: bool, config: Config) -> Checkpoint:
         return Checkpoint("r", "f", torch.zeros(2), {}, 11, config, private, outcomes=rounds)
 
-    got = privacy_of(saved(True, cfg), cfg)
+    got = privacy_of(saved(True, cfg), cfg.privacy)
     assert got == {"epsilon": 2.0, "epsilon_participant": None, "epsilon_at_round": 10,
                    "delta": 1e-5, "neighbouring": "add_remove", "experiment": None}  # fmt: skip
-    assert privacy_of(saved(False, cfg), cfg)["epsilon"] is None
+    assert privacy_of(saved(False, cfg), cfg.privacy)["epsilon"] is None
     marked = Config.model_validate({"privacy": {"experiment": "sweep-4"}})
-    assert privacy_of(saved(False, marked), marked)["experiment"] == "sweep-4"
+    assert privacy_of(saved(False, marked), marked.privacy)["experiment"] == "sweep-4"
 
 
 @pytest.mark.unit

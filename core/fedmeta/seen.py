@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # a summary's line is read without torch (core/fedmeta/workload.py needs it)
-    from fedmeta.config import Config
+    from fedmeta.config_training import TrainingConfig
     from fedmeta.workload import Workload
 
 
 def trained_items(
-    workload: Workload, cfg: Config, participants: np.ndarray | None = None
+    workload: Workload, training: TrainingConfig, participants: np.ndarray | None = None
 ) -> np.ndarray | None:
-    """Every item digest the model of ``cfg`` (built as ``workload``) saw (None: unknown).
+    """Every item digest the model built as ``workload`` saw (None: unknown).
 
+    ``training``: its ``model_selection`` (``best_validation`` saw the validation classes too).
     ``participants``: the participants' items when known otherwise than from the configuration
     (a run's registrations); else the split's training classes. The sinusoid has no items (a
     generated function family): None.
@@ -40,7 +41,7 @@ def trained_items(
     if splits is None:
         return None
     parts = [splits.train.item_ids if participants is None else participants]
-    if cfg.training.model_selection == "best_validation":
+    if training.model_selection == "best_validation":
         parts.append(splits.val.item_ids)
     if workload.warm_start is not None:
         public = workload.public_classes
@@ -65,15 +66,15 @@ def seen_fraction(trained: np.ndarray, groups: Sequence[np.ndarray]) -> float:
 
 
 def trained_or_note(
-    cfg: Config, workload: Workload, participants: np.ndarray | None = None
+    training: TrainingConfig, workload: Workload, participants: np.ndarray | None = None
 ) -> tuple[np.ndarray | None, str | None]:
     """The model's training items, or None and the one line saying why they are unknown."""
     try:
-        trained = trained_items(workload, cfg, participants)
+        trained = trained_items(workload, training, participants)
     except (OSError, ValueError) as error:  # DataError is a ValueError
         return None, f"the training data of this model cannot be read ({error})"
     if trained is None:
-        where = cfg.dataset.path or cfg.dataset.name
+        where = workload.dataset.path or workload.dataset.name
         return None, (f"the training data of this model ({where}) has no item digests to "
                       "compare with: seen_fraction unknown")  # fmt: skip
     return trained, None

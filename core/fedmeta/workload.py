@@ -416,8 +416,8 @@ def source_items(cfg: Config) -> np.ndarray | None:
     return np.concatenate(parts) if parts else None
 
 
-def declared_identity(cfg: Config) -> str:
-    """The data set's declared identity: the key of its budgets, stable under edits and churn.
+def declared_identity(dataset_name: str, seed: int) -> str:
+    """The key of a data set's budgets, from ``dataset.name`` and the public ``seed``: stable.
 
     It must not change when participants come or go or edit their data, or each change would
     open a fresh budget (issue 18): the synthetic sinusoid is named by its generator and seed (the
@@ -425,9 +425,9 @@ def declared_identity(cfg: Config) -> str:
     folders composes, whatever files were added (conservative: two different folders share one
     budget family; a deployment keys participants by their node keys instead).
     """
-    if cfg.dataset.name == "sinusoid":
-        return f"sinusoid:{SINUSOID_GENERATOR}:seed={cfg.seed}"
-    return cfg.dataset.name
+    if dataset_name == "sinusoid":
+        return f"sinusoid:{SINUSOID_GENERATOR}:seed={seed}"
+    return dataset_name
 
 
 def data_fingerprint(cfg: Config | ClientConfig) -> str:

@@ -37,6 +37,13 @@ from fedmeta.accounting.sample_level_bound import (
 
 EVERY_EXAMPLE = ExampleSampling(participants=1, participants_per_round=1, example_rate=1.0)
 DELTA = 1e-5
+#: The plainest round: unit noise in both loops, one inner step, an example in one task.
+ONE_STEP_UNIT_NOISE: dict[str, Any] = {
+    "inner_noise_multiplier": 1.0,
+    "outer_noise_multiplier": 1.0,
+    "inner_steps": 1,
+    "max_appearances": 1,
+}
 
 
 def event_of(sampling: ExampleSampling = EVERY_EXAMPLE, **fields: Any) -> SampleLevelRound:
@@ -226,13 +233,7 @@ def test_epsilon_is_monotone(event: SampleLevelRound, rounds: int, factor: float
 
 @pytest.mark.unit
 def test_pld_epsilon_is_monotone_in_rounds() -> None:
-    event = event_of(
-        ExampleSampling(20, 5, 0.05),
-        inner_noise_multiplier=1.0,
-        outer_noise_multiplier=1.0,
-        inner_steps=1,
-        max_appearances=1,
-    )
+    event = event_of(ExampleSampling(20, 5, 0.05), **ONE_STEP_UNIT_NOISE)
     values = [sample_level_epsilon(event, t, DELTA) for t in (1, 10, 100, 1000, 10_000)]
     assert values == sorted(values) and values[0] > 0.0
 
@@ -271,13 +272,7 @@ def test_calibration_is_feasible_and_tight() -> None:
 
 @pytest.mark.unit
 def test_max_rounds_is_the_last_feasible_round() -> None:
-    event = event_of(
-        ExampleSampling(20, 20, 0.02),
-        inner_noise_multiplier=1.0,
-        outer_noise_multiplier=1.0,
-        inner_steps=1,
-        max_appearances=1,
-    )
+    event = event_of(ExampleSampling(20, 20, 0.02), **ONE_STEP_UNIT_NOISE)
     rounds = sample_level_max_rounds(event, 3.0, DELTA)
     assert (
         sample_level_epsilon(event, rounds, DELTA)

@@ -8,48 +8,32 @@ it are new data. Older ledgers keyed by the data set's name keep their spends.
 
 from __future__ import annotations
 
-import io
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from tests.federation.item_budget import BUDGET, DELTA, EVENT, budget_config, registered, spend_all
+from tests.omniglot_files import png, write_release
 
 import fedmeta.metalearning as ml
 from fedmeta.accounting import (
     BudgetExhausted,
     BudgetLedger,
     DataItems,
-    FlatPoissonScheme,
-    GaussianRound,
     Participant,
     epsilon,
     resolve_federation,
 )
-from fedmeta.client.gradients import registration
-from fedmeta.client_config import client_config
-from fedmeta.config import Config
 from fedmeta.config_io import load_config
-from fedmeta.protocol import RegisterRequest
 from fedmeta.server.budget_keys import CONTENT_LABEL
 from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
-
-EVENT = GaussianRound(FlatPoissonScheme(0.05), 1.0)
-DELTA = 1e-5
-BUDGET = epsilon([(EVENT, 3)], DELTA, "task") * 1.0001  # three rounds, not four
 
 
 def _drawings(seed: int, chars: int = 16) -> np.ndarray:
     """White-True masks [chars, 20, 105, 105], the npz convention."""
     return np.random.default_rng(seed).random((chars, 20, 105, 105)) > 0.1
-
-
-def _png(white: np.ndarray, mode: str = "1") -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(white).convert(mode).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _official(root: Path, white: np.ndarray, layout: str) -> Path:
@@ -62,15 +46,8 @@ def _official(root: Path, white: np.ndarray, layout: str) -> Path:
             np.savez(root / f"{part}.npz", images=block)
             continue
         files = {f"{part}/Alpha/character{c + 1:02d}/{first + c:04d}_{d + 1:02d}.png":
-                 _png(block[c, d]) for c in range(len(block)) for d in range(20)}  # fmt: skip
-        if layout == "zip":
-            with zipfile.ZipFile(root / f"{part}.zip", "w") as z:
-                for name, data in files.items():
-                    z.writestr(name, data)
-        else:
-            for name, data in files.items():
-                (root / name).parent.mkdir(parents=True, exist_ok=True)
-                (root / name).write_bytes(data)
+                 png(block[c, d]) for c in range(len(block)) for d in range(20)}  # fmt: skip
+        write_release(root, part, files, as_zip=layout == "zip")
     return root
 
 
@@ -79,36 +56,8 @@ def _class_folders(root: Path, white: np.ndarray) -> Path:
     for c in range(len(white)):
         (root / f"class{c:02d}").mkdir(parents=True)
         for d in range(20):
-            (root / f"class{c:02d}" / f"{d}.png").write_bytes(_png(white[c, d], "RGB"))
+            (root / f"class{c:02d}" / f"{d}.png").write_bytes(png(white[c, d], "RGB"))
     return root
-
-
-def _cfg(name: str, path: Path, db: Path) -> Config:
-    return load_config(None, [
-        f"dataset.name={name}", f"dataset.path={path}", "dataset.ways=3", "dataset.shots=1",
-        "dataset.query=1", "dataset.tasks_per_participant=5", "dataset.partition=even",
-        "dataset.split=background", "federation.participants=2",
-        "sampling.participants_per_round=1",
-        f"privacy.ledger_path={db}", f"privacy.epsilon_budget={BUDGET!r}",
-        f"privacy.delta={DELTA}",
-    ])  # fmt: skip
-
-
-def _registered(cfg: Config) -> list[Registered]:
-    """What the participants' own ClientApp code tells the server (items included)."""
-    request = RegisterRequest("run", client_config(cfg).model_dump_json())
-    return [
-        Registered(reg.participant_id, 100 + i, reg.task_count, reg.data_fingerprint)
-        for i, reg in enumerate(registration(request, str(i)) for i in range(2))
-    ]
-
-
-def _spend_all(cfg: Config) -> str:
-    with open_budget(cfg, _registered(cfg)) as ledger:
-        for i in range(3):
-            ledger.spend(EVENT, "first", i)
-        assert ledger.would_exceed(EVENT)
-        return ledger.federation_id
 
 
 @pytest.mark.unit
@@ -132,17 +81,17 @@ def test_the_same_drawings_through_another_loader_or_format_share_one_budget(
 ) -> None:
     db = tmp_path / "ledger.sqlite"
     white = _drawings(1)
-    fid = _spend_all(_cfg("omniglot", _official(tmp_path / "npz", white, "npz"), db))
+    fid = spend_all(budget_config("omniglot", _official(tmp_path / "npz", white, "npz"), db))
     if second in ("zip", "folder"):
-        cfg = _cfg("omniglot", _official(tmp_path / second, white, second), db)
+        cfg = budget_config("omniglot", _official(tmp_path / second, white, second), db)
     elif second == "image_folder":
-        cfg = _cfg("image_folder", _class_folders(tmp_path / "cls", white), db)
+        cfg = budget_config("image_folder", _class_folders(tmp_path / "cls", white), db)
     elif second == "subset":  # twelve of the sixteen characters, as image folders
-        cfg = _cfg("image_folder", _class_folders(tmp_path / "cls", white[2:14]), db)
+        cfg = budget_config("image_folder", _class_folders(tmp_path / "cls", white[2:14]), db)
     else:  # the same characters in another order, so other partitions
         order = np.random.default_rng(5).permutation(len(white))
-        cfg = _cfg("omniglot", _official(tmp_path / "perm", white[order], "npz"), db)
-    with open_budget(cfg, _registered(cfg)) as ledger:
+        cfg = budget_config("omniglot", _official(tmp_path / "perm", white[order], "npz"), db)
+    with open_budget(cfg, registered(cfg)) as ledger:
         assert ledger.federation_id == fid and fid.startswith(f"{CONTENT_LABEL}-")
         assert ledger.would_exceed(EVENT), f"{second}: a fresh budget for recorded drawings"
 
@@ -153,12 +102,13 @@ def test_drawings_that_share_nothing_are_new_data_and_a_superset_is_charged(
 ) -> None:
     db = tmp_path / "ledger.sqlite"
     white, other = _drawings(1), _drawings(2)
-    _spend_all(_cfg("omniglot", _official(tmp_path / "a", white, "npz"), db))
-    fresh = _cfg("image_folder", _class_folders(tmp_path / "new", other), db)
-    with open_budget(fresh, _registered(fresh)) as ledger:
+    spend_all(budget_config("omniglot", _official(tmp_path / "a", white, "npz"), db))
+    fresh = budget_config("image_folder", _class_folders(tmp_path / "new", other), db)
+    with open_budget(fresh, registered(fresh)) as ledger:
         assert ledger.rounds_affordable(EVENT) == 3  # its own budget: nothing overlaps
-    both = _cfg("omniglot", _official(tmp_path / "both", np.concatenate([white, other]), "npz"), db)
-    with open_budget(both, _registered(both)) as ledger:
+    both_path = _official(tmp_path / "both", np.concatenate([white, other]), "npz")
+    both = budget_config("omniglot", both_path, db)
+    with open_budget(both, registered(both)) as ledger:
         assert ledger.would_exceed(EVENT)  # a superset touches the spent records
 
 
@@ -170,8 +120,8 @@ def test_a_ledger_keyed_by_the_data_sets_name_keeps_its_spends(tmp_path: Path) -
     with BudgetLedger.open(db, old, BUDGET, DELTA, participants=people) as ledger:
         for i in range(3):
             ledger.spend(EVENT, "before-issue-39", i)
-    cfg = _cfg("omniglot", _official(tmp_path / "npz", _drawings(3), "npz"), db)
-    with open_budget(cfg, _registered(cfg)) as ledger:
+    cfg = budget_config("omniglot", _official(tmp_path / "npz", _drawings(3), "npz"), db)
+    with open_budget(cfg, registered(cfg)) as ledger:
         assert ledger.federation_id != old
         assert ledger.would_exceed(EVENT)  # inherited, charged to every participant
         assert ledger.epsilon() == pytest.approx(epsilon([(EVENT, 3)], DELTA, "task"))
@@ -231,7 +181,7 @@ def test_an_altered_omniglot_npz_is_refused_as_an_experiment(
         root.mkdir()
         for part, block in (("images_background", background), ("images_evaluation", evaluation)):
             np.savez(root / f"{part}.npz", images=block[..., ::-1] if flip else block)
-        cfg = _cfg("omniglot", root, tmp_path / "l.sqlite").model_copy(deep=True)
+        cfg = budget_config("omniglot", root, tmp_path / "l.sqlite").model_copy(deep=True)
         cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
             update={"experiment": "x", "ledger_path": None})})  # fmt: skip
         if flip:
@@ -251,11 +201,11 @@ def test_enabling_node_keys_or_replacing_them_keeps_the_budget(tmp_path: Path, d
     replacing every key. The budget affords 3: the second and third are refused at the budget."""
     db = tmp_path / "ledger.sqlite"
     if data == "omniglot":
-        cfg = _cfg("omniglot", _official(tmp_path / "npz", _drawings(6), "npz"), db)
+        cfg = budget_config("omniglot", _official(tmp_path / "npz", _drawings(6), "npz"), db)
     else:
         cfg = load_config(None, [f"privacy.ledger_path={db}", f"privacy.delta={DELTA}",
                                  f"privacy.epsilon_budget={BUDGET!r}"])  # fmt: skip
-    plain = _registered(cfg) if data == "omniglot" else [
+    plain = registered(cfg) if data == "omniglot" else [
         Registered(str(i), 100 + i, 10, f"sinusoid:{i}") for i in range(2)]  # fmt: skip
     with open_budget(cfg, plain) as ledger:
         for i in range(3):
@@ -285,16 +235,16 @@ def test_a_second_ledger_path_for_recorded_data_is_refused_naming_the_first(
     path = _official(tmp_path / "npz", _drawings(7), "npz")
     first, second = tmp_path / "a" / "ledger.sqlite", tmp_path / "b" / "ledger.sqlite"
     first.parent.mkdir()
-    _spend_all(_cfg("omniglot", path, first))
-    cfg = _cfg("omniglot", path, second)
+    spend_all(budget_config("omniglot", path, first))
+    cfg = budget_config("omniglot", path, second)
     with pytest.raises(LedgerElsewhere) as refused:
-        open_budget(cfg, _registered(cfg))
+        open_budget(cfg, registered(cfg))
     message = str(refused.value)
     assert "\n" not in message and f"recorded in ledger {first}" in message
     assert f"fedmeta ledger backup --db {first} --to {second}" in message
     assert not second.exists() and not second.parent.exists(), "a refused run created a ledger"
-    other = _cfg("omniglot", _official(tmp_path / "other", _drawings(8), "npz"), second)
-    open_budget(other, _registered(other)).close()  # other data: a ledger of its own is fine
+    other = budget_config("omniglot", _official(tmp_path / "other", _drawings(8), "npz"), second)
+    open_budget(other, registered(other)).close()  # other data: a ledger of its own is fine
 
 
 @pytest.mark.integration
@@ -308,12 +258,12 @@ def test_a_restored_state_directory_is_caught_by_the_witness_outside_it(
 
     path = _official(tmp_path / "npz", _drawings(9), "npz")
     db = isolated_state_dir / "ledger.sqlite"
-    cfg = _cfg("omniglot", path, db)
-    with open_budget(cfg, _registered(cfg)) as ledger:
+    cfg = budget_config("omniglot", path, db)
+    with open_budget(cfg, registered(cfg)) as ledger:
         ledger.spend(EVENT, "first", 0)
     backup = tmp_path / "state-backup"
     shutil.copytree(isolated_state_dir, backup)  # the whole state directory, anchor included
-    with open_budget(cfg, _registered(cfg)) as ledger:
+    with open_budget(cfg, registered(cfg)) as ledger:
         ledger.spend(EVENT, "second", 0)
         ledger.spend(EVENT, "second", 1)
         assert ledger.anchor() is not None and ledger.anchor()["spends"] == 3  # type: ignore[index]
@@ -321,12 +271,12 @@ def test_a_restored_state_directory_is_caught_by_the_witness_outside_it(
     shutil.copytree(backup, isolated_state_dir)  # restored: one spend, its own anchor agrees
     assert witness_file(db).is_file() and not witness_file(db).is_relative_to(isolated_state_dir)
     with pytest.raises(LedgerRolledBack) as refused:
-        open_budget(cfg, _registered(cfg))
+        open_budget(cfg, registered(cfg))
     message = str(refused.value)
     assert "\n" not in message and "behind its witness" in message
     assert "an older copy was restored" in message and "accept-rollback --db" in message
     ledger_id = message.split("--ledger-id ")[1].split()[0]
     head = message.split("--head ")[1].split()[0]
     accept_rollback(db, "restored on purpose", ledger_id=ledger_id, head=head)
-    with open_budget(cfg, _registered(cfg)) as ledger:  # accepted on record: goes on
+    with open_budget(cfg, registered(cfg)) as ledger:  # accepted on record: goes on
         assert ledger.position() == 1

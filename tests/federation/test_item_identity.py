@@ -21,22 +21,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw
+from tests.federation.item_budget import BUDGET, DELTA, EVENT, budget_config, registered, spend_all
 
-from fedmeta.accounting import BudgetLedger, DataItems, FlatPoissonScheme, GaussianRound, epsilon
+from fedmeta.accounting import BudgetLedger, DataItems
 from fedmeta.accounting import Participant as LedgerParticipant
-from fedmeta.client.gradients import registration
-from fedmeta.client_config import client_config
-from fedmeta.config import Config
-from fedmeta.config_io import load_config
 from fedmeta.metalearning import load_image_folder
-from fedmeta.protocol import RegisterRequest
 from fedmeta.server.startup import open_budget
-from fedmeta.server.transport import Registered
 from fedmeta.workload import build_workload
 
-EVENT = GaussianRound(FlatPoissonScheme(0.05), 1.0)
-DELTA = 1e-5
-BUDGET = epsilon([(EVENT, 3)], DELTA, "task") * 1.0001  # three rounds, not four
 CHARS, DRAWINGS = 16, 20
 
 
@@ -86,32 +78,6 @@ def class_folders(root: Path, files: list[bytes], suffix: str) -> Path:
     return root
 
 
-def config(name: str, path: Path, db: Path, *extra: str) -> Config:
-    return load_config(None, [
-        f"dataset.name={name}", f"dataset.path={path}", "dataset.ways=3", "dataset.shots=1",
-        "dataset.query=1", "dataset.tasks_per_participant=5", "dataset.partition=even",
-        "dataset.split=background", "federation.participants=2",
-        "sampling.participants_per_round=1", f"privacy.ledger_path={db}",
-        f"privacy.epsilon_budget={BUDGET!r}", f"privacy.delta={DELTA}", *extra,
-    ])  # fmt: skip
-
-
-def registered(cfg: Config) -> list[Registered]:
-    """What the participants' own ClientApp code tells the server (their item sets)."""
-    request = RegisterRequest("run", client_config(cfg).model_dump_json())
-    return [
-        Registered(reg.participant_id, 100 + i, reg.task_count, reg.data_fingerprint)
-        for i, reg in enumerate(registration(request, str(i)) for i in range(2))
-    ]
-
-
-def spend_all(cfg: Config) -> None:
-    with open_budget(cfg, registered(cfg)) as ledger:
-        for i in range(3):
-            ledger.spend(EVENT, "first", i)
-        assert ledger.would_exceed(EVENT)
-
-
 Copy = Callable[[list[Image.Image], Path], tuple[str, Path]]
 COPIES: dict[str, Copy] = {
     "JPEG q95, image folder": lambda ds, root: ("image_folder", class_folders(
@@ -131,9 +97,9 @@ def test_a_lossy_resized_or_cropped_copy_is_the_recorded_data(tmp_path: Path, co
     """Issue 52, item 2: each copy was a fresh budget (its exact pixels differ)."""
     db = tmp_path / "ledger.sqlite"
     drawings = strokes(1, CHARS * DRAWINGS)
-    spend_all(config("omniglot", omniglot_folders(tmp_path / "original", drawings), db))
+    spend_all(budget_config("omniglot", omniglot_folders(tmp_path / "original", drawings), db))
     name, path = COPIES[copy](drawings, tmp_path / "copy")
-    cfg = config(name, path, db)
+    cfg = budget_config(name, path, db)
     with open_budget(cfg, registered(cfg)) as ledger:
         assert ledger.would_exceed(EVENT), f"{copy}: a fresh budget for recorded drawings"
 
@@ -142,8 +108,8 @@ def test_a_lossy_resized_or_cropped_copy_is_the_recorded_data(tmp_path: Path, co
 def test_drawings_that_share_nothing_are_still_new_data(tmp_path: Path) -> None:
     """The control: the tolerance does not make every drawing a recorded one."""
     db = tmp_path / "ledger.sqlite"
-    spend_all(config("omniglot", omniglot_folders(tmp_path / "a", strokes(1, 320)), db))
-    cfg = config("omniglot", omniglot_folders(tmp_path / "b", strokes(2, 320)), db)
+    spend_all(budget_config("omniglot", omniglot_folders(tmp_path / "a", strokes(1, 320)), db))
+    cfg = budget_config("omniglot", omniglot_folders(tmp_path / "b", strokes(2, 320)), db)
     with open_budget(cfg, registered(cfg)) as ledger:
         assert ledger.rounds_affordable(EVENT) == 3
 
@@ -155,9 +121,9 @@ def test_grey_level_files_are_one_item_through_either_loader(tmp_path: Path) -> 
     db = tmp_path / "ledger.sqlite"
     drawings = strokes(3, CHARS * DRAWINGS, antialias=True)
     assert len(np.unique(np.asarray(drawings[0]))) > 2  # grey levels, not a pure drawing
-    spend_all(config("omniglot", omniglot_folders(tmp_path / "omniglot", drawings), db))
+    spend_all(budget_config("omniglot", omniglot_folders(tmp_path / "omniglot", drawings), db))
     folder = class_folders(tmp_path / "folder", [encoded(d) for d in drawings], ".png")
-    cfg = config("image_folder", folder, db)
+    cfg = budget_config("image_folder", folder, db)
     with open_budget(cfg, registered(cfg)) as ledger:
         assert ledger.would_exceed(EVENT), "the same grey-level files: a second budget"
 
@@ -171,18 +137,15 @@ def test_a_split_that_makes_participants_items_held_out_is_refused(tmp_path: Pat
     db = tmp_path / "ledger.sqlite"
     files = [encoded(d) for d in strokes(4, CHARS * DRAWINGS)]
     folder = class_folders(tmp_path / "cls", files, ".png")
-    seed0 = config("image_folder", folder, db, "seed=0", "dataset.split=dpmaml")
+    seed0 = budget_config("image_folder", folder, db, "seed=0", "dataset.split=dpmaml")
     spend_all(seed0)
     check_evaluation_data(seed0, build_workload(seed0), db)  # its own split: allowed
-    seed7 = config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml")
+    seed7 = budget_config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml")
     with pytest.raises(EvaluationDataPrivate, match=r"items are recorded as participants'") as e:
         check_evaluation_data(seed7, build_workload(seed7), db)
     assert "\n" not in str(e.value) and "seed" in str(e.value)
-    diagnostics = config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
-                         "metrics.private_diagnostics=true")  # fmt: skip
-    check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
-    diagnostics = config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
-                         "metrics.private_diagnostics=true")  # fmt: skip
+    diagnostics = budget_config("image_folder", folder, db, "seed=7", "dataset.split=dpmaml",
+                                "metrics.private_diagnostics=true")  # fmt: skip
     check_evaluation_data(diagnostics, build_workload(diagnostics), db)  # private diagnostics
 
 

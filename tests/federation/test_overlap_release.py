@@ -28,19 +28,16 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
+from tests.federation.item_budget import registered
 
 import fedmeta.metalearning as ml
 from fedmeta.accounting import DataItems, FlatPoissonScheme, GaussianRound, epsilon
-from fedmeta.client.gradients import registration
-from fedmeta.client_config import client_config
 from fedmeta.config import Config
 from fedmeta.config_io import load_config
-from fedmeta.protocol import RegisterRequest
 from fedmeta.server.app import execute
 from fedmeta.server.monitoring.live import PrometheusRunObserver
 from fedmeta.server.outputs import format_summary
 from fedmeta.server.startup import open_budget
-from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .test_release_invariance import (
@@ -89,19 +86,10 @@ def _cfg(data: Path, ledger: Path, *more: str) -> Config:
     ])  # fmt: skip
 
 
-def _registered(cfg: Config) -> list[Registered]:
-    """What the participants' own ClientApp code tells the server (items included)."""
-    request = RegisterRequest("run", client_config(cfg).model_dump_json())
-    return [
-        Registered(reg.participant_id, 100 + i, reg.task_count, reg.data_fingerprint)
-        for i, reg in enumerate(registration(request, str(i)) for i in range(2))
-    ]
-
-
 def _held(cfg: Config, data: Path) -> tuple[str, int, int]:
     """A drawing participant 0 declares (its archive, character, drawing)."""
     ids = ml.omniglot_item_ids(data, cache=False)  # archive by archive, character-major
-    items = DataItems.from_text(_registered(cfg)[0].data_fingerprint)
+    items = DataItems.from_text(registered(cfg)[0].data_fingerprint)
     if items is None:  # not AssertionError: the expected failure below is the overlap's alone
         raise TypeError("participant 0 declared no items")
     first = int(np.nonzero(np.isin(ids, items.array()))[0][0])
@@ -121,7 +109,7 @@ def _world(tmp: Path, swap_from: str) -> tuple[Path, Path]:
     ledger = tmp / "state" / "ledger.sqlite"
     earlier_data = _write(tmp / "earlier", _drawings(1))
     earlier = _cfg(earlier_data, ledger)
-    with open_budget(earlier, _registered(earlier)) as book:
+    with open_budget(earlier, registered(earlier)) as book:
         for i in range(2):
             book.spend(EARLIER, "earlier", i)
     archives = _drawings(0)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
+from tests.bench_scripts import bench_script
 
 from fedmeta.accounting import BudgetLedger
 from fedmeta.config import ConfigError
@@ -75,18 +75,6 @@ def test_a_warm_started_run_says_what_was_public(tmp_path: Path, monkeypatch) ->
     assert "PUBLIC" not in format_summary(unlabelled)
 
 
-def _signal_norm_script() -> Any:
-    """bench/signal_norm.py as a module (bench/ is scripts, not a package)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "signal_norm.py"
-    spec = importlib.util.spec_from_file_location("bench_signal_norm", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.integration
 def test_the_signal_is_measured_on_public_tasks_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -94,7 +82,7 @@ def test_the_signal_is_measured_on_public_tasks_only(
     """bench/signal_norm.py on image data: public classes, the warm start, the trained subset."""
     monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
     _tiny_omniglot(tmp_path)
-    script = _signal_norm_script()
+    script = bench_script("signal_norm")
     base = ["dataset.name=omniglot", f"dataset.path={tmp_path}", "dataset.split=evaluation",
             "dataset.ways=3", "dataset.shots=1", "dataset.query=2",
             "dataset.tasks_per_participant=20", "federation.participants=2"]  # fmt: skip

@@ -100,12 +100,15 @@ def test_nothing_seen_is_zero_and_held_out_is_the_test_score(
 def test_what_may_be_released_and_what_the_participants_declared() -> None:
     from fedmeta.accounting import DataItems
 
-    cfg = load_config(None, [])
-    assert releasable(cfg, private=False)
-    assert not releasable(cfg, private=True)
-    diag = load_config(None, ["metrics.private_diagnostics=true"])
-    assert releasable(diag, private=True)
-    assert releasable(load_config(None, ["privacy.experiment=x"]), private=True)
+    def releasable_by(sets: list[str], private: bool) -> bool:
+        cfg = load_config(None, sets)
+        return releasable(private, experiment=cfg.privacy.experiment,
+                          private_diagnostics=cfg.metrics.private_diagnostics)  # fmt: skip
+
+    assert releasable_by([], private=False)
+    assert not releasable_by([], private=True)
+    assert releasable_by(["metrics.private_diagnostics=true"], private=True)
+    assert releasable_by(["privacy.experiment=x"], private=True)
     a, b = DataItems.of([3, 1]).to_text(), DataItems.of([2, 3]).to_text()
     assert list(declared_items([a, b])) == [1, 2, 3]  # type: ignore[arg-type]
     assert declared_items([a, "sinusoid:abc"]) is None  # one declared no items: unknown

@@ -44,7 +44,8 @@ def _args(tmp: Path, sets: list[str], candidates: list[str], **kw: object) -> ar
 
 def _ledger(tmp: Path, sets: list[str]) -> BudgetLedger:
     cfg = load_config(None, sets)
-    terms = current_budget(tmp / "ledger.sqlite", declared_identity(cfg), label="sinusoid")
+    identity = declared_identity(cfg.dataset.name, cfg.seed)
+    terms = current_budget(tmp / "ledger.sqlite", identity, label="sinusoid")
     assert terms is not None
     return BudgetLedger.open_readonly(tmp / "ledger.sqlite", terms.federation_id)
 

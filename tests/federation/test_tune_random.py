@@ -46,7 +46,8 @@ def _args(tmp: Path, sets: list[str], **kw: object) -> argparse.Namespace:
 
 
 def _ledger(tmp: Path, sets: list[str]) -> BudgetLedger:
-    terms = current_budget(tmp / "ledger.sqlite", declared_identity(load_config(None, sets)),
+    cfg = load_config(None, sets)
+    terms = current_budget(tmp / "ledger.sqlite", declared_identity(cfg.dataset.name, cfg.seed),
                            label="sinusoid")  # fmt: skip
     assert terms is not None
     return BudgetLedger.open_readonly(tmp / "ledger.sqlite", terms.federation_id)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from tests.omniglot_files import png, write_release
 
 import fedmeta.metalearning as ml
 from fedmeta.metalearning import DataError, digests
@@ -23,12 +22,6 @@ def _fresh_digest_cache() -> None:
     digests._sha256_by_stat.cache_clear()  # noqa: SLF001 - each test counts its own reads
 
 
-def _png(white: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(white).convert("1").save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _omniglot(root: Path, layout: str) -> None:
     """Two background and one evaluation character, four drawings each, in ``layout``."""
     rng = np.random.default_rng(0)
@@ -39,19 +32,11 @@ def _omniglot(root: Path, layout: str) -> None:
             np.savez(root / f"{part}.npz", images=white)
             continue
         files = {
-            f"{part}/Alpha/character{c + 1:02d}/{first + c:04d}_{d + 1:02d}.png": _png(white[c, d])
+            f"{part}/Alpha/character{c + 1:02d}/{first + c:04d}_{d + 1:02d}.png": png(white[c, d])
             for c in range(n)
             for d in range(4)
         }
-        if layout == "zip":
-            root.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(root / f"{part}.zip", "w") as z:
-                for name, data in files.items():
-                    z.writestr(name, data)
-        else:
-            for name, data in files.items():
-                (root / name).parent.mkdir(parents=True, exist_ok=True)
-                (root / name).write_bytes(data)
+        write_release(root, part, files, as_zip=layout == "zip")
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from tests.omniglot_files import png, write_release
 
 import fedmeta.metalearning as ml
 from fedmeta.metalearning import ChecksumError, DataError
@@ -29,12 +27,6 @@ def _tiny_omniglot_arrays(rng: np.random.Generator, n_chars: int, n_draw: int = 
     return white
 
 
-def _png(white: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(white).convert("1").save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _write_sources(root: Path, as_zip: bool, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     arrays = {
@@ -50,15 +42,8 @@ def _write_sources(root: Path, as_zip: bool, seed: int = 0) -> dict[str, np.ndar
                 name = (
                     f"{part}/{alpha}/character{c % 2 + 1:02d}/{first[part] + c:04d}_{d + 1:02d}.png"
                 )
-                files[name] = _png(white[c, d])
-        if as_zip:
-            with zipfile.ZipFile(root / f"{part}.zip", "w") as z:
-                for n, data in files.items():
-                    z.writestr(n, data)
-        else:
-            for n, data in files.items():
-                (root / n).parent.mkdir(parents=True, exist_ok=True)
-                (root / n).write_bytes(data)
+                files[name] = png(white[c, d])
+        write_release(root, part, files, as_zip=as_zip)
     return arrays
 
 

@@ -8,6 +8,7 @@ Bad input is reported as one line naming the flag and what it must be, with exit
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -89,6 +90,16 @@ def eps_text(value: float | None, digits: int = 4) -> str:
 def json_eps(value: float) -> float | None:
     """An epsilon for JSON, which has no infinity: an unbounded epsilon is null."""
     return value if math.isfinite(value) else None
+
+
+def emit(args: argparse.Namespace, payload: dict[str, Any], rows: list[tuple[str, str]]) -> None:
+    """A command's answer: ``payload`` as JSON with ``--json``, else ``rows`` as aligned lines."""
+    if args.json:
+        print(json.dumps(payload, indent=2, sort_keys=True))
+        return
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
 
 
 def epsilon_value(text: str) -> float:

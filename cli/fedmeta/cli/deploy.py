@@ -29,7 +29,8 @@ they launch are imported (``client.supernode``, ``client.worker``: both import F
 they run), so the launched names follow the code.
 
 The commands live in modules of their own, one concept each: deploy_flwr.py (the connection to a
-SuperLink and the ``flwr`` CLI), deploy_run_config.py and deploy_run.py (what ``run`` sends, and
+SuperLink and the ``flwr`` CLI), deploy_args.py (the flags several commands share, with one
+default each), deploy_run_config.py and deploy_run.py (what ``run`` sends, and
 its run-and-wait), deploy_participant.py (``participant``, ``worker``), deploy_keys.py
 (``register``), deploy_local.py (``local``) and deploy_status.py (``status``, ``runs``).
 """
@@ -45,7 +46,6 @@ from fedmeta.cli import (
     deploy_run,
     deploy_status,
 )
-from fedmeta.cli.deploy_flwr import add_connection_args
 
 
 def register(subparsers: Any) -> None:
@@ -61,4 +61,4 @@ def register(subparsers: Any) -> None:
     deploy_participant.register(sub)
     deploy_keys.register(sub)
     deploy_local.register(sub)
-    deploy_status.register(sub, add_connection_args)
+    deploy_status.register(sub)

@@ -33,18 +33,10 @@ class DeployError(RuntimeError):
         self.status = status
 
 
-def add_connection_args(p: argparse.ArgumentParser, what: str) -> None:
-    """``--superlink``, ``--root-certificates``, ``--insecure``; defaults from the environment."""
-    env = os.environ.get
-    p.add_argument("--superlink", default=env("FEDMETA_SUPERLINK", "127.0.0.1:8000"),
-                   help=f"host:port of the SuperLink's {what} (default $FEDMETA_SUPERLINK or "
-                   "127.0.0.1:8000)")  # fmt: skip
-    p.add_argument("--root-certificates", type=Path, default=env("FEDMETA_TLS_CA") or None,
-                   help="the federation's CA certificate (default $FEDMETA_TLS_CA)")  # fmt: skip
-    p.add_argument("--insecure", action="store_true",
-                   default=env("FEDMETA_INSECURE", "0") == "1",
-                   help="no TLS: only on a private network for local tests (default "
-                   "$FEDMETA_INSECURE=1)")  # fmt: skip
+def refused(command: str, error: DeployError) -> int:
+    """Print ``error`` as ``fedmeta deploy COMMAND``'s one line; its exit status."""
+    print(f"fedmeta deploy {command}: {error}", file=sys.stderr)
+    return error.status
 
 
 def tls_settings(args: argparse.Namespace) -> tuple[Path | None, bool]:

@@ -13,14 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta import exitcodes
-from fedmeta.cli.deploy_flwr import (
-    CONNECTION,
-    DeployError,
-    add_connection_args,
-    flwr,
-    flwr_home,
-    tls_settings,
-)
+from fedmeta.cli.deploy_args import add_connection_args
+from fedmeta.cli.deploy_flwr import CONNECTION, DeployError, flwr, flwr_home, refused, tls_settings
 
 
 def register(sub: Any) -> None:
@@ -52,8 +46,7 @@ def _handle_register(args: argparse.Namespace) -> int:
         ca, _insecure = tls_settings(args)
         keys = _public_keys(args.keys)
     except DeployError as error:
-        print(f"fedmeta deploy register: {error}", file=sys.stderr)
-        return error.status
+        return refused("register", error)
     failed = 0
     with flwr_home(args.superlink, ca) as env:
         for key in keys:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta import exitcodes
-from fedmeta.cli.deploy_flwr import DeployError, add_connection_args, tls_settings
+from fedmeta.cli.deploy_args import add_connection_args
+from fedmeta.cli.deploy_flwr import DeployError, refused, tls_settings
 from fedmeta.client import supernode, worker
 
 
@@ -109,8 +110,7 @@ def _handle_worker(args: argparse.Namespace) -> int:
     try:
         command = worker_only_command(args)
     except DeployError as error:
-        print(f"fedmeta deploy worker: {error}", file=sys.stderr)
-        return error.status
+        return refused("worker", error)
     config = command[command.index("--node-config") + 1]
     print(f"fedmeta deploy worker: Runtime API {args.runtime_api_address}; the SuperNode's "
           f"--node-config must be '{config}'", file=sys.stderr)  # fmt: skip
@@ -179,8 +179,7 @@ def _handle_participant(args: argparse.Namespace) -> int:
     try:
         node, warm = participant_commands(args)
     except DeployError as error:
-        print(f"fedmeta deploy participant: {error}", file=sys.stderr)
-        return error.status
+        return refused("participant", error)
     if args.insecure:
         print("fedmeta deploy participant: WARNING: no TLS to the SuperLink (--insecure); local "
               "tests on a private network only", file=sys.stderr)  # fmt: skip

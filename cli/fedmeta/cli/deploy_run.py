@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta import exitcodes
+from fedmeta.cli.deploy_args import add_connection_args, add_node_keys_arg, add_runs_dir_arg
 from fedmeta.cli.deploy_flwr import (
     CONNECTION,
     DeployError,
-    add_connection_args,
     flwr,
     flwr_bin,
     flwr_home,
     json_in,
+    refused,
     tls_settings,
 )
 from fedmeta.cli.deploy_run_config import default_out, run_config_file, run_overrides, write_app
@@ -226,14 +227,12 @@ def register(sub: Any) -> None:
                    help="print the validated configuration as TOML and exit")  # fmt: skip
     p.add_argument("--dry-run", action="store_true",
                    help="print the privacy plan and exit; nothing is submitted")  # fmt: skip
-    p.add_argument("--node-keys", type=Path, default=os.environ.get("FEDMETA_NODE_KEYS") or None,
-                   help="[federation.node_keys] TOML (deploy/tls/make-certs.sh writes "
-                   "node-keys.toml; default $FEDMETA_NODE_KEYS)")  # fmt: skip
+    add_node_keys_arg(p, "the participant each node key is bound to, sent with the run "
+                      "(deploy/tls/make-certs.sh writes node-keys.toml)")  # fmt: skip
     p.add_argument("--out", help="output directory on the ServerApp's host (default: a new one "
                    "under --runs-dir)")  # fmt: skip
-    p.add_argument("--runs-dir", default=os.environ.get("FEDMETA_RUNS_DIR", "runs"),
-                   help="where new output directories go (default $FEDMETA_RUNS_DIR or runs, "
-                   "relative to the ServerApp's working directory)")  # fmt: skip
+    add_runs_dir_arg(p, "where new output directories go, relative to the ServerApp's "
+                     "working directory")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--timeout", type=float, default=7 * 86400.0,
                    help="stop the run after this many seconds (default 7 days)")  # fmt: skip
@@ -246,8 +245,7 @@ def _handle_run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except DeployError as error:
-        print(f"fedmeta deploy run: {error}", file=sys.stderr)
-        return error.status
+        return refused("run", error)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -35,15 +35,16 @@ def flatten(data: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def node_keys_override(path: Path) -> str:
-    """``federation.node_keys={...}`` from a file of ``[federation.node_keys]`` (make-certs.sh)."""
-    import tomllib
+def node_keys(path: Path) -> dict[str, str]:
+    """Participant id -> key fingerprint, from a file of ``[federation.node_keys]`` (make-certs.sh).
 
-    from fedmeta.config_io import toml_value
+    One reading for ``deploy run`` (which sends it) and ``deploy status`` (which shows it).
+    """
+    import tomllib
 
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
+    except (OSError, ValueError) as error:  # TOMLDecodeError and UnicodeDecodeError are both
         raise DeployError(f"--node-keys {path}: {error}", exitcodes.BAD_INPUT) from None
     keys = data.get("federation", {}).get("node_keys", data.get("node_keys"))
     if not isinstance(keys, dict) or not keys:
@@ -52,7 +53,14 @@ def node_keys_override(path: Path) -> str:
             '"SHA256:..."); deploy/tls/make-certs.sh writes one',
             exitcodes.BAD_INPUT,
         )
-    return f"federation.node_keys={toml_value({str(k): str(v) for k, v in keys.items()})}"
+    return {str(k): str(v) for k, v in keys.items()}
+
+
+def node_keys_override(path: Path) -> str:
+    """``federation.node_keys={...}`` from a file of ``[federation.node_keys]`` (make-certs.sh)."""
+    from fedmeta.config_io import toml_value
+
+    return f"federation.node_keys={toml_value(node_keys(path))}"
 
 
 def run_overrides(args: argparse.Namespace) -> tuple[list[str], Any]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta import exitcodes
+from fedmeta.cli.deploy_args import add_connection_args, add_node_keys_arg, add_runs_dir_arg
 from fedmeta.paths import LEDGER_NAME, STATE_DIR_ENV
 
 #: What a run's output directory may hold, in the order the summary lists them.
@@ -138,7 +139,7 @@ def resume_command(args: argparse.Namespace, out: str) -> str:
 # ------------------------------------------------------------------------------------ status
 
 
-def register(sub: Any, add_connection_args: Any) -> None:
+def register(sub: Any) -> None:
     """Add ``fedmeta deploy status``."""
     p = sub.add_parser(
         "status", help="the live federation: nodes and their keys, runs, the budget left",
@@ -149,15 +150,11 @@ def register(sub: Any, add_connection_args: Any) -> None:
     add_connection_args(p, "Control API (the server host's own)")
     env = os.environ.get
     state = env(STATE_DIR_ENV)
-    p.add_argument("--node-keys", type=Path, default=env("FEDMETA_NODE_KEYS") or None,
-                   help="[federation.node_keys] TOML: show which participant each key is bound "
-                   "to (default $FEDMETA_NODE_KEYS)")  # fmt: skip
+    add_node_keys_arg(p, "show which participant each key is bound to")
     p.add_argument("--db", type=Path, default=Path(state, LEDGER_NAME) if state else None,
                    help="the budget ledger (default $FEDMETA_STATE_DIR/ledger.sqlite)")  # fmt: skip
-    p.add_argument("--runs-dir", default=env("FEDMETA_RUNS_DIR", "runs"),
-                   help="where `fedmeta deploy run` recorded its runs (its --runs-dir; default "
-                   "$FEDMETA_RUNS_DIR or runs): interrupted runs are shown with the command "
-                   "that resumes them")  # fmt: skip
+    add_runs_dir_arg(p, "where `fedmeta deploy run` recorded its runs (its --runs-dir): "
+                     "interrupted runs are shown with the command that resumes them")  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(func=_handle_status)
 
@@ -169,6 +166,7 @@ def _handle_status(args: argparse.Namespace) -> int:
         flwr,
         flwr_home,
         json_in,
+        refused,
         tls_settings,
     )
     from fedmeta.cli.deploy_runs import annotate
@@ -177,8 +175,7 @@ def _handle_status(args: argparse.Namespace) -> int:
         ca, _insecure = tls_settings(args)
         bound = _bindings(args.node_keys)
     except DeployError as error:
-        print(f"fedmeta deploy status: {error}", file=sys.stderr)
-        return error.status
+        return refused("status", error)
     with flwr_home(args.superlink, ca) as env:
         try:
             nodes = _nodes(env)
@@ -203,18 +200,9 @@ def _bindings(path: Path | None) -> dict[str, str]:
     """Key fingerprint -> participant id, from a node-keys file."""
     if path is None:
         return {}
-    from fedmeta.cli.deploy_flwr import DeployError
-    from fedmeta.cli.deploy_run_config import node_keys_override
+    from fedmeta.cli.deploy_run_config import node_keys
 
-    try:
-        import tomllib
-
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        raise DeployError(f"--node-keys {path}: {error}", exitcodes.BAD_INPUT) from None
-    node_keys_override(Path(path))  # the same checks as deploy run
-    keys = data.get("federation", {}).get("node_keys", data.get("node_keys", {}))
-    return {str(fp): str(pid) for pid, fp in keys.items()}
+    return {fp: pid for pid, fp in node_keys(Path(path)).items()}  # read as deploy run reads it
 
 
 def _nodes(env: Mapping[str, str]) -> list[dict[str, Any]]:

@@ -27,7 +27,9 @@ from fedmeta import exitcodes
 
 if TYPE_CHECKING:  # torch and pydantic: loaded by the command, not by `fedmeta --help`
     from fedmeta.checkpoint import Checkpoint
-    from fedmeta.config import Config
+    from fedmeta.config import DatasetConfig
+    from fedmeta.config_privacy import PrivacyConfig
+    from fedmeta.config_training import TrainingConfig
 
 
 def register(subparsers: Any) -> None:
@@ -79,7 +81,6 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     inner = inner_kwargs(cfg.training, evaluation=True)
     if args.inner_steps is not None:
         inner["inner_steps"] = args.inner_steps
-    steps = inner["inner_steps"]
     tasks = workload.held_out("test", args.tasks)
     held_out = evaluate(model, params, tasks, device="auto", chunk_size=cfg.training.chunk_size,
                         **inner)  # fmt: skip
@@ -94,21 +95,26 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "median": held_out.median,
         "diverged_tasks": held_out.diverged,
         "tasks": held_out.n_tasks,
-        **privacy_of(state, cfg),
-        **marks_of(state, cfg, workload),
+        **privacy_of(state, cfg.privacy),
+        **marks_of(state, cfg.privacy.experiment,
+                   workload.public_summary() if cfg.public.warm_start else None),
     }
     runs = None
     if args.omniglot_runs is not None:
-        official, runs = _official_runs(cfg, model, params, args.omniglot_runs, steps)
+        official, runs = _official_runs(cfg.dataset, model, params, args.omniglot_runs, inner)
         result.update(official)
     chunk = cfg.training.chunk_size
     score = lambda t: evaluate(model, params, t, device="auto", chunk_size=chunk, **inner)  # noqa: E731
-    result.update(_seen(cfg, workload, result, runs, score))
+    result.update(_seen(cfg.training, workload, result, runs, score))
     return result
 
 
 def _seen(
-    cfg: Any, workload: Any, result: dict[str, Any], runs: Any, evaluate_tasks: Any
+    training: TrainingConfig,
+    workload: Any,
+    result: dict[str, Any],
+    runs: Any,
+    evaluate_tasks: Any,
 ) -> dict[str, Any]:
     """``seen_fraction`` and ``held_out`` (core/fedmeta/seen.py; issue 42).
 
@@ -120,7 +126,7 @@ def _seen(
     """
     from fedmeta import seen
 
-    trained, note = seen.trained_or_note(cfg, workload)
+    trained, note = seen.trained_or_note(training, workload)
     if trained is None:
         return seen.unknown(note or "seen_fraction unknown")
     parts, test_items = seen.part_of_test_classes(trained, workload, evaluate_tasks, result)
@@ -132,40 +138,42 @@ def _seen(
     return seen.combined(parts, groups, trained)
 
 
-def privacy_of(state: Checkpoint, cfg: Config) -> dict[str, Any]:
+def privacy_of(state: Checkpoint, privacy: PrivacyConfig) -> dict[str, Any]:
     """The guarantee the checkpointed model was released under: epsilon, delta, the relation.
 
     Epsilon is the latest the run recorded (its rounds' records in the checkpoint), at the task
     level (enforced) and the participant level (reported); a non-private model has none.
     """
-    experiment = cfg.privacy.experiment  # an experiment's model says so wherever it goes
+    experiment = privacy.experiment  # an experiment's model says so wherever it goes
     if not state.private:
         return {"epsilon": None, "epsilon_participant": None, "delta": None, "neighbouring": None,
                 "experiment": experiment}  # fmt: skip
     last = state.last_epsilon()
     return {
         "epsilon": None if last is None else _implemented_epsilon(state, last.epsilon_task,
-                                                                  cfg.privacy.delta),
+                                                                  privacy.delta),
         "epsilon_participant": None if last is None else last.epsilon_participant,
         "epsilon_at_round": None if last is None else last.round,
-        "delta": cfg.privacy.delta,
-        "neighbouring": cfg.privacy.neighbouring,
+        "delta": privacy.delta,
+        "neighbouring": privacy.neighbouring,
         "experiment": experiment,
     }
 
 
-def marks_of(state: Checkpoint, cfg: Config, workload: Any) -> dict[str, Any]:
+def marks_of(
+    state: Checkpoint, experiment: str | None, public: dict[str, Any] | None
+) -> dict[str, Any]:
     """The summary's marks for this model (PUBLIC / EXPERIMENT / NON-PRIVATE) and its public data.
 
-    The same marks as the run's summary.json and plots (server/fedmeta/server/outputs.py).
+    ``experiment``: ``privacy.experiment``; ``public``: the public warm start's summary (None:
+    none). The same marks as the run's summary.json and plots (server/fedmeta/server/outputs.py).
     """
     from fedmeta.server.marks import marks
 
-    public = workload.public_summary() if cfg.public.warm_start else None
     return {
         "marks": marks(
             private=state.private,
-            experiment=cfg.privacy.experiment,
+            experiment=experiment,
             public=public is not None,
         ),
         "public_warm_start": public,
@@ -188,20 +196,19 @@ def _implemented_epsilon(state: Checkpoint, eps: float, delta: float) -> float:
 
 
 def _official_runs(
-    cfg: Any, model: Any, params: Any, path: Path, steps: int
+    dataset: DatasetConfig, model: Any, params: Any, path: Path, inner: dict[str, Any]
 ) -> tuple[dict[str, Any], Any]:
-    from fedmeta.adaptation import inner_kwargs
+    """The official runs' errors, adapting as the held-out tasks do (``inner``)."""
     from fedmeta.metalearning import evaluate_oneshot_runs, load_oneshot_runs
     from fedmeta.metalearning.oneshot_runs import HUMAN_ERROR_RATE
 
-    if cfg.dataset.name != "omniglot":
+    if dataset.name != "omniglot":
         raise ValueError(
             f"--omniglot-runs needs an Omniglot model; this checkpoint's dataset.name is "
-            f"{cfg.dataset.name!r}"
+            f"{dataset.name!r}"
         )
-    runs = load_oneshot_runs(path, image_size=cfg.dataset.image_size)
-    inner = {**inner_kwargs(cfg.training, evaluation=True), "inner_steps": steps}
-    scored = evaluate_oneshot_runs(model, params, runs, image_size=cfg.dataset.image_size,
+    runs = load_oneshot_runs(path, image_size=dataset.image_size)
+    scored = evaluate_oneshot_runs(model, params, runs, image_size=dataset.image_size,
                                    **inner)  # fmt: skip
     return {
         "run_errors": [float(e) for e in scored.errors],

@@ -32,6 +32,7 @@ from fedmeta.cli.arguments import (
     DEFAULT_DELTA,
     UsageError,
     add_epsilon_arg,
+    emit,
     eps_text,
     handled,
     json_eps,
@@ -160,15 +161,6 @@ def _describe(scheme: Scheme) -> str:
     return f"fixed-size {scheme.sample_size} of {scheme.population} w/o replacement"
 
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], rows: list[tuple[str, str]]) -> None:
-    if args.json:
-        print(json.dumps(payload, indent=2, sort_keys=True))
-        return
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key.ljust(width)}  {value}")
-
-
 def _check_rounds(value: int) -> None:
     if not 1 <= value <= MAX_ROUNDS_LIMIT:
         raise UsageError(
@@ -228,7 +220,7 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
         payload["epsilon_tombs2022_published"] = json_eps(published)
         payload["epsilon_tombs2022_published_note"] = PUBLISHED_LABEL
         rows.append((f"Tombs et al. 2022 Thm 3 ({PUBLISHED_LABEL})", eps_text(published)))
-    _emit(args, payload, rows)
+    emit(args, payload, rows)
     return 0
 
 
@@ -262,7 +254,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         "noise_multiplier": z,
         "epsilon": eps,
     }
-    _emit(
+    emit(
         args,
         payload,
         [
@@ -303,7 +295,7 @@ def _cmd_max_rounds(args: argparse.Namespace) -> int:
         if capped
         else str(rounds)
     )
-    _emit(
+    emit(
         args,
         payload,
         [

@@ -10,7 +10,6 @@ refused in one line naming the flag, never silently ignored.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any, TypeAlias
 
@@ -27,7 +26,7 @@ from fedmeta.accounting.sample_level_bound import (
     sample_level_max_rounds,
 )
 from fedmeta.accounting.schemes import ADD_REMOVE
-from fedmeta.cli.arguments import FLAGS, UsageError, eps_text, json_eps
+from fedmeta.cli.arguments import FLAGS, UsageError, emit, eps_text, json_eps
 
 #: Flags of the task-level scheme, refused at sample level (``dest``, flag).
 TASK_ONLY = (
@@ -172,15 +171,6 @@ def _dpmaml_rows(reading: dict[str, Any] | None) -> Rows:
     ]  # fmt: skip
 
 
-def _emit(args: argparse.Namespace, payload: dict[str, Any], rows: Rows) -> None:
-    if args.json:
-        print(json.dumps(payload, indent=2, sort_keys=True))
-        return
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key.ljust(width)}  {value}")
-
-
 def _common(event: SampleLevelRound, args: argparse.Namespace) -> tuple[dict[str, Any], Rows]:
     payload: dict[str, Any] = {
         "level": "sample", "neighbouring": ADD_REMOVE, "sampling": _describe(event),
@@ -210,7 +200,7 @@ def sample_epsilon(args: argparse.Namespace) -> int:
                    dpmaml_reading=reading)  # fmt: skip
     rows += [("rounds", str(args.rounds)), ("epsilon (PLD, enforced, valid)", eps_text(eps)),
              ("epsilon (RDP cross-check)", eps_text(eps_rdp)), *_dpmaml_rows(reading)]  # fmt: skip
-    _emit(args, payload, rows)
+    emit(args, payload, rows)
     return 0
 
 
@@ -228,7 +218,7 @@ def sample_calibrate(args: argparse.Namespace) -> int:
                    dpmaml_reading=reading)  # fmt: skip
     rows += [("rounds", str(args.rounds)), ("target epsilon", f"{args.target_epsilon:g}"),
              ("epsilon (PLD, valid) at them", eps_text(eps)), *_dpmaml_rows(reading)]  # fmt: skip
-    _emit(args, payload, rows)
+    emit(args, payload, rows)
     return 0
 
 
@@ -247,5 +237,5 @@ def sample_max_rounds(args: argparse.Namespace) -> int:
     rows += [("epsilon budget", f"{args.epsilon:g}"), ("max rounds (PLD, exact)", shown),
              ("epsilon (PLD, valid) after them", eps_text(eps)),
              *_dpmaml_rows(reading)]  # fmt: skip
-    _emit(args, payload, rows)
+    emit(args, payload, rows)
     return 0

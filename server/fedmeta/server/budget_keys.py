@@ -35,7 +35,7 @@ def budget_identity(cfg: Config, registered: Sequence[Registered] = ()) -> str:
     """The federation's key: image data by content (one family), the sinusoid by its spec."""
     del registered  # node keys name no budget (module docstring)
     if cfg.dataset.name == "sinusoid":
-        return declared_identity(cfg)
+        return declared_identity(cfg.dataset.name, cfg.seed)
     return CONTENT_IDENTITY
 
 
@@ -51,7 +51,7 @@ def inherited_labels(cfg: Config) -> tuple[str, ...]:
 
 def participant_identity(cfg: Config, member: Registered) -> str:
     """The identity of a participant that declares no items (the sinusoid): spec plus index."""
-    return f"{declared_identity(cfg)}#participant={member.participant_id}"
+    return f"{declared_identity(cfg.dataset.name, cfg.seed)}#participant={member.participant_id}"
 
 
 def ledger_participant(cfg: Config, member: Registered) -> Participant:

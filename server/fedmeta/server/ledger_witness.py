@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fedmeta.accounting import BudgetLedger, DataItems, LedgerError, current_budget, ledger_holds
 from fedmeta.config import Config
+from fedmeta.config_privacy import PrivacyConfig
 from fedmeta.paths import STATE_DIR_ENV, WITNESS_DIR_ENV, witness_dir
 from fedmeta.server.budget_keys import budget_identity, budget_label
 from fedmeta.server.ledger_registry import check_writable, known_ledgers, remember
@@ -56,7 +57,7 @@ def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
     does not stop a run: one warning names it (a path, nothing of the data). A registry that
     cannot be updated does (ledger_registry.py).
     """
-    if _production(cfg):
+    if _production(cfg.privacy):
         remember(ledger.path, ledger.ledger_id)
     witness = witness_file(ledger.path)
     try:
@@ -87,7 +88,7 @@ def refuse_second_ledger(
             "own state directory, so its own budget for the same data; set it to an absolute "
             "path (the directory that holds the data's ledger)"
         )
-    if not _production(cfg):
+    if not _production(cfg.privacy):
         return
     if writing:
         check_writable()
@@ -121,8 +122,8 @@ def _second_ledger_reason(
     )
 
 
-def _production(cfg: Config) -> bool:
-    return cfg.privacy.experiment is None and cfg.privacy.insecure_test_seed is None
+def _production(privacy: PrivacyConfig) -> bool:
+    return privacy.experiment is None and privacy.insecure_test_seed is None
 
 
 def _records(cfg: Config, path: Path, registered: Sequence[Registered]) -> bool:

@@ -44,9 +44,13 @@ RESUMED_NOTE = (
 NOT_TESTED_NOTE = "the test evaluation did not run (the run was interrupted)"
 
 
-def releasable(cfg: Config, private: bool) -> bool:
-    """Whether this run's outputs may say how the test items overlap the participants' items."""
-    return not private or cfg.privacy.experiment is not None or cfg.metrics.private_diagnostics
+def releasable(private: bool, *, experiment: str | None, private_diagnostics: bool) -> bool:
+    """Whether this run's outputs may say how the test items overlap the participants' items.
+
+    ``experiment``: ``privacy.experiment`` (public data); ``private_diagnostics``: the
+    ``metrics`` switch of that name.
+    """
+    return not private or experiment is not None or private_diagnostics
 
 
 def declared_items(fingerprints: Iterable[str]) -> np.ndarray | None:
@@ -80,9 +84,10 @@ def seen_fields(
     if participants is None:
         return unknown("the participants declared no item digests (data without items, such as "
                        "the sinusoid): seen_fraction unknown")  # fmt: skip
-    if not releasable(cfg, private):
+    if not releasable(private, experiment=cfg.privacy.experiment,
+                      private_diagnostics=cfg.metrics.private_diagnostics):  # fmt: skip
         return unknown(PRIVATE_NOTE)
-    trained, note = trained_or_note(cfg, workload, participants)
+    trained, note = trained_or_note(cfg.training, workload, participants)
     if trained is None:
         return unknown(note or "seen_fraction unknown")
     overall = {"mean": final.mean, "ci95": [final.ci95_low, final.ci95_high],
