@@ -78,7 +78,7 @@ def _batch(name: str, n: int, wall: float, run_wall: float, row: str = "a") -> l
 
 @pytest.mark.unit
 def test_throughput_is_runs_an_hour_by_side_by_side_against_one_at_a_time() -> None:
-    pt = _table()
+    pt = bench_script("paper_table")
     alone = _batch("x1", 1, 100.0, 100.0) + _batch("x2", 1, 100.0, 100.0)  # 36 runs an hour
     three = _batch("y", 3, 120.0, 110.0)  # 90 runs an hour
     cut = _batch("z", 3, 50.0, 50.0)
@@ -96,7 +96,7 @@ def test_throughput_is_runs_an_hour_by_side_by_side_against_one_at_a_time() -> N
 
 @pytest.mark.unit
 def test_unpack_files_a_runs_later_line_and_keeps_a_conflicting_record(tmp_path: Path) -> None:
-    pt = _table()
+    pt = bench_script("paper_table")
     first = {**_record("a", 1, 0.9), "format": pt.FORMAT, "side_by_side": 2}
     later = {**first, "batch_wall_s": 10.0}
     pack = tmp_path / "pack.jsonl"
@@ -247,12 +247,13 @@ def test_side_by_side_runs_stop_together_and_resume_with_their_own_ledgers(
     cut = [json.loads(p.read_text()) for p in sorted((tmp_path / "rec").iterdir())]
     assert len(cut) == 2 and all(r["stopped_reason"] == "interrupted" for r in cut), err[-3000:]
     assert all(r["side_by_side"] == 2 and r["batch_whole_runs"] == 0 for r in cut)
-    assert not _table().whole_runs(cut, ("tiny", 5, "b", False))  # neither counted
+    # neither counted:
+    assert not bench_script("paper_table").whole_runs(cut, ("tiny", 5, "b", False))
 
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     recs = [json.loads(p.read_text()) for p in sorted((tmp_path / "rec").iterdir())]
-    whole = _table().whole_runs(recs, ("tiny", 5, "b", False))
+    whole = bench_script("paper_table").whole_runs(recs, ("tiny", 5, "b", False))
     assert sorted(r["run"] for r in whole) == [1, 2] and len(recs) == 4
     one, two = whole
     assert one.keys() == two.keys()  # records of equal shape
@@ -282,7 +283,7 @@ def test_side_by_side_runs_stop_together_and_resume_with_their_own_ledgers(
     again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout == "", again.stdout[-2000:]
     # The table does not depend on how the runs ran.
-    pt = _table()
+    pt = bench_script("paper_table")
     bare = [{k: v for k, v in r.items() if not k.startswith(("batch", "side_by_side"))}
             for r in recs]  # fmt: skip
     assert pt.markdown(pt.table_rows(recs, ["tiny"])) == pt.markdown(pt.table_rows(bare, ["tiny"]))
