@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from fedmeta.config_federation import FederationConfig, SamplingConfig
 from fedmeta.config_privacy import PrivacyConfig
+from fedmeta.config_sample import check_sample_level
 from fedmeta.config_section import Section
 from fedmeta.config_training import PublicConfig, TrainingConfig
 
@@ -176,6 +177,7 @@ class Config(Section):
         self._check_subspace()
         self._check_model_selection()
         self._check_learned_rate_scale()
+        check_sample_level(self)
         return self
 
     def _check_learned_rate_scale(self) -> None:
