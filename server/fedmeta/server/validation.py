@@ -70,6 +70,9 @@ class Expectation:
     reply_format: ReplyFormat
     tolerance: float = 1e-4  # relative slack before a norm counts as a violation
     clip_bits: bool = False  # adaptive clipping: the reply must carry one bit per task
+    #: Sample level: no task ids were requested; the reply's rows are its query examples' clipped
+    #: gradients, ids ``0 .. n-1`` in order, each re-checked against C (``C_out``) as a task's row.
+    example_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ def _payload(reply: GradientReply, exp: Expectation) -> Rejected | None:
     bounded memory, never converted.
     """
     pid = exp.participant_id
-    if len(reply.task_ids) > len(exp.task_ids):
+    if exp.example_rows:
+        if tuple(reply.task_ids) != tuple(range(len(reply.task_ids))):
+            return Rejected(pid, REASON_UNREQUESTED_TASK, "example rows not numbered 0 .. n-1")
+    elif len(reply.task_ids) > len(exp.task_ids):
         detail = f"{len(reply.task_ids)} task ids for {len(exp.task_ids)} requested"
         return Rejected(pid, REASON_UNREQUESTED_TASK, detail)
     for name in ("grads", "grad_sum"):
@@ -147,7 +153,8 @@ def _structure(reply: GradientReply, exp: Expectation) -> Rejected | None:
         (reply.round_id != exp.round_id, REASON_WRONG_ROUND, f"round {reply.round_id}"),
         (reply.participant_id != pid, REASON_WRONG_PARTICIPANT, f"from {reply.participant_id!r}"),
         (len(set(reply.task_ids)) != len(reply.task_ids), REASON_DUPLICATE_TASK, "repeated id"),
-        (bool(set(reply.task_ids) - set(exp.task_ids)), REASON_UNREQUESTED_TASK, "not requested"),
+        (not exp.example_rows and bool(set(reply.task_ids) - set(exp.task_ids)),
+         REASON_UNREQUESTED_TASK, "not requested"),
         (reply.reply_format != exp.reply_format, REASON_WRONG_FORMAT, reply.reply_format),
     )
     for failed, reason, detail in checks:
