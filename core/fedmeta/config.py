@@ -173,11 +173,11 @@ class Config(Section):
                 f"sampling.tasks_per_round must be in [1, sampling.min_tasks={self.min_tasks}] "
                 f"(the public lower bound on task counts); got {n2}"
             )
+        check_sample_level(self)  # first: what sample level refuses, before its details
         self._check_normaliser_is_computable()
         self._check_subspace()
         self._check_model_selection()
         self._check_learned_rate_scale()
-        check_sample_level(self)
         return self
 
     def _check_learned_rate_scale(self) -> None:
