@@ -212,14 +212,13 @@ class PrivateRound:
         if basis is not None:  # k coordinates, noised at their sensitivity; residual dropped
             total, sensitivity = basis.project(total, self.clip, norm * self.clip)
         lift: Callable[[Tensor], Tensor] = _identity if basis is None else basis.lift
+        event = self.plan.event  # sample level: the outer Gaussian of the recorded round
+        gauss = outer_gaussian(event) if isinstance(event, SampleLevelRound) else event
         if a is None:
-            event = self.plan.event  # sample level: the outer Gaussian of the recorded round
-            gauss = outer_gaussian(event) if isinstance(event, SampleLevelRound) else event
             plain = noised_sum(total, clip=sensitivity, event=gauss, source=self.noise)
             return Released(lift(plain.value) / norm, plain.noise_std, position)
-        assert isinstance(self.plan.event, GaussianRound)  # adaptive clipping: task level only
         joint = noised_release(total, centred_count(checked), clip=sensitivity,
-                               event=self.plan.event, count_noise=a.count_noise,
+                               event=gauss, count_noise=a.count_noise,
                                source=self.noise)  # fmt: skip
         # C_{t+1} from the released noisy count and public constants only (post-processing).
         fraction = noisy_fraction(joint.count, norm)
