@@ -154,6 +154,10 @@ def test_a_sample_level_run_spends_sample_level_rounds_and_reports_their_epsilon
     assert (event.max_appearances, event.inner_steps, event.order) == (2, 1, "first")
     assert event.sampling.example_rate == 0.2 and event.sampling.participants == 2
     assert event.outer_noise_multiplier == s["noise_multiplier"]
+    constants = s["sample_level"]
+    assert isinstance(constants, dict)
+    assert constants["inner_noise_multiplier"] == event.inner_noise_multiplier
+    assert (constants["inner_clip"], constants["support_normaliser"]) == (2.0, 3)
     # The reported epsilon is the accountant's for the recorded rounds (one PLD of one pair).
     expected = sample_level_epsilon(event, count, float(s["delta"]))  # type: ignore[arg-type]
     assert math.isclose(float(s["epsilon_spent"]), expected, rel_tol=1e-9)  # type: ignore[arg-type]

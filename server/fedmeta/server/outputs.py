@@ -27,7 +27,7 @@ from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan
 from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.rounds_csv import write_rounds_csv
-from fedmeta.server.sample_plan import level_label, sample_plan_lines
+from fedmeta.server.sample_plan import level_label, sample_plan_lines, sample_summary
 from fedmeta.server.starting import (
     StartingModel,
     model_start_fields,
@@ -271,7 +271,7 @@ def _privacy_fields(
     """The summary's guarantee and noise fields (None where a non-private run has none)."""
     p = plan.privacy
     return {
-        "level": plan.level,  # task, sample (per example), or None: a non-private run
+        **sample_summary(plan.level, None if p is None else p.event, cfg),  # level, its constants
         "epsilon_spent": epsilons.get("epsilon_task"),
         "epsilon_participant_level": epsilons.get("epsilon_participant"),
         "participant_level_note": None if p is None else p.participant_level_note,

@@ -24,6 +24,7 @@ contract of docs/privacy.md, "Sample level (issue 53): the bound". The server's 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fedmeta.accounting import RandomSource, TwoStageSampler, sample_without_replacement
 from fedmeta.accounting.sample_level import ExampleSampling, SampleLevelRound
@@ -156,3 +157,20 @@ def sample_plan_lines(event: object, cfg: Config) -> list[str]:
         f"{s.inner_clip:g}, z_in = {event.inner_noise_multiplier:.4f}; outer: per-example clip "
         f"C_out = privacy.clip, z_out = z below",
     ]
+
+
+def sample_summary(level: str | None, event: object, cfg: Config) -> dict[str, Any]:
+    """``summary.json``'s ``level`` (None: a non-private run) and a sample-level run's constants.
+
+    All of them configuration, or calibrated from it and the registered population (public).
+    """
+    if not isinstance(event, SampleLevelRound):
+        return {"level": level, "sample_level": None}
+    return {"level": level, "sample_level": {
+        "example_rate": event.sampling.example_rate, "max_appearances": event.max_appearances,
+        "tasks_per_pass": cfg.privacy.sample.tasks_per_pass, "inner_steps": event.inner_steps,
+        "inner_clip": cfg.privacy.sample.inner_clip,
+        "inner_noise_multiplier": event.inner_noise_multiplier,
+        "outer_noise_multiplier": event.outer_noise_multiplier, "order": event.order,
+        "support_normaliser": support_normaliser(cfg),
+    }}  # fmt: skip
