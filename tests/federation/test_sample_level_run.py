@@ -24,6 +24,7 @@ from fedmeta.cli import main
 from fedmeta.config import ConfigError
 from fedmeta.config_io import load_config
 from fedmeta.protocol import GradientReply
+from fedmeta.server.plan import build_plan
 from fedmeta.server.validation import (
     REASON_BAD_SHAPE,
     REASON_UNREQUESTED_TASK,
@@ -124,6 +125,30 @@ def test_task_level_is_the_default_and_a_valid_sample_config_loads(tmp_path: Pat
     assert load_config(None, _sets(tmp_path)).privacy.level == "task"
     cfg = load_config(None, [*_sets(tmp_path), *SAMPLE])
     assert cfg.privacy.level == "sample" and cfg.privacy.sample.max_appearances == 2
+
+
+@pytest.mark.unit
+def test_the_plan_holds_the_sample_level_round_and_a_resume_keeps_its_noise(tmp_path: Path) -> None:
+    cfg = load_config(None, [*_sets(tmp_path), *SAMPLE])
+    counts = {"0": 20, "1": 20}
+    plan = build_plan(cfg, counts)
+    assert plan.level == "sample" and plan.privacy is not None and plan.privacy.noise_calibrated
+    first = plan.privacy.event
+    assert isinstance(first, SampleLevelRound)
+    assert (first.sampling.participants, first.sampling.example_rate) == (2, 0.2)
+    # Calibrated first order: z_out = m z_eff, z_in = sqrt(m K) z_eff (m = 2, K = 1).
+    ratio = first.outer_noise_multiplier / first.inner_noise_multiplier
+    assert ratio == pytest.approx(math.sqrt(2), rel=1e-12)
+    assert sample_level_epsilon(first, 2, 1e-5) <= 40.0 * (1 + 1e-3)
+    assert plan.normaliser == 2 * 2 * 2 * 3 * 2  # n1 x m x tasks_per_pass x ways x query
+    resumed = build_plan(cfg, counts, noise_multiplier=plan.privacy.noise_multiplier)
+    assert resumed.privacy is not None and resumed.privacy.event == first
+    # A round's population: the event's sampling follows it, the noise does not change.
+    fewer = plan.for_population(cfg, {"0": 20})
+    assert fewer.privacy is not None
+    assert fewer.privacy.noise_multiplier == plan.privacy.noise_multiplier
+    assert isinstance(fewer.privacy.event, SampleLevelRound)
+    assert fewer.privacy.event.sampling.participants == 1
 
 
 @pytest.mark.integration

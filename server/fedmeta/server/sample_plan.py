@@ -60,7 +60,7 @@ def sample_event(
         target = float(p.target_epsilon or p.epsilon_budget)
         found = calibrate_sample_level(start, cfg.rounds, target, p.delta)
         z_out, z_in = found.outer_noise_multiplier, found.inner_noise_multiplier
-        if resumed_z is not None:  # keep the recorded z_out; z_in in the calibration's ratio
+        if resumed_z is not None and resumed_z != z_out:  # keep the recorded z_out (ratio kept)
             z_in, z_out = z_in * resumed_z / z_out, resumed_z
     assert z_out is not None and z_in is not None
     return SampleLevelRound(sampling, float(z_in), float(z_out), k, m), calibrated
