@@ -14,7 +14,7 @@ epsilon 0.919 at delta 1e-2) the windows and trial counts are those of
 tests/federation/test_sample_release_audit.py scaled by ``C_in / (m C_out) = 1/2`` (the same
 Gaussian pair up to scale): at 6,000 trials the halved inner noise is caught, 1.47 against a bar
 of 1.10 (0.1% quantile of the power analysis); the skipped inner clip by more than a whole
-epsilon.
+epsilon. Measured (one run of the slow test): halved inner noise 1.84 against 1.10.
 """
 
 from __future__ import annotations
