@@ -191,6 +191,11 @@ def test_a_sample_level_run_spends_sample_level_rounds_and_reports_their_epsilon
     assert "example-level DP" in printed and "epsilon spent (example level" in printed
     # The whole budget is spent: another run is refused before its first round, nothing spent.
     assert _simulate(data, tmp_path / "b", *SAMPLE) == 3
+    # A resume of the finished run keeps its level and noise, and spends nothing again.
+    assert main(["simulate", "--resume", "--out", str(tmp_path / "a")]) == 0
+    again = _summary(tmp_path / "a")
+    assert (again["level"], again["noise_multiplier"]) == ("sample", s["noise_multiplier"])
+    assert again["sample_level"] == s["sample_level"]
     with BudgetLedger.open_readonly(db, str(s["federation_id"])) as ledger:
         assert ledger.position() == 2
 
