@@ -123,7 +123,7 @@ def _payload(reply: GradientReply, exp: Expectation) -> Rejected | None:
     """
     pid = exp.participant_id
     if exp.example_rows:
-        if tuple(reply.task_ids) != tuple(range(len(reply.task_ids))):
+        if any(i != j for i, j in enumerate(reply.task_ids)):  # no copy of the ids
             return Rejected(pid, REASON_UNREQUESTED_TASK, "example rows not numbered 0 .. n-1")
     elif len(reply.task_ids) > len(exp.task_ids):
         detail = f"{len(reply.task_ids)} task ids for {len(exp.task_ids)} requested"
