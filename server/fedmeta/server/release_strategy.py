@@ -9,6 +9,8 @@ strategies for the whole run:
   sums the accepted contributions, adds ``N(0, (zC)^2 I)`` (server/fedmeta/server/noise.py) and
   divides by the public normaliser. With adaptive clipping the noisy centred count of clip bits
   is released beside the sum, and the next bound ``C_{t+1}`` is computed from it alone.
+  At sample level (server/fedmeta/server/sample_plan.py) the event is a ``SampleLevelRound``,
+  the replies carry one row per query example, and the noise is ``N(0, (z_out C_out)^2 I)``.
 - :class:`MeanStrategy` (non-private): no budget, no clip, no noise; the mean over the tasks
   received.
 

@@ -21,6 +21,11 @@ such rows can have; a non-finite sum contributes zero. It cannot check any singl
 contribution, so in that format the per-task bound rests on the participant's own clipping (see
 docs/federation.md: use ``per_task`` unless bandwidth matters).
 
+At sample level (``Expectation.example_rows``; docs/privacy.md, "Running at sample level") no
+task is requested: a reply's rows are its query examples' clipped gradients, numbered ``0 ..
+n-1`` (anything else is structural, ``unrequested_task``), and each row is re-checked against C
+(the outer clip ``C_out``) exactly as a task's row.
+
 With adaptive clipping a reply must carry one ``clip_bits`` entry per task (the protocol already
 refused any value but 0 or 1); a missing or mis-sized list is structural (``bad_shape``). The server
 cannot check a bit against the pre-clip norm it never sees, and does not need to: any 0/1 value
