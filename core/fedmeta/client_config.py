@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from fedmeta.config import Config, DatasetConfig
 from fedmeta.config_federation import FederationConfig
@@ -82,6 +82,25 @@ class ClientFederationConfig(Section):
     client_device: str = _server_field(FederationConfig, "client_device")
 
 
+class ClientSampleLevel(Section):
+    """A sample-level round's part for the participant (privacy.level = "sample", issue 53).
+
+    The slot rule (``metalearning.example_slots.SlotRule``: ``ways`` from the dataset, ``passes =
+    max_appearances``) and the inner DP-SGD's constants, resolved by the server's plan (a
+    calibrated ``inner_noise_multiplier`` included). The inner noise is the participant's to draw:
+    from its own CSPRNG, or, in the reproducible test mode, from ``insecure_test_seed``.
+    """
+
+    example_rate: float = Field(gt=0, le=1)
+    max_appearances: int = Field(ge=1, le=1000)
+    tasks_per_pass: int = Field(ge=1, le=100_000)
+    support_share: float = Field(gt=0, lt=1)
+    inner_clip: float = Field(gt=0, le=1e6)
+    inner_noise_multiplier: float = Field(gt=0)
+    support_normaliser: int = Field(ge=1)
+    insecure_test_seed: int | None = Field(None, ge=0)
+
+
 class ClientConfig(Section):
     """Everything a participant reads: the ``config`` of a registration or gradient request."""
 
@@ -89,15 +108,18 @@ class ClientConfig(Section):
     dataset: ClientDatasetConfig = ClientDatasetConfig()
     training: ClientTrainingConfig = ClientTrainingConfig()
     federation: ClientFederationConfig = ClientFederationConfig()
+    sample: ClientSampleLevel | None = None  # None: a task-level (or non-private) round
 
 
-def client_config(cfg: Config) -> ClientConfig:
+def client_config(cfg: Config, sample: ClientSampleLevel | None = None) -> ClientConfig:
     """The part of the server's configuration its participants are sent (the one place it is cut).
 
-    Each section keeps the server's values of the keys it declares, under the same names.
+    Each section keeps the server's values of the keys it declares, under the same names;
+    ``sample``: a sample-level run's part, resolved by its plan (server/sample_plan.py).
     """
     return ClientConfig(
         seed=cfg.seed,
+        sample=sample,
         dataset=ClientDatasetConfig.model_validate(_declared(cfg.dataset, ClientDatasetConfig)),
         training=ClientTrainingConfig.model_validate(_declared(cfg.training, ClientTrainingConfig)),
         federation=ClientFederationConfig.model_validate(

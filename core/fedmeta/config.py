@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from fedmeta.config_federation import FederationConfig, SamplingConfig
 from fedmeta.config_privacy import PrivacyConfig
+from fedmeta.config_sample import check_sample_level
 from fedmeta.config_section import Section
 from fedmeta.config_training import PublicConfig, TrainingConfig
 
@@ -172,6 +173,7 @@ class Config(Section):
                 f"sampling.tasks_per_round must be in [1, sampling.min_tasks={self.min_tasks}] "
                 f"(the public lower bound on task counts); got {n2}"
             )
+        check_sample_level(self)  # first: what sample level refuses, before its details
         self._check_normaliser_is_computable()
         self._check_subspace()
         self._check_model_selection()

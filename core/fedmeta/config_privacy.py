@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from fedmeta.config_sample import SampleLevelConfig
 from fedmeta.config_section import Section
 
 
@@ -180,6 +181,12 @@ class PrivacyConfig(Section):
     )
     adaptive_clipping: AdaptiveClippingConfig = AdaptiveClippingConfig()
     subspace: SubspaceConfig = SubspaceConfig()
+    level: Literal["task", "sample"] = Field(
+        "task",
+        description="what the guarantee protects: one task of a participant (task), or one "
+        "example (sample: DP-MAML's Algorithm 2, privacy.sample; docs/privacy.md)",
+    )
+    sample: SampleLevelConfig = SampleLevelConfig()
 
     @model_validator(mode="after")
     def _one_ledger(self) -> PrivacyConfig:

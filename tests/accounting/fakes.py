@@ -26,6 +26,7 @@ from fedmeta.accounting import (
     PublicDataUse,
     SpendRecord,
 )
+from fedmeta.accounting.levels import AnyRound, check_round
 
 
 @dataclass
@@ -72,21 +73,19 @@ class LinearLedger:
         factor = 2.0 if (unit or self.unit) == "participant" else 1.0
         return factor * self.eps_per_round * len(self._records)
 
-    def rounds_affordable(self, event: GaussianRound) -> int:
+    def rounds_affordable(self, event: AnyRound) -> int:
         """Rounds left in the budget (every kind of round costs the same)."""
-        if not isinstance(event, GaussianRound):
-            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        check_round(event)  # either level, as the real ledger (no level check: one run a fake)
         return max(0, self._rounds_in_budget() - len(self._records))
 
-    def would_exceed(self, event: GaussianRound) -> bool:
+    def would_exceed(self, event: AnyRound) -> bool:
         """Dry run of ``spend``."""
         return self.rounds_affordable(event) < 1
 
-    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+    def spend(self, event: AnyRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round, or raise having recorded nothing (the real ledger's checks)."""
         self.spend_calls += 1
-        if not isinstance(event, GaussianRound):
-            raise ValueError(f"round must be a GaussianRound; got {event!r}")
+        check_round(event)  # either level, as the real ledger (no level check: one run a fake)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"run_id must be a non-empty string; got {run_id!r}")
         if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from fedmeta.adaptation import training_inner_kwargs
+from fedmeta.client.sample_gradients import sample_level_rows
 from fedmeta.client_config import ClientConfig
+from fedmeta.metalearning.federated import ParticipantTasks
 from fedmeta.protocol import (
     REPLY_SUM_AND_NORMS,
     GradientReply,
@@ -76,6 +78,14 @@ def gradient_reply(
     dim = wl.trained_dim  # a row holds the privately trained coordinates only
     started = time.perf_counter()
     bits: tuple[int, ...] | None = None if request.clip is None else ()
+    if cfg.sample is not None:  # sample level: no task ids; one row per query example
+        tasks = participant_tasks(wl, participant_id, data_path)
+        if not isinstance(tasks, ParticipantTasks):
+            raise ValueError("a sample-level round needs class data (the sinusoid has none)")
+        rows = sample_level_rows(cfg, wl, tasks, request, participant_id)
+        ids = tuple(range(len(rows)))
+        return GradientReply(request.run_id, request.round_id, participant_id, ids, rows, None,
+                             None, time.perf_counter() - started, None)  # fmt: skip
     if request.task_ids:
         compute = _task_gradients(cfg, wl, request, participant_id, data_path)
         rows, pre_clip_norms = isolated_rows(compute, request.task_ids, dim)

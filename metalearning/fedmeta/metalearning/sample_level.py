@@ -47,8 +47,8 @@ from fedmeta.metalearning.maml import clip_by_global_norm
 from fedmeta.metalearning.models import inner_rates
 
 __all__ = ["SampleLevelGrads", "SampleLevelSteps", "noisy_adapt", "per_example_clipped_grads",
-           "per_example_grads", "query_gradient_sums", "sample_level_grads",
-           "standard_normal"]  # fmt: skip
+           "per_example_grads", "query_gradient_rows", "query_gradient_sums",
+           "sample_level_grads", "standard_normal"]  # fmt: skip
 
 # (batched params [T, ...], x [T, n, ...], y [T, n, ...]) -> per-example flat gradients [T, n, dim]
 PerExampleGrads = Callable[[Params, Tensor, Tensor], Tensor]
@@ -240,3 +240,41 @@ def sample_level_grads(
             q_norms.append(chunk_norms)
             s_norms.append(support_norms)
     return SampleLevelGrads(torch.cat(sums), torch.cat(q_norms), torch.cat(s_norms, dim=1))
+
+
+def query_gradient_rows(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: MaskedTasks,
+    steps: SampleLevelSteps,
+    rng: np.random.Generator,
+    *,
+    device: str | torch.device | None = "auto",
+    chunk_size: int = 32,
+) -> Tensor:
+    """Every query example's gradient at its task's noisy adapted parameters, clipped: ``[n, dim]``.
+
+    The same computation as :func:`sample_level_grads` (the same inner noise from the same
+    ``rng``), returning the clipped per-example rows (task-major, padding dropped) instead of
+    their per-task sums, so that the server can re-check each example's row against
+    ``outer_clip`` as it re-checks a task's row at task level (server/fedmeta/server/
+    validation.py). Their sum is ``sample_level_grads(...).query_sums.sum(0)``.
+    """
+    _positive("chunk_size", chunk_size, integer=True)
+    dev = resolve_device(device)
+    model = model.to(dev)
+    p = as_params(model, params, dev)
+    _check_model(model, p)
+    grads_of = per_example_grads(model)
+    rows = []
+    with torch.no_grad():
+        for start in range(0, tasks.num_tasks, chunk_size):
+            chunk = tasks.select(start, start + chunk_size).to(dev)
+            adapted, _ = noisy_adapt(grads_of, p, chunk, steps, rng)
+            adapted = {n: v.detach() for n, v in adapted.items()}
+            g, _ = per_example_clipped_grads(
+                grads_of, adapted, chunk.query_x, chunk.query_y, chunk.query_mask, steps.outer_clip
+            )
+            rows.append(g[chunk.query_mask])
+    dim = sum(v.numel() for v in p.values())
+    return torch.cat(rows) if rows else torch.zeros((0, dim), dtype=torch.float32, device=dev)

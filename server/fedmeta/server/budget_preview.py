@@ -125,7 +125,7 @@ def _fresh_refusal(cfg: Config, plan: PrivatePlan, predicted: BudgetForecast) ->
         return None
     return (
         f"the budget affords no round: one round at noise multiplier "
-        f"{plan.event.noise_multiplier:g} costs more than the whole budget, epsilon "
+        f"{plan.noise_multiplier:g} costs more than the whole budget, epsilon "
         f"{cfg.privacy.epsilon_budget:g} at delta {cfg.privacy.delta:g}; raise "
         "privacy.noise_multiplier or leave it unset to calibrate it; nothing was run or written"
     )

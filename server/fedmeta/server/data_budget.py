@@ -199,7 +199,7 @@ def no_fit_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: Bud
         f"{max(ledger.epsilon_budget - predicted.epsilon_spent_before, 0.0):.4g} left (delta "
         f"{ledger.delta:g}), and "
         f"{predicted.rounds_affordable} of this run's {cfg.rounds} rounds at noise multiplier "
-        f"{plan.event.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
+        f"{plan.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
         + other_budget_hint(cfg, ledger.path, ledger.federation_id, (target, ledger.delta))
         + "; nothing was run or written"
     )

@@ -27,6 +27,7 @@ from fedmeta.server.plan import BudgetForecast, PrivatePlan, RunPlan
 from fedmeta.server.plots import PLOT_FILES, write_plots
 from fedmeta.server.report import RoundOutcome
 from fedmeta.server.rounds_csv import write_rounds_csv
+from fedmeta.server.sample_plan import level_label, sample_plan_lines, sample_summary
 from fedmeta.server.starting import (
     StartingModel,
     model_start_fields,
@@ -83,17 +84,18 @@ def format_plan(
         else ""
     )
     lines += [
-        f"mode: private (task-level DP, {plan.neighbouring} neighbours, PLD accounting, enforced "
-        "by the ledger)",
+        f"mode: private ({level_label(p.event)} DP, {plan.neighbouring} neighbours, PLD "
+        "accounting, enforced by the ledger)",
         f"budget of the data: epsilon {_e(p.epsilon_budget, 'g')}, delta "
         f"{_e(p.delta, 'g')} | {_target(cfg)} | clip C = {_e(p.clip, 'g')}",
         f"noise multiplier z = {_e(p.noise_multiplier, '.4f')}{calibrated}",
         *_adaptive_lines(p),
+        *sample_plan_lines(p.event, cfg),
         f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
         f"ledger before this run: {fc.ledger_records_before} spends, "
         f"epsilon {_e(fc.epsilon_spent_before)}",
         f"rounds affordable: {fc.rounds_affordable} | rounds this run will run: {fc.rounds_to_run}",
-        f"at the planned end: task-level epsilon {_e(fc.epsilon_task_at_end)} "
+        f"at the planned end: {level_label(p.event)} epsilon {_e(fc.epsilon_task_at_end)} "
         f"(delta {_e(p.delta, 'g')})",
         "participant-level epsilon at the planned end: "
         + _participant_eps(fc.epsilon_participant_at_end, p.participant_level_note),
@@ -269,6 +271,7 @@ def _privacy_fields(
     """The summary's guarantee and noise fields (None where a non-private run has none)."""
     p = plan.privacy
     return {
+        **sample_summary(plan.level, None if p is None else p.event, cfg),  # level, its constants
         "epsilon_spent": epsilons.get("epsilon_task"),
         "epsilon_participant_level": epsilons.get("epsilon_participant"),
         "participant_level_note": None if p is None else p.participant_level_note,
@@ -412,7 +415,8 @@ def format_summary(s: Mapping[str, Any]) -> str:
              f"stopped: {s['stopped_reason']}"]  # fmt: skip
     if s["private"]:
         lines.append(
-            f"epsilon spent (task level, {s['neighbouring']}) {_e(s['epsilon_spent'])} of "
+            f"epsilon spent ({'example' if s.get('level') == 'sample' else 'task'} level, "
+            f"{s['neighbouring']}) {_e(s['epsilon_spent'])} of "
             f"budget {_e(s['epsilon_budget'], 'g')} at delta {_e(s['delta'], 'g')}"
         )
         lines.append("participant level: " + _participant_summary(s))

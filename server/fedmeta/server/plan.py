@@ -37,12 +37,27 @@ from fedmeta.accounting import (
     tombs2022_published_epsilon,
 )
 from fedmeta.accounting.composition import Method
+from fedmeta.accounting.levels import AnyRound
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.accounting.schemes import Neighbouring, Unit
 from fedmeta.accounting.tuning_release import Recorded
 from fedmeta.config import Config, ConfigError
 from fedmeta.config_privacy import PrivacyConfig
+from fedmeta.server.sample_plan import sample_event, sample_normaliser, sampling_of
 
 TwoStageScheme = TwoStagePoissonScheme | TwoStageFixedScheme
+#: Why a sample-level run has no participant-level epsilon (its unit is one example).
+SAMPLE_LEVEL_NOTE = (
+    "a sample-level run protects one example; it states no participant-level bound (an example "
+    "neighbour is not a participant neighbour)"
+)
+
+
+def server_noise_multiplier(event: AnyRound) -> float:
+    """The noise multiplier of what the server adds: ``z``, or a sample-level round's ``z_out``."""
+    if isinstance(event, SampleLevelRound):
+        return event.outer_noise_multiplier
+    return event.noise_multiplier
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ class PrivatePlan:
     clipping's first one; ``epsilon_budget`` and ``delta`` the data's budget the ledger enforces.
     """
 
-    event: GaussianRound
+    event: AnyRound  # a SampleLevelRound at privacy.level = "sample" (server/sample_plan.py)
     clip: float
     epsilon_budget: float
     delta: float
@@ -75,8 +90,13 @@ class PrivatePlan:
 
     @property
     def noise_multiplier(self) -> float:
-        """``z``: the round's total noise multiplier."""
-        return self.event.noise_multiplier
+        """``z``: the round's total noise multiplier (sample level: the server's ``z_out``)."""
+        return server_noise_multiplier(self.event)
+
+    @property
+    def level(self) -> str:
+        """``"sample"`` for a sample-level run, else ``"task"`` (summary.json's ``level``)."""
+        return "sample" if isinstance(self.event, SampleLevelRound) else "task"
 
     @property
     def gradient_noise_multiplier(self) -> float:
@@ -88,10 +108,15 @@ class PrivatePlan:
     @property
     def participant_level_note(self) -> str | None:
         """Why the participant-level epsilon is not meaningful, or None when it is."""
+        if isinstance(self.event, SampleLevelRound):
+            return SAMPLE_LEVEL_NOTE
         return participant_level_note(self.event)
 
     def over(self, scheme: TwoStageScheme) -> PrivatePlan:
         """The same z, clip and budget, the event taken over ``scheme`` (a round's population)."""
+        if isinstance(self.event, SampleLevelRound):
+            assert isinstance(scheme, TwoStagePoissonScheme)  # config_sample refuses 'fixed'
+            return replace(self, event=replace(self.event, sampling=sampling_of(scheme)))
         event = GaussianRound(scheme, self.noise_multiplier, _cap(scheme), self.event.neighbouring)
         return replace(self, event=event)
 
@@ -111,6 +136,11 @@ class RunPlan:
         """Whether the run is private (it has a :class:`PrivatePlan`)."""
         return self.privacy is not None
 
+    @property
+    def level(self) -> str | None:
+        """What the guarantee protects, ``"task"`` or ``"sample"``; None: a non-private run."""
+        return None if self.privacy is None else self.privacy.level
+
     def for_population(self, cfg: Config, task_counts: Mapping[str, int]) -> RunPlan:
         """The same plan (z, clip, normaliser) for the population eligible in a round."""
         scheme = build_scheme(cfg, task_counts)
@@ -122,6 +152,8 @@ def build_scheme(cfg: Config, task_counts: Mapping[str, int]) -> TwoStageScheme:
     """The two-stage scheme over the registered participants (their number is public)."""
     participants = len(task_counts)
     n1 = min(cfg.n1, participants)
+    if cfg.privacy.level == "sample":  # stage 2: each example, at the participant
+        return TwoStagePoissonScheme(participants, n1, cfg.privacy.sample.example_rate)
     if cfg.sampling.stage2 == "poisson":
         return TwoStagePoissonScheme(participants, n1, cfg.sampling.task_rate)
     assert cfg.sampling.tasks_per_round is not None  # the configuration requires it
@@ -139,8 +171,10 @@ def normaliser(cfg: Config) -> float:
     """The public divisor: configured, or the expected lot computed from the configuration alone.
 
     Neither the registered population nor any task count enters it, so it stays one constant for
-    the whole run, however the population changes.
+    the whole run, however the population changes. Sample level: server/sample_plan.py.
     """
+    if cfg.privacy.level == "sample":
+        return sample_normaliser(cfg)
     if cfg.privacy.normaliser is not None:
         return float(cfg.privacy.normaliser)
     n1 = cfg.n1
@@ -175,6 +209,14 @@ def _private_plan(
     cfg: Config, scheme: TwoStageScheme, norm: float, resumed_z: float | None
 ) -> PrivatePlan:
     """The private part of the plan: z (resumed, configured or calibrated), clip and budget."""
+    if cfg.privacy.level == "sample":  # the outer clip C_out is privacy.clip; no adaptive clip
+        assert isinstance(scheme, TwoStagePoissonScheme)
+        sample, calibrated = sample_event(cfg, scheme, resumed_z)
+        plan = PrivatePlan(sample, cfg.privacy.clip, cfg.privacy.epsilon_budget,
+                           cfg.privacy.delta, calibrated)  # fmt: skip
+        if not calibrated and resumed_z is None:
+            _check_noise_meets_target(cfg, sample)
+        return plan
     calibrated = resumed_z is None and cfg.privacy.noise_multiplier is None
     noise_multiplier = resumed_z if resumed_z is not None else cfg.privacy.noise_multiplier
     if noise_multiplier is None:
@@ -202,15 +244,16 @@ def _private_plan(
 TARGET_CHECK_SLACK = 1e-2
 
 
-def _check_noise_meets_target(cfg: Config, event: GaussianRound) -> None:
+def _check_noise_meets_target(cfg: Config, event: AnyRound) -> None:
     """A run given both ``noise_multiplier`` and ``target_epsilon`` must not exceed its target."""
     target = cfg.privacy.target_epsilon
     if target is None:
         return
     own = reported_epsilon([(event, cfg.rounds)], cfg.privacy.delta) or 0.0
     if own > target * (1 + TARGET_CHECK_SLACK):  # a configuration error: one line, exit status 2
+        z = server_noise_multiplier(event)
         raise ConfigError(
-            f"privacy.noise_multiplier={event.noise_multiplier:g} over rounds={cfg.rounds} spends "
+            f"privacy.noise_multiplier={z:g} over rounds={cfg.rounds} spends "
             f"epsilon {own:.4g} > privacy.target_epsilon={target:g}: leave "
             "privacy.noise_multiplier unset to calibrate it to the target, or lower rounds"
         )
@@ -259,7 +302,7 @@ def reported_epsilon(
 
 
 def ledger_epsilons(
-    ledger: Ledger, event: GaussianRound, *, task: bool = True
+    ledger: Ledger, event: AnyRound, *, task: bool = True
 ) -> dict[str, float | int | None]:
     """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
 
@@ -303,7 +346,8 @@ def forecast(plan: PrivatePlan, ledger: Ledger, rounds_left: int) -> BudgetForec
     after = [*before, (plan.event, to_run)]
     published = (
         tombs2022_published_epsilon(plan.event, to_run, plan.delta)
-        if to_run and plan.event.neighbouring == "add_remove"
+        if to_run and isinstance(plan.event, GaussianRound)
+        and plan.event.neighbouring == "add_remove"
         else None
     )
     return BudgetForecast(

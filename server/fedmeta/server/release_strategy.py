@@ -9,6 +9,8 @@ strategies for the whole run:
   sums the accepted contributions, adds ``N(0, (zC)^2 I)`` (server/fedmeta/server/noise.py) and
   divides by the public normaliser. With adaptive clipping the noisy centred count of clip bits
   is released beside the sum, and the next bound ``C_{t+1}`` is computed from it alone.
+  At sample level (server/fedmeta/server/sample_plan.py) the event is a ``SampleLevelRound``,
+  the replies carry one row per query example, and the noise is ``N(0, (z_out C_out)^2 I)``.
 - :class:`MeanStrategy` (non-private): no budget, no clip, no noise; the mean over the tasks
   received.
 
@@ -28,10 +30,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from fedmeta.accounting import BudgetExhausted, Ledger, next_clip, noisy_fraction
+from fedmeta.accounting import BudgetExhausted, GaussianRound, Ledger, next_clip, noisy_fraction
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.server.epsilon_curve import RoundEpsilons
 from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
 from fedmeta.server.plan import PrivatePlan, RunPlan, TwoStageScheme, ledger_epsilons
+from fedmeta.server.sample_plan import outer_gaussian
 from fedmeta.server.subspace import Subspace
 from fedmeta.server.validation import RoundReplies
 
@@ -63,6 +67,11 @@ class RoundRelease(Protocol):
     @property
     def clip_bits(self) -> bool:
         """Whether replies carry clip bits (adaptive clipping)."""
+        ...
+
+    @property
+    def example_rows(self) -> bool:
+        """Whether replies carry a row per query example (sample level), not per task."""
         ...
 
     def affordable(self) -> bool:
@@ -130,6 +139,7 @@ class MeanRound:
     private: bool = False
     clip: float | None = None
     clip_bits: bool = False
+    example_rows: bool = False
 
     def affordable(self) -> bool:
         """Always: a non-private round spends nothing."""
@@ -183,6 +193,11 @@ class PrivateRound:
         """Whether replies carry clip bits: with adaptive clipping."""
         return self.plan.adaptive is not None
 
+    @property
+    def example_rows(self) -> bool:
+        """Whether replies carry one row per query example: at sample level (server/sample_plan)."""
+        return isinstance(self.plan.event, SampleLevelRound)
+
     def affordable(self) -> bool:
         """Whether the ledger allows this round's event now (a dry run of its spend)."""
         return not self.ledger.would_exceed(self.plan.event)
@@ -199,11 +214,13 @@ class PrivateRound:
         if basis is not None:  # k coordinates, noised at their sensitivity; residual dropped
             total, sensitivity = basis.project(total, self.clip, norm * self.clip)
         lift: Callable[[Tensor], Tensor] = _identity if basis is None else basis.lift
+        event = self.plan.event  # sample level: the outer Gaussian of the recorded round
+        gauss = outer_gaussian(event) if isinstance(event, SampleLevelRound) else event
         if a is None:
-            plain = noised_sum(total, clip=sensitivity, event=self.plan.event, source=self.noise)
+            plain = noised_sum(total, clip=sensitivity, event=gauss, source=self.noise)
             return Released(lift(plain.value) / norm, plain.noise_std, position)
         joint = noised_release(total, centred_count(checked), clip=sensitivity,
-                               event=self.plan.event, count_noise=a.count_noise,
+                               event=gauss, count_noise=a.count_noise,
                                source=self.noise)  # fmt: skip
         # C_{t+1} from the released noisy count and public constants only (post-processing).
         fraction = noisy_fraction(joint.count, norm)
@@ -235,7 +252,7 @@ class PrivateStrategy:
     ) -> PrivateRound:
         """The round's release; the curve starts computing the epsilons its spend will bring."""
         plan = self.plan.over(scheme)
-        if self.curve is not None:
+        if self.curve is not None and isinstance(plan.event, GaussianRound):
             projection = self.ledger.projection(plan.event)
             if projection is not None:
                 self.curve.before_round(projection, index + 1)
@@ -305,8 +322,9 @@ def private_strategy(
     CSPRNG source for the whole run. ``reports(round)``: whether that round's record has epsilon.
     """
     noise = _noise(seed)
-    return PrivateStrategy(plan, ledger, run.run_id, run.dim, run.normaliser, noise,
-                           RoundEpsilons(reports))  # fmt: skip
+    # Sample level: the ledger composes each epsilon itself (no curve computed ahead).
+    curve = None if isinstance(plan.event, SampleLevelRound) else RoundEpsilons(reports)
+    return PrivateStrategy(plan, ledger, run.run_id, run.dim, run.normaliser, noise, curve)
 
 
 def _noise(seed: int | None) -> Callable[[int], NoiseSource]:

@@ -50,6 +50,7 @@ from fedmeta.server.optimizer import learning_rate, make_optimizer
 from fedmeta.server.release_strategy import Released, RoundRelease
 from fedmeta.server.releases import split_failures
 from fedmeta.server.report import RoundDiagnostics, RoundOutcome
+from fedmeta.server.sample_plan import ParticipantSampler
 from fedmeta.server.validation import Expectation, RoundReplies, validate_round
 
 STOP_PLANNED = "planned_rounds"
@@ -178,7 +179,7 @@ class RoundSetup:
     """
 
     task_counts: Mapping[str, int]  # private under add/remove: used to sample, never released
-    sampler: TwoStageSampler
+    sampler: TwoStageSampler | ParticipantSampler  # the latter: stage 1 alone (sample level)
     release: RoundRelease
 
 
@@ -252,6 +253,7 @@ def _expectations(
             context.reply_format,
             context.tolerance,
             release.clip_bits,
+            release.example_rows,
         )  # fmt: skip
         for pid, req in requests.items()
     }

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource, TwoStageSampler
+from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource
 from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import use_round_cohort
@@ -60,6 +60,7 @@ from fedmeta.server.round import (
     run_round,
 )
 from fedmeta.server.rundir import exclusive_run_directory
+from fedmeta.server.sample_plan import round_sampler
 from fedmeta.server.selection import ModelSelection
 from fedmeta.server.starting import StartingModel, source_of
 from fedmeta.server.startup import (
@@ -315,7 +316,7 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
     seed = ctx.cfg.privacy.insecure_test_seed
     # Test mode: sampling (and noise) re-derived from (seed, round), so resumes reproduce.
     source = SystemRandomSource() if seed is None else InsecureSeededSource(seed, stream=index)
-    sampler = TwoStageSampler(scheme, source)
+    sampler = round_sampler(ctx.plan.level, scheme, source)  # sample level: stage 1 alone
     sampler.check_task_counts(eligible)
     return RoundSetup(eligible, sampler, release)
 

@@ -25,8 +25,9 @@ from fedmeta.accounting import (
     resolve_federation,
 )
 from fedmeta.accounting.ledger import EpsilonCache, ensure_directory
+from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.checkpoint import CHECKPOINT_NAME, Checkpoint, KeptModel, load_checkpoint
-from fedmeta.client_config import client_config
+from fedmeta.client_config import ClientSampleLevel, client_config
 from fedmeta.config import Config
 from fedmeta.config_training import TrainingConfig
 from fedmeta.paths import epsilon_cache_path
@@ -58,6 +59,7 @@ from fedmeta.server.plan import (
 from fedmeta.server.releases import suspending_failures
 from fedmeta.server.report import STATUS_LOST_ON_RESUME, RoundOutcome
 from fedmeta.server.round import Exchange, RoundContext, TrainingState
+from fedmeta.server.sample_plan import client_sample
 from fedmeta.server.selection import ModelSelection
 from fedmeta.server.transport import GridTransport, Registered, RegistrationError
 from fedmeta.workload import Workload
@@ -189,7 +191,7 @@ def _no_round_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger) -> str:
     one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
     return (
         f"the budget affords no round: one round at noise multiplier "
-        f"{plan.event.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
+        f"{plan.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
         f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
         f"on this data in {ledger.path}, {max(ledger.epsilon_budget - spent, 0.0):.4g} left); "
         "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
@@ -251,7 +253,7 @@ def round_context(
         run_id=ids.run_id,
         federation_id=ids.federation_id,
         transport=exchange,
-        config_json=client_config(cfg).model_dump_json(),
+        config_json=client_config(cfg, participant_part(cfg, plan)).model_dump_json(),
         dim=dim,
         reply_format=cfg.federation.reply_format,
         tolerance=cfg.privacy.clip_tolerance,
@@ -259,6 +261,12 @@ def round_context(
         round_min_seconds=cfg.federation.round_min_seconds,
         stop=stop,
     )
+
+
+def participant_part(cfg: Config, plan: RunPlan) -> ClientSampleLevel | None:
+    """A sample-level run's part for its participants (server/sample_plan.py); else None."""
+    event = None if plan.privacy is None else plan.privacy.event
+    return client_sample(cfg, event) if isinstance(event, SampleLevelRound) else None
 
 
 def _optimizer_args(cfg: Config, plan: RunPlan, workload: Workload) -> dict[str, Any]:

@@ -21,6 +21,11 @@ such rows can have; a non-finite sum contributes zero. It cannot check any singl
 contribution, so in that format the per-task bound rests on the participant's own clipping (see
 docs/federation.md: use ``per_task`` unless bandwidth matters).
 
+At sample level (``Expectation.example_rows``; docs/privacy.md, "Running at sample level") no
+task is requested: a reply's rows are its query examples' clipped gradients, numbered ``0 ..
+n-1`` (anything else is structural, ``unrequested_task``), and each row is re-checked against C
+(the outer clip ``C_out``) exactly as a task's row.
+
 With adaptive clipping a reply must carry one ``clip_bits`` entry per task (the protocol already
 refused any value but 0 or 1); a missing or mis-sized list is structural (``bad_shape``). The server
 cannot check a bit against the pre-clip norm it never sees, and does not need to: any 0/1 value
@@ -70,6 +75,9 @@ class Expectation:
     reply_format: ReplyFormat
     tolerance: float = 1e-4  # relative slack before a norm counts as a violation
     clip_bits: bool = False  # adaptive clipping: the reply must carry one bit per task
+    #: Sample level: no task ids were requested; the reply's rows are its query examples' clipped
+    #: gradients, ids ``0 .. n-1`` in order, each re-checked against C (``C_out``) as a task's row.
+    example_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +127,10 @@ def _payload(reply: GradientReply, exp: Expectation) -> Rejected | None:
     bounded memory, never converted.
     """
     pid = exp.participant_id
-    if len(reply.task_ids) > len(exp.task_ids):
+    if exp.example_rows:
+        if any(i != j for i, j in enumerate(reply.task_ids)):  # no copy of the ids
+            return Rejected(pid, REASON_UNREQUESTED_TASK, "example rows not numbered 0 .. n-1")
+    elif len(reply.task_ids) > len(exp.task_ids):
         detail = f"{len(reply.task_ids)} task ids for {len(exp.task_ids)} requested"
         return Rejected(pid, REASON_UNREQUESTED_TASK, detail)
     for name in ("grads", "grad_sum"):
@@ -147,7 +158,8 @@ def _structure(reply: GradientReply, exp: Expectation) -> Rejected | None:
         (reply.round_id != exp.round_id, REASON_WRONG_ROUND, f"round {reply.round_id}"),
         (reply.participant_id != pid, REASON_WRONG_PARTICIPANT, f"from {reply.participant_id!r}"),
         (len(set(reply.task_ids)) != len(reply.task_ids), REASON_DUPLICATE_TASK, "repeated id"),
-        (bool(set(reply.task_ids) - set(exp.task_ids)), REASON_UNREQUESTED_TASK, "not requested"),
+        (not exp.example_rows and bool(set(reply.task_ids) - set(exp.task_ids)),
+         REASON_UNREQUESTED_TASK, "not requested"),
         (reply.reply_format != exp.reply_format, REASON_WRONG_FORMAT, reply.reply_format),
     )
     for failed, reason, detail in checks:

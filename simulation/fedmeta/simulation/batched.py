@@ -134,8 +134,8 @@ def batched_replies(
         return {}
     first = next(iter(requests.values()))
     cfg, wl = received_workload(first.config_json, None)
-    if cfg.federation.reply_format != P.REPLY_PER_TASK:
-        return {}
+    if cfg.federation.reply_format != P.REPLY_PER_TASK or cfg.sample is not None:
+        return {}  # sample level: each participant draws its own examples (its ClientApp)
     torch.set_num_threads(1)  # as the ClientApp: one participant per core in simulation
     started = time.perf_counter()
     rows, norms = _rows(cfg, wl, first, [(pids[k], r.task_ids) for k, r in requests.items()])

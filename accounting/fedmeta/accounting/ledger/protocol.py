@@ -14,6 +14,7 @@ from fedmeta.accounting.ledger.records import (
     Participant,
     SpendRecord,
 )
+from fedmeta.accounting.levels import AnyRound
 from fedmeta.accounting.schemes import (
     GaussianRound,
     Neighbouring,
@@ -85,15 +86,15 @@ class Ledger(Protocol):
         """Epsilon spent so far at ``delta``."""
         ...
 
-    def rounds_affordable(self, event: GaussianRound) -> int:
+    def rounds_affordable(self, event: AnyRound) -> int:
         """How many more rounds like ``event`` the budget allows."""
         ...
 
-    def would_exceed(self, event: GaussianRound) -> bool:
+    def would_exceed(self, event: AnyRound) -> bool:
         """Dry run: whether spending ``event`` now would exceed the budget."""
         ...
 
-    def spend(self, event: GaussianRound, run_id: str, round_index: int) -> SpendRecord:
+    def spend(self, event: AnyRound, run_id: str, round_index: int) -> SpendRecord:
         """Record one round durably, or raise having recorded nothing."""
         ...
 
