@@ -167,7 +167,7 @@ def digests(cfg: Any) -> dict[str, str | None]:
     del tree["dataset"]["path"], tree["privacy"]["ledger_path"], tree["output"]
     workload = build_workload(cfg)
     test = workload.held_out("test", cfg.dataset.test_tasks)
-    warm = workload.initial_params if workload.warm_start is not None else None
+    warm = workload.initial_params() if workload.warm_start is not None else None
     return {
         "config_digest": _digest([json.dumps(tree, sort_keys=True).encode()]),
         "test_tasks_digest": _digest([t.contiguous().numpy().tobytes() for t in test]),

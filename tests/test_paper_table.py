@@ -314,3 +314,23 @@ def test_the_gpu_window_runs_the_table_three_side_by_side(tmp_path: Path) -> Non
     empty = subprocess.run(script, env={**env, "OMNIGLOT_DIR": str(tmp_path / "none")},
                            capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert "paper table: no Omniglot npz" in empty.stdout, empty.stdout
+
+
+@pytest.mark.integration
+def test_row_d_records_the_digest_of_its_public_warm_start(
+    shared_omniglot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Row (d) starts from a declared public warm start: its record pins the starting model's
+    # digest (issue 50, point 5), the model the workload actually starts from.
+    from fedmeta.config_io import load_config
+    from fedmeta.workload import build_workload
+
+    monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp_path / "cache"))
+    pt = bench_script("paper_table")
+    sets = [*pt.row_sets(pt.SCALES["tiny"], "d", False), f"dataset.path={shared_omniglot}"]
+    cfg = load_config(pt.config_of(5), sets)
+    found = pt.digests(cfg)["warm_start_digest"]
+    start = build_workload(cfg).initial_params().numpy().tobytes()
+    assert found is not None and len(found) >= 16
+    assert found == pt.digests(cfg)["warm_start_digest"]  # the same model every time
+    assert pt._digest([start]) == found
