@@ -339,7 +339,7 @@ class BudgetLedger(LedgerIndividual):
         check_round(event)
         self._catch_up()
         self._check_level(event)
-        left = [self._search(base, event) - count for base, count in self._checks(event)]
+        left = [self._max_total(base, event) - count for base, count in self._checks(event)]
         return max(0, min(left, default=MAX_ROUNDS_LIMIT))
 
     def would_exceed(self, event: AnyRound) -> bool:
@@ -373,7 +373,7 @@ class BudgetLedger(LedgerIndividual):
             self._catch_up()
             self._check_level(event)
             checks = self._checks(event)
-            totals = [self._search(base, event) for base, _ in checks]  # outside the lock
+            totals = [self._max_total(base, event) for base, _ in checks]  # outside the lock
             outcome = self._append_or_explain(
                 event, event_json, run_id, round_index, checks, totals
             )

@@ -67,7 +67,7 @@ class LedgerIndividual(LedgerAppend):
             self._resolved.update(found)
         return _expanded(participants, self._resolved)
 
-    def _search(self, base: tuple[Any, ...], event: AnyRound) -> int:
+    def _max_total(self, base: tuple[Any, ...], event: AnyRound) -> int:
         """Largest total count of ``event`` affordable beside ``base`` (cached; a PLD search)."""
         key = (base, event)
         if key not in self._totals:
@@ -95,7 +95,7 @@ class LedgerIndividual(LedgerAppend):
         check_round(event)
         budget = (self.epsilon_budget, self.delta, self.unit)
         own = tuple(self.run_rounds(run_id))
-        return allowance([own], event, MAX_ROUNDS_LIMIT, budget, self._search)
+        return allowance([own], event, MAX_ROUNDS_LIMIT, budget, self._max_total)
 
     # ---------------------------------------------------------------------------- allowances
 
@@ -117,7 +117,7 @@ class LedgerIndividual(LedgerAppend):
         budget = (self.epsilon_budget, self.delta, self.unit)
         return {
             name: allowance([self._earlier(s, own) for s in self._exposure.signatures(among)],
-                            event, rounds, budget, self._search)  # fmt: skip
+                            event, rounds, budget, self._max_total)  # fmt: skip
             for name, among in sorted(keys.items())
         }
 
