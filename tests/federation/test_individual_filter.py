@@ -131,6 +131,6 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
     capsys.readouterr()
     assert main(["ledger", "show", "--db", str(db), "--participants"]) == 0
     shown = capsys.readouterr().out
-    assert "4 participant(s)" in shown
+    assert "4 participant(s)" in shown and f"(took part in run {run_id}: 2 of 4)" in shown
     released = [tmp_path / "out" / "summary.json", tmp_path / "out" / "rounds.csv"]
     assert not any("allowance" in path.read_text() for path in released)

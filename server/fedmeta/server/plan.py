@@ -329,7 +329,8 @@ def forecast(
     ``run_id``: a resumed run's own spends count; empty: a fresh run (nothing of its own yet).
     """
     before = ledger.run_rounds(run_id) if run_id else []
-    affordable = ledger.run_rounds_affordable(run_id, plan.event)
+    # What the run's own rounds afford, at most its rounds left (the rounds' records say the same).
+    affordable = max(0, min(ledger.run_rounds_affordable(run_id, plan.event), rounds_left))
     to_run = max(0, min(rounds_left, affordable))
     after = [*before, (plan.event, to_run)]
     published = (

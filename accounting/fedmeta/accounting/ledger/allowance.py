@@ -13,16 +13,17 @@ ledger before the run, so it is the same under both; when ``k_p`` is too, each r
 pair is fixed before round 1 (the event for rounds ``t <= k_p``, the identity after: nothing of
 ``p`` enters the sum). The composition theorem for dominating pairs of adaptively composed
 mechanisms (Zhu, Dong and Wang 2022, "Optimal accounting of differential privacy via characteristic
-function", Theorem 10: the PLD composition accounting/composition.py computes) then bounds ``x``'s
-loss in this run by ``k_p`` rounds of the event. It holds for each fixed pair of datasets, so the
-number of rounds may depend on the data (individual privacy accounting: Feldman and Zrnic 2021,
-"Individual privacy accounting via a Rényi filter", Section 3), but never on the outputs: nothing
-here reads one, so no filter theorem is needed (Rogers, Roth, Ullman and Vadhan 2016, "Privacy
-odometers and filters: pay-as-you-go composition", separate exactly this case, parameters fixed up
-front, from filters). With the earlier runs, ``x``'s loss is the composition of its record's
-earlier rounds and ``k_p`` rounds: within the budget by the choice of ``k_p``. It errs high where
-the ledger does: the PLD is discretised pessimistically, and a record is charged for every round
-``p`` takes part in although a task uses only some of its items.
+function", Definition 7 and its composition theorem: the PLD composition accounting/composition.py
+computes) then bounds ``x``'s loss in this run by ``k_p`` rounds of the event. It holds for each
+fixed pair of datasets, so the number of rounds may depend on the data (individual privacy
+accounting: Feldman and Zrnic 2021, "Individual privacy accounting via a Rényi filter", whose
+individual loss is stated for a fixed pair of neighbouring datasets), but never on the outputs:
+nothing here reads one, so no filter theorem is needed (Rogers, Roth, Ullman and Vadhan 2016,
+"Privacy odometers and filters: pay-as-you-go composition", separate exactly this case, parameters
+fixed up front, from filters). With the earlier runs, ``x``'s loss is the composition of its
+record's earlier rounds and ``k_p`` rounds: within the budget by the choice of ``k_p``. It errs high
+where the ledger does: the PLD is discretised pessimistically, and a record is charged for every
+round ``p`` takes part in although a task uses only some of its items.
 
 Pure: the answer depends only on the arguments (the search defaults to
 ``calibration.affordable_rounds``, what ``BudgetLedger.rounds_affordable`` runs).

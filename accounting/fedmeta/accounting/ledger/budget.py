@@ -191,7 +191,8 @@ class BudgetLedger(LedgerIndividual):
             counts = multiset(self._exposure.counts(sig))
             name, *digests = rows.get(key, [key])
             eps = self._composed(counts, unit or self.unit, "pld")
-            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
+            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests),
+                                           self._runs_charged(sig)))  # fmt: skip
         return sorted(out, key=lambda p: (p.name, p.key))
 
     def keep_epsilons(self, cache: EpsilonCache) -> None:

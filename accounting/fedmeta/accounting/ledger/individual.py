@@ -121,6 +121,13 @@ class LedgerIndividual(LedgerAppend):
             for name, among in sorted(keys.items())
         }
 
+    def _runs_charged(self, signature: Signature) -> tuple[tuple[str, int, int], ...]:
+        """Per run that charged a participant of ``signature``: (run, charged, the run's spends)."""
+        spends = Counter(r.run_id for r in self._records)
+        charged = Counter(r.run_id for r in self._records
+                          if r.cohort is None or r.cohort in signature)  # fmt: skip
+        return tuple((run, n, spends[run]) for run, n in charged.items())
+
     def _earlier(self, signature: Signature, own: Collection[Any]) -> Multiset:
         """The rounds charged to a participant of ``signature``, less ``own`` records of them."""
         counts = self._exposure.counts(signature)
