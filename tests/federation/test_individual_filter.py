@@ -20,13 +20,21 @@ import torch
 from flwr.app import Context, Message
 
 from fedmeta import protocol as P
-from fedmeta.accounting import BudgetLedger, GaussianRound, Participant, epsilon
+from fedmeta.accounting import (
+    BudgetLedger,
+    FlatPoissonScheme,
+    GaussianRound,
+    Participant,
+    epsilon,
+)
 from fedmeta.checkpoint import load_checkpoint
 from fedmeta.cli import main
 from fedmeta.client.app import app as client_app
 from fedmeta.server.app import execute
 from fedmeta.server.budget_keys import ledger_participants
+from fedmeta.server.individual_filter import IndividualFilter
 from fedmeta.server.operator_log import operator_log_path
+from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
 
 from .fakes import LinearLedger, opener
@@ -134,3 +142,22 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
     assert "4 participant(s)" in shown and f"(took part in run {run_id}: 2 of 4)" in shown
     released = [tmp_path / "out" / "summary.json", tmp_path / "out" / "rounds.csv"]
     assert not any("allowance" in path.read_text() for path in released)
+
+
+def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its allowance counts this run's spends its data was charged (the ledger as it stands)."""
+    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))  # the operator log's
+    ledger = LinearLedger(epsilon_budget=1.0, eps_per_round=0.25)  # 4 rounds fit, for everyone
+    cfg = small("federation.participants=2", "sampling.participants_per_round=2", "rounds=6")
+    members = {str(i): Registered(str(i), 100 + i, 20, "") for i in range(2)}
+    event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
+    run = IndividualFilter({"0": 4}, "run", event, 6)  # "1" registered after the start
+    for i in range(3):
+        ledger.spend(event, "run", i)
+    assert run.apply(ledger, cfg, members, ["0", "1"]) == frozenset()
+    assert run.allowances["1"] == 3 + 1  # the fake charges every round to everyone: 1 left
+    ledger.spend(event, "run", 3)
+    assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
+    assert "round 5 participant 1: allowance spent" in operator_log_path("run").read_text()

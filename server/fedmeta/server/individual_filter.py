@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from fedmeta.accounting import Ledger
+from fedmeta.accounting import GaussianRound, Ledger
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import ledger_participants, use_round_cohort
 from fedmeta.server.operator_log import log_failures
@@ -39,10 +39,16 @@ REASON_ALLOWANCE = "allowance spent"
 
 @dataclass(frozen=True)
 class IndividualFilter:
-    """Each registered participant's allowance (participant id -> ``k_p``): operator-only."""
+    """Each participant's allowance (participant id -> ``k_p``, in the run's spends): operator-only.
 
-    allowances: Mapping[str, int]
+    ``allowances`` is fixed at the start for everyone registered then; a participant first seen
+    later (a node that joined mid-run) gets its own when it first becomes eligible.
+    """
+
+    allowances: dict[str, int]
     run_id: str
+    event: GaussianRound  # the plan's: the schedule the allowances are computed for
+    rounds: int  # the run's planned rounds
 
     def taking_part(self, eligible: Collection[str], spent: int) -> frozenset[str]:
         """Who of ``eligible`` takes part in the run's next spend (``spent`` of its own so far)."""
@@ -54,9 +60,27 @@ class IndividualFilter:
     ) -> frozenset[str]:  # fmt: skip
         """Charge the next spend to who takes part; the ids whose replies the round discards."""
         spent = sum(count for _, count in ledger.run_rounds(self.run_id))
+        self._admit(ledger, cfg, members, [p for p in eligible if p not in self.allowances], spent)
         taking = self.taking_part(eligible, spent)
         use_round_cohort(ledger, cfg, members, taking)  # an empty cohort: charged to nobody
         return frozenset(eligible) - taking
+
+    def _admit(
+        self, ledger: Ledger, cfg: Config, members: Mapping[str, Registered], new: list[str],
+        spent: int,
+    ) -> None:  # fmt: skip
+        """Allowances of participants first seen after ``spent`` of the run's spends.
+
+        From the ledger as it stands, this run's spends included (they may be charged to records
+        the newcomer's items are in): it takes part in the next ones its data affords.
+        """
+        if not new:
+            return
+        who = ledger_participants(cfg, members, new)
+        left = ledger.allowances(who, self.event, max(self.rounds - spent, 0), run_id="")
+        for pid, k in left.items():
+            self.allowances[pid] = spent + k
+        _log_short(self.run_id, {pid: spent + k for pid, k in left.items()}, self.rounds)
 
 
 def round_cohort(
@@ -85,10 +109,15 @@ def fix_allowances(
         return None
     participants = ledger_participants(cfg, members, members)
     allowed = ledger.allowances(participants, plan.event, cfg.rounds, run_id=run_id)
+    _log_short(run_id, allowed, cfg.rounds)
+    return IndividualFilter(dict(allowed), run_id, plan.event, cfg.rounds)
+
+
+def _log_short(run_id: str, allowed: Mapping[str, int], rounds: int) -> None:
+    """The operator log's line for each participant whose allowance ends before the run does."""
     for pid, k in sorted(allowed.items()):
-        if k >= cfg.rounds:
+        if k >= rounds:
             continue
-        detail = (f"its data's earlier spends allow {k} of this run's {cfg.rounds} rounds; its "
-                  "replies are discarded from then on (`fedmeta ledger show --participants`)")
+        detail = (f"its data's spends allow {k} of this run's {rounds} rounds; its replies "
+                  "are discarded from then on (`fedmeta ledger show --participants`)")
         log_failures(run_id, k + 1, [(pid, REASON_ALLOWANCE, detail)])
-    return IndividualFilter(dict(allowed), run_id)
