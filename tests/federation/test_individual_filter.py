@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ from fedmeta.simulation.local_grid import InProcessGrid
 
 from .fakes import LinearLedger, opener
 from .test_overlap_release import BUDGET, DELTA, _cfg, _registered, _world
+from .test_reliability import StopAfter
 from .test_round import small
 
 pytestmark = pytest.mark.integration
@@ -161,3 +163,27 @@ def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords(
     ledger.spend(event, "run", 3)
     assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
     assert "round 5 participant 1: allowance spent" in operator_log_path("run").read_text()
+
+
+def test_a_resumed_run_keeps_its_allowances(tmp_path: Path) -> None:
+    """Recomputed without the run's own spends: the same as at its start, not what is left now.
+
+    An earlier run spent 2 of the 4 rounds the budget affords: every participant may take part in
+    2 of this run's 4. Stopped after round 1 and resumed, they still take part in round 2 (had
+    the resume counted the run's own spend, they would have stopped after 1); rounds 3-4 are
+    charged to nobody.
+    """
+    ledger, stop = LinearLedger(1.0, eps_per_round=0.25), threading.Event()
+    event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
+    ledger.spend(event, "earlier", 0)
+    ledger.spend(event, "earlier", 1)
+    cfg = small("rounds=4")
+    stopped = execute(cfg, InProcessGrid(6), out_dir=tmp_path, observers=[StopAfter(1, stop)],
+                      echo=False, open_ledger=opener(ledger), stop=stop)  # fmt: skip
+    assert stopped.summary["stopped_reason"] == "interrupted" and ledger.position() == 3
+    resumed = execute(cfg, InProcessGrid(6), out_dir=tmp_path, resume=True, echo=False,
+                      open_ledger=opener(ledger))  # fmt: skip
+    assert resumed.summary["rounds_completed"] == 4
+    assert resumed.summary["stopped_reason"] == "planned_rounds"
+    assert ledger.epsilon() == 1.0  # the earlier run's 2 and this run's first 2: charged
+    assert ledger.run_epsilon(resumed.summary["run_id"]) == 1.0  # its own 4, as published
