@@ -251,7 +251,7 @@ class BudgetLedger(LedgerIndividual):
         Recorded (cohort, names and data digests) in the ledger at once, so a reader sees who
         the next spends are charged to. A participant that declares its items is charged to
         every data record they overlap (ledger/overlap.py). On a read-only ledger only the
-        checks use it. None (an empty sequence): the spends are charged to nobody (a round of the
+        checks use it. An empty sequence: the spends are charged to nobody (a round of the
         individual filter in which every participant's allowance is spent, individual.py); it is
         recorded all the same, so the number of spends stays public.
         """
