@@ -146,23 +146,24 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
     assert not any("allowance" in path.read_text() for path in released)
 
 
-def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords() -> None:
     """Its allowance counts this run's spends its data was charged (the ledger as it stands)."""
-    monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp_path / "state"))  # the operator log's
-    ledger = LinearLedger(epsilon_budget=1.0, eps_per_round=0.25)  # 4 rounds fit, for everyone
+    ledger = LinearLedger(epsilon_budget=1.0, eps_per_round=0.125)  # 8 rounds fit, for everyone
     cfg = small("federation.participants=2", "sampling.participants_per_round=2", "rounds=6")
     members = {str(i): Registered(str(i), 100 + i, 20, "") for i in range(2)}
     event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
+    for i in range(3):
+        ledger.spend(event, "earlier", i)
     run = IndividualFilter({"0": 4}, "run", event, 6)  # "1" registered after the start
     for i in range(3):
         ledger.spend(event, "run", i)
     assert run.apply(ledger, cfg, members, ["0", "1"]) == frozenset()
-    assert run.allowances["1"] == 3 + 1  # the fake charges every round to everyone: 1 left
+    assert run.allowances["1"] == 3 + 2  # the fake charges every round to everyone: 2 left
     ledger.spend(event, "run", 3)
+    assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0"}
+    ledger.spend(event, "run", 4)
     assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
-    assert "round 5 participant 1: allowance spent" in operator_log_path("run").read_text()
+    assert "round 6 participant 1: allowance spent" in operator_log_path("run").read_text()
 
 
 def test_a_resumed_run_keeps_its_allowances(tmp_path: Path) -> None:

@@ -80,7 +80,8 @@ class IndividualFilter:
         left = ledger.allowances(who, self.event, max(self.rounds - spent, 0), run_id="")
         for pid, k in left.items():
             self.allowances[pid] = spent + k
-        _log_short(self.run_id, {pid: spent + k for pid, k in left.items()}, self.rounds)
+        _log_short(self.run_id, {pid: spent + k for pid, k in left.items()},
+                   _fresh(ledger, self.event, self.rounds))  # fmt: skip
 
 
 def round_cohort(
@@ -109,15 +110,24 @@ def fix_allowances(
         return None
     participants = ledger_participants(cfg, members, members)
     allowed = ledger.allowances(participants, plan.event, cfg.rounds, run_id=run_id)
-    _log_short(run_id, allowed, cfg.rounds)
+    _log_short(run_id, allowed, _fresh(ledger, plan.event, cfg.rounds))
     return IndividualFilter(dict(allowed), run_id, plan.event, cfg.rounds)
 
 
-def _log_short(run_id: str, allowed: Mapping[str, int], rounds: int) -> None:
-    """The operator log's line for each participant whose allowance ends before the run does."""
+def _fresh(ledger: Ledger, event: GaussianRound, rounds: int) -> int:
+    """The allowance of data nothing spent on: the run's rounds, or fewer its own budget affords."""
+    return min(rounds, ledger.run_rounds_affordable("", event))  # "": no run, no spend
+
+
+def _log_short(run_id: str, allowed: Mapping[str, int], fresh: int) -> None:
+    """The operator log's line for each participant whose data's earlier spends cut its part.
+
+    Only below ``fresh``: a run whose own budget ends it earlier ends everyone's part there.
+    """
     for pid, k in sorted(allowed.items()):
-        if k >= rounds:
+        if k >= fresh:
             continue
-        detail = (f"its data's spends allow {k} of this run's {rounds} rounds; its replies "
-                  "are discarded from then on (`fedmeta ledger show --participants`)")
+        detail = (f"its data's earlier spends allow {k} of the run's rounds (data nothing spent "
+                  f"on: {fresh}); its replies are discarded from then on (`fedmeta ledger show "
+                  "--participants`)")
         log_failures(run_id, k + 1, [(pid, REASON_ALLOWANCE, detail)])
