@@ -1,7 +1,7 @@
 """A new user's first hour (issue 40): what the README leads them to do behaves as it says.
 
 ``--experiment NAME`` writes to runs/NAME whatever the configuration's output.dir; ``--dry-run``
-reads the ledger and exits as the real run would; the first Ctrl-C ends the default job within
+reads the ledger and forecasts what the real run does; the first Ctrl-C ends the default job within
 seconds with a checkpoint; a mistyped configuration flag points at ``--set``; a run piped into
 ``head`` ends with status 0; the wheel builds without deprecation warnings.
 """
@@ -54,7 +54,11 @@ def test_an_experiment_writes_to_runs_name_whatever_the_config_says(tmp_path: Pa
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1800)
-def test_dry_run_on_spent_data_exits_3_and_spends_nothing(tmp_path: Path) -> None:
+def test_dry_run_on_spent_data_forecasts_the_run_and_spends_nothing(tmp_path: Path) -> None:
+    """The dry run reads the recorded budget and says what the run does, which spent data no
+    longer refuses (issue 52, item 6): the second run runs its rounds, charged to nobody."""
+    from fedmeta.accounting import BudgetLedger
+
     state = tmp_path / "state"
     spend = _fedmeta(["simulate", *_sets(SHORT)], tmp_path, state)  # the whole default budget
     assert spend.returncode == 0, spend.stderr[-3000:]
@@ -62,16 +66,21 @@ def test_dry_run_on_spent_data_exits_3_and_spends_nothing(tmp_path: Path) -> Non
     before = ledger.read_bytes()
     dry = _fedmeta(["simulate", "--dry-run", "--out", "runs/second", *_sets(SHORT)], tmp_path,
                    state)  # fmt: skip
-    assert dry.returncode == 3, dry.stdout + dry.stderr
+    assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "ledger before this run: 4 spends" in dry.stdout, dry.stdout
     assert "recorded in" in dry.stdout and "Traceback" not in dry.stderr
-    refusal = [line for line in dry.stderr.splitlines() if line.strip()]
-    assert len(refusal) == 1 and "affords no round" in refusal[0], dry.stderr
-    assert "left" in refusal[0], refusal  # says what is left, not only what was spent
+    assert "rounds this run will run: 4" in dry.stdout, dry.stdout
     assert ledger.read_bytes() == before and not (tmp_path / "runs" / "second").exists()
+    (fid,) = BudgetLedger.federations(ledger)
+    with BudgetLedger.open_readonly(ledger, fid) as book:
+        spent = book.epsilon()
     real = _fedmeta(["simulate", "--out", "runs/second", *_sets(SHORT)], tmp_path, state)
-    assert real.returncode == 3 and real.stderr.splitlines()[-1] == refusal[0], real.stderr
-    assert ledger.read_bytes() == before
+    assert real.returncode == 0, real.stderr[-3000:]
+    first = json.loads((tmp_path / "runs" / "fedmeta" / "summary.json").read_text())
+    second = json.loads((tmp_path / "runs" / "second" / "summary.json").read_text())
+    assert second["rounds_completed"] == 4 and second["epsilon_spent"] == first["epsilon_spent"]
+    with BudgetLedger.open_readonly(ledger, fid) as book:
+        assert book.position() == 8 and book.epsilon() == spent  # charged to nobody
 
 
 class _Terminal:

@@ -27,6 +27,7 @@ from fedmeta.accounting import (
     SpendRecord,
 )
 from fedmeta.accounting.levels import AnyRound, check_round
+from fedmeta.accounting.tuning_release import Recorded
 
 
 @dataclass
@@ -44,6 +45,8 @@ class LinearLedger:
     spend_calls: int = 0
     _records: list[SpendRecord] = field(default_factory=list)
     _closed: bool = False
+    _uncharged: set[int] = field(default_factory=set)  # positions charged to nobody
+    _nobody: bool = False  # the last ``use_cohort`` named nobody
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.eps_per_round) and self.eps_per_round > 0):
@@ -61,9 +64,9 @@ class LinearLedger:
         """All records, oldest first."""
         return list(self._records)
 
-    def rounds(self) -> list[tuple[GaussianRound, int]]:
+    def rounds(self) -> list[tuple[Recorded, int]]:
         """Records grouped by identical event, first seen first."""
-        groups: dict[GaussianRound, int] = {}
+        groups: dict[Recorded, int] = {}
         for record in self._records:
             groups[record.event] = groups.get(record.event, 0) + 1
         return list(groups.items())
@@ -71,12 +74,19 @@ class LinearLedger:
     def epsilon(self, unit: str | None = None, method: str = "pld") -> float:
         """``eps_per_round`` x spends; twice that at participant level. ``method`` is ignored."""
         factor = 2.0 if (unit or self.unit) == "participant" else 1.0
-        return factor * self.eps_per_round * len(self._records)
+        return factor * self.eps_per_round * self._charged()
+
+    def _charged(self, run_id: str | None = None) -> int:
+        """Records charged to the participants (every one here), less ``run_id``'s."""
+        return sum(1 for r in self._records
+                   if r.position not in self._uncharged and r.run_id != run_id)  # fmt: skip
 
     def rounds_affordable(self, event: AnyRound) -> int:
         """Rounds left in the budget (every kind of round costs the same)."""
         check_round(event)  # either level, as the real ledger (no level check: one run a fake)
-        return max(0, self._rounds_in_budget() - len(self._records))
+        if self._nobody:
+            return 10**9  # charged to nobody: the real ledger's MAX_ROUNDS_LIMIT
+        return max(0, self._rounds_in_budget() - self._charged())
 
     def would_exceed(self, event: AnyRound) -> bool:
         """Dry run of ``spend``."""
@@ -112,8 +122,35 @@ class LinearLedger:
             datetime.now(UTC).isoformat(),
             f"fake-hash-{position}",
         )
+        if self._nobody:
+            self._uncharged.add(position)
         self._records.append(record)
         return record
+
+    def run_rounds(self, run_id: str) -> list[tuple[Recorded, int]]:
+        """``run_id``'s records grouped by identical event."""
+        groups: dict[Recorded, int] = {}
+        for record in self._records:
+            if record.run_id == run_id:
+                groups[record.event] = groups.get(record.event, 0) + 1
+        return list(groups.items())
+
+    def run_epsilon(self, run_id: str, unit: str | None = None, method: str = "pld") -> float:
+        """``eps_per_round`` x the run's own spends (participant level: 2x)."""
+        factor = 2.0 if (unit or self.unit) == "participant" else 1.0
+        return factor * self.eps_per_round * sum(c for _, c in self.run_rounds(run_id))
+
+    def run_rounds_affordable(self, run_id: str, event: AnyRound) -> int:
+        """Rounds left in the budget for the run's own spends alone."""
+        return max(0, self._rounds_in_budget() - sum(c for _, c in self.run_rounds(run_id)))
+
+    def allowances(
+        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *,
+        run_id: str,
+    ) -> dict[str, int]:  # fmt: skip
+        """Every participant is charged every charged round here: the same allowance for all."""
+        left = max(0, min(rounds, self._rounds_in_budget() - self._charged(run_id)))
+        return {p.name: left for p in participants}
 
     def checkpoint(self) -> LedgerCheckpoint:
         """Where the fake stands (same fields as the real ledger's)."""
@@ -143,7 +180,8 @@ class LinearLedger:
         return None
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:
-        """Every spend is charged to the whole federation here: nothing to record."""
+        """Every spend is charged to the whole federation here, or to nobody (none named)."""
+        self._nobody = not participants
 
     def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
         """Public data spends nothing, and this fake keeps no declarations."""

@@ -20,6 +20,7 @@ from fedmeta.accounting import (
     GaussianRound,
     Ledger,
     LedgerError,
+    Participant,
 )
 
 pytestmark = pytest.mark.unit
@@ -151,3 +152,29 @@ def test_checkpoint_binds_a_resume_to_this_ledger(ledger: Ledger) -> None:
     ledger.spend(A, "run", 1)
     ledger.check_resume(saved)  # ahead of the checkpoint: accepted
     assert ledger.anchor() is None or isinstance(ledger.anchor(), dict)
+
+
+def test_a_runs_own_figures_and_allowances(ledger: Ledger) -> None:
+    """The individual filter's figures (ledger/individual.py): the run's own, whatever came before.
+
+    A run's epsilon and rounds affordable count its own spends alone; an allowance is the rounds a
+    participant's data affords, capped at the run's, and ignores the asking run's own spends.
+    """
+    who = [Participant("data-a", "a")]
+    ledger.use_cohort(who)
+    fresh = ledger.rounds_affordable(A)
+    assert ledger.allowances(who, A, 3, run_id="second") == {"a": min(3, fresh)}
+    ledger.spend(A, "first", 0)
+    assert ledger.run_rounds("second") == [] and ledger.run_epsilon("second") == 0.0
+    assert ledger.run_rounds_affordable("second", A) == fresh
+    assert ledger.allowances(who, A, 10, run_id="second") == {"a": fresh - 1}
+    ledger.spend(A, "second", 0)
+    assert ledger.run_rounds("second") == [(A, 1)]
+    assert ledger.run_epsilon("second") == pytest.approx(ledger.run_epsilon("first"))
+    assert ledger.run_rounds_affordable("second", A) == fresh - 1
+    assert ledger.allowances(who, A, 10, run_id="second") == {"a": fresh - 1}  # a resume's
+    ledger.use_cohort([])  # charged to nobody: recorded, every participant's epsilon unchanged
+    spent = ledger.epsilon()
+    ledger.spend(A, "second", 1)
+    assert ledger.position() == 3 and ledger.epsilon() == spent
+    assert ledger.run_rounds("second") == [(A, 2)]

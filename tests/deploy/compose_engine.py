@@ -224,7 +224,7 @@ def smoke(engine: str, env: dict[str, str], *more: str) -> str:
     assert "compose-smoke: ok" in res.stdout
     if "--quick" in more:  # one run of 2 rounds (compose-smoke.sh, step 3)
         assert "compose-smoke: first run (2 rounds)" in res.stdout
-        assert "runs: 2 + 0 + 0 rounds" in res.stdout
+        assert "runs: 2 + 0 + 0 + 0 rounds" in res.stdout
         return res.stdout
     assert "stopped: budget_exhausted" in res.stdout
     if "--tls" not in more:  # `flwr run .` is the step without TLS (compose-smoke.sh, 3b)

@@ -3,8 +3,8 @@
 healthcheck runner), `docker compose up -d --build`, `docker compose exec serverapp fedmeta deploy
 run` (4 rounds), `flwr run .` from this checkout (3 rounds; its status and summary are checked, as
 it exits 0 either way), `fedmeta deploy run` again to budget_exhausted (the runs compose in the same
-ledger; a third deploy run finds nothing left and exits 3), the exporter's view of the ledger,
-`down -v`.
+ledger; a third deploy run of 1 round over the spent data exits 0, charged to nobody), the
+exporter's view of the ledger, `down -v`.
 
 Run on podman (set up as the guide says), plain, with the overlay that runs the SuperLink and
 SuperNodes from Flower's images (--flower-images), and that with TLS; the same on Docker Engine:

@@ -1,8 +1,10 @@
 """A data budget apart from a run's target, and experiment ledgers (issue 22).
 
 The data's (epsilon, delta) are recorded by the first run that spends on it and change only by
-``fedmeta ledger new-budget``; a run's ``privacy.target_epsilon`` is allowed when it fits what is
-left; an experiment (``--experiment NAME``) spends from a ledger of its own and says so everywhere.
+``fedmeta ledger new-budget``; a run's ``privacy.target_epsilon`` is allowed when it fits the
+budget (a run is never refused for what its data spent before: its participants take part as far
+as their data's budget allows, issue 52 item 6, tests/federation/test_individual_filter.py); an
+experiment (``--experiment NAME``) spends from a ledger of its own and says so everywhere.
 The runs go through ``fedmeta simulate`` in this process (the CLI's exit codes and one-line errors).
 """
 
@@ -66,17 +68,22 @@ def test_a_target_runs_within_the_data_budget_and_a_budget_is_not_a_runs_to_set(
     # So is another delta: delta is fixed per budget.
     assert _simulate(tmp_path / "c", "--set", "privacy.delta=1e-6") == 2
     assert "delta is fixed per budget" in capsys.readouterr().err
-    # A target that does not fit what is left is refused before any round (exit 3): the whole
-    # budget after a first run (composition under PLD is far from additive: 1 then 7.9 fits 8).
-    assert _simulate(tmp_path / "d", "--set", "privacy.target_epsilon=8") == 3
+    # A target above the budget is a configuration error, before anything is written (exit 2).
+    assert _simulate(tmp_path / "d", "--set", "privacy.target_epsilon=9") == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "does not fit what is left" in err, err
-    assert "--epsilon 8 --delta 1e-05 --reason WHY" in err and "nothing was run or written" in err
+    assert len(err.splitlines()) == 1 and "above the data's budget" in err, err
     assert _spends(db) == spent, "a refused run recorded a spend"
     assert not (tmp_path / "d" / "summary.json").exists()
-    # A target that fits runs, and composes with the first run in the same budget.
-    assert _simulate(tmp_path / "e", "--set", "privacy.target_epsilon=7.5") == 0
+    # The whole budget after a first run is not refused for what the data spent before (issue 52,
+    # item 6): the run runs its rounds and publishes its own epsilon; its participants take part
+    # only as far as their data's budget allows, so none goes over it.
+    assert _simulate(tmp_path / "e", "--set", "privacy.target_epsilon=8") == 0
+    second = _summary(tmp_path / "e")
+    assert second["rounds_completed"] == 3 and second["stopped_reason"] == "planned_rounds"
+    assert 7.9 < float(second["epsilon_spent"]) <= 8.0  # type: ignore[arg-type]
     assert _spends(db) == spent + 3 and len(BudgetLedger.federations(db)) == 1
+    with BudgetLedger.open_readonly(db, str(second["federation_id"])) as ledger:
+        assert ledger.epsilon() <= 8.0 * (1 + 1e-9)
 
 
 @pytest.mark.integration
@@ -85,8 +92,13 @@ def test_an_operators_new_budget_sets_the_terms_the_next_run_adopts(
 ) -> None:
     db = state / "ledger.sqlite"
     assert _simulate(tmp_path / "a") == 0  # the whole default budget
-    assert _simulate(tmp_path / "b") == 3
     (old,) = BudgetLedger.federations(db)
+    with BudgetLedger.open_readonly(db, old) as ledger:
+        spent = ledger.epsilon()
+    # Runs on, its rounds charged to nobody: every participant's data is spent (issue 52, item 6).
+    assert _simulate(tmp_path / "b") == 0
+    with BudgetLedger.open_readonly(db, old) as ledger:
+        assert ledger.epsilon() == spent and ledger.position() == 6
     capsys.readouterr()
     assert main(["ledger", "new-budget", "--db", str(db), "--federation", old, "--epsilon", "3",
                  "--reason", "test: the data was refreshed"]) == 0  # fmt: skip
@@ -123,8 +135,15 @@ def test_an_experiment_has_its_own_ledger_and_every_output_says_so(
     assert main(["evaluate", "--checkpoint", str(tmp_path / "eps-1" / "checkpoint.pt"),
                  "--tasks", "8", "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["experiment"] == "eps-1"
-    # A second run of the same experiment composes within it (budget 1 is spent): refused.
-    assert _simulate(tmp_path / "again", "--experiment", "eps-1") == 3
+    # A second run of the same experiment composes within it: budget 1 is spent, so its rounds
+    # are charged to nobody (issue 52, item 6) and the experiment's epsilon stays where it was.
+    experiment = state / "experiments" / "eps-1.sqlite"
+    (fid,) = BudgetLedger.federations(experiment)
+    with BudgetLedger.open_readonly(experiment, fid) as ledger:
+        spent = ledger.epsilon()
+    assert _simulate(tmp_path / "again", "--experiment", "eps-1") == 0
+    with BudgetLedger.open_readonly(experiment, fid) as ledger:
+        assert ledger.epsilon() == spent and ledger.position() == 6
 
 
 @pytest.mark.unit

@@ -207,17 +207,18 @@ def test_the_dry_run_forecasts_the_datas_recorded_budget_and_exits_as_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Item 5: on image data ``--dry-run`` forecast a fresh budget ('0 spends', exit 0) where
-    the run exits 3; it reads the same identity (the items) as the run now."""
+    the run exited 3; it reads the same identity (the items) as the run now. Since item 6 neither
+    refuses for what the data spent before: both forecast the run's own rounds, and exit 0."""
     path = _npz(tmp_path / "npz", _drawings(14, chars=12))
     _spend(_cfg(path), 5)  # 1.86 of 2: no round at z = 0.9 fits (a fresh budget affords 2)
     dry, out, err = _status(_cli(path, tmp_path / "dry", "--dry-run"), capsys)
-    assert dry == 3, (out, err)
-    assert "a fresh budget" not in out and "budget affords no round" in err
-    run, _, run_err = _status(_cli(path, tmp_path / "run"), capsys)
-    assert run == dry == 3 and "budget affords no round" in run_err
+    assert dry == 0 and "a fresh budget" not in out and "as recorded in" in out, (out, err)
+    assert "ledger before this run: 5 spends" in out and "rounds affordable: 2 " in out, out
+    run, run_out, _ = _status(_cli(path, tmp_path / "run"), capsys)
+    assert run == dry == 0 and "rounds affordable: 2 " in run_out
     other = _npz(tmp_path / "other", _drawings(15, chars=12))  # data sharing nothing: fresh
     fresh, out, _ = _status(_cli(other, tmp_path / "fresh", "--dry-run"), capsys)
-    assert fresh == 0 and "rounds affordable: 2 " in out, out  # as on a fresh budget
+    assert fresh == 0 and "rounds affordable: 2 " in out, out  # the same: nothing depends on it
 
 
 @pytest.mark.integration

@@ -8,13 +8,13 @@ with the same reproducible noise, must release the same ``rounds.csv``, ``summar
 summary and metrics page, apart from what is computed from the noisy model and from wall clocks
 and random ids (as tests/federation/test_release_invariance.py compares them).
 
-On commit b8d5782 (and still now) it does not: the overlap charges participant 0 with the earlier
-spend, so the run affords fewer rounds, stops at ``budget_exhausted`` earlier and publishes a larger
-epsilon. The fix, an individual filter (participants whose data cannot afford a round stop taking
-part; the run and every figure it publishes follow the public configuration), is designed in
-docs/privacy.md ("Overlap and the individual filter") and not implemented: the test is a strict
-expected failure until it is, and then must pass (strict: an unexpected pass fails the suite so
-the marker is removed with the fix).
+On commit b8d5782 it did not: the overlap charged participant 0 with the earlier spend, so the run
+afforded fewer rounds, stopped at ``budget_exhausted`` earlier and published a larger epsilon. The
+individual filter (docs/privacy.md, "Overlap and the individual filter"; server/fedmeta/server/
+individual_filter.py) fixes it: participant 0 takes part only in the rounds its data can afford
+(its later replies are discarded before the sum), and the run and every figure it publishes follow
+the public configuration. That participant 0 really is excluded is checked in
+tests/federation/test_individual_filter.py.
 """
 
 from __future__ import annotations
@@ -173,12 +173,6 @@ def test_the_comparison_holds_between_two_unrecorded_drawings(
     assert released("fresh")["summary.json"]["rounds_completed"] == 4
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="issue 52 item 6: the run's length and epsilon follow participant 0's overlap with "
-    "recorded data (no individual filter yet; docs/privacy.md 'Overlap and the individual filter')",
-)
 def test_a_drawing_recorded_earlier_changes_nothing_released(
     released: Callable[[str], dict[str, Any]],
 ) -> None:

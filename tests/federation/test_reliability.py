@@ -110,12 +110,17 @@ def test_exit_statuses_and_one_line_errors(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr[-2000:]
     assert json.loads((tmp_path / "b" / "summary.json").read_text())["rounds_completed"] >= 1
     # z is calibrated so that the 2 rounds spend the budget; the same data in another directory
-    # then affords nothing (the budget follows the data, not the run): refused before it starts,
-    # one line naming the fix, status 3, nothing written.
+    # is the same budget (it follows the data, not the run), which a run is not refused for: its
+    # participants' data takes no part, its rounds are charged to nobody (issue 52, item 6).
     again = _cli("simulate", "--out", str(tmp_path / "c"), *quick, state=state)
-    assert again.returncode == 3, again.stderr[-2000:]
-    assert again.stderr.count("\n") == 1 and "the budget affords no round" in again.stderr
-    assert "privacy.noise_multiplier" in again.stderr and not (tmp_path / "c").exists()
+    assert again.returncode == 0, again.stderr[-2000:]
+    # A noise multiplier so small that not one round fits any budget: refused before it starts,
+    # one line naming the fix, status 3, nothing written.
+    tiny = _cli("simulate", "--out", str(tmp_path / "d"), *quick, "--set",
+                "privacy.noise_multiplier=0.0001", state=state)  # fmt: skip
+    assert tiny.returncode == 3, tiny.stderr[-2000:]
+    assert tiny.stderr.count("\n") == 1 and "the budget affords no round" in tiny.stderr
+    assert "privacy.noise_multiplier" in tiny.stderr and not (tmp_path / "d").exists()
     other = tmp_path / "other.toml"
     other.write_text("[privacy]\nepsilon_budget = 5.0\n")
     resumed = _cli("simulate", "--resume", "--out", str(tmp_path / "b"), "--config", str(other),

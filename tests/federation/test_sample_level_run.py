@@ -3,9 +3,9 @@
 ``privacy.level = "sample"`` runs the seed paper's Algorithm 2 through ``fedmeta simulate`` on a
 small generated Omniglot (the format of tests/federation/test_seen_in_run.py): the ledger records
 ``SampleLevelRound`` events, the reported epsilon is the accountant's ``sample_level_epsilon`` of
-the recorded rounds, a run that would exceed the budget is refused (exit 3), a budget whose data
-holds task-level spends refuses a sample-level run (exit 2, one line naming the fix), and the
-server re-checks each query example's row as it re-checks a task's.
+the recorded rounds, a run over spent data runs with its participants excluded (the individual
+filter), a budget whose data holds task-level spends refuses a sample-level run (exit 2, one line
+naming the fix), and the server re-checks each query example's row as it re-checks a task's.
 """
 
 from __future__ import annotations
@@ -189,15 +189,23 @@ def test_a_sample_level_run_spends_sample_level_rounds_and_reports_their_epsilon
     assert expected <= 40.0
     printed = capsys.readouterr().out
     assert "example-level DP" in printed and "epsilon spent (example level" in printed
-    # The whole budget is spent: another run is refused before its first round, nothing spent.
-    assert _simulate(data, tmp_path / "b", *SAMPLE) == 3
+    # The whole budget is spent: another run is not refused for it (the individual filter, issue
+    # 52 item 6): it runs its rounds with every participant excluded, charged to nobody, and
+    # publishes its own epsilon, the same as the first run's.
+    assert _simulate(data, tmp_path / "b", *SAMPLE) == 0
+    b = _summary(tmp_path / "b")
+    assert b["rounds_completed"] == 2 and b["level"] == "sample"
+    assert math.isclose(float(b["epsilon_spent"]), expected, rel_tol=1e-9)  # type: ignore[arg-type]
+    with BudgetLedger.open_readonly(db, str(s["federation_id"])) as ledger:
+        assert ledger.position() == 4
+        assert math.isclose(ledger.epsilon(), expected, rel_tol=1e-9)  # nobody charged twice
     # A resume of the finished run keeps its level and noise, and spends nothing again.
     assert main(["simulate", "--resume", "--out", str(tmp_path / "a")]) == 0
     again = _summary(tmp_path / "a")
     assert (again["level"], again["noise_multiplier"]) == ("sample", s["noise_multiplier"])
     assert again["sample_level"] == s["sample_level"]
     with BudgetLedger.open_readonly(db, str(s["federation_id"])) as ledger:
-        assert ledger.position() == 2
+        assert ledger.position() == 4
 
 
 @pytest.mark.e2e

@@ -41,7 +41,8 @@ def _participant_rows(ledger: BudgetLedger, wanted: bool) -> list[dict[str, Any]
         return None
     return [
         {"name": p.name, "key": p.key, "rounds": p.rounds, "epsilon": p.epsilon,
-         "data_versions": p.data_versions}
+         "data_versions": p.data_versions,
+         "runs": [{"run_id": r, "charged": k, "spends": n} for r, k, n in p.runs]}
         for p in ledger.participants()
     ]  # fmt: skip
 
@@ -187,11 +188,15 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
 def _print_participants(rows: list[dict[str, Any]] | None) -> None:
     if rows is None:
         return
-    print(f"  {len(rows)} participant(s): name, key, rounds charged, epsilon, data versions")
+    print(f"  {len(rows)} participant(s): name, key, rounds charged, epsilon, data versions; "
+          "(took part in ...): a run's spends it was excluded from")  # fmt: skip
     for p in rows:
+        partly = [f"run {r['run_id']}: {r['charged']} of {r['spends']}" for r in p["runs"]
+                  if r["charged"] < r["spends"]]  # fmt: skip
         print(
             f"    {p['name']}  {p['key']}  {p['rounds']}  {p['epsilon']:.4f}  "
             f"{p['data_versions']}{'  (data edited)' if p['data_versions'] > 1 else ''}"
+            + (f"  (took part in {', '.join(partly)})" if partly else "")
         )
 
 

@@ -1,10 +1,11 @@
 """What a fresh run of a configuration would find in the ledger, read before any data is loaded.
 
-``fedmeta simulate`` refuses a run the data's budget cannot take before it spends minutes loading
-Omniglot, and ``--dry-run`` prints the plan and the exit status of the run it previews. Both read
-the ledger as the run will (the data's recorded budget, what its participants have spent, the run's
-target), without writing anything: the ledger is opened read-only, and data with no budget yet is
-forecast against a fresh budget in a throw-away ledger.
+``fedmeta simulate`` refuses a run whose own rounds the budget cannot afford before it spends
+minutes loading Omniglot, and ``--dry-run`` prints the plan and the exit status of the run it
+previews. Both read the ledger as the run will (the data's recorded budget and spends, the run's
+target; what its participants' data spent before decides only who takes part, never a refusal or a
+figure: server/fedmeta/server/individual_filter.py), without writing anything: the ledger is opened
+read-only, and data with no budget yet is forecast against a fresh budget in a throw-away ledger.
 
 The preview stands in for the registration the run does later: every configured participant
 registers (as the simulation's participants do) under the data's declared identity. Where the

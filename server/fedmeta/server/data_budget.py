@@ -189,17 +189,17 @@ def other_budget_hint(
 
 
 def no_fit_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast) -> str:
-    """One line: a run's target does not fit what its participants have left, and the fixes."""
+    """One line: a run's target does not fit its budget (public values only), and the fixes.
+
+    The run's own rounds alone (plan.py ``forecast``): what its participants' data spent before
+    decides only who takes part (server/fedmeta/server/individual_filter.py), never a refusal.
+    """
     assert cfg.privacy.target_epsilon is not None  # only a run with a target is refused this way
     target = cfg.privacy.target_epsilon
     return (
-        f"privacy.target_epsilon={target:g} does not fit what is left of "
-        f"this data's budget: epsilon {predicted.epsilon_spent_before:.4g} of "
-        f"{ledger.epsilon_budget:g} spent, "
-        f"{max(ledger.epsilon_budget - predicted.epsilon_spent_before, 0.0):.4g} left (delta "
-        f"{ledger.delta:g}), and "
+        f"privacy.target_epsilon={target:g} does not fit the budget: "
         f"{predicted.rounds_affordable} of this run's {cfg.rounds} rounds at noise multiplier "
-        f"{plan.noise_multiplier:.4g} fit; lower privacy.target_epsilon or rounds, or "
-        + other_budget_hint(cfg, ledger.path, ledger.federation_id, (target, ledger.delta))
-        + "; nothing was run or written"
+        f"{plan.noise_multiplier:.4g} fit epsilon {ledger.epsilon_budget:g} (delta "
+        f"{ledger.delta:g}); lower privacy.target_epsilon or rounds, or raise "
+        "privacy.noise_multiplier; nothing was run or written"
     )

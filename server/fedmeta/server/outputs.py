@@ -92,8 +92,8 @@ def format_plan(
         *_adaptive_lines(p),
         *sample_plan_lines(p.event, cfg),
         f"normaliser of the noisy sum (public): {_e(plan.normaliser, '.2f')}",
-        f"ledger before this run: {fc.ledger_records_before} spends, "
-        f"epsilon {_e(fc.epsilon_spent_before)}",
+        f"ledger before this run: {fc.ledger_records_before} spends | this run's own epsilon so "
+        f"far {_e(fc.epsilon_spent_before)} (what its data spent before stays the operator's)",
         f"rounds affordable: {fc.rounds_affordable} | rounds this run will run: {fc.rounds_to_run}",
         f"at the planned end: {level_label(p.event)} epsilon {_e(fc.epsilon_task_at_end)} "
         f"(delta {_e(p.delta, 'g')})",

@@ -209,6 +209,7 @@ def _private_plan(
     cfg: Config, scheme: TwoStageScheme, norm: float, resumed_z: float | None
 ) -> PrivatePlan:
     """The private part of the plan: z (resumed, configured or calibrated), clip and budget."""
+    _check_target_within_budget(cfg.privacy)
     if cfg.privacy.level == "sample":  # the outer clip C_out is privacy.clip; no adaptive clip
         assert isinstance(scheme, TwoStagePoissonScheme)
         sample, calibrated = sample_event(cfg, scheme, resumed_z)
@@ -242,6 +243,21 @@ def _private_plan(
 #: Slack of the target check below: the planner and this check may discretise the PLD apart. It
 #: is a consistency check of the configuration, not the guarantee (the ledger enforces the budget).
 TARGET_CHECK_SLACK = 1e-2
+
+
+def _check_target_within_budget(privacy: PrivacyConfig) -> None:
+    """A run's target above the data's budget is a configuration error (public: no ledger read).
+
+    No run is refused for what its participants' data spent before: the individual filter
+    (server/fedmeta/server/individual_filter.py) lets each take part only as far as it can afford.
+    """
+    target = privacy.target_epsilon
+    if target is not None and target > privacy.epsilon_budget:
+        raise ConfigError(
+            f"privacy.target_epsilon={target:g} is above the data's budget "
+            f"privacy.epsilon_budget={privacy.epsilon_budget:g}: a run's own epsilon can never "
+            "exceed its budget; lower privacy.target_epsilon (or leave it unset for the budget)"
+        )
 
 
 def _check_noise_meets_target(cfg: Config, event: AnyRound) -> None:
@@ -301,33 +317,43 @@ def reported_epsilon(
     return float(epsilon(groups, delta, unit, REPORTING_METHOD[unit]))
 
 
-def ledger_epsilons(
-    ledger: Ledger, event: AnyRound, *, task: bool = True
-) -> dict[str, float | int | None]:
-    """What the ledger holds, as reported: task and participant epsilon and rounds affordable.
+def run_epsilons(
+    ledger: Ledger, run_id: str, event: AnyRound, planned_rounds: int | None,
+    *, task: bool = True,
+) -> dict[str, float | int | None]:  # fmt: skip
+    """The run's own epsilons and rounds left: what a participant with no earlier spend has.
 
-    ``task=False`` leaves out the task-level epsilon, the one costly value (a PLD composition,
-    seconds; server/fedmeta/server/epsilon_curve.py computes it for every round in the background);
-    the others
-    cost milliseconds (RDP, and a cached affordability search).
+    The individual filter's published figures (server/fedmeta/server/individual_filter.py).
+    ``task=False`` leaves out the task-level epsilon (a PLD composition, computed ahead by
+    server/fedmeta/server/epsilon_curve.py). Participant level: RDP, where every round of the run
+    has a cap. Rounds affordable: what the run's own composition still allows, at most its planned
+    rounds left. Functions of the configuration and the population of each round only.
     """
+    own = ledger.run_rounds(run_id)
     participant = None
-    # Every recorded kind of round, not ``ledger.rounds()``: that picks the most exposed
-    # participant by its PLD epsilon, the costly composition this function may leave out.
-    if all(e.participant_cap is not None for e in {r.event for r in ledger.records()}):
-        participant = ledger.epsilon(unit="participant", method=REPORTING_METHOD["participant"])
+    if all(e.participant_cap is not None for e, _ in own):
+        participant = ledger.run_epsilon(run_id, "participant", REPORTING_METHOD["participant"])
+    left = ledger.run_rounds_affordable(run_id, event)
+    if planned_rounds is not None:
+        left = max(0, min(left, planned_rounds - sum(c for _, c in own)))
     values: dict[str, float | int | None] = {
         "epsilon_participant": participant,
-        "rounds_affordable": ledger.rounds_affordable(event),
+        "rounds_affordable": left,
     }
     if task:
-        values["epsilon_task"] = ledger.epsilon(unit="task", method=REPORTING_METHOD["task"])
+        values["epsilon_task"] = ledger.run_epsilon(run_id, "task", REPORTING_METHOD["task"])
     return values
 
 
 @dataclass(frozen=True)
 class BudgetForecast:
-    """What the plan costs against the ledger, before the run's first round."""
+    """What the plan costs, before the run's (or this invocation's) first round.
+
+    The mechanism's own (individual filter, server/fedmeta/server/individual_filter.py): the
+    run's earlier spends (a resumed run's) and its plan, never the participants' earlier spends,
+    which follow their private overlap with recorded data. ``ledger_records_before`` counts every
+    spend of the budget, a public number.
+    """
 
     ledger_records_before: int
     epsilon_spent_before: float
@@ -338,10 +364,16 @@ class BudgetForecast:
     epsilon_theorem3_at_end: float | None  # Tombs et al. 2022 Thm 3: NOT a valid guarantee
 
 
-def forecast(plan: PrivatePlan, ledger: Ledger, rounds_left: int) -> BudgetForecast:
-    """The budget before the run, what it affords, and epsilon if the run goes to its end."""
-    before = ledger.rounds()
-    affordable = ledger.rounds_affordable(plan.event)
+def forecast(
+    plan: PrivatePlan, ledger: Ledger, rounds_left: int, run_id: str = ""
+) -> BudgetForecast:
+    """The run's spends so far, what its own rounds afford, and epsilon if it goes to its end.
+
+    ``run_id``: a resumed run's own spends count; empty: a fresh run (nothing of its own yet).
+    """
+    before = ledger.run_rounds(run_id) if run_id else []
+    # What the run's own rounds afford, at most its rounds left (the rounds' records say the same).
+    affordable = max(0, min(ledger.run_rounds_affordable(run_id, plan.event), rounds_left))
     to_run = max(0, min(rounds_left, affordable))
     after = [*before, (plan.event, to_run)]
     published = (

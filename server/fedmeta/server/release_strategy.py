@@ -4,7 +4,8 @@ A run is private exactly when its plan holds a :class:`~fedmeta.server.plan.Priv
 (server/fedmeta/server/plan.py), and :func:`choose_release` turns that into one of two
 strategies for the whole run:
 
-- :class:`PrivateStrategy`: each round first checks the budget (``ledger.would_exceed``); after
+- :class:`PrivateStrategy`: each round first checks the run's own budget (what its own rounds
+  afford: the individual filter, server/fedmeta/server/individual_filter.py); after
   the replies are re-checked it **spends** the round (``ledger.spend``, durable), and only then
   sums the accepted contributions, adds ``N(0, (zC)^2 I)`` (server/fedmeta/server/noise.py) and
   divides by the public normaliser. With adaptive clipping the noisy centred count of clip bits
@@ -23,18 +24,28 @@ of the rounds where the ledger can say what it composes (server/fedmeta/server/e
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from fedmeta.accounting import BudgetExhausted, GaussianRound, Ledger, next_clip, noisy_fraction
+from fedmeta.accounting import (
+    BudgetExhausted,
+    Exposures,
+    GaussianRound,
+    Ledger,
+    SpendProjection,
+    next_clip,
+    noisy_fraction,
+)
+from fedmeta.accounting.ledger import multiset
 from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.server.epsilon_curve import RoundEpsilons
 from fedmeta.server.noise import NoiseSource, noised_release, noised_sum
-from fedmeta.server.plan import PrivatePlan, RunPlan, TwoStageScheme, ledger_epsilons
+from fedmeta.server.plan import PrivatePlan, RunPlan, TwoStageScheme, run_epsilons
 from fedmeta.server.sample_plan import outer_gaussian
 from fedmeta.server.subspace import Subspace
 from fedmeta.server.validation import RoundReplies
@@ -199,15 +210,21 @@ class PrivateRound:
         return isinstance(self.plan.event, SampleLevelRound)
 
     def affordable(self) -> bool:
-        """Whether the ledger allows this round's event now (a dry run of its spend)."""
-        return not self.ledger.would_exceed(self.plan.event)
+        """Whether the run's own rounds afford this round's event (public: the individual filter).
+
+        Never the ledger's check over the participants' earlier spends: who of them may take part
+        is the individual filter's (server/fedmeta/server/individual_filter.py).
+        """
+        return self.ledger.run_rounds_affordable(self.run_id, self.plan.event) >= 1
 
     def release(self, checked: RoundReplies, index: int) -> Released | None:
         """Spend first, durably; only then sum and add the noise (nothing released otherwise)."""
         try:
             self.ledger.spend(self.plan.event, self.run_id, index)
         except BudgetExhausted:
-            return None  # another run on the same ledger spent the rest: nothing is released
+            # The allowances make this the last safety only (docs/privacy.md, "Overlap and the
+            # individual filter": a concurrent run on the same data): nothing is released.
+            return None
         position = self.ledger.position()
         total, norm, a = summed(checked, self.dim), self.normaliser, self.plan.adaptive
         sensitivity, basis = self.clip, self.basis
@@ -246,35 +263,44 @@ class PrivateStrategy:
     normaliser: float
     noise: Callable[[int], NoiseSource]
     curve: RoundEpsilons | None = field(default=None, compare=False)
+    planned_rounds: int | None = None  # the published rounds affordable stay within the plan
 
     def for_round(
         self, scheme: TwoStageScheme, index: int, clip: float | None, basis: Subspace | None = None
     ) -> PrivateRound:
         """The round's release; the curve starts computing the epsilons its spend will bring."""
         plan = self.plan.over(scheme)
-        if self.curve is not None and isinstance(plan.event, GaussianRound):
-            projection = self.ledger.projection(plan.event)
-            if projection is not None:
-                self.curve.before_round(projection, index + 1)
+        # The curve composes task-level rounds ahead (a sample-level round's epsilon is composed
+        # in the round: docs/privacy.md, "Running at sample level").
+        if (self.curve is not None and isinstance(plan.event, GaussianRound)
+                and self.ledger.projection(plan.event) is not None):
+            own = self._own_exposures()  # the run's own rounds: one group, every spend reaches it
+            self.curve.before_round(SpendProjection(own, plan.event, (True,)), index + 1)
         bound = self.plan.clip if plan.adaptive is None or clip is None else float(clip)
         return PrivateRound(plan, bound, self.ledger, self.noise(index), self.run_id, self.dim,
                             self.normaliser, basis)  # fmt: skip
 
-    def epsilons(self) -> dict[str, Any]:
-        """The ledger's epsilons now; the task-level one from the curve where it has one.
+    def _own_exposures(self) -> Exposures:
+        """The run's own recorded rounds as one group: what ``ledger.run_epsilon`` composes."""
+        own = multiset(Counter(dict(self.ledger.run_rounds(self.run_id))))
+        return Exposures((own,), self.ledger.delta, "task")
 
-        The curve's value is ``Exposures.epsilon`` of the ledger's exposures read here, the value
-        ``ledger.epsilon()`` would compute; the ledger computes it itself where it has no
-        exposures (a test's fake ledger) or if the curve's composition failed.
+    def epsilons(self) -> dict[str, Any]:
+        """The run's own epsilons now (individual_filter.py); task level from the curve if it can.
+
+        The curve's value is ``Exposures.epsilon`` of the run's own rounds read here, the value
+        ``ledger.run_epsilon`` would compute; the ledger computes it itself where it has no
+        exposures (a test's fake ledger) or if the curve's composition failed. Never the ledger's
+        maximum over participants: that follows their private overlap with recorded data.
         """
         task = None
-        if self.curve is not None:
-            exposures = self.ledger.exposures(unit="task")
-            if exposures is not None:
-                task = self.curve.after_spend(exposures)
+        if self.curve is not None and self.ledger.exposures(unit="task") is not None:
+            task = self.curve.after_spend(self._own_exposures())
+        event, rounds = self.plan.event, self.planned_rounds
         if task is None:
-            return ledger_epsilons(self.ledger, self.plan.event)
-        return {**ledger_epsilons(self.ledger, self.plan.event, task=False), "epsilon_task": task}
+            return run_epsilons(self.ledger, self.run_id, event, rounds)
+        return {**run_epsilons(self.ledger, self.run_id, event, rounds, task=False),
+                "epsilon_task": task}  # fmt: skip
 
     def close(self) -> None:
         """Stop the epsilon curve's thread."""
@@ -306,7 +332,8 @@ def choose_release(
         return MeanStrategy(run.dim)
     if ledger is None:
         raise ValueError("a private run needs the ledger of its data's budget; none was opened")
-    return private_strategy(plan.privacy, ledger, run, seed, reports)
+    strategy = private_strategy(plan.privacy, ledger, run, seed, reports)
+    return replace(strategy, planned_rounds=plan.planned_rounds)
 
 
 def private_strategy(

@@ -5,8 +5,8 @@
 run chose once from its plan (server/fedmeta/server/release_strategy.py): the round never asks
 whether the run is private.
 
-1. **Budget check.** If spending the planned round would exceed the budget, stop: nothing is run
-   (``release.affordable()``).
+1. **Budget check.** If the run's own rounds cannot afford the planned round, stop: nothing is run
+   (``release.affordable()``; public, never the participants' earlier spends).
 2. **Sample.** Stage 1 draws ``n1`` participants, stage 2 tasks inside each, with the
    ``TwoStageSampler`` executing the very scheme object that the accounted event holds.
 3. **Request.** Every stage-1 participant is sent the meta-parameters and its task ids (an empty
@@ -18,9 +18,11 @@ whether the run is private.
    spends: ``ledger.spend(event, run_id, round)`` records the round durably *before* anything is
    released; if another run spent the rest meanwhile it raises and nothing is released. What
    follows the spend (sum, noise, step) costs the same whatever was sampled.
-6. **Sum, noise and step.** Sum the accepted contributions, add ``N(0, (zC)^2 I)`` on the release
-   grid (server/fedmeta/server/noise.py), divide by the public normaliser (the release strategy,
-   server/fedmeta/server/release_strategy.py), and take the optimizer step. With adaptive
+6. **Sum, noise and step.** Sum the accepted contributions of the participants taking part (the
+   replies of those whose allowance is spent are discarded: server/fedmeta/server/
+   individual_filter.py; they were asked and checked as everyone else), add ``N(0, (zC)^2 I)`` on
+   the release grid (server/fedmeta/server/noise.py), divide by the public normaliser (the release
+   strategy, server/fedmeta/server/release_strategy.py), and take the optimizer step. With adaptive
    clipping the round's bound ``C_t`` is the training state's, the centred count of the replies'
    clip bits is released beside the sum (the gradient's noise multiplier lowered so that the two
    together are the event's ``z``), and the next bound ``C_{t+1}`` is computed from that release
@@ -181,6 +183,9 @@ class RoundSetup:
     task_counts: Mapping[str, int]  # private under add/remove: used to sample, never released
     sampler: TwoStageSampler | ParticipantSampler  # the latter: stage 1 alone (sample level)
     release: RoundRelease
+    #: Sampled and asked as everyone, their replies discarded before the sum: participants whose
+    #: allowance is spent (server/fedmeta/server/individual_filter.py). Operator-only.
+    excluded: frozenset[str] = frozenset()
 
 
 def run_round(
@@ -205,7 +210,7 @@ def run_round(
     # The last moment to stop without a trace: after it come the spend and the release, no wait.
     if context.stop.is_set():
         raise RoundAbandoned(f"round {index + 1} abandoned before its spend: stop requested")
-    released = release.release(checked, index)  # spend, then sum and noise
+    released = release.release(_taking_part(checked, setup.excluded), index)  # spend, sum, noise
     if released is None:
         return None
     if released.noise_variance is not None:
@@ -218,6 +223,17 @@ def run_round(
     if not context.diagnostics:
         return outcome
     return _with_diagnostics(outcome, requests, exchange, checked, (started, received))
+
+
+def _taking_part(checked: RoundReplies, excluded: frozenset[str]) -> RoundReplies:
+    """The replies whose contributions enter the sum: the excluded ones' discarded, nothing else.
+
+    Their requests, validation and released counts were those of every other participant.
+    """
+    if not excluded:
+        return checked
+    kept = [a for a in checked.accepted if a.participant_id not in excluded]
+    return RoundReplies(kept, checked.rejected)
 
 
 def _requests(

@@ -44,8 +44,8 @@ import torch
 from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource
 from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.config import Config
-from fedmeta.server.budget_keys import use_round_cohort
 from fedmeta.server.data_budget import EvaluationDataPrivate, check_evaluation_data, ledger_file
+from fedmeta.server.individual_filter import IndividualFilter, fix_allowances, round_cohort
 from fedmeta.server.membership import Membership
 from fedmeta.server.plan import BudgetForecast, RunPlan, private_requested
 from fedmeta.server.release_strategy import ReleasedRun, ReleaseStrategy, choose_release
@@ -136,6 +136,7 @@ class RunContext:
     resumed: bool  # from a checkpoint (the test's seen items then count this session's members)
     #: ``privacy.subspace``: rounds noised in a subspace of public gradients (server/subspace.py)
     subspace: PublicSubspace | None
+    individual: IndividualFilter | None  # who takes part in which round (individual_filter.py)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -247,6 +248,7 @@ def _start(given: Config, transport: GridTransport, options: RunOptions) -> _Run
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
     predicted = forecast_run(cfg, plan, ledger, RunPosition(run_id, next_round), fresh=ckpt is None)
+    individual = fix_allowances(cfg, plan.privacy, ledger, membership.members, run_id)
     dim = int(state.trained.numel())
     try:
         subspace = public_subspace(cfg, wl)
@@ -258,7 +260,7 @@ def _start(given: Config, transport: GridTransport, options: RunOptions) -> _Run
     context = RunContext(
         cfg, options.out, plan, registered, membership, wl, Observers(options.observers),
         predicted, ledger, release, rounds, options.test_when_interrupted, ckpt is not None,
-        subspace,
+        subspace, individual,
     )  # fmt: skip
     starting = StartingModel.from_dict(None if ckpt is None else ckpt.starting_model)
     return _Run(context, state, outcomes, next_round, selection, starting)
@@ -308,7 +310,7 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
     run.refused_since_last = {k: v - done.get(k, 0) for k, v in membership.refused.items()
                               if v > done.get(k, 0)}  # fmt: skip
     run.refused_reported = dict(membership.refused)
-    use_round_cohort(ctx.ledger, ctx.cfg, membership.members, eligible)  # who this round may sample
+    excluded = round_cohort(ctx.individual, ctx.ledger, ctx.cfg, membership.members, eligible)
     scheme = ctx.plan.for_population(ctx.cfg, eligible).scheme
     # The subspace from public data and the released model only (refreshed when due), free.
     basis = None if ctx.subspace is None else ctx.subspace.at(run.state.params, index)
@@ -318,7 +320,7 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
     source = SystemRandomSource() if seed is None else InsecureSeededSource(seed, stream=index)
     sampler = round_sampler(ctx.plan.level, scheme, source)  # sample level: stage 1 alone
     sampler.check_task_counts(eligible)
-    return RoundSetup(eligible, sampler, release)
+    return RoundSetup(eligible, sampler, release, excluded)
 
 
 def _release(

@@ -174,10 +174,12 @@ def with_recorded_ledger(cfg: Config, recorded: LedgerCheckpoint | None, *, chec
 def check_target_fits(
     cfg: Config, plan: PrivatePlan, ledger: Ledger, predicted: BudgetForecast
 ) -> None:
-    """Refuse, before any round, a run the budget affords no round of, or whose target misses.
+    """Refuse, before any round, a run whose own rounds the budget affords none of, or too few.
 
-    A run with ``privacy.target_epsilon`` asks for all its rounds: it starts only if they fit
-    what every participant it may sample has left. Without one it spends what is left.
+    Public: ``predicted`` is the mechanism's own (plan.py ``forecast``), never what the
+    participants' data spent before (the individual filter decides who takes part,
+    server/fedmeta/server/individual_filter.py). A run with ``privacy.target_epsilon`` asks for all
+    its rounds: it starts only if they fit the budget. Without one it runs what its rounds afford.
     """
     if not predicted.rounds_to_run:
         raise NoRoundAffordable(_no_round_reason(cfg, plan, ledger))
@@ -187,13 +189,11 @@ def check_target_fits(
 
 def _no_round_reason(cfg: Config, plan: PrivatePlan, ledger: Ledger) -> str:
     """One line: why the budget affords no round, and what to change (public values only)."""
-    spent = ledger.epsilon(unit="task")
-    one = reported_epsilon([*ledger.rounds(), (plan.event, 1)], plan.delta) or 0.0
+    one = reported_epsilon([(plan.event, 1)], plan.delta) or 0.0
     return (
         f"the budget affords no round: one round at noise multiplier "
-        f"{plan.noise_multiplier:g} brings epsilon to {one:.4g} at delta {plan.delta:g}, "
-        f"over the data's budget {ledger.epsilon_budget:g} ({spent:.4g} already spent "
-        f"on this data in {ledger.path}, {max(ledger.epsilon_budget - spent, 0.0):.4g} left); "
+        f"{plan.noise_multiplier:g} costs epsilon {one:.4g} at delta {plan.delta:g}, "
+        f"over the data's budget {ledger.epsilon_budget:g} (in {ledger.path}); "
         "raise privacy.noise_multiplier (or set a smaller privacy.target_epsilon), or "
         + other_budget_hint(cfg, ledger.path, ledger.federation_id)
         + "; nothing was run or written"
@@ -394,12 +394,14 @@ def forecast_run(
 ) -> BudgetForecast | None:
     """What the rest of the run costs (None: non-private); a fresh run refused if nothing fits.
 
-    The ledger's spends of this run count as done, as do the rounds before ``position``'s next.
+    The ledger's spends of this run count as done, as do the rounds before ``position``'s next;
+    the forecast is the run's own (plan.py), whatever its participants' data spent before.
     """
     if plan.privacy is None or ledger is None:
         return None
     spent = len(run_spends(ledger, position.run_id))
-    predicted = forecast(plan.privacy, ledger, cfg.rounds - max(spent, position.next_round))
+    rounds_left = cfg.rounds - max(spent, position.next_round)
+    predicted = forecast(plan.privacy, ledger, rounds_left, position.run_id)
     if fresh:
         check_target_fits(cfg, plan.privacy, ledger, predicted)
     return predicted

@@ -52,6 +52,7 @@ verification), ``storage`` (the SQLite file: schema, migration, connections, tra
 from __future__ import annotations
 
 from fedmeta.accounting.calibration import affordable_rounds
+from fedmeta.accounting.ledger.allowance import allowance
 from fedmeta.accounting.ledger.anchor import LedgerRolledBack, check_rollback
 from fedmeta.accounting.ledger.backup import backup
 from fedmeta.accounting.ledger.budget import BudgetLedger
@@ -71,6 +72,7 @@ from fedmeta.accounting.ledger.operations import (
     start_new_budget,
 )
 from fedmeta.accounting.ledger.overlap import DataItems, ledger_holds
+from fedmeta.accounting.ledger.participants import multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.protocol import (
     Ledger,
@@ -113,6 +115,8 @@ __all__ = [
     "BudgetTerms",
     "EpsilonCache",
     "Exposures",
+    "allowance",
+    "multiset",
     "FIRST_BUDGET_REASON",
     "LEDGER_MODES",
     "Ledger",

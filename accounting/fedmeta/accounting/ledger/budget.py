@@ -8,26 +8,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from fedmeta.accounting.calibration import affordable_rounds
-from fedmeta.accounting.composition import Method, epsilon
+from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
 from fedmeta.accounting.ledger.anchor import (
     check_anchor,
     check_witness,
     current_anchor,
 )
-from fedmeta.accounting.ledger.appending import LedgerAppend
 from fedmeta.accounting.ledger.chain import (
     canonical_json,
     cohort_id,
 )
 from fedmeta.accounting.ledger.cohorts import (
-    coarse_day,
     participant_key,
     participant_rows,
     record_cohort,
 )
 from fedmeta.accounting.ledger.epsilon_cache import EpsilonCache, composition_key
-from fedmeta.accounting.ledger.overlap import resolve_records
+from fedmeta.accounting.ledger.individual import LedgerIndividual
 from fedmeta.accounting.ledger.participants import Multiset, multiset
 from fedmeta.accounting.ledger.projection import Exposures, SpendProjection
 from fedmeta.accounting.ledger.public import PublicDataUse, record_public_use
@@ -70,20 +67,7 @@ def _base(counts: Mapping[Recorded, int], event: AnyRound) -> tuple[Any, ...]:
     return tuple(sorted(((e, c) for e, c in counts.items() if e != event), key=repr))
 
 
-def _expanded(
-    participants: Sequence[Participant], resolved: Mapping[str, Sequence[str]]
-) -> list[Participant]:
-    """Plain participants: one with items becomes one per data record it is charged to."""
-    out = []
-    for p in participants:
-        if p.items is None:
-            out.append(p)
-        else:
-            out += [Participant(r, p.name, p.digest) for r in resolved[p.items.set_digest]]
-    return out
-
-
-class BudgetLedger(LedgerAppend):
+class BudgetLedger(LedgerIndividual):
     """A federation's privacy budget, enforced against its durable record of spends.
 
     Open with ``BudgetLedger.open(path, federation_id, epsilon_budget, delta)`` to spend, or
@@ -207,7 +191,8 @@ class BudgetLedger(LedgerAppend):
             counts = multiset(self._exposure.counts(sig))
             name, *digests = rows.get(key, [key])
             eps = self._composed(counts, unit or self.unit, "pld")
-            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests)))
+            out.append(ParticipantExposure(key, name, sum(c for _, c in counts), eps, len(digests),
+                                           self._runs_charged(sig)))  # fmt: skip
         return sorted(out, key=lambda p: (p.name, p.key))
 
     def keep_epsilons(self, cache: EpsilonCache) -> None:
@@ -266,10 +251,10 @@ class BudgetLedger(LedgerAppend):
         Recorded (cohort, names and data digests) in the ledger at once, so a reader sees who
         the next spends are charged to. A participant that declares its items is charged to
         every data record they overlap (ledger/overlap.py). On a read-only ledger only the
-        checks use it.
+        checks use it. An empty sequence: the spends are charged to nobody (a round of the
+        individual filter in which every participant's allowance is spent, individual.py); it is
+        recorded all the same, so the number of spends stays public.
         """
-        if not participants:
-            raise ValueError("participants must name at least one participant")
         if self.readonly:
             charged = self._charged(participants, write=False)
             keys = frozenset(participant_key(self._salt, p.identity) for p in charged)
@@ -283,22 +268,6 @@ class BudgetLedger(LedgerAppend):
             raise classify_error(self.path, error) from error
         self._cohort = (cid, keys)
         self._catch_up()
-
-    def _charged(self, participants: Sequence[Participant], *, write: bool) -> list[Participant]:
-        """Who the spends are charged to: a participant with items, once per record it touches.
-
-        Resolved once per item set and then remembered: every item of it is recorded by then,
-        and later records only ever hold items no record held, so never one of these.
-        """
-        declared = {p.items.set_digest: p.items for p in participants if p.items is not None}
-        todo = {name: items for name, items in declared.items() if name not in self._resolved}
-        if todo:
-            found = resolve_records(self._conn, self._salt, self.federation_id, todo,
-                                    write=write, day=coarse_day())  # fmt: skip
-            if not write:
-                return _expanded(participants, {**self._resolved, **found})
-            self._resolved.update(found)
-        return _expanded(participants, self._resolved)
 
     def record_public_use(self, use: PublicDataUse, run_id: str) -> None:
         """Declare, before the run's first spend, the public data it used (ledger/public.py).
@@ -347,21 +316,14 @@ class BudgetLedger(LedgerAppend):
 
     # ---------------------------------------------------------------------------------- budget
 
-    def _max_total(self, base: tuple[Any, ...], event: AnyRound) -> int:
-        """Largest total count of ``event`` affordable beside ``base`` (cached; a PLD search)."""
-        key = (base, event)
-        if key not in self._totals:
-            self._totals[key] = affordable_rounds(
-                base, event, self.epsilon_budget, self.delta, self.unit
-            )
-        return self._totals[key]
-
     def _checks(self, event: AnyRound) -> list[tuple[tuple[Any, ...], int]]:
         """Per most exposed group of the cohort: (its rounds but ``event``, its ``event`` count).
 
         Only maximal groups matter (participants.py: a subset composes to less).
         """
         among = None if self._cohort is None else self._cohort[1]
+        if among is not None and not among:
+            return []  # charged to nobody: no participant's composition changes
         out = []
         for sig in self._exposure.signatures(among):
             counts = self._exposure.counts(sig)
@@ -373,12 +335,13 @@ class BudgetLedger(LedgerAppend):
 
         The minimum over the participants the next rounds may sample: a round is refused when it
         would take any of them over the budget. ``LevelMismatch`` for a round of another level.
+        Charged to nobody (an empty cohort): ``MAX_ROUNDS_LIMIT``, no participant limits it.
         """
         check_round(event)
         self._catch_up()
         self._check_level(event)
         left = [self._max_total(base, event) - count for base, count in self._checks(event)]
-        return max(0, min(left))
+        return max(0, min(left, default=MAX_ROUNDS_LIMIT))
 
     def would_exceed(self, event: AnyRound) -> bool:
         """Dry run: return whether spending ``event`` now would take epsilon above the budget."""

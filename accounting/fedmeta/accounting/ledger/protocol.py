@@ -98,6 +98,29 @@ class Ledger(Protocol):
         """Record one round durably, or raise having recorded nothing."""
         ...
 
+    def run_rounds(self, run_id: str) -> list[tuple[Recorded, int]]:
+        """The rounds ``run_id`` recorded, ``[(event, count)]``, whoever they were charged to."""
+        ...
+
+    def run_epsilon(self, run_id: str, unit: Unit | None = None, method: Method = "pld") -> float:
+        """Epsilon of ``run_id``'s own rounds: what a participant with no earlier spend has."""
+        ...
+
+    def run_rounds_affordable(self, run_id: str, event: AnyRound) -> int:
+        """How many more rounds like ``event`` the budget allows ``run_id``'s own rounds."""
+        ...
+
+    def allowances(
+        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *,
+        run_id: str,
+    ) -> dict[str, int]:  # fmt: skip
+        """Each participant's allowance (by name): the rounds of ``event`` it may take part in.
+
+        At most ``rounds``; from the ledger without ``run_id``'s spends (ledger/individual.py).
+        Operator-only, never released.
+        """
+        ...
+
     def exposures(self, unit: Unit | None = None) -> Exposures | None:
         """What ``epsilon(unit)`` maximises over now, as data, or None (a fake's linear epsilon).
 
@@ -127,7 +150,7 @@ class Ledger(Protocol):
         ...
 
     def use_cohort(self, participants: Sequence[Participant]) -> None:
-        """Charge the following spends to ``participants`` (those the rounds may sample)."""
+        """Charge the following spends to ``participants`` (those taking part); empty: nobody."""
         ...
 
     def record_public_use(self, use: PublicDataUse, run_id: str) -> None:

@@ -176,6 +176,8 @@ class ParticipantExposure:
 
     ``data_versions`` counts the distinct content digests its data had across runs (more than 1:
     the data was edited; the budget continued, as the add/remove relation covers edits).
+    ``runs``: per run charged to it, ``(run id, spends charged, the run's spends)``: fewer charged
+    than spent is the individual filter's exclusion (docs/privacy.md), the operator's to see.
     """
 
     key: str
@@ -183,6 +185,7 @@ class ParticipantExposure:
     rounds: int
     epsilon: float
     data_versions: int
+    runs: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
