@@ -85,7 +85,8 @@ WHAT = {
     "a": "non-private, the recipe",
     "b": "DP-MAML's noise: z = 1, fixed lots",
     "c": "the recipe at a valid (1.5, 1e-6)",
-    "d": "candidate: public warm start, Adam 0.001, (1.5, 1e-6); not chosen on validation",
+    "d": "candidate: public warm start, Adam 0.001, (1.5, 1e-6); not chosen on validation"
+    " (20-way: characters split evenly among participants)",
 }
 
 
@@ -116,8 +117,12 @@ def config_of(way: int) -> Path:
     return REPO / "configs" / f"dpmaml-omniglot-{way}way.toml"
 
 
-def row_sets(scale: Scale, row: str, first_order: bool) -> list[str]:
-    """The overrides of one row at one scale (the data's path comes last, apart)."""
+def row_sets(scale: Scale, row: str, first_order: bool, way: int = 5) -> list[str]:
+    """The overrides of one row at one scale (the data's path comes last, apart).
+
+    Row (d) at 20-way splits the evaluation alphabets' characters evenly among the participants:
+    whole alphabets (the default) leave one participant 19 characters, too few for a 20-way task.
+    """
     sets = [*scale.sets, "sampling.task_rate=" + f"{scale.lot / (20 * _tasks(scale)):g}"]
     if row == "a":
         sets.append("privacy.enabled=false")
@@ -127,6 +132,7 @@ def row_sets(scale: Scale, row: str, first_order: bool) -> list[str]:
     elif row == "d":
         sets += ["dataset.split=evaluation", "public.warm_start=true", "training.meta_lr=0.001",
                  f"public.steps={scale.warm_steps}"]  # fmt: skip
+        sets += ["dataset.partition=even"] if way == 20 else []
     return [*sets, "training.first_order=true"] if first_order else sets
 
 
@@ -221,7 +227,7 @@ def run_and_record(spec: RunSpec, stop: threading.Event, batch: dict[str, Any]) 
     from fedmeta.config_io import load_config
 
     scale_name, way, row, first_order = spec.key
-    sets = [*row_sets(SCALES[scale_name], row, first_order), f"dataset.path={spec.data}"]
+    sets = [*row_sets(SCALES[scale_name], row, first_order, way), f"dataset.path={spec.data}"]
     started = datetime.now(UTC).isoformat(timespec="seconds")
     # Omniglot is public: each run is an experiment with a ledger of its own, in a state directory
     # of its own, so repeated runs (one after another or side by side) never compose, and it

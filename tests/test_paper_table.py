@@ -204,7 +204,7 @@ def test_a_recorded_rows_test_tasks_are_the_ones_its_configuration_gives_today(
     if not recs:
         pytest.skip("no CPU-scale record of rows (a)-(c) committed")
     rec = recs[0]
-    sets = [*pt.row_sets(pt.SCALES["cpu"], rec["row"], rec["first_order"]),
+    sets = [*pt.row_sets(pt.SCALES["cpu"], rec["row"], rec["first_order"], rec["way"]),
             f"dataset.path={shared_omniglot}"]  # fmt: skip
     digests = pt.digests(load_config(pt.config_of(rec["way"]), sets))
     assert digests["test_tasks_digest"] == rec["test_tasks_digest"]
@@ -334,3 +334,20 @@ def test_row_d_records_the_digest_of_its_public_warm_start(
     assert found is not None and len(found) >= 16
     assert found == pt.digests(cfg)["warm_start_digest"]  # the same model every time
     assert pt._digest([start]) == found
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # builds 16 federations, the GPU scale's of 400,000 tasks (minutes on 2 cores)
+def test_every_row_of_every_scale_builds_its_participants(shared_omniglot: Path) -> None:
+    # A row that cannot build its participants' tasks fails only at run time, after minutes of a
+    # device window: 20-way (d) on whole evaluation alphabets left one participant 19 characters.
+    from fedmeta.config_io import load_config
+    from fedmeta.workload import check_data
+
+    pt = bench_script("paper_table")
+    for scale in ("cpu", "gpu"):
+        for way in pt.WAYS:
+            for row in pt.ROWS:
+                sets = [*pt.row_sets(pt.SCALES[scale], row, False, way),
+                        f"dataset.path={shared_omniglot}"]  # fmt: skip
+                check_data(load_config(pt.config_of(way), sets))
