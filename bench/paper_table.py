@@ -667,27 +667,36 @@ def plot(recs: list[dict[str, Any]], png: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def table_parser(doc: str | None, scales: list[str], records: Path, pack_name: str,
+                 keep: Path) -> argparse.ArgumentParser:  # fmt: skip
+    """The flags every generated table of bench/ has (this one's and bench/sample_table.py's):
+    print, ``--json``, ``--check``, ``--write``, ``--run`` at ``--scale`` with ``--runs``, and
+    the records' folders and the device window's pack."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true", help="one JSON object a row")
     ap.add_argument("--check", action="store_true", help="exit 1 if the docs' table is stale")
-    ap.add_argument("--write", action="store_true", help="write the table into the docs, and plot")
+    ap.add_argument("--write", action="store_true", help="write the table into the docs")
     ap.add_argument("--run", action="store_true", help="run the rows that lack runs")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
-    ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--scale", choices=scales, default="gpu")
     ap.add_argument("--runs", type=int, default=3, help="runs a row must have")
-    ap.add_argument("--first-order", action="store_true", help="the labelled first-order variant")
     ap.add_argument(
         "--pack",
         type=Path,
         default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-        help="append each record to DIR/" + PACK_NAME + " (default $OUT)",
+        help="append each record to DIR/" + pack_name + " (default $OUT)",
     )
     ap.add_argument("--unpack", type=Path, nargs="+", help="file packed records under --records")
-    ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
-    ap.add_argument("--keep", type=Path, default=REPO / "runs" / "paper-table",
+    ap.add_argument("--records", type=Path, default=records, help="the records' folder")
+    ap.add_argument("--keep", type=Path, default=keep,
                     help="where each run's directory is kept (runs/ is not committed)")  # fmt: skip
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = table_parser(__doc__, sorted(SCALES), RECORDS, PACK_NAME, REPO / "runs" / "paper-table")
+    ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--first-order", action="store_true", help="the labelled first-order variant")
     ap.add_argument("--side-by-side", type=int, default=1, metavar="N",
                     help="--run: start a row's missing runs N at a time, each a process of its "
                     "own on the same device (default 1: one after another, in this process)")

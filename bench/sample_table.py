@@ -298,30 +298,11 @@ def generated(recs: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="one JSON object a row")
-    ap.add_argument("--check", action="store_true", help="exit 1 if the docs' table is stale")
-    ap.add_argument("--write", action="store_true", help="write the table into docs/results.md")
-    ap.add_argument("--run", action="store_true", help="run the rows that lack runs")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
+    ap = pt.table_parser(__doc__, sorted(SCALES), RECORDS, PACK_NAME,
+                         REPO / "runs" / "sample-table")  # fmt: skip
     ap.add_argument("--shots", type=int, nargs="+", choices=SHOTS, default=list(SHOTS))
     ap.add_argument("--sinusoid", action="store_true", help="--run: the sinusoid row instead")
-    ap.add_argument("--runs", type=int, default=3, help="runs a row must have")
-    ap.add_argument(
-        "--pack",
-        type=Path,
-        default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-        help="append each record to DIR/" + PACK_NAME + " (default $OUT)",
-    )
-    ap.add_argument("--unpack", type=Path, nargs="+", help="file packed records under --records")
-    ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
-    ap.add_argument(
-        "--keep",
-        type=Path,
-        default=REPO / "runs" / "sample-table",
-        help="where each run's directory is kept (runs/ is not committed)",
-    )
-    args = ap.parse_args(argv)  # fmt: skip
+    args = ap.parse_args(argv)
     if args.run:
         return run_rows(args)
     if args.unpack:
