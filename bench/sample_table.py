@@ -71,7 +71,7 @@ _UNREADABLE = ("not readable from the text: Figure 13 is an image the paper's te
                "describe; Section 6.4 says only that accuracy rises with K")  # fmt: skip
 #: DP-MAML's Figure 13 (5-way K-shot, sample level, its (1.18, 1e-5)), as far as its text gives it.
 #: Section 6.4: "testing accuracy increases with the number of shots and it reaches 92% when K = 8";
-#: the figure itself is not in /work/shared/papers' text (only its caption), so no other K is read.
+#: the figure itself is not in the paper's text (only its caption), so no other K is read.
 PAPER = {
     "1": _UNREADABLE,
     "5": _UNREADABLE,

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fedmeta.accounting.levels import LEVELS
 from fedmeta.accounting.plan_request import (
     DESIGNS,
     Candidate,
@@ -362,8 +361,6 @@ def add_plan_parser(
         "a run').",
     )
     add_epsilon_arg(p, "epsilon budget")
-    p.add_argument("--level", choices=LEVELS, default="task",
-                   help="task (default): one task; sample: one example (issue 53)")  # fmt: skip
     p.add_argument(
         "--delta", type=float, default=None,
         help=f"delta (default: with --write-config, the delta of the budget recorded for the data "
@@ -405,13 +402,11 @@ def add_plan_parser(
                    help="TOML configuration whose other keys the written one keeps")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sample_plan_args(p)
-    p.set_defaults(
-        func=handled(
-            "privacy plan",
-            lambda args: _cmd_plan(args, writer, budget_delta),
-            {**SAMPLE_PLAN_FLAGS, **_PLAN_FLAGS},
-        )
-    )
+
+    def body(args: argparse.Namespace) -> int:
+        return _cmd_plan(args, writer, budget_delta)
+
+    p.set_defaults(func=handled("privacy plan", body, {**SAMPLE_PLAN_FLAGS, **_PLAN_FLAGS}))
 
 
 def _add_signal_args(p: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fedmeta.accounting.levels import LEVELS
 from fedmeta.accounting.sample_level_plan import SamplePlanRequest, SamplePlanRow, plan_sample_level
 from fedmeta.accounting.schemes import ADD_REMOVE
 from fedmeta.cli.arguments import DEFAULT_DELTA, UsageError, emit, eps_text, json_eps
@@ -51,7 +52,9 @@ SAMPLE_PLAN_FLAGS = {
 
 
 def add_sample_plan_args(p: argparse.ArgumentParser) -> None:
-    """The ``--level sample`` flags of ``privacy plan``."""
+    """``--level`` and the ``--level sample`` flags of ``privacy plan``."""
+    p.add_argument("--level", choices=LEVELS, default="task",
+                   help="task (default): one task; sample: one example (issue 53)")  # fmt: skip
     group = p.add_argument_group(
         "sample level (--level sample: one example of one participant, add/remove; "
         "docs/privacy.md, 'Planning commands')"
