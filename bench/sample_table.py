@@ -26,8 +26,9 @@ point of one task, and changing, adding or removing it replaces that task.
 
 Scales: ``gpu`` the configuration as written; ``cpu`` a stated CPU scale (15 rounds, 4 tasks a
 pass, 20 validation and 100 test tasks); ``tiny`` the default suite's check of the machinery (its
-records are never committed). The test tasks are read once a run, for the model chosen on
-validation tasks (and once for the untrained start, which chooses nothing).
+records are never committed). The test tasks are read once a run, for the last round's model
+(``training.model_selection = "last"``, the configuration's: nothing is chosen on them), and once
+for the untrained start, which chooses nothing either.
 
 The machinery is bench/paper_table.py's (issue 50): one JSON record a run written atomically under
 ``results/sample-table/``, ``--run`` resumable (a row with ``--runs`` whole runs is skipped; a
