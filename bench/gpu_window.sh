@@ -23,6 +23,8 @@
 # command line, with --side-by-side 3 (three runs of a row at once, issue 51), on the Omniglot npz
 # in $OMNIGLOT_DIR or .device/omniglot (carried); PAPER_TABLE_ARGS replaces its rows
 # (default: --ways 5 20 --rows a b c) and may add arguments (a later --side-by-side wins).
+# After it, bench/sample_table.py (issue 53's sample-level rows, SAMPLE_TABLE_ARGS) with what is
+# left, on the same npz.
 set -u
 : "${OUT:?OUT must name the folder whose files come back}"
 cd "$(dirname "$0")/.." || exit 2
@@ -120,6 +122,36 @@ else
         say "paper table: exit $?"
     else
         say "paper table: ${budget}s left, not started"
+    fi
+fi
+
+# Issue 53's sample-level rows (bench/sample_table.py: Omniglot 5-way K-shot at a valid example-level
+# (1.18, 1e-5)) with what the paper table left, one run at a time, each an experiment with its own
+# ledger. Records go to $STATE/sample-table (seeded with the committed ones, so rows that have
+# their runs are skipped) and each into $OUT/sample-table-records.jsonl as it ends (`python
+# bench/sample_table.py --unpack` files them). SAMPLE_TABLE_ARGS replaces its rows (default
+# --shots 8 1 5: K = 8 first, the row DP-MAML's text gives a number for).
+SAMPLE_ARGS="--run --scale gpu --records $STATE/sample-table --pack $OUT"
+if [ -n "${GPU_WINDOW_STEPS:-}" ]; then
+    say "sample table: not asked for (GPU_WINDOW_STEPS)"
+elif [ ! -f bench/sample_table.py ]; then
+    say "sample table: bench/sample_table.py is not in this checkout; skipped"
+elif [ ! -f "$TABLE_DATA/images_background.npz" ]; then
+    say "sample table: no Omniglot npz in $TABLE_DATA (set OMNIGLOT_DIR or carry .device/omniglot); skipped"
+else
+    budget=$(($(left) - 30))
+    # shellcheck disable=SC2086  # SAMPLE_ARGS and SAMPLE_TABLE_ARGS are lists of words
+    set -- $PY bench/sample_table.py $SAMPLE_ARGS ${SAMPLE_TABLE_ARGS:---shots 8 1 5}
+    if [ -n "${GPU_WINDOW_DRY:-}" ]; then
+        say "sample table: up to ${budget}s: OMNIGLOT_DIR=$TABLE_DATA $*"
+    elif [ "$budget" -ge 60 ]; then
+        mkdir -p "$STATE/sample-table"
+        cp -n results/sample-table/*.json "$STATE/sample-table/" 2>/dev/null
+        say "sample table: up to ${budget}s: $*"
+        OMNIGLOT_DIR=$(cd "$TABLE_DATA" && pwd) timeout -s INT -k 30 "$budget" "$@" >>"$LOG" 2>&1
+        say "sample table: exit $?"
+    else
+        say "sample table: ${budget}s left, not started"
     fi
 fi
 

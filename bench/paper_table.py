@@ -59,6 +59,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -270,21 +271,28 @@ def write_atomically(path: Path, rec: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def pack(pack_dir: Path | None, rec: dict[str, Any]) -> None:
-    """Append ``rec`` to the window's one file, as one line, at once."""
+def pack(pack_dir: Path | None, rec: dict[str, Any], name: str = PACK_NAME) -> None:
+    """Append ``rec`` to the window's one file (``name`` in ``pack_dir``), as one line, at once."""
     if pack_dir is None:
         return
     pack_dir.mkdir(parents=True, exist_ok=True)
-    with (pack_dir / PACK_NAME).open("a") as sink:
+    with (pack_dir / name).open("a") as sink:
         sink.write(json.dumps(rec, sort_keys=True) + "\n")
         sink.flush()
         os.fsync(sink.fileno())
 
 
-def unpack(pack_files: list[Path], records: Path) -> int:
-    """File a window's records under RECORDS, one file each. A run packed twice (as it ended, then
+def unpack(
+    pack_files: list[Path],
+    records: Path,
+    fmt: str = FORMAT,
+    name_of: Callable[[dict[str, Any]], str] | None = None,
+) -> int:
+    """File a window's records of format ``fmt`` under ``records``, one file each, named by
+    ``name_of`` (default this table's :func:`record_name`). A run packed twice (as it ended, then
     with its batch's throughput) is filed as packed last; a record already here is kept unless the
     packed one only adds fields to it."""
+    record_name_of = name_of or record_name
     latest: dict[str, dict[str, Any]] = {}
     for path in pack_files:
         for line in path.read_text().splitlines():
@@ -292,8 +300,8 @@ def unpack(pack_files: list[Path], records: Path) -> int:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a killed window: that run is lost
                 continue
-            if rec.get("format") == FORMAT:
-                latest[record_name(rec)] = rec
+            if rec.get("format") == fmt:
+                latest[record_name_of(rec)] = rec
     added = 0
     for name, rec in latest.items():
         here = records / name
@@ -621,11 +629,15 @@ def updated(doc: Path, recs: list[dict[str, Any]]) -> str:
     return replace_section(doc.read_text(), generated(recs, short=doc.name == "README.md"), doc)
 
 
-def replace_section(text: str, section: str, path: Path) -> str:
-    if START not in text or END not in text:
-        raise SystemExit(f"paper_table: {path} has no {START} ... {END} markers: add them")
-    before, rest = text.split(START, 1)
-    return before + section + rest.split(END, 1)[1]
+def replace_section(
+    text: str, section: str, path: Path, markers: tuple[str, str] = (START, END)
+) -> str:
+    """``text`` with what lies between ``markers`` (included) replaced by ``section``."""
+    start, end = markers
+    if start not in text or end not in text:
+        raise SystemExit(f"{path} has no {start} ... {end} markers: add them")
+    before, rest = text.split(start, 1)
+    return before + section + rest.split(end, 1)[1]
 
 
 def plot(recs: list[dict[str, Any]], png: Path) -> None:
@@ -661,27 +673,36 @@ def plot(recs: list[dict[str, Any]], png: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def table_parser(doc: str | None, scales: list[str], records: Path, pack_name: str,
+                 keep: Path) -> argparse.ArgumentParser:  # fmt: skip
+    """The flags every generated table of bench/ has (this one's and bench/sample_table.py's):
+    print, ``--json``, ``--check``, ``--write``, ``--run`` at ``--scale`` with ``--runs``, and
+    the records' folders and the device window's pack."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", action="store_true", help="one JSON object a row")
     ap.add_argument("--check", action="store_true", help="exit 1 if the docs' table is stale")
-    ap.add_argument("--write", action="store_true", help="write the table into the docs, and plot")
+    ap.add_argument("--write", action="store_true", help="write the table into the docs")
     ap.add_argument("--run", action="store_true", help="run the rows that lack runs")
-    ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
-    ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
-    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--scale", choices=scales, default="gpu")
     ap.add_argument("--runs", type=int, default=3, help="runs a row must have")
-    ap.add_argument("--first-order", action="store_true", help="the labelled first-order variant")
     ap.add_argument(
         "--pack",
         type=Path,
         default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-        help="append each record to DIR/" + PACK_NAME + " (default $OUT)",
+        help="append each record to DIR/" + pack_name + " (default $OUT)",
     )
     ap.add_argument("--unpack", type=Path, nargs="+", help="file packed records under --records")
-    ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder")
-    ap.add_argument("--keep", type=Path, default=REPO / "runs" / "paper-table",
+    ap.add_argument("--records", type=Path, default=records, help="the records' folder")
+    ap.add_argument("--keep", type=Path, default=keep,
                     help="where each run's directory is kept (runs/ is not committed)")  # fmt: skip
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = table_parser(__doc__, sorted(SCALES), RECORDS, PACK_NAME, REPO / "runs" / "paper-table")
+    ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--first-order", action="store_true", help="the labelled first-order variant")
     ap.add_argument("--side-by-side", type=int, default=1, metavar="N",
                     help="--run: start a row's missing runs N at a time, each a process of its "
                     "own on the same device (default 1: one after another, in this process)")

@@ -95,7 +95,9 @@ SUMMARY_FIELDS = ("metric", "final_metric", "final_metric_ci95", "final_metric_c
                   "public_warm_start", "trained_parameters", "model_selection",
                   # what the test evaluation had seen (issue 42; null in a private run unless
                   # released: docs/privacy.md "What the test evaluation had seen")
-                  "seen_fraction", "held_out", "seen_note", "subspace")  # fmt: skip
+                  "seen_fraction", "held_out", "seen_note", "subspace",
+                  # the guarantee's level and a sample-level run's constants (issue 53)
+                  "level", "sample_level")  # fmt: skip
 
 
 def record_run_dir(

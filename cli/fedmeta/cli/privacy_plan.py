@@ -39,6 +39,12 @@ from fedmeta.cli.arguments import (
     handled,
     json_eps,
 )
+from fedmeta.cli.privacy_sample_plan import (
+    SAMPLE_PLAN_FLAGS,
+    add_sample_plan_args,
+    check_plan_level_flags,
+    sample_plan,
+)
 
 #: Planner field -> the ``privacy plan`` flag a user should fix.
 _PLAN_FLAGS = {
@@ -131,7 +137,8 @@ def _baseline(text: str | None, request_rounds: tuple[int, ...] | None) -> Candi
 
 def _plan_request(args: argparse.Namespace) -> PlanRequest:
     counts = _ints("--tasks-per-participant", args.tasks_per_participant)
-    assert counts is not None  # a required flag
+    if counts is None:
+        raise UsageError("--tasks-per-participant must be given at task level")
     designs: Any = tuple(d.strip() for d in args.designs.split(",")) if args.designs else DESIGNS
     rounds = _ints("--rounds", args.rounds)
     return PlanRequest(
@@ -292,6 +299,9 @@ def _plan_delta(args: argparse.Namespace, budget_delta: BudgetDelta | None) -> f
 def _cmd_plan(
     args: argparse.Namespace, writer: ConfigWriter | None, budget_delta: BudgetDelta | None
 ) -> int:
+    check_plan_level_flags(args)
+    if args.level == "sample":
+        return sample_plan(args)
     if args.base_config and not args.write_config:
         raise UsageError("--base-config must come with --write-config")
     if args.write_config and writer is None:
@@ -350,7 +360,7 @@ def add_plan_parser(
         "the noise std on the averaged gradient over sqrt(rounds) (docs/privacy.md, 'Planning "
         "a run').",
     )
-    add_epsilon_arg(p, "epsilon budget (task level)")
+    add_epsilon_arg(p, "epsilon budget")
     p.add_argument(
         "--delta", type=float, default=None,
         help=f"delta (default: with --write-config, the delta of the budget recorded for the data "
@@ -359,8 +369,9 @@ def add_plan_parser(
     p.add_argument("--neighbouring", choices=NEIGHBOURING_RELATIONS, default=ADD_REMOVE)
     p.add_argument("--participants", type=int, required=True, help="P, registered participants")
     p.add_argument(
-        "--tasks-per-participant", required=True, metavar="N[,N...]",
-        help="every participant's task count (one number), or one count per participant",
+        "--tasks-per-participant", metavar="N[,N...]",
+        help="every participant's task count (one number), or one count per participant "
+        "(required at task level)",
     )  # fmt: skip
     p.add_argument("--max-tasks-per-round", type=float, help="cap on the expected lot")
     p.add_argument("--max-task-gradients", type=float, help="cap on rounds * expected lot")
@@ -390,11 +401,12 @@ def add_plan_parser(
     p.add_argument("--base-config", metavar="PATH",
                    help="TOML configuration whose other keys the written one keeps")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(
-        func=handled(
-            "privacy plan", lambda args: _cmd_plan(args, writer, budget_delta), _PLAN_FLAGS
-        )
-    )
+    add_sample_plan_args(p)
+
+    def body(args: argparse.Namespace) -> int:
+        return _cmd_plan(args, writer, budget_delta)
+
+    p.set_defaults(func=handled("privacy plan", body, {**SAMPLE_PLAN_FLAGS, **_PLAN_FLAGS}))
 
 
 def _add_signal_args(p: Any) -> None:
