@@ -230,6 +230,7 @@ def run_and_record(spec: RunSpec, stop: threading.Event, batch: dict[str, Any]) 
     scale_name, way, row, first_order = spec.key
     sets = [*row_sets(SCALES[scale_name], row, first_order, way), f"dataset.path={spec.data}"]
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    code = commit()  # the code the run starts with: a commit made while it runs is not its code
     # Omniglot is public: each run is an experiment with a ledger of its own, in a state directory
     # of its own, so repeated runs (one after another or side by side) never compose, and it
     # reports what its test tasks had seen. An experiment's ledger is not a production ledger: it
@@ -241,7 +242,7 @@ def run_and_record(spec: RunSpec, stop: threading.Event, batch: dict[str, Any]) 
     cfg = load_config(config_of(way), sets)
     rec = {
         "format": FORMAT, "scale": scale_name, "way": way, "row": row, "first_order": first_order,
-        "run": spec.index, "commit": commit(), "device": results.machine_description(),
+        "run": spec.index, "commit": code, "device": results.machine_description(),
         "started": started, "ended": datetime.now(UTC).isoformat(timespec="seconds"),
         "test_accuracy": out["final_metric"], "test_accuracy_ci95": out["final_metric_ci95"],
         "starting_accuracy": out["starting_metric"], "epsilon_valid": out["epsilon_spent"],

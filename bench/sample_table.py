@@ -146,13 +146,14 @@ def run_and_record(
     # (as bench/paper_table.py's runs; an experiment's ledger is not a production one).
     os.environ["FEDMETA_STATE_DIR"] = str(work / "state")
     started = datetime.now(UTC).isoformat(timespec="seconds")
+    code = pt.commit()  # the code the run starts with: a commit made while it runs is not its code
     out = pt.results.run_one(config, sets, work, stop)
     cfg = load_config(config, sets)
     machine = pt.results.machine_description()
     rec = {
         "format": FORMAT, "scale": scale, "way": None if sinusoid else 5,
         "shots": None if sinusoid else int(row), "query": None if sinusoid else QUERY,
-        "run": index, "commit": pt.commit(), "device": machine, "started": started,
+        "run": index, "commit": code, "device": machine, "started": started,
         "ended": datetime.now(UTC).isoformat(timespec="seconds"),
         "test_accuracy": None if sinusoid else out["final_metric"],
         "test_accuracy_ci95": None if sinusoid else out["final_metric_ci95"],
