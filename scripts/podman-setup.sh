@@ -202,6 +202,15 @@ cmd_dashboards() {
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# A service left in a deleted working directory (started from a checkout since removed) cannot
+# start containers: conmon fails "Failed to get working directory" and compose reports "write
+# child: broken pipe". Such a process (ours: its pid file is ours) is stopped and started again.
+usable() {
+  alive "$1" || return 1
+  local cwd; cwd=$(readlink "/proc/$(cat "$1")/cwd" 2>/dev/null) || return 1
+  [[ $cwd != *" (deleted)" ]]
+}
+
 cmd_healthchecks() {
   # Without systemd nothing runs podman's healthchecks: a container stays "starting" for ever. Run
   # each running container's check (those with one) when its own interval has passed (the
@@ -227,6 +236,16 @@ cmd_healthchecks() {
 
 cmd_service() {
   need_root; write_conf
+  # Long-lived processes start in $dir, never in the caller's directory (a checkout may go), and
+  # the healthcheck runner from a copy of this script kept there.
+  install -m 755 "$here/scripts/podman-setup.sh" "$dir/podman-setup.sh"
+  if alive "$dir/service.pid" && ! usable "$dir/service.pid"; then
+    echo "podman service (pid $(cat "$dir/service.pid")) sits in a deleted directory: restarting it"
+    stop_pid "$dir/service.pid"
+  fi
+  if alive "$dir/healthchecks.pid" && ! usable "$dir/healthchecks.pid"; then
+    stop_pid "$dir/healthchecks.pid"
+  fi
   if [ -S "$sock" ] && alive "$dir/service.pid"; then
     echo "service already running (pid $(cat "$dir/service.pid")) on $sock"
   else
@@ -236,7 +255,7 @@ cmd_service() {
       enter=(nsenter "--net=/run/netns/$netns" --)
     fi
     rm -f "$sock"
-    (conf_env; exec setsid "${enter[@]}" podman system service --time=0 "unix://$sock" \
+    (cd "$dir"; conf_env; exec setsid "${enter[@]}" podman system service --time=0 "unix://$sock" \
        > "$dir/service.log" 2>&1 < /dev/null) &
     echo $! > "$dir/service.pid"
     for _ in $(seq 60); do [ -S "$sock" ] && break; sleep 0.5; done
@@ -245,7 +264,8 @@ cmd_service() {
   fi
   if [ -d /run/systemd/system ]; then return; fi   # systemd runs the healthchecks
   if alive "$dir/healthchecks.pid"; then echo "healthcheck runner already running (pid $(cat "$dir/healthchecks.pid"))"; return; fi
-  setsid bash "$0" healthchecks > "$dir/healthchecks.log" 2>&1 < /dev/null &
+  (cd "$dir" && exec setsid bash "$dir/podman-setup.sh" healthchecks) > "$dir/healthchecks.log" \
+    2>&1 < /dev/null &
   echo $! > "$dir/healthchecks.pid"
   echo "no systemd: healthcheck runner pid $(cat "$dir/healthchecks.pid") runs container healthchecks every ${every} s"
 }
