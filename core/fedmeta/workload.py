@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fedmeta.client_config import ClientConfig, ClientDatasetConfig, client_config
-from fedmeta.config import GROUP_NORM_GROUPS, Config
+from fedmeta.config import GROUP_NORM_GROUPS, Config, DatasetConfig
 from fedmeta.item_identity import DataItems
 
 if TYPE_CHECKING:  # metalearning is imported when a workload is built, not with this module
@@ -397,20 +397,19 @@ def participant_fingerprint(
     return data_fingerprint(own_data(cfg, data_path))
 
 
-def source_items(cfg: Config) -> np.ndarray | None:
+def source_items(ds: DatasetConfig, seed: int) -> np.ndarray | None:
     """Every item digest of the configured source (None: generated data, no items).
 
     Omniglot: all 32,460 drawings whatever the split (``omniglot_item_ids``, cached by file
-    stat); an image folder: every image it holds.
+    stat); an image folder: every image it holds (read under the public ``seed``).
     """
-    ds = cfg.dataset
     if ds.name == "sinusoid" or ds.path is None:
         return None
     from fedmeta.metalearning import omniglot_item_ids
 
     if ds.name == "omniglot":
         return omniglot_item_ids(Path(ds.path).expanduser())
-    splits = _splits(ds.name, ds.path, ds.image_size, cfg.seed, ds.split, ds.rotations,
+    splits = _splits(ds.name, ds.path, ds.image_size, seed, ds.split, ds.rotations,
                      ds.download)  # fmt: skip
     parts = [s.item_ids for s in splits if s.item_ids is not None]
     return np.concatenate(parts) if parts else None

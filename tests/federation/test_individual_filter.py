@@ -32,7 +32,7 @@ from fedmeta.checkpoint import load_checkpoint
 from fedmeta.cli import main
 from fedmeta.client.app import app as client_app
 from fedmeta.server.app import execute
-from fedmeta.server.budget_keys import ledger_participants
+from fedmeta.server.budget_keys import budget_key, ledger_participants
 from fedmeta.server.individual_filter import IndividualFilter
 from fedmeta.server.operator_log import operator_log_path
 from fedmeta.server.transport import Registered
@@ -134,7 +134,7 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
         assert charged == {"0": [2, 4], "1": [2, 4]}
         # A resumed run recomputes the allowances from the ledger without its own spends.
         members = {r.participant_id: r for r in _registered(cfg)}
-        who = ledger_participants(cfg, members, members)
+        who = ledger_participants(budget_key(cfg.dataset.name, cfg.seed), members, members)
         assert ledger.allowances(who, event, 4, run_id=run_id) == {"0": 2, "1": 4}
         assert ledger.allowances(who, event, 4, run_id="another run")["0"] == 0
     log = operator_log_path(run_id).read_text()
@@ -158,12 +158,13 @@ def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords(
     run = IndividualFilter({"0": 4}, "run", event, 6)  # "1" registered after the start
     for i in range(3):
         ledger.spend(event, "run", i)
-    assert run.apply(ledger, cfg, members, ["0", "1"]) == frozenset()
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    assert run.apply(ledger, key, members, ["0", "1"]) == frozenset()
     assert run.allowances["1"] == 3 + 2  # the fake charges every round to everyone: 2 left
     ledger.spend(event, "run", 3)
-    assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0"}
+    assert run.apply(ledger, key, members, ["0", "1"]) == {"0"}
     ledger.spend(event, "run", 4)
-    assert run.apply(ledger, cfg, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
+    assert run.apply(ledger, key, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
     assert "round 6 participant 1: allowance spent" in operator_log_path("run").read_text()
 
 

@@ -30,7 +30,7 @@ from fedmeta.cli import main
 from fedmeta.config import Config
 from fedmeta.config_io import load_config
 from fedmeta.server.app import execute
-from fedmeta.server.budget_keys import budget_identity, ledger_participants, participant_identity
+from fedmeta.server.budget_keys import budget_key, ledger_participants, participant_identity
 from fedmeta.server.startup import open_budget
 from fedmeta.server.transport import Registered
 from fedmeta.simulation.local_grid import InProcessGrid
@@ -118,9 +118,11 @@ def test_an_image_added_to_a_folder_keeps_every_key_and_the_budget_composes(
     Image.fromarray(np.zeros((10, 12, 3), dtype=np.uint8)).save(folder / "class0" / "new.png")
     after = _registered(cfg, 4)
     assert after[0].data_fingerprint != before[0].data_fingerprint  # the content changed
-    assert budget_identity(cfg, after) == budget_identity(cfg, before)
-    assert [participant_identity(cfg, r) for r in after] == [
-        participant_identity(cfg, r) for r in before
+    # The federation's key comes from the dataset's name and seed alone (BudgetKey), so the
+    # registered content cannot change it; nor does it change a participant's identity.
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    assert [participant_identity(key, r) for r in after] == [
+        participant_identity(key, r) for r in before
     ]
     with open_budget(cfg, after) as ledger:
         assert ledger.federation_id == fid
@@ -173,16 +175,18 @@ def test_the_ledger_keys_survive_churn(tmp_path: Path) -> None:
     cfg = load_config(None, ["federation.participants=5"])
     fewer = load_config(None, ["federation.participants=4", "dataset.tasks_per_participant=31"])
     members = {r.participant_id: r for r in _registered(cfg, 5)}
-    keys = [p.identity for p in ledger_participants(cfg, members, members)]
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    keys = [p.identity for p in ledger_participants(key, members, members)]
     fewer_members = {r.participant_id: r for r in _registered(fewer, 4)}
-    assert [p.identity for p in ledger_participants(fewer, fewer_members, fewer_members)] == keys[
-        :4
-    ]
+    fewer_key = budget_key(fewer.dataset.name, fewer.seed)
+    assert [p.identity for p in ledger_participants(fewer_key, fewer_members, fewer_members)] == (
+        keys[:4]
+    )
     # A node key authenticates a node; it names no budget (issue 39): enabling node
-    # authentication or replacing a key keeps the participant's identity and the federation.
+    # authentication or replacing a key keeps the participant's identity, and the federation's
+    # key is built from the dataset's name and seed alone (BudgetKey: no registration in it).
     bound = Registered("0", 1, 10, "digest", node_key="SHA256:abc")
-    assert participant_identity(cfg, bound) == keys[0]
-    assert budget_identity(cfg, [bound]) == budget_identity(cfg, list(members.values()))
+    assert participant_identity(key, bound) == keys[0]
 
 
 def _as_schema2(db: Path) -> None:

@@ -37,14 +37,13 @@ def budget_delta(base_config: str | None) -> float | None:
     None when that data has no budget yet in the ledger the configuration spends from (the run
     then records the plan's). Read-only.
     """
-    from fedmeta.accounting import current_budget
     from fedmeta.config import Config
     from fedmeta.config_io import load_config
-    from fedmeta.server.budget_keys import budget_identity, budget_label
+    from fedmeta.server.budget_keys import budget_key, recorded_terms
     from fedmeta.server.data_budget import ledger_file
 
     cfg = load_config(base_config) if base_config else Config()
-    terms = current_budget(ledger_file(cfg), budget_identity(cfg, []), label=budget_label(cfg))
+    terms = recorded_terms(ledger_file(cfg), budget_key(cfg.dataset.name, cfg.seed))
     return None if terms is None else terms.delta
 
 

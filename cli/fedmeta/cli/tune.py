@@ -196,12 +196,12 @@ def _planned_rounds(cfg: Any) -> tuple[Any, int]:
 
 def _prior(cfg: Any) -> tuple[list[Any], float, float]:
     """The data's ledger groups now, its budget and delta (a fresh budget if it has none yet)."""
-    from fedmeta.accounting import BudgetLedger, current_budget
-    from fedmeta.server.budget_keys import budget_identity, budget_label
+    from fedmeta.accounting import BudgetLedger
+    from fedmeta.server.budget_keys import budget_key, recorded_terms
     from fedmeta.server.data_budget import ledger_file
 
     path = ledger_file(cfg)
-    terms = current_budget(path, budget_identity(cfg), label=budget_label(cfg))
+    terms = recorded_terms(path, budget_key(cfg.dataset.name, cfg.seed))
     if terms is None:
         return [()], float(cfg.privacy.epsilon_budget), float(cfg.privacy.delta)
     with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:

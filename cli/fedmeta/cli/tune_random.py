@@ -65,26 +65,26 @@ def _mode(cfg: Any) -> LedgerMode:
 
 def open_data_ledger(cfg: Any) -> Any:
     """The data's ledger for spending, as a run opens it, with no cohort (every participant)."""
-    from fedmeta.accounting import BudgetLedger, current_budget, resolve_federation
+    from fedmeta.accounting import BudgetLedger
     from fedmeta.accounting.ledger import ensure_directory
-    from fedmeta.server.budget_keys import budget_identity, budget_label, inherited_labels
+    from fedmeta.server.budget_keys import budget_key, federation_of, recorded_terms
     from fedmeta.server.data_budget import ledger_file
     from fedmeta.server.ledger_witness import refuse_second_ledger, watch_ledger
     from fedmeta.simulation.dry_run import registered_as_run
 
     mode = _mode(cfg)
     path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, registered_as_run(cfg))  # image data: by its items
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    refuse_second_ledger(cfg.privacy, key, path, registered_as_run(cfg))  # image data: by its items
     ensure_directory(path)
-    recorded = current_budget(path, budget_identity(cfg), label=budget_label(cfg))
-    federation = resolve_federation(path, budget_identity(cfg), label=budget_label(cfg),
-                                    mode=mode, inherit=inherited_labels(cfg))  # fmt: skip
+    recorded = recorded_terms(path, key)
+    federation = federation_of(path, key, mode)
     terms = (None, None) if recorded is not None else (cfg.privacy.epsilon_budget,
                                                        cfg.privacy.delta)  # fmt: skip
     ledger = BudgetLedger.open(path, federation, *terms, neighbouring=cfg.privacy.neighbouring,
                                mode=mode)  # fmt: skip
     try:
-        watch_ledger(ledger, cfg)
+        watch_ledger(ledger, cfg.privacy)
     except BaseException:
         ledger.close()
         raise

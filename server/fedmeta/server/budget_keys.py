@@ -17,10 +17,19 @@ index (``fedmeta.workload.declared_identity``), since that *is* its data.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
-from fedmeta.accounting import DataItems, Ledger, Participant
-from fedmeta.config import Config
+from fedmeta.accounting import (
+    BudgetTerms,
+    DataItems,
+    Ledger,
+    LedgerMode,
+    Participant,
+    current_budget,
+    resolve_federation,
+)
 from fedmeta.server.transport import Registered
 from fedmeta.workload import declared_identity
 
@@ -31,48 +40,64 @@ CONTENT_LABEL = "images"
 NAME_KEYED_LABELS = ("omniglot", "image_folder")
 
 
-def budget_identity(cfg: Config, registered: Sequence[Registered] = ()) -> str:
-    """The federation's key: image data by content (one family), the sinusoid by its spec."""
-    del registered  # node keys name no budget (module docstring)
-    if cfg.dataset.name == "sinusoid":
-        return declared_identity(cfg.dataset.name, cfg.seed)
-    return CONTENT_IDENTITY
+@dataclass(frozen=True)
+class BudgetKey:
+    """How the ledger names a run's data, from the dataset's name and the public seed alone.
+
+    Node keys and who registered name no budget (module docstring), so one key serves the whole
+    run: built once by :func:`budget_key`.
+    """
+
+    identity: str  # the federation's key: image data by content (one family), the sinusoid by spec
+    label: str  # the label of the federation id (logs, metrics): ``images`` for all image data
+    inherited: tuple[str, ...]  # older name-keyed budgets a new content-keyed one inherits
+    declared: str  # the data's declared identity: with an index, a participant without items
 
 
-def budget_label(cfg: Config) -> str:
-    """The label of the federation id (logs, metrics): ``images`` for all image data."""
-    return cfg.dataset.name if cfg.dataset.name == "sinusoid" else CONTENT_LABEL
+def budget_key(dataset_name: str, seed: int) -> BudgetKey:
+    """The key of the data ``dataset.name`` names under the public ``seed``."""
+    declared = declared_identity(dataset_name, seed)
+    if dataset_name == "sinusoid":
+        return BudgetKey(declared, dataset_name, (), declared)
+    return BudgetKey(CONTENT_IDENTITY, CONTENT_LABEL, NAME_KEYED_LABELS, declared)
 
 
-def inherited_labels(cfg: Config) -> tuple[str, ...]:
-    """Older name-keyed budgets a new content-keyed budget inherits (ledger/inherit.py)."""
-    return () if cfg.dataset.name == "sinusoid" else NAME_KEYED_LABELS
+def recorded_terms(path: Path, key: BudgetKey) -> BudgetTerms | None:
+    """The terms of the data's current budget in the ledger at ``path`` (None: none); read-only."""
+    return current_budget(path, key.identity, label=key.label)
 
 
-def participant_identity(cfg: Config, member: Registered) -> str:
+def federation_of(path: Path, key: BudgetKey, mode: LedgerMode) -> str:
+    """The federation id of the data's current budget, created (or inherited) on first use."""
+    return resolve_federation(path, key.identity, label=key.label, mode=mode,
+                              inherit=key.inherited)  # fmt: skip
+
+
+def participant_identity(key: BudgetKey, member: Registered) -> str:
     """The identity of a participant that declares no items (the sinusoid): spec plus index."""
-    return f"{declared_identity(cfg.dataset.name, cfg.seed)}#participant={member.participant_id}"
+    return f"{key.declared}#participant={member.participant_id}"
 
 
-def ledger_participant(cfg: Config, member: Registered) -> Participant:
+def ledger_participant(key: BudgetKey, member: Registered) -> Participant:
     """One participant as the ledger charges it: by its items when it declared them."""
     items = DataItems.from_text(member.data_fingerprint)
     if items is None:
-        return Participant(participant_identity(cfg, member), member.participant_id,
+        return Participant(participant_identity(key, member), member.participant_id,
                            member.data_fingerprint)  # fmt: skip
     return Participant(f"items:{items.set_digest}", member.participant_id, items.set_digest, items)
 
 
 def ledger_participants(
-    cfg: Config, members: Mapping[str, Registered], eligible: Iterable[str]
+    key: BudgetKey, members: Mapping[str, Registered], eligible: Iterable[str]
 ) -> list[Participant]:
     """The participants a round may sample, as the ledger charges them."""
-    return [ledger_participant(cfg, members[pid]) for pid in sorted(eligible) if pid in members]
+    return [ledger_participant(key, members[pid]) for pid in sorted(eligible) if pid in members]
 
 
 def use_round_cohort(
-    ledger: Ledger | None, cfg: Config, members: Mapping[str, Registered], eligible: Iterable[str]
-) -> None:
+    ledger: Ledger | None, key: BudgetKey, members: Mapping[str, Registered],
+    eligible: Iterable[str],
+) -> None:  # fmt: skip
     """Charge the next spends to the participants this round may sample (None: a public run)."""
     if ledger is not None:
-        ledger.use_cohort(ledger_participants(cfg, members, eligible))
+        ledger.use_cohort(ledger_participants(key, members, eligible))

@@ -20,13 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedmeta.accounting import BudgetLedger, DataItems, current_budget
+from fedmeta.accounting import BudgetLedger, DataItems
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import (
     CONTENT_IDENTITY,
-    budget_identity,
-    budget_label,
+    BudgetKey,
+    budget_key,
     ledger_participants,
+    recorded_terms,
 )
 from fedmeta.server.data_budget import adopt_data_budget, ledger_file
 from fedmeta.server.plan import (
@@ -81,8 +82,9 @@ def preview_budget(cfg: Config, registered: Sequence[Registered] | None = None) 
     private = plan.privacy
     if private is None:  # not with privacy.enabled; the plan, not the configuration, says so
         return BudgetPreview(cfg, plan, None, recorded=False)
-    terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
-    if terms is not None and not _named_by_what_it_holds(cfg, registered):
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    terms = recorded_terms(path, key)
+    if terms is not None and not _named_by_what_it_holds(key, registered):
         terms = None  # image data without its items: only the registered data can say
     if terms is None or terms.epsilon_budget is None:
         fresh = _fresh_forecast(cfg, private)
@@ -90,19 +92,19 @@ def preview_budget(cfg: Config, registered: Sequence[Registered] | None = None) 
         return BudgetPreview(cfg, plan, fresh, recorded=False, refusal=refusal)
     with BudgetLedger.open_readonly(path, terms.federation_id) as ledger:
         members = {r.participant_id: r for r in registered}
-        ledger.use_cohort(ledger_participants(cfg, members, members))
+        ledger.use_cohort(ledger_participants(key, members, members))
         predicted = forecast(private, ledger, cfg.rounds)
         refusal = _refusal(cfg, private, ledger, predicted)
     return BudgetPreview(cfg, plan, predicted, recorded=True, refusal=refusal)
 
 
-def _named_by_what_it_holds(cfg: Config, registered: Sequence[Registered]) -> bool:
+def _named_by_what_it_holds(key: BudgetKey, registered: Sequence[Registered]) -> bool:
     """Whether the ledger can tell which records ``registered`` overlap.
 
     The sinusoid by its spec; image data only by the items its participants declare
     (budget_keys.py).
     """
-    if budget_identity(cfg, registered) != CONTENT_IDENTITY:
+    if key.identity != CONTENT_IDENTITY:
         return True
     return all(DataItems.from_text(r.data_fingerprint) is not None for r in registered)
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedmeta.accounting import BudgetTerms, DataItems, Ledger, current_budget, ledger_holds
+from fedmeta.accounting import BudgetTerms, DataItems, Ledger, ledger_holds
 from fedmeta.config import Config
 from fedmeta.item_identity import EVALUATION_TOLERANCE
 from fedmeta.paths import default_ledger_path, experiment_ledger_path
-from fedmeta.server.budget_keys import budget_identity, budget_label
+from fedmeta.server.budget_keys import budget_key, recorded_terms
 from fedmeta.server.plan import BudgetForecast, PrivatePlan
 from fedmeta.server.transport import Registered
 from fedmeta.workload import Workload
@@ -58,7 +58,7 @@ def adopt_data_budget(cfg: Config, registered: Sequence[Registered], path: Path)
     a run the plan will make private (``plan.private_requested``): its callers ask.
     """
     check_experiment_data(cfg, registered)
-    terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
+    terms = recorded_terms(path, budget_key(cfg.dataset.name, cfg.seed))
     if terms is None or terms.epsilon_budget is None or terms.delta is None:
         return cfg
     given = cfg.privacy.model_fields_set
@@ -86,7 +86,7 @@ def check_experiment_data(cfg: Config, registered: Sequence[Registered]) -> None
     from fedmeta.workload import source_items
 
     declared = [DataItems.from_text(r.data_fingerprint) for r in registered]
-    parts = [source_items(cfg)] + [d.array() for d in declared if d is not None]
+    parts = [source_items(cfg.dataset, cfg.seed)] + [d.array() for d in declared if d is not None]
     items = np.unique(np.concatenate([p for p in parts if p is not None] or [np.zeros(0)]))
     outside, release = not_public(items) if len(items) else (0, None)
     if outside == 0 and release is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fedmeta.accounting import Ledger
 from fedmeta.accounting.levels import AnyRound
 from fedmeta.config import Config
-from fedmeta.server.budget_keys import ledger_participants, use_round_cohort
+from fedmeta.server.budget_keys import BudgetKey, budget_key, ledger_participants, use_round_cohort
 from fedmeta.server.operator_log import log_failures
 from fedmeta.server.plan import PrivatePlan
 from fedmeta.server.transport import Registered
@@ -56,18 +56,18 @@ class IndividualFilter:
         return frozenset(p for p in eligible if self.allowances.get(p, 0) > spent)
 
     def apply(
-        self, ledger: Ledger, cfg: Config, members: Mapping[str, Registered],
+        self, ledger: Ledger, key: BudgetKey, members: Mapping[str, Registered],
         eligible: Collection[str],
     ) -> frozenset[str]:  # fmt: skip
         """Charge the next spend to who takes part; the ids whose replies the round discards."""
         spent = sum(count for _, count in ledger.run_rounds(self.run_id))
-        self._admit(ledger, cfg, members, [p for p in eligible if p not in self.allowances], spent)
+        self._admit(ledger, key, members, [p for p in eligible if p not in self.allowances], spent)
         taking = self.taking_part(eligible, spent)
-        use_round_cohort(ledger, cfg, members, taking)  # an empty cohort: charged to nobody
+        use_round_cohort(ledger, key, members, taking)  # an empty cohort: charged to nobody
         return frozenset(eligible) - taking
 
     def _admit(
-        self, ledger: Ledger, cfg: Config, members: Mapping[str, Registered], new: list[str],
+        self, ledger: Ledger, key: BudgetKey, members: Mapping[str, Registered], new: list[str],
         spent: int,
     ) -> None:  # fmt: skip
         """Allowances of participants first seen after ``spent`` of the run's spends.
@@ -77,7 +77,7 @@ class IndividualFilter:
         """
         if not new:
             return
-        who = ledger_participants(cfg, members, new)
+        who = ledger_participants(key, members, new)
         left = ledger.allowances(who, self.event, max(self.rounds - spent, 0), run_id="")
         for pid, k in left.items():
             self.allowances[pid] = spent + k
@@ -90,10 +90,11 @@ def round_cohort(
     members: Mapping[str, Registered], eligible: Collection[str],
 ) -> frozenset[str]:  # fmt: skip
     """Charge the round to who takes part (a public run: nothing); whose replies it discards."""
+    key = budget_key(cfg.dataset.name, cfg.seed)
     if individual is None or ledger is None:
-        use_round_cohort(ledger, cfg, members, eligible)
+        use_round_cohort(ledger, key, members, eligible)
         return frozenset()
-    return individual.apply(ledger, cfg, members, eligible)
+    return individual.apply(ledger, key, members, eligible)
 
 
 def fix_allowances(
@@ -109,7 +110,7 @@ def fix_allowances(
     """
     if plan is None or ledger is None:
         return None
-    participants = ledger_participants(cfg, members, members)
+    participants = ledger_participants(budget_key(cfg.dataset.name, cfg.seed), members, members)
     allowed = ledger.allowances(participants, plan.event, cfg.rounds, run_id=run_id)
     _log_short(run_id, allowed, _fresh(ledger, plan.event, cfg.rounds))
     return IndividualFilter(dict(allowed), run_id, plan.event, cfg.rounds)

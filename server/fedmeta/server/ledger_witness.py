@@ -29,11 +29,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from fedmeta.accounting import BudgetLedger, DataItems, LedgerError, current_budget, ledger_holds
-from fedmeta.config import Config
+from fedmeta.accounting import BudgetLedger, DataItems, LedgerError, ledger_holds
 from fedmeta.config_privacy import PrivacyConfig
 from fedmeta.paths import STATE_DIR_ENV, WITNESS_DIR_ENV, witness_dir
-from fedmeta.server.budget_keys import budget_identity, budget_label
+from fedmeta.server.budget_keys import BudgetKey, recorded_terms
 from fedmeta.server.ledger_registry import check_writable, known_ledgers, remember
 from fedmeta.server.transport import Registered
 
@@ -50,14 +49,14 @@ def witness_file(ledger_path: Path) -> Path:
     return witness_dir() / f"{name}.anchor"
 
 
-def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
+def watch_ledger(ledger: BudgetLedger, privacy: PrivacyConfig) -> None:
     """Remember the ledger in the registry, check it against its witness, keep the witness current.
 
     A witness directory that cannot be created (a read-only file system) weakens detection, it
     does not stop a run: one warning names it (a path, nothing of the data). A registry that
     cannot be updated does (ledger_registry.py).
     """
-    if _production(cfg.privacy):
+    if _production(privacy):
         remember(ledger.path, ledger.ledger_id)
     witness = witness_file(ledger.path)
     try:
@@ -71,8 +70,9 @@ def watch_ledger(ledger: BudgetLedger, cfg: Config) -> None:
 
 
 def refuse_second_ledger(
-    cfg: Config, path: Path, registered: Sequence[Registered], *, writing: bool = True
-) -> None:
+    privacy: PrivacyConfig, key: BudgetKey, path: Path, registered: Sequence[Registered], *,
+    writing: bool = True,
+) -> None:  # fmt: skip
     """Refuse (``LedgerElsewhere``, one line) a ledger that would be a second one for this data.
 
     Every remembered ledger (the account's or the shared registry, ledger_registry.py) other than
@@ -88,7 +88,7 @@ def refuse_second_ledger(
             "own state directory, so its own budget for the same data; set it to an absolute "
             "path (the directory that holds the data's ledger)"
         )
-    if not _production(cfg.privacy):
+    if not _production(privacy):
         return
     if writing:
         check_writable()
@@ -99,15 +99,15 @@ def refuse_second_ledger(
             log.warning("the registered ledger %s is missing: data it recorded is not checked "
                         "against it (restore it, or see docs/ledger.md)", other)  # fmt: skip
             continue
-        if _records(cfg, other, registered):
-            raise LedgerElsewhere(_second_ledger_reason(cfg, path, other, registered))
+        if _records(key, other, registered):
+            raise LedgerElsewhere(_second_ledger_reason(key, path, other, registered))
 
 
 def _second_ledger_reason(
-    cfg: Config, path: Path, other: Path, registered: Sequence[Registered]
+    key: BudgetKey, path: Path, other: Path, registered: Sequence[Registered]
 ) -> str:
     """One line: which ledger records the data, and what to do."""
-    if _records(cfg, path, registered):
+    if _records(key, path, registered):
         return (
             f"ledger {path} would be a second budget for data already recorded in ledger {other} "
             "(in part: both ledgers record some of this run's data, so neither holds its whole "
@@ -126,15 +126,14 @@ def _production(privacy: PrivacyConfig) -> bool:
     return privacy.experiment is None and privacy.insecure_test_seed is None
 
 
-def _records(cfg: Config, path: Path, registered: Sequence[Registered]) -> bool:
+def _records(key: BudgetKey, path: Path, registered: Sequence[Registered]) -> bool:
     """Whether the ledger at ``path`` records any of this run's data."""
     if not path.is_file():
         return False
     declared = [d for d in (DataItems.from_text(r.data_fingerprint) for r in registered) if d]
     if declared:
         return ledger_holds(path, declared) > 0
-    terms = current_budget(path, budget_identity(cfg, registered), label=budget_label(cfg))
-    return terms is not None
+    return recorded_terms(path, key) is not None
 
 
 def _same_ledger(one: Path, other: Path) -> bool:

@@ -127,7 +127,7 @@ def _model_start_lines(cfg: Config) -> list[str]:
             "meta-parameters stay at their "
             + ("public warm-start values" if cfg.public.warm_start else "initial values")
         )
-    if (subspace := subspace_line(cfg)) is not None:
+    if (subspace := subspace_line(cfg.privacy.subspace)) is not None:
         lines.append(subspace)
     if cfg.training.meta_sgd:
         lines.append(
@@ -251,9 +251,9 @@ def build_summary(facts: RunFacts, end: RunEnd, scores: FinalScores) -> dict[str
         "participants_per_round": plan.scheme.participants_per_round,
         **_final_metric(cfg, scores.final),
         **(scores.seen or _SEEN_UNKNOWN),
-        **starting_fields(cfg, scores.starting, scores.start),
+        **starting_fields(cfg.public.warm_start, scores.starting, scores.start),
         **model_start,
-        "subspace": subspace_summary(cfg),
+        "subspace": subspace_summary(cfg.privacy.subspace),
         "ledger": None if facts.ledger is None else _ledger_summary(facts.ledger),
         "plan": None if facts.forecast is None else _forecast_dict(facts.forecast),
         # The sum of every round's work, which follows the stage-2 counts: a private diagnostic.

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
-
-if TYPE_CHECKING:
-    from fedmeta.config import Config
+from typing import Any, Literal, TypeAlias
 
 Source: TypeAlias = Literal["untrained", "public warm start"]
 SOURCES: tuple[Source, ...] = ("untrained", "public warm start")
@@ -90,13 +87,14 @@ def model_start_fields(
 
 
 def starting_fields(
-    cfg: Config, test: float | None, start: StartingModel | None
+    public_warm_start: bool, test: float | None, start: StartingModel | None
 ) -> dict[str, Any]:
     """The starting model's scores, named for what it is (``untrained_metric`` before).
 
-    ``start`` is None for a run resumed from a checkpoint written before round 0 was recorded.
+    ``start`` is None for a run resumed from a checkpoint written before round 0 was recorded;
+    its source is then ``public.warm_start``'s (``public_warm_start``).
     """
-    source = start.source if start is not None else source_of(cfg.public.warm_start)
+    source = start.source if start is not None else source_of(public_warm_start)
     return {
         "starting_metric": test,
         "starting_model": {

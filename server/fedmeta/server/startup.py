@@ -17,13 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedmeta.accounting import (
-    BudgetLedger,
-    Ledger,
-    LedgerCheckpoint,
-    LedgerMode,
-    resolve_federation,
-)
+from fedmeta.accounting import BudgetLedger, Ledger, LedgerCheckpoint, LedgerMode
 from fedmeta.accounting.ledger import EpsilonCache, ensure_directory
 from fedmeta.accounting.sample_level import SampleLevelRound
 from fedmeta.checkpoint import CHECKPOINT_NAME, Checkpoint, KeptModel, load_checkpoint
@@ -32,12 +26,7 @@ from fedmeta.config import Config
 from fedmeta.config_training import TrainingConfig
 from fedmeta.paths import epsilon_cache_path
 from fedmeta.protocol import GradientRequest, RegisterRequest
-from fedmeta.server.budget_keys import (
-    budget_identity,
-    budget_label,
-    inherited_labels,
-    ledger_participants,
-)
+from fedmeta.server.budget_keys import budget_key, federation_of, ledger_participants
 from fedmeta.server.data_budget import (
     BudgetMismatch,
     adopt_data_budget,
@@ -109,11 +98,11 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     """
     mode: LedgerMode = "secure" if cfg.privacy.insecure_test_seed is None else "insecure"
     path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, registered)  # one ledger per data (issue 39), before creating
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    # One ledger per data (issue 39), checked before creating.
+    refuse_second_ledger(cfg.privacy, key, path, registered)
     ensure_directory(path)  # one line naming the path if read-only or full (issue 21)
-    identity = budget_identity(cfg, registered)
-    federation = resolve_federation(path, identity, label=budget_label(cfg), mode=mode,
-                                    inherit=inherited_labels(cfg))  # fmt: skip
+    federation = federation_of(path, key, mode)
     members = {r.participant_id: r for r in registered}
     ledger = BudgetLedger.open(
         path, federation, epsilon_budget=cfg.privacy.epsilon_budget, delta=cfg.privacy.delta,
@@ -123,8 +112,9 @@ def open_budget(cfg: Config, registered: Sequence[Registered]) -> BudgetLedger:
     # it instead of composing again); never read here: the run's checks compose from the records.
     ledger.keep_epsilons(EpsilonCache(epsilon_cache_path(), read=False))
     try:
-        watch_ledger(ledger, cfg)  # refused if behind its witness outside the state directory
-        ledger.use_cohort(ledger_participants(cfg, members, members))
+        # Refused if behind its witness outside the state directory.
+        watch_ledger(ledger, cfg.privacy)
+        ledger.use_cohort(ledger_participants(key, members, members))
     except BaseException:
         ledger.close()
         raise

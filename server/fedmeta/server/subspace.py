@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from fedmeta.config import Config
+from fedmeta.config_privacy import SubspaceConfig
 from fedmeta.server.recheck import clip_margin
 
 log = logging.getLogger("fedmeta.server")
@@ -215,28 +216,27 @@ def public_subspace(cfg: Config, workload: Any) -> PublicSubspace | None:
     return PublicSubspace(settings.refresh_every, compute)
 
 
-def subspace_summary(cfg: Config) -> dict[str, Any] | None:
+def subspace_summary(subspace: SubspaceConfig) -> dict[str, Any] | None:
     """``summary.json``'s ``subspace`` entry (None: the run trained in the full space)."""
-    s = cfg.privacy.subspace
-    if s.dimension is None:
+    if subspace.dimension is None:
         return None
     return {
-        "dimension": s.dimension,
-        "refresh_every": s.refresh_every,
-        "basis_tasks": s.basis_tasks,
+        "dimension": subspace.dimension,
+        "refresh_every": subspace.refresh_every,
+        "basis_tasks": subspace.basis_tasks,
         "basis": "top right singular vectors of clipped MAML gradients of public tasks at the "
         "released model (Yu et al. 2021; Zhou et al. 2021)",
         "residual": "dropped",
     }
 
 
-def subspace_line(cfg: Config) -> str | None:
+def subspace_line(subspace: SubspaceConfig) -> str | None:
     """The plan's line on the subspace (None: the full space)."""
-    s = cfg.privacy.subspace
-    if s.dimension is None:
+    if subspace.dimension is None:
         return None
     return (
-        f"subspace (Yu et al. 2021; Zhou et al. 2021): noise on k = {s.dimension} coordinates, "
-        f"the top directions of {s.basis_tasks} PUBLIC task gradients at the released model, "
-        f"recomputed every {s.refresh_every} rounds; the residual outside it is dropped"
+        f"subspace (Yu et al. 2021; Zhou et al. 2021): noise on k = {subspace.dimension} "
+        f"coordinates, the top directions of {subspace.basis_tasks} PUBLIC task gradients at the "
+        f"released model, recomputed every {subspace.refresh_every} rounds; the residual outside "
+        "it is dropped"
     )

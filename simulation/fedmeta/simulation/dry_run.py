@@ -58,13 +58,14 @@ def registered_as_run(cfg: Any) -> list[Any]:
     from fedmeta.client.gradients import registration
     from fedmeta.client_config import client_config
     from fedmeta.protocol import RegisterRequest
-    from fedmeta.server.budget_keys import CONTENT_IDENTITY, budget_identity
+    from fedmeta.server.budget_keys import CONTENT_IDENTITY, budget_key
     from fedmeta.server.budget_preview import configured_participants
     from fedmeta.server.plan import private_requested
     from fedmeta.server.transport import Registered
 
     configured = configured_participants(cfg)
-    if not private_requested(cfg.privacy) or budget_identity(cfg) != CONTENT_IDENTITY:
+    by_items = budget_key(cfg.dataset.name, cfg.seed).identity == CONTENT_IDENTITY
+    if not private_requested(cfg.privacy) or not by_items:
         return configured
     request = RegisterRequest("dry-run", client_config(cfg).model_dump_json())
     return [Registered(r.participant_id, r.node_id, r.task_count,
@@ -80,6 +81,7 @@ def check_ledger_as_run(cfg: Any, registered: list[Any]) -> None:
     registry and witness as the run, nothing written (issue 52, item 5).
     """
     from fedmeta.accounting.ledger import check_rollback
+    from fedmeta.server.budget_keys import budget_key
     from fedmeta.server.data_budget import ledger_file
     from fedmeta.server.ledger_witness import refuse_second_ledger, witness_file
     from fedmeta.server.plan import private_requested
@@ -87,7 +89,8 @@ def check_ledger_as_run(cfg: Any, registered: list[Any]) -> None:
     if not private_requested(cfg.privacy):
         return
     path = ledger_file(cfg)
-    refuse_second_ledger(cfg, path, registered, writing=False)
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    refuse_second_ledger(cfg.privacy, key, path, registered, writing=False)
     check_rollback(path, witness_file(path))
 
 
