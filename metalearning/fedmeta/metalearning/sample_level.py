@@ -32,7 +32,7 @@ draws do not depend on ``chunk_size``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -207,6 +207,33 @@ def query_gradient_sums(
     return g.sum(dim=1), norms
 
 
+def _adapted_chunks(
+    model: nn.Module,
+    params: Mapping[str, Tensor] | Tensor | None,
+    tasks: MaskedTasks,
+    steps: SampleLevelSteps,
+    rng: np.random.Generator,
+    device: str | torch.device | None,
+    chunk_size: int,
+) -> Iterator[tuple[PerExampleGrads, MaskedTasks, Params, Tensor]]:
+    """Each chunk of ``tasks`` on the device with its noisy adapted parameters and support norms.
+
+    The one inner loop both outputs below are computed from, so that they draw the same inner
+    noise from the same ``rng``. Run it under ``torch.no_grad()``: ``torch.func.grad``
+    differentiates inside; nothing else keeps a graph.
+    """
+    _positive("chunk_size", chunk_size, integer=True)
+    dev = resolve_device(device)
+    model = model.to(dev)
+    p = as_params(model, params, dev)
+    _check_model(model, p)
+    grads_of = per_example_grads(model)
+    for start in range(0, tasks.num_tasks, chunk_size):
+        chunk = tasks.select(start, start + chunk_size).to(dev)
+        adapted, support_norms = noisy_adapt(grads_of, p, chunk, steps, rng)
+        yield grads_of, chunk, adapted, support_norms
+
+
 def sample_level_grads(
     model: nn.Module,
     params: Mapping[str, Tensor] | Tensor | None,
@@ -222,17 +249,11 @@ def sample_level_grads(
     ``params`` as in ``maml.per_task_clipped_grads`` (a dict, a flat vector or None for the
     module's own); results on ``device`` in the params' dtype.
     """
-    _positive("chunk_size", chunk_size, integer=True)
-    dev = resolve_device(device)
-    model = model.to(dev)
-    p = as_params(model, params, dev)
-    _check_model(model, p)
-    grads_of = per_example_grads(model)
     sums, q_norms, s_norms = [], [], []
-    with torch.no_grad():  # torch.func.grad differentiates inside; nothing else keeps a graph
-        for start in range(0, tasks.num_tasks, chunk_size):
-            chunk = tasks.select(start, start + chunk_size).to(dev)
-            adapted, support_norms = noisy_adapt(grads_of, p, chunk, steps, rng)
+    with torch.no_grad():
+        for grads_of, chunk, adapted, support_norms in _adapted_chunks(
+            model, params, tasks, steps, rng, device, chunk_size
+        ):
             chunk_sums, chunk_norms = query_gradient_sums(
                 grads_of, adapted, chunk, steps.outer_clip
             )
@@ -260,21 +281,18 @@ def query_gradient_rows(
     ``outer_clip`` as it re-checks a task's row at task level (server/fedmeta/server/
     validation.py). Their sum is ``sample_level_grads(...).query_sums.sum(0)``.
     """
-    _positive("chunk_size", chunk_size, integer=True)
-    dev = resolve_device(device)
-    model = model.to(dev)
-    p = as_params(model, params, dev)
-    _check_model(model, p)
-    grads_of = per_example_grads(model)
     rows = []
     with torch.no_grad():
-        for start in range(0, tasks.num_tasks, chunk_size):
-            chunk = tasks.select(start, start + chunk_size).to(dev)
-            adapted, _ = noisy_adapt(grads_of, p, chunk, steps, rng)
+        for grads_of, chunk, adapted, _ in _adapted_chunks(
+            model, params, tasks, steps, rng, device, chunk_size
+        ):
             adapted = {n: v.detach() for n, v in adapted.items()}
             g, _ = per_example_clipped_grads(
                 grads_of, adapted, chunk.query_x, chunk.query_y, chunk.query_mask, steps.outer_clip
             )
             rows.append(g[chunk.query_mask])
-    dim = sum(v.numel() for v in p.values())
-    return torch.cat(rows) if rows else torch.zeros((0, dim), dtype=torch.float32, device=dev)
+    if rows:
+        return torch.cat(rows)
+    dev = resolve_device(device)
+    dim = sum(v.numel() for v in as_params(model, params, dev).values())
+    return torch.zeros((0, dim), dtype=torch.float32, device=dev)
