@@ -54,6 +54,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def isolated_session_state(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Before any module or session fixture builds an environment from ``os.environ`` (a wheel's
+    venv, a deployment), the state directory and the registry of ledgers are this session's own:
+    otherwise such a fixture's runs would register their ledgers in the account's registry, and
+    the next test session, on the same data, would be refused as a second budget for it."""
+    os.environ["FEDMETA_STATE_DIR"] = str(tmp_path_factory.mktemp("session-state"))
+    registry = tmp_path_factory.mktemp("session-registry") / "ledgers.json"
+    os.environ["FEDMETA_LEDGER_REGISTRY"] = str(registry)
+
+
 @pytest.fixture(autouse=True)
 def isolated_state_dir(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch

@@ -67,7 +67,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     (site / "test_dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
     env |= {"PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-            "FEDMETA_STATE_DIR": str(root / "state"), "FLWR_TELEMETRY_ENABLED": "0",
+            "FEDMETA_STATE_DIR": str(root / "state"),
+            "FEDMETA_LEDGER_REGISTRY": str(root / "registry" / "ledgers.json"),
+            "FLWR_TELEMETRY_ENABLED": "0",
             "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
     (root / "elsewhere").mkdir()
     return wheel, venv, env
