@@ -144,13 +144,19 @@ class LinearLedger:
         """Rounds left in the budget for the run's own spends alone."""
         return max(0, self._rounds_in_budget() - sum(c for _, c in self.run_rounds(run_id)))
 
-    def allowances(
-        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *,
-        run_id: str,
-    ) -> dict[str, int]:  # fmt: skip
-        """Every participant is charged every charged round here: the same allowance for all."""
-        left = max(0, min(rounds, self._rounds_in_budget() - self._charged(run_id)))
-        return {p.name: left for p in participants}
+    def affording(
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+    ) -> frozenset[str]:
+        """Every participant is charged every charged round here: all afford it, or none.
+
+        The rounds counted: the first ``since`` records and ``run_id``'s own, as the real ledger.
+        """
+        counted = sum(1 for r in self._records
+                      if r.position not in self._uncharged
+                      and (r.position < since or r.run_id == run_id))  # fmt: skip
+        if counted + 1 > self._rounds_in_budget():
+            return frozenset()
+        return frozenset(p.name for p in participants)
 
     def checkpoint(self) -> LedgerCheckpoint:
         """Where the fake stands (same fields as the real ledger's)."""

@@ -22,6 +22,7 @@ from fedmeta.accounting.schemes import Unit
 DELTA = 1e-5
 EARLIER = GaussianRound(FlatPoissonScheme(0.2), 1.0)
 RUN = GaussianRound(FlatPoissonScheme(0.1), 1.2)
+COSTLIER = GaussianRound(FlatPoissonScheme(0.3), 1.2)  # the same run, a smaller population
 BUDGET = epsilon([(EARLIER, 6)], DELTA, "task")
 TERMS: tuple[float, float, Unit] = (BUDGET, DELTA, "task")
 A, B = Participant("data-a", "a"), Participant("data-b", "b")
@@ -45,27 +46,58 @@ def test_allowance_of_one_participant_is_its_rounds_affordable(
         affordable = ledger.rounds_affordable(RUN)
         pure = allowance([multiset(Counter(dict(ledger.rounds())))], RUN, rounds, TERMS)
         assert pure == min(rounds, affordable)
-        assert ledger.allowances([A, B], RUN, rounds, run_id="run") == {
-            "a": min(rounds, affordable),
-            "b": min(rounds, ledger.run_rounds_affordable("run", RUN)),  # no earlier spend
-        }
+        taking = ledger.affording([A, B], RUN, run_id="run", since=ledger.position())
+        fresh = ledger.run_rounds_affordable("run", RUN)  # b: no earlier spend
+        assert taking == {name for name, left in (("a", affordable), ("b", fresh)) if left >= 1}
 
 
 @pytest.mark.integration
-def test_allowances_ignore_the_asking_runs_own_spends(tmp_path: Path) -> None:
+def test_affording_reads_the_ledger_as_found_and_the_runs_own_spends(tmp_path: Path) -> None:
     with _ledger(tmp_path / "ledger.sqlite") as ledger:
         ledger.use_cohort([A])
         for i in range(4):
             ledger.spend(EARLIER, "earlier", i)
-        before = ledger.allowances([A, B], RUN, 50, run_id="run")
-        assert 0 < before["a"] < before["b"] <= 50
+        since = ledger.position()
+        k = allowance([multiset(Counter(dict(ledger.rounds())))], RUN, 50, TERMS)
+        assert 0 < k < 50
         ledger.use_cohort([A, B])
-        for i in range(before["a"]):
+        for i in range(k):
+            assert ledger.affording([A, B], RUN, run_id="run", since=since) == {"a", "b"}
             ledger.spend(RUN, "run", i)
-        assert ledger.allowances([A, B], RUN, 50, run_id="run") == before  # a resume's answer
-        assert ledger.allowances([A, B], RUN, 50, run_id="next")["a"] == 0  # a later run's
-        assert ledger.run_rounds("run") == [(RUN, before["a"])]
-        assert ledger.run_epsilon("run") == pytest.approx(epsilon([(RUN, before["a"])], DELTA))
+        assert ledger.affording([A, B], RUN, run_id="run", since=since) == {"b"}  # a: spent
+        resumed = ledger.position()  # a resume: the ledger as it finds it, its own spends in it
+        assert ledger.affording([A, B], RUN, run_id="run", since=resumed) == {"b"}
+        # Another run's spends after the start are not read (the ledger's check still is).
+        ledger.use_cohort([B])
+        for i in range(3):
+            ledger.spend(RUN, "other", i)
+        assert ledger.affording([B], RUN, run_id="run", since=since) == {"b"}
+        assert ledger.affording([B], RUN, run_id="next", since=ledger.position()) == {"b"}
+        assert ledger.run_rounds("run") == [(RUN, k)]
+        assert ledger.run_epsilon("run") == pytest.approx(epsilon([(RUN, k)], DELTA))
+
+
+@pytest.mark.integration
+def test_a_costlier_round_excludes_whom_it_would_take_over_the_budget(tmp_path: Path) -> None:
+    """The round's own event decides: with the plan's, participant a takes one more round; with
+    the costlier event of a smaller population it is excluded, and the spend charged to b alone
+    is accepted, where charging a would have been refused (issue 52: a stop that followed a's
+    earlier spends)."""
+    with _ledger(tmp_path / "ledger.sqlite") as ledger:
+        ledger.use_cohort([A])
+        for i in range(4):
+            ledger.spend(EARLIER, "earlier", i)
+        since = ledger.position()
+        ledger.use_cohort([A, B])
+        k = allowance([multiset(Counter(dict(ledger.rounds())))], RUN, 50, TERMS)
+        for i in range(k - 1):
+            ledger.spend(RUN, "run", i)
+        assert ledger.affording([A, B], RUN, run_id="run", since=since) == {"a", "b"}
+        assert ledger.would_exceed(COSTLIER)  # charged to a as the plan's cohort: refused
+        assert ledger.affording([A, B], COSTLIER, run_id="run", since=since) == {"b"}
+        ledger.use_cohort([B])
+        ledger.spend(COSTLIER, "run", k - 1)  # the filter's cohort: accepted
+        assert all(p.epsilon <= BUDGET * (1 + 1e-9) for p in ledger.participants())
 
 
 @pytest.mark.integration

@@ -154,25 +154,26 @@ def test_checkpoint_binds_a_resume_to_this_ledger(ledger: Ledger) -> None:
     assert ledger.anchor() is None or isinstance(ledger.anchor(), dict)
 
 
-def test_a_runs_own_figures_and_allowances(ledger: Ledger) -> None:
+def test_a_runs_own_figures_and_who_takes_part(ledger: Ledger) -> None:
     """The individual filter's figures (ledger/individual.py): the run's own, whatever came before.
 
-    A run's epsilon and rounds affordable count its own spends alone; an allowance is the rounds a
-    participant's data affords, capped at the run's, and ignores the asking run's own spends.
+    A run's epsilon and rounds affordable count its own spends alone; who takes part is decided
+    from the ledger as the run found it (``since``) and the run's own spends.
     """
     who = [Participant("data-a", "a")]
     ledger.use_cohort(who)
     fresh = ledger.rounds_affordable(A)
-    assert ledger.allowances(who, A, 3, run_id="second") == {"a": min(3, fresh)}
+    assert ledger.affording(who, A, run_id="second", since=0) == {"a"}
     ledger.spend(A, "first", 0)
     assert ledger.run_rounds("second") == [] and ledger.run_epsilon("second") == 0.0
     assert ledger.run_rounds_affordable("second", A) == fresh
-    assert ledger.allowances(who, A, 10, run_id="second") == {"a": fresh - 1}
     ledger.spend(A, "second", 0)
     assert ledger.run_rounds("second") == [(A, 1)]
     assert ledger.run_epsilon("second") == pytest.approx(ledger.run_epsilon("first"))
     assert ledger.run_rounds_affordable("second", A) == fresh - 1
-    assert ledger.allowances(who, A, 10, run_id="second") == {"a": fresh - 1}  # a resume's
+    assert ledger.affording(who, A, run_id="second", since=1) == ({"a"} if fresh > 2 else set())
+    # A run that found the ledger empty (since 0) never reads "first"'s later spend: its own only.
+    assert ledger.affording(who, A, run_id="second", since=0) == ({"a"} if fresh > 1 else set())
     ledger.use_cohort([])  # charged to nobody: recorded, every participant's epsilon unchanged
     spent = ledger.epsilon()
     ledger.spend(A, "second", 1)

@@ -28,6 +28,7 @@ from fedmeta.accounting import (
     Participant,
     epsilon,
 )
+from fedmeta.accounting.levels import AnyRound
 from fedmeta.checkpoint import load_checkpoint
 from fedmeta.cli import main
 from fedmeta.client.app import app as client_app
@@ -53,12 +54,11 @@ class SpentFor(LinearLedger):
 
     spent: str = "0"
 
-    def allowances(
-        self, participants: Sequence[Participant], event: GaussianRound, rounds: int, *,
-        run_id: str,
-    ) -> dict[str, int]:  # fmt: skip
-        allowed = super().allowances(participants, event, rounds, run_id=run_id)
-        return {name: 0 if name == self.spent else k for name, k in allowed.items()}
+    def affording(
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+    ) -> frozenset[str]:
+        taking = super().affording(participants, event, run_id=run_id, since=since)
+        return taking - {self.spent}
 
 
 def _flipped(asked: list[int]) -> Any:
@@ -132,13 +132,13 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
         charged = {name: sorted(p.rounds for p in rows if p.name == name) for name in ("0", "1")}
         # Participant 0: its recorded drawing's record 2 + 2, its new items 2 of the run's 4.
         assert charged == {"0": [2, 4], "1": [2, 4]}
-        # A resumed run recomputes the allowances from the ledger without its own spends.
+        # Neither participant's data affords a fifth round of the event: the 4-round records.
         members = {r.participant_id: r for r in _registered(cfg)}
         who = ledger_participants(budget_key(cfg.dataset.name, cfg.seed), members, members)
-        assert ledger.allowances(who, event, 4, run_id=run_id) == {"0": 2, "1": 4}
-        assert ledger.allowances(who, event, 4, run_id="another run")["0"] == 0
+        assert ledger.affording(who, event, run_id=run_id, since=2) == frozenset()
     log = operator_log_path(run_id).read_text()
     assert "round 3 participant 0: allowance spent" in log and "participant 1" not in log
+    assert log.count("participant 0") == 1  # named once, when its part ends
     capsys.readouterr()
     assert main(["ledger", "show", "--db", str(db), "--participants"]) == 0
     shown = capsys.readouterr().out
@@ -148,33 +148,35 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
 
 
 def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords() -> None:
-    """Its allowance counts this run's spends its data was charged (the ledger as it stands)."""
+    """Its decision counts this run's spends its data was charged, and the ledger as the run found
+    it, never another run's spends after the start; the operator log names it once it stops."""
     ledger = LinearLedger(epsilon_budget=1.0, eps_per_round=0.125)  # 8 rounds fit, for everyone
     cfg = small("federation.participants=2", "sampling.participants_per_round=2", "rounds=6")
     members = {str(i): Registered(str(i), 100 + i, 20, "") for i in range(2)}
     event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
     for i in range(3):
         ledger.spend(event, "earlier", i)
-    run = IndividualFilter({"0": 4}, "run", event, 6)  # "1" registered after the start
-    for i in range(3):
-        ledger.spend(event, "run", i)
+    run = IndividualFilter("run", ledger.position())
     key = budget_key(cfg.dataset.name, cfg.seed)
-    assert run.apply(ledger, key, members, ["0", "1"]) == frozenset()
-    assert run.allowances["1"] == 3 + 2  # the fake charges every round to everyone: 2 left
-    ledger.spend(event, "run", 3)
-    assert run.apply(ledger, key, members, ["0", "1"]) == {"0"}
-    ledger.spend(event, "run", 4)
-    assert run.apply(ledger, key, members, ["0", "1"]) == {"0", "1"}  # charged to nobody now
-    assert "round 6 participant 1: allowance spent" in operator_log_path("run").read_text()
+    for i in range(3):
+        assert run.apply(ledger, key, members, ["0"], event) == frozenset()
+        ledger.spend(event, "run", i)
+    for i in range(2):  # another run's, after the start: not read (the ledger's check reads them)
+        ledger.spend(event, "concurrent", i)
+    assert run.apply(ledger, key, members, ["0", "1"], event) == frozenset()  # 3 + 3 + 1 <= 8
+    later = IndividualFilter("later", ledger.position())  # a run starting now reads them
+    assert later.apply(ledger, key, members, ["0", "1"], event) == {"0", "1"}  # 3 + 2 + 3 + 1
+    assert "round 1 participant 1: allowance spent" in operator_log_path("later").read_text()
+    assert not operator_log_path("run").exists()
 
 
-def test_a_resumed_run_keeps_its_allowances(tmp_path: Path) -> None:
-    """Recomputed without the run's own spends: the same as at its start, not what is left now.
+def test_a_resumed_run_decides_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    """A resume reads the ledger as it finds it, its own spends in it, counted once.
 
     An earlier run spent 2 of the 4 rounds the budget affords: every participant may take part in
     2 of this run's 4. Stopped after round 1 and resumed, they still take part in round 2 (had
-    the resume counted the run's own spend, they would have stopped after 1); rounds 3-4 are
-    charged to nobody.
+    the resume counted its own spend twice, as found and as its own, they would have stopped
+    after 1); rounds 3-4 are charged to nobody.
     """
     ledger, stop = LinearLedger(1.0, eps_per_round=0.25), threading.Event()
     event = GaussianRound(FlatPoissonScheme(0.1), 1.0)

@@ -40,6 +40,7 @@ from fedmeta.server.outputs import format_summary
 from fedmeta.server.startup import open_budget
 from fedmeta.simulation.local_grid import InProcessGrid
 
+from .test_membership import Choreography
 from .test_release_invariance import (
     MODEL_DERIVED_COLUMNS,
     MODEL_DERIVED_SUMMARY,
@@ -124,15 +125,21 @@ def _world(tmp: Path, swap_from: str) -> tuple[Path, Path]:
     return _write(tmp / "data", archives), ledger
 
 
-def _released(tmp: Path, swap_from: str) -> dict[str, Any]:
-    """What a run in that world releases, less what may differ (model values, clocks, ids)."""
+def _released(tmp: Path, swap_from: str, shrink: bool = False) -> dict[str, Any]:
+    """What a run in that world releases, less what may differ (model values, clocks, ids).
+
+    ``shrink``: participant 1's node goes offline after round 1, so rounds 2-4 are over a
+    population of one: a costlier event than the plan's (availability, public).
+    """
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv("FEDMETA_STATE_DIR", str(tmp / "state"))
         monkeypatch.setenv("FEDMETA_CACHE_DIR", str(tmp / "cache"))  # item digests of tmp files
         data, ledger = _world(tmp, swap_from)
+        grid = InProcessGrid(2)
         observer = PrometheusRunObserver()
-        result = execute(_cfg(data, ledger), InProcessGrid(2), out_dir=tmp / "out",
-                         observers=[observer], echo=False)  # fmt: skip
+        offline = Choreography(grid, {1: lambda g: g.online.discard(g.node_ids[1])})
+        result = execute(_cfg(data, ledger), grid, out_dir=tmp / "out",
+                         observers=[observer, *([offline] if shrink else [])], echo=False)
     with (tmp / "out" / "rounds.csv").open() as f:
         rows = [{k: v for k, v in r.items() if k not in MODEL_DERIVED_COLUMNS}
                 for r in csv.DictReader(f)]  # fmt: skip
@@ -149,14 +156,15 @@ def _released(tmp: Path, swap_from: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+def released(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """One run per world, shared by the tests below (a run costs seconds of CPU)."""
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[tuple[str, bool], dict[str, Any]] = {}
 
-    def of(swap_from: str) -> dict[str, Any]:
-        if swap_from not in runs:
-            runs[swap_from] = _released(tmp_path_factory.mktemp(swap_from), swap_from)
-        return runs[swap_from]
+    def of(swap_from: str, shrink: bool = False) -> dict[str, Any]:
+        if (swap_from, shrink) not in runs:
+            tmp = tmp_path_factory.mktemp(swap_from)
+            runs[swap_from, shrink] = _released(tmp, swap_from, shrink)
+        return runs[swap_from, shrink]
 
     return of
 
@@ -166,7 +174,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def test_the_comparison_holds_between_two_unrecorded_drawings(
-    released: Callable[[str], dict[str, Any]],
+    released: Callable[..., dict[str, Any]],
 ) -> None:
     """The control: what differs between the worlds below is the overlap, not the comparison."""
     assert _differences(released("fresh"), released("fresh-other")) == []
@@ -174,8 +182,26 @@ def test_the_comparison_holds_between_two_unrecorded_drawings(
 
 
 def test_a_drawing_recorded_earlier_changes_nothing_released(
-    released: Callable[[str], dict[str, Any]],
+    released: Callable[..., dict[str, Any]],
 ) -> None:
     assert _differences(released("fresh"), released("recorded")) == [], (
         "released figures depend on participant 0's private overlap with recorded data"
+    )
+
+
+def test_a_population_that_shrinks_changes_nothing_released_either(
+    released: Callable[..., dict[str, Any]],
+) -> None:
+    """Rounds over a smaller population have a costlier event than the plan's: participant 0's
+    recorded drawing must then end its part, never the run. Decided with the plan's event (the
+    allowance of 627e438), participant 0 took part in round 2, which the ledger then refused: the
+    recorded world stopped after 1 round, the fresh one after 2 (tried: the assertion below then
+    fails, 2 == 1)."""
+    fresh, recorded = released("fresh", shrink=True), released("recorded", shrink=True)
+    # The run's own rounds afford 2 at the costlier event (public: configuration, population).
+    assert fresh["summary.json"]["rounds_completed"] == 2
+    assert fresh["summary.json"]["stopped_reason"] == "budget_exhausted"
+    assert recorded["summary.json"]["rounds_completed"] == 2
+    assert _differences(fresh, recorded) == [], (
+        "released figures depend on participant 0's private overlap when the population shrinks"
     )

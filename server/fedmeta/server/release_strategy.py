@@ -222,8 +222,8 @@ class PrivateRound:
         try:
             self.ledger.spend(self.plan.event, self.run_id, index)
         except BudgetExhausted:
-            # The allowances make this the last safety only (docs/privacy.md, "Overlap and the
-            # individual filter": a concurrent run on the same data): nothing is released.
+            # The filter's decisions make this the last safety only (docs/privacy.md, "Overlap
+            # and the individual filter": a concurrent run on the same data): nothing released.
             return None
         position = self.ledger.position()
         total, norm, a = summed(checked, self.dim), self.normaliser, self.plan.adaptive

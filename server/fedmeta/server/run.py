@@ -15,8 +15,7 @@ is the run's progress, :class:`_Run`.
 **The budget belongs to the data.** A private run spends from the ledger in fedmeta's state
 directory (or ``privacy.ledger_path``), in the federation of its data's identity
 (core/fedmeta/workload.py): runs over the same data compose, whatever their seed or output
-directory.
-Runs in the reproducible test mode (``privacy.insecure_test_seed``) use a separate ledger.
+directory. Runs in the reproducible test mode (``privacy.insecure_test_seed``) use another ledger.
 
 **Resume** (the ledger is the source of truth for spends): a round whose spend is in the ledger is
 spent, whether or not its update reached a checkpoint. A resumed run continues from its checkpoint's
@@ -45,7 +44,7 @@ from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource
 from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.server.data_budget import EvaluationDataPrivate, check_evaluation_data, ledger_file
-from fedmeta.server.individual_filter import IndividualFilter, fix_allowances, round_cohort
+from fedmeta.server.individual_filter import IndividualFilter, round_cohort, start_filter
 from fedmeta.server.membership import Membership
 from fedmeta.server.plan import BudgetForecast, RunPlan, private_requested
 from fedmeta.server.release_strategy import ReleasedRun, ReleaseStrategy, choose_release
@@ -248,7 +247,7 @@ def _start(given: Config, transport: GridTransport, options: RunOptions) -> _Run
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
     predicted = forecast_run(cfg, plan, ledger, RunPosition(run_id, next_round), fresh=ckpt is None)
-    individual = fix_allowances(cfg, plan.privacy, ledger, membership.members, run_id)
+    individual = start_filter(plan.privacy is not None, ledger, run_id)
     dim = int(state.trained.numel())
     try:
         subspace = public_subspace(cfg, wl)
@@ -310,15 +309,16 @@ def _prepare_round(run: _Run, index: int) -> RoundSetup | None:
     run.refused_since_last = {k: v - done.get(k, 0) for k, v in membership.refused.items()
                               if v > done.get(k, 0)}  # fmt: skip
     run.refused_reported = dict(membership.refused)
-    excluded = round_cohort(ctx.individual, ctx.ledger, ctx.cfg, membership.members, eligible)
-    scheme = ctx.plan.for_population(ctx.cfg, eligible).scheme
+    plan = ctx.plan.for_population(ctx.cfg, eligible)  # the round's own event: its population's
+    excluded = round_cohort(ctx.individual, ctx.ledger, ctx.cfg, membership.members, eligible,
+                            plan.privacy)  # fmt: skip
     # The subspace from public data and the released model only (refreshed when due), free.
     basis = None if ctx.subspace is None else ctx.subspace.at(run.state.params, index)
-    release = ctx.release.for_round(scheme, index, run.state.clip, basis)  # after the cohort
+    release = ctx.release.for_round(plan.scheme, index, run.state.clip, basis)  # after the cohort
     seed = ctx.cfg.privacy.insecure_test_seed
     # Test mode: sampling (and noise) re-derived from (seed, round), so resumes reproduce.
     source = SystemRandomSource() if seed is None else InsecureSeededSource(seed, stream=index)
-    sampler = round_sampler(ctx.plan.level, scheme, source)  # sample level: stage 1 alone
+    sampler = round_sampler(ctx.plan.level, plan.scheme, source)  # sample level: stage 1 alone
     sampler.check_task_counts(eligible)
     return RoundSetup(eligible, sampler, release, excluded)
 

@@ -4,9 +4,9 @@ Nothing a private run releases may depend on which of its participants' items we
 (issue 52, item 6; docs/privacy.md, "Overlap and the individual filter"). So what a run publishes is
 read from *its own* spends alone (``run_rounds``, ``run_epsilon``, ``run_rounds_affordable``: what a
 participant with no earlier spend has, a function of the configuration and the population of each
-round), and who takes part in which round follows each participant's allowance (``allowances``,
-allowance.py, where the theorem is cited), computed once from the ledger without the run's own
-spends. Both are operator-side: the allowances themselves are never released.
+round), and who takes part in each round is decided from the ledger as the run found it and the
+run's own spends (``affording``; allowance.py, where the theorem is cited). Who takes part is
+operator-side: never released.
 """
 
 from __future__ import annotations
@@ -97,30 +97,36 @@ class LedgerIndividual(LedgerAppend):
         own = tuple(self.run_rounds(run_id))
         return allowance([own], event, MAX_ROUNDS_LIMIT, budget, self._max_total)
 
-    # ---------------------------------------------------------------------------- allowances
+    # ---------------------------------------------------------------------------- who takes part
 
-    def allowances(
-        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *, run_id: str
-    ) -> dict[str, int]:
-        """Each participant's allowance ``k_p`` (by name): rounds of ``event`` it may take part in.
+    def affording(
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+    ) -> frozenset[str]:
+        """Who of ``participants`` (by name) takes part in ``run_id``'s next spend of ``event``.
 
-        From the ledger without ``run_id``'s own spends, i.e. as it stood before the run's first
-        spend as far as this run is concerned (a resumed run gets its start's answer, so long as
-        no other run spent on the same data meanwhile). Operator-only, like the ledger itself.
+        Those whose every data record affords one more round of *this* ``event`` (the round's
+        own: its eligible population may be smaller than the plan's, a costlier event) beside
+        the rounds charged to the record by the ledger's first ``since`` records (the ledger as
+        the run found it at its start or resume) and by ``run_id``'s own records since. Another
+        run's later spends are not read: what decides who takes part is fixed by the data and
+        the population of each round, never by what arrives during the run (allowance.py's
+        theorem; docs/privacy.md, "Overlap and the individual filter"). Operator-only.
         """
         check_round(event)
         self._catch_up()
-        self._check_level(event)  # LevelMismatch: a round of another level than the data's
-        own = [r for r in self._records if r.run_id == run_id]
+        self._check_level(event)
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise ValueError(f"since must be an integer >= 0; got {since!r}")
+        later = [r for r in self._records[since:] if r.run_id != run_id]
         keys: dict[str, set[str]] = {}
         for p in self._charged(participants, write=False):
             keys.setdefault(p.name, set()).add(participant_key(self._salt, p.identity))
         budget = (self.epsilon_budget, self.delta, self.unit)
-        return {
-            name: allowance([self._earlier(s, own) for s in self._exposure.signatures(among)],
-                            event, rounds, budget, self._max_total)  # fmt: skip
-            for name, among in sorted(keys.items())
-        }
+        return frozenset(
+            name for name, among in keys.items()
+            if allowance([self._less(s, later) for s in self._exposure.signatures(among)],
+                         event, 1, budget, self._max_total) == 1  # fmt: skip
+        )
 
     def _runs_charged(self, signature: Signature) -> tuple[tuple[str, int, int], ...]:
         """Per run that charged a participant of ``signature``: (run, charged, the run's spends)."""
@@ -129,9 +135,9 @@ class LedgerIndividual(LedgerAppend):
                           if r.cohort is None or r.cohort in signature)  # fmt: skip
         return tuple((run, n, spends[run]) for run, n in charged.items())
 
-    def _earlier(self, signature: Signature, own: Collection[Any]) -> Multiset:
-        """The rounds charged to a participant of ``signature``, less ``own`` records of them."""
+    def _less(self, signature: Signature, records: Collection[Any]) -> Multiset:
+        """The rounds charged to a participant of ``signature``, less those of ``records``."""
         counts = self._exposure.counts(signature)
-        counts.subtract(r.event for r in own if r.cohort is None or r.cohort in signature)
+        counts.subtract(r.event for r in records if r.cohort is None or r.cohort in signature)
         return multiset(counts)
 

@@ -110,13 +110,12 @@ class Ledger(Protocol):
         """How many more rounds like ``event`` the budget allows ``run_id``'s own rounds."""
         ...
 
-    def allowances(
-        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *,
-        run_id: str,
-    ) -> dict[str, int]:  # fmt: skip
-        """Each participant's allowance (by name): the rounds of ``event`` it may take part in.
+    def affording(
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+    ) -> frozenset[str]:
+        """Who of ``participants`` (by name) takes part in ``run_id``'s next spend of ``event``.
 
-        At most ``rounds``; from the ledger without ``run_id``'s spends (ledger/individual.py).
+        From the ledger's first ``since`` records and ``run_id``'s own (ledger/individual.py).
         Operator-only, never released.
         """
         ...
