@@ -700,6 +700,54 @@ def table_parser(doc: str | None, scales: list[str], records: Path, pack_name: s
     return ap
 
 
+@dataclass(frozen=True)
+class Table:
+    """What a generated table of bench/ (this one, bench/sample_table.py's) is made of: the
+    script's name (its messages and ``--write`` command), its records' format and file names, its
+    rows (``--json``), its printed section, the docs it stands in and each doc's text with it in
+    place, and what ``--write`` makes besides (this table's plot)."""
+
+    script: str
+    fmt: str
+    record_name: Callable[[dict[str, Any]], str]
+    rows: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+    section: Callable[[list[dict[str, Any]]], str]
+    docs: tuple[Path, ...]
+    updated: Callable[[Path, list[dict[str, Any]]], str]
+    also_written: Callable[[list[dict[str, Any]]], None] | None = None
+
+
+def show_table(args: argparse.Namespace, table: Table) -> int:
+    """What every generated table of bench/ does with its records (the flags of
+    :func:`table_parser` but ``--run``): ``--unpack``, ``--json``, ``--check`` (exit 1 when a doc
+    differs; it writes nothing, even with ``--write``), ``--write``, or print the section."""
+    if args.unpack:
+        added = unpack(args.unpack, args.records, table.fmt, table.record_name)
+        print(f"{table.script}: {added} new records in {args.records}")
+        return 0
+    recs = load_records(args.records)
+    if args.json:
+        for row in table.rows(recs):
+            print(json.dumps(row))
+        return 0
+    if args.check:
+        stale = [str(p.relative_to(REPO)) for p in table.docs
+                 if table.updated(p, recs) != p.read_text()]  # fmt: skip
+        if stale:
+            print(f"{table.script}: the table in {', '.join(stale)} is not what the records give: "
+                  f"run python bench/{table.script}.py --write", file=sys.stderr)  # fmt: skip
+            return 1
+        return 0
+    if args.write:
+        for p in table.docs:
+            p.write_text(table.updated(p, recs))
+        if table.also_written is not None:
+            table.also_written(recs)
+        return 0
+    print(table.section(recs))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = table_parser(__doc__, sorted(SCALES), RECORDS, PACK_NAME, REPO / "runs" / "paper-table")
     ap.add_argument("--ways", type=int, nargs="+", choices=WAYS, default=list(WAYS))
@@ -726,28 +774,13 @@ def main(argv: list[str] | None = None) -> int:
         for row in throughput([r for f in folders for r in load_records(f)]):
             print(json.dumps(row))
         return 0
-    if args.unpack:
-        print(f"paper_table: {unpack(args.unpack, args.records)} new records in {args.records}")
-        return 0
-    recs = load_records(args.records)
-    if args.json:
-        for row in table_rows(recs, ["gpu", "cpu"]):
-            print(json.dumps(row))
-        return 0
-    if args.check:
-        stale = [p.name for p in DOCS if updated(p, recs) != p.read_text()]
-        if stale:
-            print(f"paper_table: the table in {', '.join(stale)} is not what the records give: "
-                  "run python bench/paper_table.py --write", file=sys.stderr)  # fmt: skip
-            return 1
-        return 0
-    if args.write:
-        for p in DOCS:
-            p.write_text(updated(p, recs))
-        plot(recs, REPO / "docs" / "img" / "paper-table.png")
-        return 0
-    print(generated(recs, short=False))
-    return 0
+    table = Table(
+        script="paper_table", fmt=FORMAT, record_name=record_name,
+        rows=lambda recs: table_rows(recs, ["gpu", "cpu"]),
+        section=lambda recs: generated(recs, short=False), docs=DOCS, updated=updated,
+        also_written=lambda recs: plot(recs, REPO / "docs" / "img" / "paper-table.png"),
+    )  # fmt: skip
+    return show_table(args, table)
 
 
 if __name__ == "__main__":

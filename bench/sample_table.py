@@ -210,7 +210,7 @@ def run_rows(args: argparse.Namespace) -> int:
 
 
 def load_records(where: Path = RECORDS) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(where.glob("*.json"))]
+    return pt.load_records(where)
 
 
 def whole_runs(recs: list[dict[str, Any]], key: tuple[str, str]) -> list[dict[str, Any]]:
@@ -307,27 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.run:
         return run_rows(args)
-    if args.unpack:
-        added = pt.unpack(args.unpack, args.records, FORMAT, record_name)
-        print(f"sample_table: {added} new records in {args.records}")
-        return 0
-    recs = load_records(args.records)
-    if args.json:
-        for row in table_rows(recs, ["gpu", "cpu"]):
-            print(json.dumps(row))
-        return 0
-    section = generated(recs)
-    if args.check or args.write:
-        text = pt.replace_section(DOC.read_text(), section, DOC, MARKERS)
-        if args.write:
-            DOC.write_text(text)
-        elif text != DOC.read_text():
-            print("sample_table: the table in docs/results.md is not what the records give: "
-                  "run python bench/sample_table.py --write", file=sys.stderr)  # fmt: skip
-            return 1
-        return 0
-    print(section)
-    return 0
+    table = pt.Table(
+        script="sample_table", fmt=FORMAT, record_name=record_name,
+        rows=lambda recs: table_rows(recs, ["gpu", "cpu"]), section=generated, docs=(DOC,),
+        updated=lambda doc, recs: pt.replace_section(doc.read_text(), generated(recs), doc,
+                                                     MARKERS),
+    )  # fmt: skip
+    return pt.show_table(args, table)
 
 
 if __name__ == "__main__":

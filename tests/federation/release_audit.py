@@ -254,8 +254,8 @@ def reclipping_disabled() -> Iterator[None]:
         return real_fused(grads, math.inf)
 
     # Both server paths: the fused per-task re-check (server/recheck.py) and the unfused one.
-    with _patch(validation_mod, "clip_by_global_norm", trusting), \
-            _patch(validation_mod, "fused_row_sum", trusting_sum):
+    with patched(validation_mod, "clip_by_global_norm", trusting), \
+            patched(validation_mod, "fused_row_sum", trusting_sum):
         yield
 
 
@@ -270,7 +270,7 @@ def divided_by_realised_count() -> Iterator[None]:
         received = sum(a.n_tasks for a in checked.accepted)
         return dataclasses.replace(out, update=out.update * self.normaliser / max(received, 1))
 
-    with _patch(PrivateRound, "release", by_count):
+    with patched(PrivateRound, "release", by_count):
         yield
 
 
@@ -282,7 +282,7 @@ def count_without_noise() -> Iterator[None]:
     def exact(total: torch.Tensor, centred_count: float, **kw: Any) -> Any:
         return dataclasses.replace(real(total, centred_count, **kw), count=float(centred_count))
 
-    with _patch(release_mod, "noised_release", exact):
+    with patched(release_mod, "noised_release", exact):
         yield
 
 
@@ -296,12 +296,13 @@ def count_not_centred() -> Iterator[None]:
     def uncentred(checked: Any) -> float:
         return float(sum(a.under_clip for a in checked.accepted))
 
-    with _patch(release_mod, "centred_count", uncentred):
+    with patched(release_mod, "centred_count", uncentred):
         yield
 
 
 @contextlib.contextmanager
-def _patch(module: Any, name: str, value: Any) -> Iterator[None]:
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` inside the block (a control's broken piece), restored after."""
     original = getattr(module, name)
     setattr(module, name, value)
     try:

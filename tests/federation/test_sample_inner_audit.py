@@ -19,9 +19,7 @@ epsilon. Measured (one run of the slow test): halved inner noise 1.84 against 1.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,7 +33,7 @@ from fedmeta.metalearning import sample_level as sample_mod
 from fedmeta.metalearning.example_slots import MaskedTasks
 from fedmeta.metalearning.sample_level import SampleLevelSteps, noisy_adapt, per_example_grads
 
-from .release_audit import lower_bound
+from .release_audit import lower_bound, patched
 from .sample_release_audit import CANARY, Line, event
 
 DELTA = 1e-2
@@ -72,16 +70,6 @@ def steps_taken(with_canary: bool, trials: int) -> np.ndarray:
     return out
 
 
-@contextlib.contextmanager
-def _patched(name: str, value: Any) -> Iterator[None]:
-    original = getattr(sample_mod, name)
-    setattr(sample_mod, name, value)
-    try:
-        yield
-    finally:
-        setattr(sample_mod, name, original)
-
-
 def _halved(rng: np.random.Generator, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal(shape) * 0.5).to(like)
 
@@ -100,7 +88,7 @@ def test_the_inner_step_stays_within_its_epsilon_and_a_skipped_clip_is_caught() 
     claim = sample_level_epsilon(ROUND, 1, DELTA)
     assert claim == pytest.approx(0.919, abs=2e-3)  # mu = 1 / z_in = 0.5
     assert _bound(1_000, NEAR) < claim
-    with _patched("clip_by_global_norm", _unclipped):
+    with patched(sample_mod, "clip_by_global_norm", _unclipped):
         skipped = _bound(400, (-math.inf, -100.0))  # the raw gradient is -2000
     assert skipped > CAUGHT * claim, (skipped, claim)
 
@@ -109,7 +97,7 @@ def test_the_inner_step_stays_within_its_epsilon_and_a_skipped_clip_is_caught() 
 def test_halved_inner_noise_is_caught() -> None:
     claim = sample_level_epsilon(ROUND, 1, DELTA)
     assert _bound(6_000, NEAR) < claim
-    with _patched("standard_normal", _halved):
+    with patched(sample_mod, "standard_normal", _halved):
         halved = _bound(6_000, NEAR)
     assert halved > CAUGHT * claim, (halved, claim)
     print({"halved": round(halved, 3), "claim": round(claim, 3)})

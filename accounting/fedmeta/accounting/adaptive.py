@@ -50,16 +50,10 @@ from __future__ import annotations
 
 import math
 
+from fedmeta.accounting.checks import check_positive
+
 #: Andrew et al.'s default count noise: ``s_b = E[lot] / 20`` (their Section 4).
 DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0
-
-
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    return float(value)
 
 
 def combined_noise_multiplier(gradient_noise_multiplier: float, count_noise: float) -> float:
@@ -69,8 +63,8 @@ def combined_noise_multiplier(gradient_noise_multiplier: float, count_noise: flo
     ``gradient_noise_multiplier`` is ``z_grad`` relative to the clip bound, ``count_noise`` the
     standard deviation ``s_b`` of the noise on the count of bits, in tasks.
     """
-    zg = _positive("gradient_noise_multiplier", gradient_noise_multiplier)
-    sb = _positive("count_noise", count_noise)
+    zg = check_positive("gradient_noise_multiplier", gradient_noise_multiplier)
+    sb = check_positive("count_noise", count_noise)
     return float((zg**-2 + (2.0 * sb) ** -2) ** -0.5)
 
 
@@ -84,8 +78,8 @@ def gradient_noise_multiplier(noise_multiplier: float, count_noise: float) -> fl
     until ``combined_noise_multiplier(z_grad, s_b) >= z``: the floating-point error errs on the
     side of more noise.
     """
-    z = _positive("noise_multiplier", noise_multiplier)
-    sb = _positive("count_noise", count_noise)
+    z = check_positive("noise_multiplier", noise_multiplier)
+    sb = check_positive("count_noise", count_noise)
     spare = z**-2 - (2.0 * sb) ** -2
     if not spare > 0.0:
         raise ValueError(
@@ -107,7 +101,7 @@ def noisy_fraction(noisy_centred_count: float, expected_lot: float) -> float:
     """
     if not math.isfinite(noisy_centred_count):
         raise ValueError(f"noisy_centred_count must be finite; got {noisy_centred_count!r}")
-    return float(noisy_centred_count) / _positive("expected_lot", expected_lot) + 0.5
+    return float(noisy_centred_count) / check_positive("expected_lot", expected_lot) + 0.5
 
 
 def next_clip(
@@ -123,10 +117,10 @@ def next_clip(
     when more than a ``gamma`` share of the tasks is under the bound it shrinks, otherwise it grows.
     A function of the released ``fraction`` and public constants only (post-processing).
     """
-    c = _positive("clip", clip)
+    c = check_positive("clip", clip)
     if not (isinstance(target_quantile, int | float) and 0.0 < target_quantile < 1.0):
         raise ValueError(f"target_quantile must be in (0, 1); got {target_quantile!r}")
-    eta = _positive("learning_rate", learning_rate)
+    eta = check_positive("learning_rate", learning_rate)
     if not math.isfinite(fraction):
         raise ValueError(f"fraction must be finite; got {fraction!r}")
     low, high = bounds

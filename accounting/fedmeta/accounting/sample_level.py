@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
+from fedmeta.accounting.checks import check_int, check_positive, check_rate
 from fedmeta.accounting.pairs import NOISE_MULTIPLIER_RANGE
 from fedmeta.accounting.schemes import (
     ADD_REMOVE,
@@ -58,25 +59,6 @@ Order: TypeAlias = Literal["first", "second"]
 ORDERS: tuple[Order, ...] = ("first", "second")
 #: The ``kind`` a recorded sample-level round's JSON carries (a task-level round carries none).
 KIND = "sample_level_round"
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    # bool is an int subclass; True steps is a bug, not 1 step.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return value
-
-
-def _check_rate(name: str, value: object) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and 0.0 < value <= 1.0):  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0.0):  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -99,14 +81,14 @@ class ExampleSampling:
     example_rate: float
 
     def __post_init__(self) -> None:
-        _check_int("participants", self.participants, minimum=1)
-        _check_int("participants_per_round", self.participants_per_round, minimum=1)
+        check_int("participants", self.participants, minimum=1)
+        check_int("participants_per_round", self.participants_per_round, minimum=1)
         if self.participants_per_round > self.participants:
             raise ValueError(
                 f"participants_per_round must be <= participants ({self.participants}); "
                 f"got {self.participants_per_round}"
             )
-        _check_rate("example_rate", self.example_rate)
+        check_rate("example_rate", self.example_rate)
 
     @property
     def participant_rate(self) -> float:
@@ -145,13 +127,13 @@ class SampleLevelRound:
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, ExampleSampling):
             raise ValueError(f"sampling must be an ExampleSampling; got {self.sampling!r}")
-        _check_positive("inner_noise_multiplier", self.inner_noise_multiplier)
-        _check_positive("outer_noise_multiplier", self.outer_noise_multiplier)
-        _check_int("inner_steps", self.inner_steps, minimum=1)
-        _check_int("max_appearances", self.max_appearances, minimum=1)
+        check_positive("inner_noise_multiplier", self.inner_noise_multiplier)
+        check_positive("outer_noise_multiplier", self.outer_noise_multiplier)
+        check_int("inner_steps", self.inner_steps, minimum=1)
+        check_int("max_appearances", self.max_appearances, minimum=1)
         one_of("order", self.order, ORDERS)
         if self.order == "second":
-            _check_int("query_cap", self.query_cap, minimum=1)
+            check_int("query_cap", self.query_cap, minimum=1)
         elif self.query_cap is not None:
             raise ValueError(
                 "query_cap must be None for order 'first' (a support example reaches the outer "
@@ -217,8 +199,8 @@ def split_mu_squared(event: SampleLevelRound, support: int, query: int) -> float
     ``query * C_out`` (first order) or ``(query + 2 query_cap support) C_out`` (second order).
     Exact for the Gaussian releases.
     """
-    _check_int("support", support, minimum=0)
-    _check_int("query", query, minimum=0)
+    check_int("support", support, minimum=0)
+    check_int("query", query, minimum=0)
     reach = 2 * event.query_cap * support if event.order == "second" and event.query_cap else 0
     outer = (query + reach) / event.outer_noise_multiplier
     return outer * outer + support * event.inner_steps / event.inner_noise_multiplier**2

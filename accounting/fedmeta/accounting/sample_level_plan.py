@@ -27,15 +27,11 @@ import math
 from dataclasses import dataclass
 from itertools import product
 
+from fedmeta.accounting.checks import check_int, check_positive
 from fedmeta.accounting.sample_level import ExampleSampling, SampleLevelRound
 from fedmeta.accounting.sample_level_bound import calibrate_sample_level, sample_level_epsilon
 
 __all__ = ["SamplePlan", "SamplePlanRequest", "SamplePlanRow", "plan_sample_level"]
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -56,11 +52,11 @@ class SamplePlanRequest:
 
     def __post_init__(self) -> None:
         for name in ("epsilon", "max_inner_noise_multiplier", "clip"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if not 0 < self.delta < 1:
             raise ValueError(f"delta must be in (0, 1); got {self.delta!r}")
         for name in ("participants", "examples_per_participant", "inner_steps", "max_appearances"):
-            _at_least(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), minimum=1)
         if not self.example_rates or not all(0 < q <= 1 for q in self.example_rates):
             raise ValueError(f"example_rates must be rates in (0, 1]; got {self.example_rates!r}")
         if not self.participants_per_round or not all(
@@ -70,11 +66,6 @@ class SamplePlanRequest:
                              f"{self.participants_per_round!r}")  # fmt: skip
         if not self.rounds or not all(t >= 1 for t in self.rounds):
             raise ValueError(f"rounds must be integers >= 1; got {self.rounds!r}")
-
-
-def _at_least(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ event the accountant composes (``GaussianRound``): one source of truth for sampl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
+
+from fedmeta.accounting.checks import check_int, check_positive, check_rate
 
 Unit: TypeAlias = Literal["task", "participant"]
 UNITS: tuple[Unit, ...] = ("task", "participant")
@@ -37,32 +38,10 @@ def one_of(name: str, value: object, allowed: tuple[_Choice, ...]) -> _Choice:
     raise ValueError(f"{name} must be one of {allowed}; got {value!r}")
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    # bool is an int subclass; True participants is a bug, not 1 participant.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-
-
-def _check_rate(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise ValueError(f"{name} must be a number in (0, 1]; got {value!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be a finite number > 0; got {value!r}")
-
-
 def _check_stage_one(participants: int, participants_per_round: int) -> None:
     """Validate stage 1 of a two-stage scheme: ``n1`` of ``P`` participants without replacement."""
-    _check_int("participants", participants, minimum=1)
-    _check_int("participants_per_round", participants_per_round, minimum=1)
+    check_int("participants", participants, minimum=1)
+    check_int("participants_per_round", participants_per_round, minimum=1)
     if participants_per_round > participants:
         raise ValueError(
             f"participants_per_round must be <= participants ({participants}); "
@@ -91,7 +70,7 @@ class TwoStagePoissonScheme:
 
     def __post_init__(self) -> None:
         _check_stage_one(self.participants, self.participants_per_round)
-        _check_rate("task_rate", self.task_rate)
+        check_rate("task_rate", self.task_rate)
 
     @property
     def participant_rate(self) -> float:
@@ -127,8 +106,8 @@ class TwoStageFixedScheme:
 
     def __post_init__(self) -> None:
         _check_stage_one(self.participants, self.participants_per_round)
-        _check_int("tasks_per_round", self.tasks_per_round, minimum=1)
-        _check_int("min_tasks", self.min_tasks, minimum=1)
+        check_int("tasks_per_round", self.tasks_per_round, minimum=1)
+        check_int("min_tasks", self.min_tasks, minimum=1)
         if self.tasks_per_round > self.min_tasks:
             raise ValueError(
                 "tasks_per_round must be <= min_tasks, the smallest participant's task count "
@@ -163,7 +142,7 @@ class FlatPoissonScheme:
     rate: float
 
     def __post_init__(self) -> None:
-        _check_rate("rate", self.rate)
+        check_rate("rate", self.rate)
 
 
 @dataclass(frozen=True)
@@ -180,8 +159,8 @@ class FixedSizeScheme:
     population: int
 
     def __post_init__(self) -> None:
-        _check_int("sample_size", self.sample_size, minimum=1)
-        _check_int("population", self.population, minimum=1)
+        check_int("sample_size", self.sample_size, minimum=1)
+        check_int("population", self.population, minimum=1)
         if self.sample_size > self.population:
             raise ValueError(
                 f"sample_size must be <= population ({self.population}); got {self.sample_size}"
@@ -237,13 +216,13 @@ class GaussianRound:
                 "scheme must be one of TwoStagePoissonScheme, TwoStageFixedScheme, "
                 f"FlatPoissonScheme, FixedSizeScheme; got {self.scheme!r}"
             )
-        _check_positive("noise_multiplier", self.noise_multiplier)
+        check_positive("noise_multiplier", self.noise_multiplier)
         if self.neighbouring not in NEIGHBOURING_RELATIONS:
             raise ValueError(
                 f"neighbouring must be one of {NEIGHBOURING_RELATIONS}; got {self.neighbouring!r}"
             )
         if self.max_tasks_per_participant is not None:
-            _check_int("max_tasks_per_participant", self.max_tasks_per_participant, minimum=1)
+            check_int("max_tasks_per_participant", self.max_tasks_per_participant, minimum=1)
             if (
                 isinstance(self.scheme, TwoStageFixedScheme)
                 and self.max_tasks_per_participant < self.scheme.tasks_per_round
