@@ -20,10 +20,12 @@ from typing import Any
 from fedmeta.accounting import (
     BudgetExhausted,
     GaussianRound,
+    Hold,
     LedgerCheckpoint,
     LedgerError,
     Participant,
     PublicDataUse,
+    Reservation,
     SpendRecord,
 )
 from fedmeta.accounting.levels import AnyRound, check_round
@@ -47,6 +49,7 @@ class LinearLedger:
     _closed: bool = False
     _uncharged: set[int] = field(default_factory=set)  # positions charged to nobody
     _nobody: bool = False  # the last ``use_cohort`` named nobody
+    _reservations: dict[str, Reservation] = field(default_factory=dict)  # runs in progress
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.eps_per_round) and self.eps_per_round > 0):
@@ -144,16 +147,34 @@ class LinearLedger:
         """Rounds left in the budget for the run's own spends alone."""
         return max(0, self._rounds_in_budget() - sum(c for _, c in self.run_rounds(run_id)))
 
+    def reserve(
+        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *, run_id: str
+    ) -> Hold:
+        """Reserve ``rounds`` (every round costs the same here); the others' as they stand."""
+        others = tuple(r for r in self._reservations.values() if r.run_id != run_id)
+        made = Reservation(run_id, "everyone", event, rounds, len(self._records))
+        self._reservations[run_id] = made
+        return Hold(len(self._records), others)
+
+    def end_reservation(self, run_id: str) -> None:
+        """The run will not spend again."""
+        self._reservations.pop(run_id, None)
+
     def affording(
-        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, hold: Hold
     ) -> frozenset[str]:
         """Every participant is charged every charged round here: all afford it, or none.
 
-        The rounds counted: the first ``since`` records and ``run_id``'s own, as the real ledger.
+        The rounds counted: the first ``hold.since`` records, ``run_id``'s own, and the other
+        runs' reserved rounds not spent by then, as the real ledger.
         """
         counted = sum(1 for r in self._records
                       if r.position not in self._uncharged
-                      and (r.position < since or r.run_id == run_id))  # fmt: skip
+                      and (r.position < hold.since or r.run_id == run_id))  # fmt: skip
+        for held in hold.others:
+            spent = sum(1 for r in self._records[held.position:hold.since]
+                        if r.run_id == held.run_id)  # fmt: skip
+            counted += max(0, held.rounds - spent)
         if counted + 1 > self._rounds_in_budget():
             return frozenset()
         return frozenset(p.name for p in participants)

@@ -25,6 +25,7 @@ from fedmeta.accounting import (
     BudgetLedger,
     FlatPoissonScheme,
     GaussianRound,
+    Hold,
     Participant,
     epsilon,
 )
@@ -55,9 +56,9 @@ class SpentFor(LinearLedger):
     spent: str = "0"
 
     def affording(
-        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, hold: Hold
     ) -> frozenset[str]:
-        taking = super().affording(participants, event, run_id=run_id, since=since)
+        taking = super().affording(participants, event, run_id=run_id, hold=hold)
         return taking - {self.spent}
 
 
@@ -129,13 +130,14 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
         assert summary["epsilon_spent"] == pytest.approx(epsilon([(event, 4)], DELTA, "task"))
         rows = ledger.participants()
         assert all(p.epsilon <= BUDGET * (1 + 1e-9) for p in rows)  # nobody over the budget
+        assert ledger.reservations() == []  # the run ended: its reservation with it
         charged = {name: sorted(p.rounds for p in rows if p.name == name) for name in ("0", "1")}
         # Participant 0: its recorded drawing's record 2 + 2, its new items 2 of the run's 4.
         assert charged == {"0": [2, 4], "1": [2, 4]}
         # Neither participant's data affords a fifth round of the event: the 4-round records.
         members = {r.participant_id: r for r in _registered(cfg)}
         who = ledger_participants(budget_key(cfg.dataset.name, cfg.seed), members, members)
-        assert ledger.affording(who, event, run_id=run_id, since=2) == frozenset()
+        assert ledger.affording(who, event, run_id=run_id, hold=Hold(2)) == frozenset()
     log = operator_log_path(run_id).read_text()
     assert "round 3 participant 0: allowance spent" in log and "participant 1" not in log
     assert log.count("participant 0") == 1  # named once, when its part ends
@@ -147,27 +149,37 @@ def test_spent_data_takes_no_part_and_only_the_operator_sees_it(
     assert not any("allowance" in path.read_text() for path in released)
 
 
-def test_a_participant_first_seen_mid_run_takes_part_as_far_as_its_data_affords() -> None:
-    """Its decision counts this run's spends its data was charged, and the ledger as the run found
-    it, never another run's spends after the start; the operator log names it once it stops."""
+def test_a_participant_first_seen_mid_run_is_decided_as_from_a_start_then() -> None:
+    """Those registered at the start read the ledger as it was then, never another run's later
+    spends; a participant first seen mid-run renews the reservation and reads the ledger as it
+    is when it is first seen (the other run's spends included), as a run starting then would; a
+    run starting later counts the first run's reserved rounds not yet spent. The operator log
+    names whoever stops taking part, once."""
     ledger = LinearLedger(epsilon_budget=1.0, eps_per_round=0.125)  # 8 rounds fit, for everyone
     cfg = small("federation.participants=2", "sampling.participants_per_round=2", "rounds=6")
     members = {str(i): Registered(str(i), 100 + i, 20, "") for i in range(2)}
     event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
     for i in range(3):
         ledger.spend(event, "earlier", i)
-    run = IndividualFilter("run", ledger.position())
-    key = budget_key(cfg.dataset.name, cfg.seed)
+
+    def filtered(run_id: str) -> IndividualFilter:
+        reserve = lambda pids: ledger.reserve([], event, 6, run_id=run_id)  # noqa: E731
+        return IndividualFilter(run_id, reserve, {})
+
+    run, key = filtered("run"), budget_key(cfg.dataset.name, cfg.seed)
     for i in range(3):
-        assert run.apply(ledger, key, members, ["0"], event) == frozenset()
+        assert run.apply(ledger, key, members, ["0"], event) == frozenset()  # 3 + i + 1 <= 8
         ledger.spend(event, "run", i)
-    for i in range(2):  # another run's, after the start: not read (the ledger's check reads them)
+    for i in range(2):  # another run's, after the start
         ledger.spend(event, "concurrent", i)
-    assert run.apply(ledger, key, members, ["0", "1"], event) == frozenset()  # 3 + 3 + 1 <= 8
-    later = IndividualFilter("later", ledger.position())  # a run starting now reads them
-    assert later.apply(ledger, key, members, ["0", "1"], event) == {"0", "1"}  # 3 + 2 + 3 + 1
-    assert "round 1 participant 1: allowance spent" in operator_log_path("later").read_text()
-    assert not operator_log_path("run").exists()
+    # "0": 3 + 3 + 1 <= 8 (the concurrent spends not read); "1", first seen now: 8 + 1 > 8.
+    assert run.apply(ledger, key, members, ["0", "1"], event) == {"1"}
+    assert "round 4 participant 1: allowance spent" in operator_log_path("run").read_text()
+    later = filtered("later")  # 8 recorded, and "run"'s 6 reserved less its 3 spent since
+    assert later.apply(ledger, key, members, ["0", "1"], event) == {"0", "1"}
+    assert ledger.affording([], event, run_id="later", hold=Hold(8)) == frozenset()  # 8 + 1
+    log = operator_log_path("run").read_text()
+    assert log.count("participant 1") == 1 and "participant 0" not in log
 
 
 def test_a_resumed_run_decides_as_an_uninterrupted_one(tmp_path: Path) -> None:
@@ -186,9 +198,33 @@ def test_a_resumed_run_decides_as_an_uninterrupted_one(tmp_path: Path) -> None:
     stopped = execute(cfg, InProcessGrid(6), out_dir=tmp_path, observers=[StopAfter(1, stop)],
                       echo=False, open_ledger=opener(ledger), stop=stop)  # fmt: skip
     assert stopped.summary["stopped_reason"] == "interrupted" and ledger.position() == 3
+    run_id = stopped.summary["run_id"]
+    assert [r.rounds for r in ledger._reservations.values()] == [4]  # kept for the resume
     resumed = execute(cfg, InProcessGrid(6), out_dir=tmp_path, resume=True, echo=False,
                       open_ledger=opener(ledger))  # fmt: skip
     assert resumed.summary["rounds_completed"] == 4
     assert resumed.summary["stopped_reason"] == "planned_rounds"
     assert ledger.epsilon() == 1.0  # the earlier run's 2 and this run's first 2: charged
     assert ledger.run_epsilon(resumed.summary["run_id"]) == 1.0  # its own 4, as published
+    assert resumed.summary["run_id"] == run_id and ledger._reservations == {}  # ended
+
+
+def test_the_operator_ends_a_crashed_runs_reservation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fedmeta ledger show` lists a run's reservation; `ledger end-reservation` ends it, once."""
+    db = tmp_path / "ledger.sqlite"
+    event = GaussianRound(FlatPoissonScheme(0.1), 1.0)
+    with BudgetLedger.open(db, "fed", 2.0, DELTA) as ledger:
+        ledger.reserve([Participant("data-a", "a")], event, 7, run_id="crashed")
+    capsys.readouterr()
+    assert main(["ledger", "show", "--db", str(db)]) == 0
+    assert "run crashed in progress: up to 7 round(s) reserved" in capsys.readouterr().out
+    end = ["ledger", "end-reservation", "--db", str(db), "--federation", "fed", "--run", "crashed"]
+    assert main(end) == 0
+    assert "ended the reservation of run crashed" in capsys.readouterr().out
+    assert main(end) == 0
+    assert "holds no reservation" in capsys.readouterr().out
+    with BudgetLedger.open_readonly(db, "fed") as ledger:
+        assert ledger.reservations() == []
+        assert ledger.reserve([], event, 1, run_id="next").others == ()

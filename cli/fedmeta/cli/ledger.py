@@ -19,6 +19,7 @@ from fedmeta.accounting.ledger import (
     accept_rollback,
     backup,
     budgets,
+    end_run_reservation,
     migrate_to_participants,
     start_new_budget,
 )
@@ -96,6 +97,10 @@ def _federation_report(
             "public_data": [
                 {"run_id": r.run_id, "recorded_on": r.created_at, **asdict(r.use)}
                 for r in ledger.public_uses()
+            ],
+            "reservations": [
+                {"run_id": r.run_id, "rounds": r.rounds, "event": r.event.to_dict()}
+                for r in ledger.reservations()
             ],
         }
 
@@ -183,6 +188,9 @@ def _print_ledger_report(report: dict[str, Any]) -> None:
             print(f"  {g['count']} x {text}")
         _print_participants(e["participants"])
         _print_public_data(e["public_data"])
+        for r in e["reservations"]:  # runs in progress, or crashed (docs/ledger.md)
+            print(f"  run {r['run_id']} in progress: up to {r['rounds']} round(s) reserved "
+                  "(`ledger end-reservation` ends it if the run will not resume)")  # fmt: skip
 
 
 def _print_participants(rows: list[dict[str, Any]] | None) -> None:
@@ -295,6 +303,18 @@ def _cmd_ledger_accept_rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ledger_end_reservation(args: argparse.Namespace) -> int:
+    held = end_run_reservation(args.db, args.federation, args.run)
+    if args.json:
+        print(json.dumps({"run_id": args.run, "ended": held}, indent=2))
+    elif held:
+        print(f"ended the reservation of run {args.run} in federation {args.federation}")
+    else:
+        print(f"run {args.run} holds no reservation in federation {args.federation}: nothing "
+              "to end")  # fmt: skip
+    return 0
+
+
 def _cmd_ledger_migrate(args: argparse.Namespace) -> int:
     carried = migrate_to_participants(args.db, who=args.who)
     if args.json:
@@ -333,7 +353,7 @@ def register(
 def _add_ledger_parser(
     subparsers: Any, default_ledger: LedgerLocations | None, epsilon_cache: Path | None
 ) -> None:
-    """``fedmeta ledger show|migrate|backup|new-budget|accept-rollback``."""
+    """``fedmeta ledger show|migrate|backup|new-budget|accept-rollback|end-reservation``."""
     ledger = subparsers.add_parser("ledger", help="inspect, back up and manage a budget ledger")
     lsub = ledger.add_subparsers(dest="ledger_command", metavar="SUBCOMMAND")
     lsub.required = True
@@ -373,6 +393,15 @@ def _add_ledger_parser(
     p.add_argument("--who", help="who accepts (default user@host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=handled("ledger accept-rollback", _cmd_ledger_accept_rollback))
+    p = lsub.add_parser(
+        "end-reservation",
+        help="end the reservation of a run that crashed and will not resume (docs/ledger.md)",
+    )
+    add_db_arg(p, "path of the ledger (SQLite)", default_ledger)
+    p.add_argument("--federation", required=True, help="the federation id the run spends from")
+    p.add_argument("--run", required=True, help="the run id (`fedmeta ledger show` lists them)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=handled("ledger end-reservation", _cmd_ledger_end_reservation))
     _add_ledger_budget_parsers(lsub, default_ledger)
 
 

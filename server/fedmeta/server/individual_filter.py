@@ -26,15 +26,16 @@ recorded (issue 52, item 6; docs/privacy.md, "Overlap and the individual filter"
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from fedmeta.accounting import Ledger
+from fedmeta.accounting import Hold, Ledger
 from fedmeta.accounting.levels import AnyRound
 from fedmeta.config import Config
 from fedmeta.server.budget_keys import BudgetKey, budget_key, ledger_participants, use_round_cohort
 from fedmeta.server.operator_log import log_failures
-from fedmeta.server.plan import PrivatePlan
+from fedmeta.server.plan import PrivatePlan, build_scheme
+from fedmeta.server.startup import RunPosition
 from fedmeta.server.transport import Registered
 
 #: The operator log's reason for a participant whose data's budget ends its part in a run.
@@ -45,13 +46,16 @@ REASON_ALLOWANCE = "allowance spent"
 class IndividualFilter:
     """Who takes part in each of a run's spends (operator-only state, never saved or released).
 
-    ``since``: the ledger's records when the run started or resumed, the earlier history its
-    decisions read; ``excluded``: who did not take part in the last spend decided (so the operator
-    log names each participant once a time it stops taking part).
+    ``holds``: per participant, what its decisions read (accounting/.../ledger/reservations.py
+    ``Hold``): the ledger when the run started or resumed and the runs then in progress, or, for
+    a participant first seen later, when it was first seen; ``reserve``: the run's reservation,
+    renewed when a newcomer joins; ``excluded``: who did not take part in the last spend decided
+    (so the operator log names each participant once each time it stops taking part).
     """
 
     run_id: str
-    since: int
+    reserve: Callable[[Collection[str]], Hold]
+    holds: dict[str, Hold]
     excluded: set[str] = field(default_factory=set)
 
     def apply(
@@ -59,8 +63,14 @@ class IndividualFilter:
         eligible: Collection[str], event: AnyRound,
     ) -> frozenset[str]:  # fmt: skip
         """Charge the next spend of ``event`` to who takes part; whose replies it discards."""
-        who = ledger_participants(key, members, eligible)
-        taking = ledger.affording(who, event, run_id=self.run_id, since=self.since)
+        new = [p for p in eligible if p not in self.holds]
+        if new:  # renew the reservation with them, and decide for them as from a start now
+            hold = self.reserve([*self.holds, *new])
+            self.holds.update(dict.fromkeys(new, hold))
+        taking: set[str] = set()
+        for hold in set(self.holds[p] for p in eligible):
+            who = ledger_participants(key, members, [p for p in eligible if self.holds[p] == hold])
+            taking |= ledger.affording(who, event, run_id=self.run_id, hold=hold)
         use_round_cohort(ledger, key, members, taking)  # an empty cohort: charged to nobody
         excluded = frozenset(eligible) - taking
         # A round the run's own rounds cannot afford is not run (budget_exhausted, public):
@@ -87,14 +97,42 @@ def round_cohort(
     return individual.apply(ledger, key, members, eligible, privacy.event)
 
 
-def start_filter(private: bool, ledger: Ledger | None, run_id: str) -> IndividualFilter | None:
-    """The run's filter, reading the ledger as it stands now (start or resume): allowance.py.
+def start_filter(
+    cfg: Config, privacy: PrivatePlan | None, ledger: Ledger | None,
+    members: Mapping[str, Registered], position: RunPosition,
+) -> IndividualFilter | None:  # fmt: skip
+    """The run's filter: it reserves its remaining rounds and reads the ledger as it stands now.
 
+    At its start or resume (accounting/fedmeta/accounting/ledger/reservations.py, allowance.py).
     None for a public run (no plan's privacy, no ledger): everyone takes part, nothing is charged.
+    The reservation is at the costliest event a round of the run can have: its population at its
+    smallest (``n1``, every stage-1 draw certain), each participant at the public floor of tasks.
     """
-    if not private or ledger is None:
+    if privacy is None or ledger is None:
         return None
-    return IndividualFilter(run_id, ledger.position())
+    key = budget_key(cfg.dataset.name, cfg.seed)
+    smallest = {str(i): cfg.min_tasks for i in range(cfg.n1)}
+    costliest = privacy.over(build_scheme(cfg, smallest)).event
+    rounds = max(cfg.rounds - position.next_round, 0)
+
+    def reserve(pids: Collection[str]) -> Hold:
+        who = ledger_participants(key, members, pids)
+        return ledger.reserve(who, costliest, rounds, run_id=position.run_id)
+
+    hold = reserve(members)
+    return IndividualFilter(position.run_id, reserve, dict.fromkeys(members, hold))
+
+
+def end_of_run(ledger: Ledger | None, run_id: str, *, resumable: bool) -> None:
+    """The run will not spend again unless ``resumable``: its reservation ends (reservations.py).
+
+    Then the figures ``fedmeta ledger show`` prints are composed, to keep (issue 54).
+    """
+    if ledger is None:
+        return
+    if not resumable:
+        ledger.end_reservation(run_id)
+    ledger.keep_figures()
 
 
 def _log_excluded(run_id: str, spend: int, pids: list[str]) -> None:

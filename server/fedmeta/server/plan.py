@@ -391,3 +391,12 @@ def forecast(
         epsilon_participant_at_end=reported_epsilon(after, plan.delta, "participant"),
         epsilon_theorem3_at_end=published,
     )
+
+
+def reports_epsilon(cfg: Config, r: int) -> bool:
+    """Whether round ``r``'s record carries epsilon (``privacy.report_every``, default every round).
+
+    Also round 1, the evaluated rounds (the validation-vs-epsilon plot) and the last.
+    """
+    every, evaluated = cfg.privacy.report_every, cfg.training.eval_every
+    return r <= cfg.rounds and (r == 1 or r % every == 0 or r % evaluated == 0 or r == cfg.rounds)

@@ -44,9 +44,14 @@ from fedmeta.accounting import InsecureSeededSource, Ledger, SystemRandomSource
 from fedmeta.checkpoint import Checkpoint, save_checkpoint
 from fedmeta.config import Config
 from fedmeta.server.data_budget import EvaluationDataPrivate, check_evaluation_data, ledger_file
-from fedmeta.server.individual_filter import IndividualFilter, round_cohort, start_filter
+from fedmeta.server.individual_filter import (
+    IndividualFilter,
+    end_of_run,
+    round_cohort,
+    start_filter,
+)
 from fedmeta.server.membership import Membership
-from fedmeta.server.plan import BudgetForecast, RunPlan, private_requested
+from fedmeta.server.plan import BudgetForecast, RunPlan, private_requested, reports_epsilon
 from fedmeta.server.release_strategy import ReleasedRun, ReleaseStrategy, choose_release
 from fedmeta.server.report import Observers, RoundOutcome, RunFinished, RunObserver, RunStarted
 from fedmeta.server.round import (
@@ -246,8 +251,9 @@ def _start(given: Config, transport: GridTransport, options: RunOptions) -> _Run
     public = wl.public_data_use()
     if ledger is not None and public is not None:  # before the first spend
         ledger.record_public_use(public, run_id)
-    predicted = forecast_run(cfg, plan, ledger, RunPosition(run_id, next_round), fresh=ckpt is None)
-    individual = start_filter(plan.privacy is not None, ledger, run_id)
+    position = RunPosition(run_id, next_round)
+    predicted = forecast_run(cfg, plan, ledger, position, fresh=ckpt is None)
+    individual = start_filter(cfg, plan.privacy, ledger, membership.members, position)
     dim = int(state.trained.numel())
     try:
         subspace = public_subspace(cfg, wl)
@@ -327,17 +333,8 @@ def _release(
     cfg: Config, plan: RunPlan, ledger: Ledger | None, run: ReleasedRun
 ) -> ReleaseStrategy:
     """The run's release strategy, chosen once from the plan."""
-    reports = lambda r: _reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
+    reports = lambda r: reports_epsilon(cfg, r)  # noqa: E731 - which records carry epsilon
     return choose_release(plan, ledger, run, cfg.privacy.insecure_test_seed, reports)
-
-
-def _reports_epsilon(cfg: Config, r: int) -> bool:
-    """Whether round ``r``'s record carries epsilon (``privacy.report_every``, default every round).
-
-    Also round 1, the evaluated rounds (the validation-vs-epsilon plot) and the last.
-    """
-    every, evaluated = cfg.privacy.report_every, cfg.training.eval_every
-    return r <= cfg.rounds and (r == 1 or r % every == 0 or r % evaluated == 0 or r == cfg.rounds)
 
 
 def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
@@ -350,7 +347,7 @@ def _evaluate_round(run: _Run, outcome: RoundOutcome) -> RoundOutcome:
     if r % cfg.training.eval_every == 0 or r == cfg.rounds:
         validation = _validate(run)
         run.selection.offer(r, validation, run.state.params)
-    eps = ctx.release.epsilons() if _reports_epsilon(cfg, r) else {}  # {}: a non-private run
+    eps = ctx.release.epsilons() if reports_epsilon(cfg, r) else {}  # {}: a non-private run
     return replace(
         outcome,
         train_loss=loss,
@@ -463,8 +460,7 @@ def _finish(run: _Run, stopped: str) -> RunResult:
     final, starting = _test(run, stopped)
     eps = ctx.release.epsilons()  # {}: a non-private run
     completed = len(run_spends(ctx.ledger, ctx.run_id)) if ctx.ledger else run.next_round
-    if ctx.ledger is not None:
-        ctx.ledger.keep_figures()  # for the first `ledger show` after the run (issue 54)
+    end_of_run(ctx.ledger, ctx.run_id, resumable=stopped == STOP_INTERRUPTED)
     ci = None if final is None else (final.ci95_low, final.ci95_high)
     ctx.observers.run_finished(RunFinished(
         ctx.run_id, ctx.federation_id, completed, stopped, eps.get("epsilon_task"),

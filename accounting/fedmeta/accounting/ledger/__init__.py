@@ -104,6 +104,7 @@ from fedmeta.accounting.ledger.records import (
     ParticipantExposure,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.reservations import Hold, Reservation, end_run_reservation
 
 __all__ = [
     "BUSY_TIMEOUT_S",
@@ -137,6 +138,9 @@ __all__ = [
     "ParticipantExposure",
     "PublicDataRecord",
     "PublicDataUse",
+    "Hold",
+    "Reservation",
+    "end_run_reservation",
     "SCHEMA_VERSION",
     "SPEND_ATTEMPTS",
     "SpendProjection",

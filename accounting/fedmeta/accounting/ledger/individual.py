@@ -11,6 +11,7 @@ operator-side: never released.
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from functools import lru_cache
@@ -20,10 +21,22 @@ from fedmeta.accounting.calibration import affordable_rounds
 from fedmeta.accounting.composition import MAX_ROUNDS_LIMIT, Method, epsilon
 from fedmeta.accounting.ledger.allowance import allowance
 from fedmeta.accounting.ledger.appending import LedgerAppend
-from fedmeta.accounting.ledger.cohorts import coarse_day, participant_key
+from fedmeta.accounting.ledger.cohorts import coarse_day, participant_key, record_cohort
 from fedmeta.accounting.ledger.overlap import resolve_records
 from fedmeta.accounting.ledger.participants import Multiset, Signature, multiset
 from fedmeta.accounting.ledger.records import Participant
+from fedmeta.accounting.ledger.reservations import (
+    Hold,
+    Reservation,
+    active_reservations,
+    end_reservation,
+    write_reservation,
+)
+from fedmeta.accounting.ledger.storage import (
+    classify_error,
+    immediate_transaction,
+    read_transaction,
+)
 from fedmeta.accounting.levels import AnyRound, check_round
 from fedmeta.accounting.schemes import Unit
 from fedmeta.accounting.tuning_release import Recorded
@@ -99,34 +112,112 @@ class LedgerIndividual(LedgerAppend):
 
     # ---------------------------------------------------------------------------- who takes part
 
+    def reserve(
+        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *, run_id: str
+    ) -> Hold:
+        """Reserve ``rounds`` of ``event`` for ``run_id`` on its participants' data (reservations).
+
+        ``event``: the costliest a round of the run can have. Returns what the run's decisions
+        read (``affording``): where the ledger stands and the other runs' reservations, both read
+        in the transaction that writes this one. A read-only ledger (a dry run) reserves nothing.
+        """
+        check_round(event)
+        self._catch_up()
+        if self.readonly:
+            with read_transaction(self._conn):
+                others = active_reservations(self._conn, self.path, self.federation_id)
+            return Hold(len(self._records), tuple(r for r in others if r.run_id != run_id))
+        try:
+            with immediate_transaction(self._conn):
+                charged = self._charged(participants, write=True)
+                cid, _ = record_cohort(self._conn, self.federation_id, self._salt, charged)
+                others = active_reservations(self._conn, self.path, self.federation_id)
+                position = self._stored_position()
+                made = Reservation(run_id, cid, event, rounds, position)
+                write_reservation(self._conn, self.federation_id, made)
+        except sqlite3.Error as error:
+            raise classify_error(self.path, error) from error
+        self._catch_up()  # the cohort, and any spend recorded before the transaction
+        return Hold(position, tuple(r for r in others if r.run_id != run_id))
+
+    def end_reservation(self, run_id: str) -> None:
+        """End ``run_id``'s reservation: the run will not spend again (a no-op if it made none)."""
+        if self.readonly:
+            return
+        try:
+            with immediate_transaction(self._conn):
+                if any(r.run_id == run_id for r in
+                       active_reservations(self._conn, self.path, self.federation_id)):  # fmt: skip
+                    end_reservation(self._conn, self.federation_id, run_id,
+                                    self._stored_position())  # fmt: skip
+        except sqlite3.Error as error:
+            raise classify_error(self.path, error) from error
+
+    def reservations(self) -> list[Reservation]:
+        """The runs in progress and their reserved rounds (the operator's: ``ledger show``)."""
+        try:
+            with read_transaction(self._conn):
+                return active_reservations(self._conn, self.path, self.federation_id)
+        except sqlite3.Error as error:
+            raise classify_error(self.path, error) from error
+
+    def _stored_position(self) -> int:
+        """The federation's number of records on disk (inside the caller's transaction)."""
+        row = self._conn.execute(
+            "SELECT COUNT(*) FROM spends WHERE federation_id = ?", (self.federation_id,)
+        ).fetchone()
+        return int(row[0])
+
     def affording(
-        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, hold: Hold
     ) -> frozenset[str]:
         """Who of ``participants`` (by name) takes part in ``run_id``'s next spend of ``event``.
 
         Those whose every data record affords one more round of *this* ``event`` (the round's
         own: its eligible population may be smaller than the plan's, a costlier event) beside
-        the rounds charged to the record by the ledger's first ``since`` records (the ledger as
-        the run found it at its start or resume) and by ``run_id``'s own records since. Another
-        run's later spends are not read: what decides who takes part is fixed by the data and
-        the population of each round, never by what arrives during the run (allowance.py's
+        the rounds charged to the record by the ledger's first ``hold.since`` records (the ledger
+        as the run found it at its start or resume), by ``run_id``'s own records since, and the
+        rounds the runs in progress then reserved and had not yet spent (reservations.py).
+        Another run's later spends are not read: what decides who takes part is fixed by the data
+        and the population of each round, never by what arrives during the run (allowance.py's
         theorem; docs/privacy.md, "Overlap and the individual filter"). Operator-only.
         """
         check_round(event)
         self._catch_up()
         self._check_level(event)
-        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
-            raise ValueError(f"since must be an integer >= 0; got {since!r}")
-        later = [r for r in self._records[since:] if r.run_id != run_id]
+        later = [r for r in self._records[hold.since:] if r.run_id != run_id]
+        reserved = self._reserved(hold)
         keys: dict[str, set[str]] = {}
         for p in self._charged(participants, write=False):
             keys.setdefault(p.name, set()).add(participant_key(self._salt, p.identity))
         budget = (self.epsilon_budget, self.delta, self.unit)
         return frozenset(
             name for name, among in keys.items()
-            if allowance([self._less(s, later) for s in self._exposure.signatures(among)],
+            if allowance([self._history(s, later, reserved)
+                          for s in self._exposure.signatures(among)],
                          event, 1, budget, self._max_total) == 1  # fmt: skip
         )
+
+    def _reserved(self, hold: Hold) -> list[tuple[str, Recorded, int]]:
+        """(cohort, event, rounds reserved and not spent by ``hold.since``) per run in progress."""
+        out = []
+        for r in hold.others:
+            spent = sum(1 for rec in self._records[r.position:hold.since] if rec.run_id == r.run_id)
+            if r.rounds > spent:
+                out.append((r.cohort_id, r.event, r.rounds - spent))
+        return out
+
+    def _history(
+        self, signature: Signature, later: Collection[Any],
+        reserved: Sequence[tuple[str, Recorded, int]],
+    ) -> Multiset:  # fmt: skip
+        """A record's rounds as a run's decision reads them: less ``later``, plus ``reserved``."""
+        counts = self._exposure.counts(signature)
+        counts.subtract(r.event for r in later if r.cohort is None or r.cohort in signature)
+        for cohort, event, rounds in reserved:
+            if cohort in signature:
+                counts[event] += rounds
+        return multiset(counts)
 
     def _runs_charged(self, signature: Signature) -> tuple[tuple[str, int, int], ...]:
         """Per run that charged a participant of ``signature``: (run, charged, the run's spends)."""
@@ -134,10 +225,4 @@ class LedgerIndividual(LedgerAppend):
         charged = Counter(r.run_id for r in self._records
                           if r.cohort is None or r.cohort in signature)  # fmt: skip
         return tuple((run, n, spends[run]) for run, n in charged.items())
-
-    def _less(self, signature: Signature, records: Collection[Any]) -> Multiset:
-        """The rounds charged to a participant of ``signature``, less those of ``records``."""
-        counts = self._exposure.counts(signature)
-        counts.subtract(r.event for r in records if r.cohort is None or r.cohort in signature)
-        return multiset(counts)
 

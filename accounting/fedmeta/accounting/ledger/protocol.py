@@ -14,6 +14,7 @@ from fedmeta.accounting.ledger.records import (
     Participant,
     SpendRecord,
 )
+from fedmeta.accounting.ledger.reservations import Hold
 from fedmeta.accounting.levels import AnyRound
 from fedmeta.accounting.schemes import (
     GaussianRound,
@@ -110,12 +111,26 @@ class Ledger(Protocol):
         """How many more rounds like ``event`` the budget allows ``run_id``'s own rounds."""
         ...
 
+    def reserve(
+        self, participants: Sequence[Participant], event: AnyRound, rounds: int, *, run_id: str
+    ) -> Hold:
+        """Reserve the rounds a starting run may still charge, ``event`` at most each.
+
+        Before its first spend, on its participants' data (ledger/reservations.py); returns what
+        its decisions read.
+        """
+        ...
+
+    def end_reservation(self, run_id: str) -> None:
+        """End ``run_id``'s reservation: the run will not spend again."""
+        ...
+
     def affording(
-        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, since: int
+        self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, hold: Hold
     ) -> frozenset[str]:
         """Who of ``participants`` (by name) takes part in ``run_id``'s next spend of ``event``.
 
-        From the ledger's first ``since`` records and ``run_id``'s own (ledger/individual.py).
+        From what ``hold`` fixed and ``run_id``'s own spends (ledger/individual.py).
         Operator-only, never released.
         """
         ...

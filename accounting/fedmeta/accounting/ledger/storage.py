@@ -119,11 +119,23 @@ _CREATE: tuple[str, ...] = (
         created_at     TEXT NOT NULL,
         UNIQUE (federation_id, run_id, declaration)
     )""",
+    # Rounds a run in progress may still charge, read by runs that start later (ledger/
+    # reservations.py); an end row ends one. Added without a schema bump, as public_data.
+    """CREATE TABLE IF NOT EXISTS reservations (
+        seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+        federation_id  TEXT NOT NULL REFERENCES federations(federation_id),
+        run_id         TEXT NOT NULL,
+        cohort_id      TEXT,
+        event          TEXT,
+        rounds         INTEGER NOT NULL,
+        position       INTEGER NOT NULL,
+        created_at     TEXT NOT NULL
+    )""",
     *(
         f"CREATE TRIGGER IF NOT EXISTS {table}_append_only_{op.lower()} BEFORE {op} ON {table} "
         "BEGIN SELECT RAISE(ABORT, 'the privacy ledger is append-only'); END"
         for table in ("spends", "federations", "budgets", "meta", "cohorts", "participants",
-                      "carried", "rollbacks", "public_data")
+                      "carried", "rollbacks", "public_data", "reservations")
         for op in ("UPDATE", "DELETE")
     ),
 )  # fmt: skip
