@@ -97,13 +97,32 @@ def caught(bound: float, claim: float) -> bool:
 
 def check(trials: int, subtle: int) -> dict[str, float]:
     """Every check; ``subtle`` trials where a control is caught by a small margin."""
+    return {**check_loud(subtle), **check_plain(trials, subtle)}
+
+
+def check_loud(subtle: int) -> dict[str, float]:
+    """The two checks at delta 1e-2 (the substitution, the noise halved), each caught by a small
+    margin: a file of their own (test_release_audit_loud.py), so that the default suite's two
+    workers, which take tests by file, run them beside the rest."""
     bounds = {
-        "siblings": audit(SIBLINGS, SIBLING_PAIR, subtle, (3.0, 9.0), DELTA),
         "substitution": audit(SUBSTITUTION, SUBSTITUTION_PAIR, subtle, (2.0, float("inf")),
                               LOUD_DELTA),
-        "lone canary": audit(LONE, LONE_CANARY, trials, (3.5, float("inf")), DELTA),
         "lone, noise halved": audit(LOUD, LONE_CANARY, subtle, (2.25, float("inf")), LOUD_DELTA,
                                     noise=HalvedNoise),
+    }  # fmt: skip
+    # The real path stays within the accountant's epsilon; each control is caught by >= 20%.
+    assert bounds["substitution"] < eps(SUBSTITUTION, LOUD_DELTA), bounds
+    unhalved = GaussianRound(FlatPoissonScheme(SUBSTITUTION.scheme.task_rate), 1.0)
+    assert caught(bounds["substitution"], eps(unhalved, LOUD_DELTA)), bounds
+    assert caught(bounds["lone, noise halved"], eps(LOUD, LOUD_DELTA)), bounds
+    return bounds
+
+
+def check_plain(trials: int, subtle: int) -> dict[str, float]:
+    """The checks at delta 1e-3: the siblings (``subtle`` trials), the others ``trials``."""
+    bounds = {
+        "siblings": audit(SIBLINGS, SIBLING_PAIR, subtle, (3.0, 9.0), DELTA),
+        "lone canary": audit(LONE, LONE_CANARY, trials, (3.5, float("inf")), DELTA),
         "count": audit(COUNT, COUNT_PAIR, trials, (-float("inf"), -7.0), DELTA,
                        positive_is_without=True),
     }  # fmt: skip
@@ -117,14 +136,10 @@ def check(trials: int, subtle: int) -> dict[str, float]:
                                                   DELTA, positive_is_without=True)  # fmt: skip
     # The real path stays within the accountant's epsilon.
     assert bounds["siblings"] < eps(SIBLINGS), bounds
-    assert bounds["substitution"] < eps(SUBSTITUTION, LOUD_DELTA), bounds
     assert bounds["lone canary"] < eps(LONE) and bounds["lone canary, far tail"] < eps(LONE), bounds
     assert bounds["count"] < eps(COUNT), bounds
     # Each negative control is caught, by at least 20% of what it claims.
     assert caught(bounds["siblings"], tombs2022_published_epsilon(SIBLINGS, 1, DELTA)), bounds
-    unhalved = GaussianRound(FlatPoissonScheme(SUBSTITUTION.scheme.task_rate), 1.0)
-    assert caught(bounds["substitution"], eps(unhalved, LOUD_DELTA)), bounds
-    assert caught(bounds["lone, noise halved"], eps(LOUD, LOUD_DELTA)), bounds
     assert caught(bounds["lone canary, no re-clip"], eps(LONE)), bounds
     assert caught(bounds["count, divided by count"], eps(COUNT)), bounds
     return bounds
@@ -175,7 +190,8 @@ def test_release_path_audit_with_adaptive_clipping_full() -> None:
 
 @pytest.mark.integration
 def test_release_path_audit_catches_every_control() -> None:
-    check(trials=2_000, subtle=6_000)
+    """The checks at delta 1e-3; those at 1e-2 are test_release_audit_loud.py's."""
+    check_plain(trials=2_000, subtle=6_000)
 
 
 @pytest.mark.slow
