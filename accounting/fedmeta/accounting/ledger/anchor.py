@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedmeta.accounting.ledger.records import LedgerError
+from fedmeta.accounting.ledger.storage import table_names
 
 
 class LedgerRolledBack(LedgerError):
@@ -120,7 +121,7 @@ def behind(conn: sqlite3.Connection, ledger_id: str | None, anchor: Anchor) -> s
 
 def accepted(conn: sqlite3.Connection, ledger_id: str, head: str) -> bool:
     """Whether a recorded ``accept-rollback`` covers the spend ``head`` of ledger ``ledger_id``."""
-    if "rollbacks" not in {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}:
+    if "rollbacks" not in table_names(conn):
         return False
     row = conn.execute(
         "SELECT 1 FROM rollbacks WHERE anchor_ledger_id = ? AND anchor_head = ?",

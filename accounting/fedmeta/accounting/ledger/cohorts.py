@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fedmeta.accounting.ledger.chain import cohort_id
 from fedmeta.accounting.ledger.records import LedgerCorrupted, LedgerError, Participant
-from fedmeta.accounting.ledger.storage import PER_PARTICIPANT, column_or_null
+from fedmeta.accounting.ledger.storage import PER_PARTICIPANT, column_or_null, table_names
 from fedmeta.accounting.schemes import Neighbouring
 from fedmeta.accounting.tuning_release import Recorded
 
@@ -66,7 +66,7 @@ def load_cohorts(
     conn: sqlite3.Connection, path: Path, federation_id: str, known: Mapping[str, object]
 ) -> dict[str, frozenset[str]]:
     """The federation's cohorts not in ``known``, each verified against its id (hash)."""
-    if "cohorts" not in {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}:
+    if "cohorts" not in table_names(conn):
         return {}
     out: dict[str, frozenset[str]] = {}
     rows = conn.execute(

@@ -16,6 +16,7 @@ import sqlite3
 from collections.abc import Collection
 
 from fedmeta.accounting.ledger.cohorts import label_of
+from fedmeta.accounting.ledger.storage import table_names
 
 _CREATE = (
     """CREATE TABLE IF NOT EXISTS inherited (
@@ -31,9 +32,6 @@ _CREATE = (
     ),
 )
 
-
-def _tables(conn: sqlite3.Connection) -> set[str]:
-    return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}
 
 
 def inherit_labels(
@@ -52,7 +50,7 @@ def inherit_labels(
     ).fetchall()
     carried = (
         {str(r[0]) for r in conn.execute("SELECT federation_id FROM carried")}
-        if "carried" in _tables(conn)
+        if "carried" in table_names(conn)
         else set()
     )
     sources = [
@@ -69,7 +67,7 @@ def inherit_labels(
 
 def inherited_sources(conn: sqlite3.Connection, federation_id: str) -> list[str]:
     """The budgets ``federation_id`` inherited (none on a ledger that never recorded any)."""
-    if "inherited" not in _tables(conn):
+    if "inherited" not in table_names(conn):
         return []
     rows = conn.execute(
         "SELECT source FROM inherited WHERE federation_id = ? ORDER BY source", (federation_id,)

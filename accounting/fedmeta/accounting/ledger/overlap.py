@@ -54,6 +54,7 @@ from fedmeta.accounting.ledger.storage import (
     classify_error,
     connect_readonly,
     read_transaction,
+    table_names,
 )
 from fedmeta.item_identity import ITEMS_TEXT_PREFIX, LOOK_BYTES, LOOK_TOLERANCE, DataItems
 
@@ -94,7 +95,7 @@ def ensure_tables(conn: sqlite3.Connection) -> None:
 
 def has_tables(conn: sqlite3.Connection) -> bool:
     """Whether this ledger has ever recorded an item set."""
-    names = {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}
+    names = table_names(conn)
     return {"data_records", "data_items"} <= names
 
 
@@ -109,9 +110,6 @@ def keyed_items(salt: str, federation_id: str, items: DataItems) -> np.ndarray:
     )
     return np.frombuffer(joined, dtype=">i8").astype(np.int64)
 
-
-def _tables(conn: sqlite3.Connection) -> set[str]:
-    return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}
 
 
 def _pads(salt: str, federation_id: str, rows: int) -> np.ndarray:
@@ -191,7 +189,7 @@ class _Known:
 
 def _load(conn: sqlite3.Connection, salt: str, federation_id: str) -> _Known:
     empty = _Known(np.zeros(0, np.int64), np.zeros(0, np.int64), {})
-    tables = _tables(conn)
+    tables = table_names(conn)
     if not {"data_records", "data_items"} <= tables:
         return empty
     identities = {

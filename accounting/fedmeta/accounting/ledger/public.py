@@ -19,6 +19,7 @@ from typing import Any
 
 from fedmeta.accounting.ledger.cohorts import coarse_day
 from fedmeta.accounting.ledger.records import LedgerCorrupted
+from fedmeta.accounting.ledger.storage import table_names
 
 __all__ = ["PublicDataRecord", "PublicDataUse", "public_uses", "record_public_use"]
 
@@ -83,7 +84,7 @@ def record_public_use(
 
 def public_uses(conn: sqlite3.Connection, path: Path, federation_id: str) -> list[PublicDataRecord]:
     """The federation's declarations, oldest first; none in a ledger older than the table."""
-    tables = {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}
+    tables = table_names(conn)
     if "public_data" not in tables:
         return []
     rows = conn.execute(

@@ -40,6 +40,7 @@ from fedmeta.accounting.ledger.storage import (
     connect_writable,
     ensure_schema,
     immediate_transaction,
+    table_names,
 )
 from fedmeta.accounting.tuning_release import Recorded, recorded_from_dict
 
@@ -111,7 +112,7 @@ def active_reservations(
     conn: sqlite3.Connection, path: Path, federation_id: str
 ) -> list[Reservation]:
     """Each run's last reservation no end row followed; none in a ledger older than the table."""
-    tables = {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master")}
+    tables = table_names(conn)
     if "reservations" not in tables:
         return []
     last: dict[str, tuple[str | None, str | None, int, int]] = {}

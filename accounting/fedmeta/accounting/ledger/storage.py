@@ -213,7 +213,8 @@ def classify_error(path: Path, error: sqlite3.Error) -> LedgerError:
     return LedgerUnreadable(f"cannot open the ledger {path}: {error}")
 
 
-def _tables(conn: sqlite3.Connection) -> set[str]:
+def table_names(conn: sqlite3.Connection) -> set[str]:
+    """The tables the file holds (a ledger written before a table was added lacks it)."""
     return {str(r[0]) for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
@@ -263,7 +264,7 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     except sqlite3.Error as error:
         raise classify_error(path, error) from error
     with closed_on_error(conn, path):
-        if not _LEDGER_TABLES <= _tables(conn):
+        if not _LEDGER_TABLES <= table_names(conn):
             raise _not_a_ledger(path, header)
     return conn
 
@@ -335,7 +336,7 @@ def _use_rollback_journal(conn: sqlite3.Connection, path: Path) -> None:
 
 def read_meta(conn: sqlite3.Connection) -> dict[str, str]:
     """The ``meta`` table (ledger id, schema, mode, salt) as a dict."""
-    if "meta" not in _tables(conn):
+    if "meta" not in table_names(conn):
         return {}
     return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta")}
 
@@ -354,7 +355,7 @@ def ensure_schema(conn: sqlite3.Connection, path: Path, mode: LedgerMode | None)
     create an identity (the caller is not a run).
     """
     with immediate_transaction(conn):
-        tables = _tables(conn)
+        tables = table_names(conn)
         if tables - {"sqlite_sequence"} and not _LEDGER_TABLES <= tables:
             raise NotALedger(
                 f"{path} is a SQLite database but not a fedmeta ledger; refusing to add ledger "
