@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedmeta.accounting.calibration import affordable_rounds
+from fedmeta.accounting.checks import check_int
 from fedmeta.accounting.ledger.participants import Multiset
 from fedmeta.accounting.levels import AnyRound
 from fedmeta.accounting.schemes import Unit
@@ -68,8 +69,7 @@ def allowance(
     participant with no earlier spend); ``budget``: (epsilon, delta, unit) of the federation.
     ``search`` replaces ``affordable_rounds`` (a ledger passes its cached one; same answers).
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ValueError(f"rounds must be an integer >= 0; got {rounds!r}")
+    check_int("rounds", rounds, minimum=0)
     epsilon_budget, delta, unit = budget
 
     def fresh(base: tuple[Any, ...], ev: AnyRound) -> int:

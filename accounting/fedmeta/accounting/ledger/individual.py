@@ -29,7 +29,8 @@ from fedmeta.accounting.ledger.reservations import (
     Hold,
     Reservation,
     active_reservations,
-    end_reservation,
+    end_if_held,
+    recorded_count,
     write_reservation,
 )
 from fedmeta.accounting.ledger.storage import (
@@ -132,7 +133,7 @@ class LedgerIndividual(LedgerAppend):
                 charged = self._charged(participants, write=True)
                 cid, _ = record_cohort(self._conn, self.federation_id, self._salt, charged)
                 others = active_reservations(self._conn, self.path, self.federation_id)
-                position = self._stored_position()
+                position = recorded_count(self._conn, self.federation_id)
                 made = Reservation(run_id, cid, event, rounds, position)
                 write_reservation(self._conn, self.federation_id, made)
         except sqlite3.Error as error:
@@ -146,10 +147,7 @@ class LedgerIndividual(LedgerAppend):
             return
         try:
             with immediate_transaction(self._conn):
-                if any(r.run_id == run_id for r in
-                       active_reservations(self._conn, self.path, self.federation_id)):  # fmt: skip
-                    end_reservation(self._conn, self.federation_id, run_id,
-                                    self._stored_position())  # fmt: skip
+                end_if_held(self._conn, self.path, self.federation_id, run_id)
         except sqlite3.Error as error:
             raise classify_error(self.path, error) from error
 
@@ -160,13 +158,6 @@ class LedgerIndividual(LedgerAppend):
                 return active_reservations(self._conn, self.path, self.federation_id)
         except sqlite3.Error as error:
             raise classify_error(self.path, error) from error
-
-    def _stored_position(self) -> int:
-        """The federation's number of records on disk (inside the caller's transaction)."""
-        row = self._conn.execute(
-            "SELECT COUNT(*) FROM spends WHERE federation_id = ?", (self.federation_id,)
-        ).fetchone()
-        return int(row[0])
 
     def affording(
         self, participants: Sequence[Participant], event: AnyRound, *, run_id: str, hold: Hold

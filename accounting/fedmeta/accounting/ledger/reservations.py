@@ -32,6 +32,8 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedmeta.accounting.checks import check_int
+from fedmeta.accounting.ledger.chain import canonical_json
 from fedmeta.accounting.ledger.cohorts import coarse_day
 from fedmeta.accounting.ledger.records import LedgerCorrupted
 from fedmeta.accounting.ledger.storage import (
@@ -48,8 +50,10 @@ __all__ = [
     "Hold",
     "Reservation",
     "active_reservations",
+    "end_if_held",
     "end_reservation",
     "end_run_reservation",
+    "recorded_count",
     "write_reservation",
 ]
 
@@ -81,15 +85,13 @@ class Hold:
     others: tuple[Reservation, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.since, bool) or not isinstance(self.since, int) or self.since < 0:
-            raise ValueError(f"since must be an integer >= 0; got {self.since!r}")
+        check_int("since", self.since, minimum=0)
 
 
 def write_reservation(conn: sqlite3.Connection, federation_id: str, made: Reservation) -> None:
     """Append ``made`` (inside the caller's write transaction)."""
-    if isinstance(made.rounds, bool) or not isinstance(made.rounds, int) or made.rounds < 0:
-        raise ValueError(f"rounds must be an integer >= 0; got {made.rounds!r}")
-    event = json.dumps(made.event.to_dict(), sort_keys=True, separators=(",", ":"))
+    check_int("rounds", made.rounds, minimum=0)
+    event = canonical_json(made.event.to_dict())
     _append(conn, (federation_id, made.run_id, made.cohort_id, event, made.rounds, made.position))
 
 
@@ -98,6 +100,14 @@ def end_reservation(
 ) -> None:
     """Append the end of ``run_id``'s reservation (inside the caller's write transaction)."""
     _append(conn, (federation_id, run_id, None, None, 0, position))
+
+
+def recorded_count(conn: sqlite3.Connection, federation_id: str) -> int:
+    """The federation's number of spend records on disk: where a reservation is made or ended."""
+    (count,) = conn.execute(
+        "SELECT COUNT(*) FROM spends WHERE federation_id = ?", (federation_id,)
+    ).fetchone()
+    return int(count)
 
 
 def _append(conn: sqlite3.Connection, row: tuple[object, ...]) -> None:
@@ -137,6 +147,14 @@ def active_reservations(
     return out
 
 
+def end_if_held(conn: sqlite3.Connection, path: Path, federation_id: str, run_id: str) -> bool:
+    """End ``run_id``'s reservation if it holds one (inside the caller's write transaction)."""
+    held = any(r.run_id == run_id for r in active_reservations(conn, path, federation_id))
+    if held:
+        end_reservation(conn, federation_id, run_id, recorded_count(conn, federation_id))
+    return held
+
+
 def end_run_reservation(path: str | Path, federation_id: str, run_id: str) -> bool:
     """``fedmeta ledger end-reservation``: end a run's reservation; whether it had one.
 
@@ -149,13 +167,7 @@ def end_run_reservation(path: str | Path, federation_id: str, run_id: str) -> bo
     try:
         ensure_schema(conn, path, None)
         with immediate_transaction(conn):
-            held = any(r.run_id == run_id for r in active_reservations(conn, path, federation_id))
-            if held:
-                (count,) = conn.execute(
-                    "SELECT COUNT(*) FROM spends WHERE federation_id = ?", (federation_id,)
-                ).fetchone()
-                end_reservation(conn, federation_id, run_id, int(count))
-        return held
+            return end_if_held(conn, path, federation_id, run_id)
     except sqlite3.Error as error:
         raise classify_error(path, error) from error
     finally:
