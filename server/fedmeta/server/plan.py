@@ -372,9 +372,9 @@ def forecast(
     ``run_id``: a resumed run's own spends count; empty: a fresh run (nothing of its own yet).
     """
     before = ledger.run_rounds(run_id) if run_id else []
-    # What the run's own rounds afford, at most its rounds left (the rounds' records say the same).
-    affordable = max(0, min(ledger.run_rounds_affordable(run_id, plan.event), rounds_left))
-    to_run = max(0, min(rounds_left, affordable))
+    # What the run's own rounds afford, at most its rounds left (the rounds' records say the same):
+    # so also the rounds it will run.
+    to_run = max(0, min(ledger.run_rounds_affordable(run_id, plan.event), rounds_left))
     after = [*before, (plan.event, to_run)]
     published = (
         tombs2022_published_epsilon(plan.event, to_run, plan.delta)
@@ -385,7 +385,7 @@ def forecast(
     return BudgetForecast(
         ledger_records_before=ledger.position(),
         epsilon_spent_before=reported_epsilon(before, plan.delta) or 0.0,
-        rounds_affordable=affordable,
+        rounds_affordable=to_run,
         rounds_to_run=to_run,
         epsilon_task_at_end=reported_epsilon(after, plan.delta) or 0.0,
         epsilon_participant_at_end=reported_epsilon(after, plan.delta, "participant"),
