@@ -125,20 +125,19 @@ class LedgerIndividual(LedgerAppend):
         check_round(event)
         self._catch_up()
         if self.readonly:
-            with read_transaction(self._conn):
-                others = active_reservations(self._conn, self.path, self.federation_id)
-            return Hold(len(self._records), tuple(r for r in others if r.run_id != run_id))
-        try:
-            with immediate_transaction(self._conn):
-                charged = self._charged(participants, write=True)
-                cid, _ = record_cohort(self._conn, self.federation_id, self._salt, charged)
-                others = active_reservations(self._conn, self.path, self.federation_id)
-                position = recorded_count(self._conn, self.federation_id)
-                made = Reservation(run_id, cid, event, rounds, position)
-                write_reservation(self._conn, self.federation_id, made)
-        except sqlite3.Error as error:
-            raise classify_error(self.path, error) from error
-        self._catch_up()  # the cohort, and any spend recorded before the transaction
+            position, others = len(self._records), self.reservations()
+        else:
+            try:
+                with immediate_transaction(self._conn):
+                    charged = self._charged(participants, write=True)
+                    cid, _ = record_cohort(self._conn, self.federation_id, self._salt, charged)
+                    others = active_reservations(self._conn, self.path, self.federation_id)
+                    position = recorded_count(self._conn, self.federation_id)
+                    made = Reservation(run_id, cid, event, rounds, position)
+                    write_reservation(self._conn, self.federation_id, made)
+            except sqlite3.Error as error:
+                raise classify_error(self.path, error) from error
+            self._catch_up()  # the cohort, and any spend recorded before the transaction
         return Hold(position, tuple(r for r in others if r.run_id != run_id))
 
     def end_reservation(self, run_id: str) -> None:
